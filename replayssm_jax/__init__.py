@@ -1,0 +1,25 @@
+"""replayssm-jax: ReplaySSM decode for Gated DeltaNet / KDA layers in JAX and Pallas."""
+
+from replayssm_jax.config import ReplayConfig
+from replayssm_jax.decode import decode_step, layer_step, materialize_state
+from replayssm_jax.gating import beta_gate, gdn_gate, kda_gate, l2norm
+from replayssm_jax.reference import recurrent_reference
+from replayssm_jax.replay import StepPlan, advance_write_pos, plan_step
+from replayssm_jax.state import ReplayState, init_state
+
+__all__ = [
+    "ReplayConfig",
+    "ReplayState",
+    "StepPlan",
+    "advance_write_pos",
+    "beta_gate",
+    "decode_step",
+    "gdn_gate",
+    "init_state",
+    "kda_gate",
+    "l2norm",
+    "layer_step",
+    "materialize_state",
+    "plan_step",
+    "recurrent_reference",
+]

@@ -1,0 +1,175 @@
+"""Public single-layer API: `decode_step` and `materialize_state`, with input validation."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Float, Int
+
+from replayssm_jax import replay
+from replayssm_jax.config import ReplayConfig
+from replayssm_jax.state import ReplayState, check_state
+
+Backend = Literal["xla", "pallas"]
+BACKENDS: tuple[str, ...] = ("xla", "pallas")
+
+
+def _shape_error(name: str, want: tuple[int, ...], got: Array) -> ValueError:
+    return ValueError(f"{name} must have shape {want}, got {tuple(jnp.shape(got))}")
+
+
+def _check_float(name: str, x: Array, want: tuple[int, ...]) -> None:
+    if tuple(jnp.shape(x)) != want:
+        raise _shape_error(name, want, x)
+    if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+        raise ValueError(f"{name} must be a floating array, got dtype {jnp.result_type(x)}")
+
+
+def concrete_or_none(x: Array) -> np.ndarray | None:
+    """The value of `x` when it is known at trace time, else None (a jit tracer)."""
+    try:
+        return np.asarray(x)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return None
+
+
+def check_slots(name: str, slots: Array, batch: int, num_slots: int) -> None:
+    """Validate a row -> slot map: int `[B]`; when concrete, each slot < N and used once.
+
+    Negative slots are padding. Under `jit` the values cannot be read: out-of-range slots
+    are then treated as padding rows by the step itself.
+    """
+    if tuple(jnp.shape(slots)) != (batch,):
+        raise ValueError(f"{name} must have shape ({batch},) (one per row), got {tuple(jnp.shape(slots))}")
+    if not jnp.issubdtype(jnp.result_type(slots), jnp.integer):
+        raise ValueError(f"{name} must be an integer array, got dtype {jnp.result_type(slots)}")
+    values = concrete_or_none(slots)
+    if values is None:
+        return
+    if np.any(values >= num_slots):
+        raise ValueError(f"{name} holds slot {int(values.max())}, but the state has {num_slots} slots")
+    live = values[values >= 0]
+    if np.unique(live).size != live.size:
+        raise ValueError(f"{name} names a slot more than once: {values.tolist()}")
+
+
+def check_step_inputs(
+    config: ReplayConfig,
+    num_slots: int,
+    q: Array,
+    k: Array,
+    v: Array,
+    g: Array,
+    beta: Array,
+    slots: Array,
+    force_flush: Array | None,
+) -> None:
+    """Raise ValueError naming the argument whose shape or dtype is wrong."""
+    if jnp.ndim(q) != 3:
+        raise ValueError(f"q must be [B, H_k, d_k], got shape {tuple(jnp.shape(q))}")
+    batch = jnp.shape(q)[0]
+    hk, hv, dk, dv = config.num_k_heads, config.num_v_heads, config.head_k_dim, config.head_v_dim
+    _check_float("q", q, (batch, hk, dk))
+    _check_float("k", k, (batch, hk, dk))
+    _check_float("v", v, (batch, hv, dv))
+    _check_float("g", g, config.g_shape(batch))
+    _check_float("beta", beta, (batch, hv))
+    check_slots("slots", slots, batch, num_slots)
+    if force_flush is not None:
+        if tuple(jnp.shape(force_flush)) != (batch,):
+            raise _shape_error("force_flush", (batch,), force_flush)
+        if jnp.result_type(force_flush) != jnp.bool_:
+            raise ValueError(f"force_flush must be bool, got dtype {jnp.result_type(force_flush)}")
+
+
+def _layer_step_fn(backend: str):
+    if backend == "xla":
+        return replay.xla_layer_step
+    if backend == "pallas":
+        from pallas_kernels.ops import pallas_layer_step
+
+        return pallas_layer_step
+    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
+def layer_step(
+    state: ReplayState,
+    q: Float[Array, "B Hk Dk"],
+    k: Float[Array, "B Hk Dk"],
+    v: Float[Array, "B Hv Dv"],
+    g: Float[Array, "B Hv *Dk"],
+    beta: Float[Array, "B Hv"],
+    plan: replay.StepPlan,
+    *,
+    backend: Backend = "xla",
+    use_qk_l2norm: bool = False,
+    scale: float | None = None,
+) -> tuple[Float[Array, "B Hv Dv"], ReplayState]:
+    """One layer's step under a precomputed plan; `write_pos` is left for the caller."""
+    step = _layer_step_fn(backend)
+    return step(state, q, k, v, g, beta, plan, use_qk_l2norm=use_qk_l2norm, scale=scale)
+
+
+def decode_step(
+    state: ReplayState,
+    q: Float[Array, "B Hk Dk"],
+    k: Float[Array, "B Hk Dk"],
+    v: Float[Array, "B Hv Dv"],
+    g: Float[Array, "B Hv *Dk"],
+    beta: Float[Array, "B Hv"],
+    slots: Int[Array, " B"],
+    force_flush: Bool[Array, " B"] | None = None,
+    *,
+    backend: Backend = "xla",
+    use_qk_l2norm: bool = False,
+    scale: float | None = None,
+) -> tuple[Float[Array, "B Hv Dv"], ReplayState]:
+    """Decode one token per row through a ReplaySSM layer.
+
+    Args:
+      state: the layer's `ReplayState` (donate it under `jit` to update in place).
+      q, k: `[B, H_k, d_k]`.
+      v: `[B, H_v, d_v]`.
+      g: log-decay (`log alpha`), `[B, H_v]` for GDN or `[B, H_v, d_k]` for KDA.
+      beta: `[B, H_v]`, write strength in (0, 1).
+      slots: `[B]` int, the physical slot of each row; negative = padding row.
+      force_flush: optional `[B]` bool, flush these rows now whatever their cursor.
+      backend: "xla" (pure jax, the specification) or "pallas" (fused kernels; interpret
+        mode off-GPU).
+      use_qk_l2norm: L2-normalise q and k (`x / sqrt(sum x^2 + 1e-6)`).
+      scale: multiplies q after the norm; default `d_k ** -0.5`.
+
+    Returns:
+      `(y, new_state)`: y `[B, H_v, d_v]` in v's dtype, exactly 0 on padding rows.
+
+    Raises:
+      ValueError: on a wrong shape or dtype, or (when slots are concrete) a slot out of
+        range or named twice.
+    """
+    check_state(state)
+    check_step_inputs(state.config, state.num_slots, q, k, v, g, beta, slots, force_flush)
+    plan = replay.plan_step(state.write_pos, slots, force_flush, state.config.cache_len)
+    y, new_state = layer_step(
+        state, q, k, v, g, beta, plan,
+        backend=backend, use_qk_l2norm=use_qk_l2norm, scale=scale,
+    )
+    write_pos = replay.advance_write_pos(state.write_pos, plan)
+    return y, dataclasses.replace(new_state, write_pos=write_pos)
+
+
+def materialize_state(state: ReplayState, slots: Int[Array, " B"]) -> Float[Array, "B Hv Dv Dk"]:
+    """The live state of each row's slot, float32 `[B, H_v, d_v, d_k]` (0 for padding rows).
+
+    This is the checkpoint replayed with the slot's valid cache entries: the state the next
+    token would see.
+    """
+    check_state(state)
+    if jnp.ndim(slots) != 1:
+        raise ValueError(f"slots must be a 1-D [B] array, got shape {tuple(jnp.shape(slots))}")
+    check_slots("slots", slots, jnp.shape(slots)[0], state.num_slots)
+    plan = replay.plan_step(state.write_pos, slots, None, state.config.cache_len)
+    return replay.replay_state(state, plan)

@@ -1,0 +1,99 @@
+"""The plain gated delta-rule recurrence as a `lax.scan`: the oracle for every test.
+
+This module shares no code with the replay path (only the q/k preparation from
+`gating`). It materialises the state at every step:
+
+    S~  = S_{t-1} * alpha          (alpha = exp(g): per head for GDN, per key channel for KDA)
+    u_t = beta * (v - S~ k)
+    S_t = S~ + u_t k^T
+    y_t = S_t q
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from replayssm_jax import gating
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def _compute_dtype(*arrays: Array) -> jnp.dtype:
+    """float64 when any input is float64 (x64 enabled), else float32."""
+    if any(a.dtype == jnp.float64 for a in arrays):
+        return jnp.dtype(jnp.float64)
+    return jnp.dtype(jnp.float32)
+
+
+def _decay(state: Float[Array, "B Hv Dv Dk"], g: Float[Array, "B Hv *Dk"]) -> Array:
+    """`S * exp(g)`: scalar per head (GDN, g [B,Hv]) or per key channel (KDA, g [B,Hv,Dk])."""
+    alpha = jnp.exp(g)
+    if g.ndim == 2:
+        return state * alpha[:, :, None, None]
+    return state * alpha[:, :, None, :]
+
+
+def recurrent_step(
+    state: Float[Array, "B Hv Dv Dk"],
+    q: Float[Array, "B Hv Dk"],
+    k: Float[Array, "B Hv Dk"],
+    v: Float[Array, "B Hv Dv"],
+    g: Float[Array, "B Hv *Dk"],
+    beta: Float[Array, "B Hv"],
+) -> tuple[Float[Array, "B Hv Dv"], Float[Array, "B Hv Dv Dk"]]:
+    """One token of the plain recurrence; q, k already expanded to value heads."""
+    decayed = _decay(state, g)
+    u = beta[..., None] * (v - jnp.einsum("bhvk,bhk->bhv", decayed, k, precision=_HIGHEST))
+    new_state = decayed + u[..., :, None] * k[..., None, :]
+    y = jnp.einsum("bhvk,bhk->bhv", new_state, q, precision=_HIGHEST)
+    return y, new_state
+
+
+def recurrent_reference(
+    q: Float[Array, "B T Hk Dk"],
+    k: Float[Array, "B T Hk Dk"],
+    v: Float[Array, "B T Hv Dv"],
+    g: Float[Array, "B T Hv *Dk"],
+    beta: Float[Array, "B T Hv"],
+    initial_state: Float[Array, "B Hv Dv Dk"],
+    *,
+    use_qk_l2norm: bool = False,
+    scale: float | None = None,
+    return_all_states: bool = False,
+):
+    """Run the plain recurrence over a time axis.
+
+    Args:
+      q, k: `[B, T, H_k, d_k]`.
+      v: `[B, T, H_v, d_v]`.
+      g: log-decay, `[B, T, H_v]` (GDN) or `[B, T, H_v, d_k]` (KDA).
+      beta: `[B, T, H_v]`.
+      initial_state: `[B, H_v, d_v, d_k]`.
+      use_qk_l2norm: L2-normalise q and k (eps 1e-6) before use.
+      scale: multiplies q after the norm; default `d_k ** -0.5`.
+      return_all_states: also return the state after every step.
+
+    Returns:
+      `(y [B,T,H_v,d_v], final_state [B,H_v,d_v,d_k])`, plus `states [B,T,H_v,d_v,d_k]`
+      when `return_all_states`; in float64 if any input is float64, else float32.
+    """
+    dtype = _compute_dtype(q, k, v, g, beta, initial_state)
+    hk, hv = q.shape[2], v.shape[2]
+    if hv % hk:
+        raise ValueError(f"v heads ({hv}) must be a multiple of q/k heads ({hk})")
+    q, k = gating.prepare_qk(q, k, use_qk_l2norm=use_qk_l2norm, scale=scale, dtype=dtype)
+    q = jnp.repeat(q, hv // hk, axis=2)
+    k = jnp.repeat(k, hv // hk, axis=2)
+    xs = tuple(jnp.moveaxis(x.astype(dtype), 1, 0) for x in (q, k, v, g, beta))
+
+    def step(state, x):
+        y, new_state = recurrent_step(state, *x)
+        return new_state, (y, new_state) if return_all_states else y
+
+    final, out = jax.lax.scan(step, initial_state.astype(dtype), xs)
+    if return_all_states:
+        ys, states = out
+        return jnp.moveaxis(ys, 0, 1), final, jnp.moveaxis(states, 0, 1)
+    return jnp.moveaxis(out, 0, 1), final

@@ -1,0 +1,103 @@
+"""The ReplaySSM state of one layer: a checkpoint and a circular cache per slot.
+
+Layout (N physical slots, L = cache_len):
+
+  checkpoint  [N, H_v, d_v, d_k]   state_dtype   S at the slot's last flush
+  u_cache     [N, H_v, L, d_v]     cache_dtype   corrected values u_j since then
+  k_cache     [N, H_k, L, d_k]     cache_dtype   keys k_j (per key head, shared by its group)
+  g_cache     [N, H_v, L]          float32       log-decays g_j (GDN)
+              [N, H_v, L, d_k]     float32       (KDA: one per key channel)
+  write_pos   [N]                  int32         valid entries = next write position
+
+Entries at positions >= write_pos are stale: they are never read and never zeroed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+from replayssm_jax.config import ReplayConfig
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ReplayState:
+    """Pytree of one layer's ReplaySSM state; `config` is static metadata."""
+
+    checkpoint: Float[Array, "N Hv Dv Dk"]
+    u_cache: Float[Array, "N Hv L Dv"]
+    k_cache: Float[Array, "N Hk L Dk"]
+    g_cache: Float[Array, "N Hv L *Dk"]
+    write_pos: Int[Array, " N"]
+    config: ReplayConfig = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def num_slots(self) -> int:
+        return self.checkpoint.shape[0]
+
+
+def state_shapes(config: ReplayConfig, num_slots: int) -> dict[str, jax.ShapeDtypeStruct]:
+    """Shapes and dtypes of every array field of a state with `num_slots` slots."""
+    n, hk, hv = num_slots, config.num_k_heads, config.num_v_heads
+    dk, dv, L = config.head_k_dim, config.head_v_dim, config.cache_len
+    g_tail = (dk,) if config.per_channel_gate else ()
+    return dict(
+        checkpoint=jax.ShapeDtypeStruct((n, hv, dv, dk), config.state_dtype),
+        u_cache=jax.ShapeDtypeStruct((n, hv, L, dv), config.cache_dtype),
+        k_cache=jax.ShapeDtypeStruct((n, hk, L, dk), config.cache_dtype),
+        g_cache=jax.ShapeDtypeStruct((n, hv, L, *g_tail), jnp.float32),
+        write_pos=jax.ShapeDtypeStruct((n,), jnp.int32),
+    )
+
+
+def init_state(
+    config: ReplayConfig,
+    num_slots: int,
+    checkpoint: Float[Array, "N Hv Dv Dk"] | None = None,
+) -> ReplayState:
+    """A state with `num_slots` slots, empty caches and a zero (or given) checkpoint.
+
+    Args:
+      config: the layer configuration.
+      num_slots: N, the number of physical slots.
+      checkpoint: optional initial checkpoint `[N, H_v, d_v, d_k]` in `config.state_dtype`.
+
+    Raises:
+      ValueError: if `num_slots` is not positive or `checkpoint` has the wrong shape/dtype.
+    """
+    if isinstance(num_slots, bool) or not isinstance(num_slots, (int, np.integer)) or num_slots < 1:
+        raise ValueError(f"num_slots must be a positive integer, got {num_slots!r}")
+    shapes = state_shapes(config, int(num_slots))
+    if checkpoint is None:
+        checkpoint = jnp.zeros(shapes["checkpoint"].shape, config.state_dtype)
+    else:
+        want = shapes["checkpoint"]
+        if tuple(checkpoint.shape) != want.shape or checkpoint.dtype != want.dtype:
+            raise ValueError(
+                f"checkpoint must have shape {want.shape} and dtype {want.dtype}, got "
+                f"{tuple(checkpoint.shape)} {checkpoint.dtype}"
+            )
+        checkpoint = jnp.asarray(checkpoint)
+    arrays = {
+        name: jnp.zeros(s.shape, s.dtype) for name, s in shapes.items() if name != "checkpoint"
+    }
+    return ReplayState(checkpoint=checkpoint, config=config, **arrays)
+
+
+def check_state(state: ReplayState) -> None:
+    """Raise ValueError unless every array field matches the state's config."""
+    if not isinstance(state, ReplayState):
+        raise ValueError(f"state must be a ReplayState, got {type(state).__name__}")
+    shapes = state_shapes(state.config, state.checkpoint.shape[0])
+    for name, want in shapes.items():
+        got = getattr(state, name)
+        if tuple(got.shape) != want.shape or got.dtype != want.dtype:
+            raise ValueError(
+                f"state.{name} must have shape {want.shape} and dtype {want.dtype} for "
+                f"{state.config}, got {tuple(got.shape)} {got.dtype}"
+            )
