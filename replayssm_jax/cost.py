@@ -2,7 +2,8 @@
 
 Pure Python arithmetic (no jax computation): the numbers are HBM bytes a kernel must move
 at least, per layer, for the state and the replay cache. Inputs and outputs (q, k, v, g,
-beta, y) are the same for both paths and are left out. For one slot with `pos` valid cache entries (0 <= pos < L):
+beta, y) are the same for both paths and are left out. For one slot with `pos` valid cache
+entries (0 <= pos < L):
 
   non-flush step   read checkpoint  + read `pos` cache entries + append one entry
   flush step       read checkpoint  + read `pos` cache entries + write checkpoint

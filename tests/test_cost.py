@@ -81,7 +81,9 @@ def test_staggered_cursors_spread_the_flush_and_match_the_cycle_average():
     cfg = _cfg(cache_len=4)
     batch = 8
     sync = [cost.replay_step_bytes(cfg, cost.sync_cursors(t, batch, 4)).total for t in range(4)]
-    stag = [cost.replay_step_bytes(cfg, cost.staggered_cursors(t, batch, 4)).total for t in range(4)]
+    stag = [
+        cost.replay_step_bytes(cfg, cost.staggered_cursors(t, batch, 4)).total for t in range(4)
+    ]
     cycle = cost.replay_cycle_bytes(cfg, batch).total
     np.testing.assert_allclose(np.mean(sync), cycle)
     np.testing.assert_allclose(stag, [cycle] * 4)
