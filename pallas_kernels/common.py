@@ -1,0 +1,177 @@
+"""Pieces shared by the decode kernels: kernel configuration, per-token input loading
+and gating inside a kernel, row modes, and the Pallas call plumbing.
+
+All kernels use the Triton lowering of `pl.pallas_call` and whole-array refs
+(`memory_space=pl.ANY`) indexed with the row's slot, so one compiled kernel serves any
+mix of slots, cursors and flushes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+# Pallas-Triton is deprecated in jax 0.11 in favour of Mosaic GPU; it is still the GPU
+# backend of pallas_call that this project targets (see README).
+warnings.filterwarnings(
+    "ignore", message="The Pallas Triton backend is deprecated", category=DeprecationWarning
+)
+
+# Row modes, computed once per step from the flush plan.
+MODE_PAD = 0  # padding row: y = 0, nothing read or written
+MODE_APPEND = 1  # non-flush row: read checkpoint + cache, append (u, k, g)
+MODE_FLUSH = 2  # flush row: write S_t into the checkpoint
+
+Precision = Literal["ieee", "tf32", "bf16"]
+PRECISIONS: tuple[str, ...] = ("ieee", "tf32", "bf16")
+SOFTPLUS_THRESHOLD = 20.0
+L2NORM_EPS = 1e-6
+MIN_DOT_DIM = 16  # tensor-core dots need M, N, K >= 16
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Launch parameters of one decode kernel.
+
+    Attributes:
+      block_v: BV, value rows of the state per program (power of two, >= 16, divides d_v).
+      num_warps: warps per program.
+      num_stages: Triton software-pipelining depth.
+      rebuild_precision: the flush rebuild product `[BV, L] x [L, d_k]`:
+        "ieee" (exact fp32 FMA), "tf32" (tensor cores, ~1e-3 relative on the rebuilt
+        part), or "bf16" (operands rounded to bf16 on tensor cores, ~1e-2).
+    """
+
+    block_v: int = 32
+    num_warps: int = 4
+    num_stages: int = 1
+    rebuild_precision: Precision = "ieee"
+
+    def __post_init__(self) -> None:
+        if self.block_v < MIN_DOT_DIM or self.block_v & (self.block_v - 1):
+            raise ValueError(f"block_v must be a power of two >= 16, got {self.block_v}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
+        if self.num_stages < 1:
+            raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
+        if self.rebuild_precision not in PRECISIONS:
+            raise ValueError(
+                f"rebuild_precision must be one of {PRECISIONS}, got {self.rebuild_precision!r}"
+            )
+
+    def for_head_dim(self, head_v_dim: int) -> "KernelConfig":
+        """This config with BV capped at d_v."""
+        return dataclasses.replace(self, block_v=min(self.block_v, head_v_dim))
+
+    def compiler_params(self) -> plgpu.CompilerParams:
+        return plgpu.CompilerParams(num_warps=self.num_warps, num_stages=self.num_stages)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenSpec:
+    """Static description of how a kernel reads one token's inputs.
+
+    Attributes:
+      group_size: value heads per key head.
+      per_channel_gate: KDA (g per key channel) instead of GDN (g per head).
+      raw_gates: the g/beta inputs hold raw `a`/`b` and the gates are computed in-kernel
+        from `A_log` and `dt_bias` (Qwen3-Next / KDA gating).
+      use_qk_l2norm: L2-normalise q and k in the kernel.
+      scale: multiplies q after the norm.
+    """
+
+    group_size: int
+    per_channel_gate: bool
+    raw_gates: bool
+    use_qk_l2norm: bool
+    scale: float
+
+
+def token_spec(q, v, *, per_channel_gate, gate_params, use_qk_l2norm, scale) -> TokenSpec:
+    """The `TokenSpec` of a call with inputs q `[B, H_k, d_k]` and v `[B, H_v, d_v]`."""
+    return TokenSpec(
+        group_size=v.shape[1] // q.shape[1],
+        per_channel_gate=per_channel_gate,
+        raw_gates=gate_params is not None,
+        use_qk_l2norm=use_qk_l2norm,
+        scale=float(q.shape[2] ** -0.5 if scale is None else scale),
+    )
+
+
+def gate_param_inputs(gate_params):
+    """`(A_log, dt_bias)` kernel inputs; one-element placeholders when gates come precomputed."""
+    if gate_params is None:
+        return jnp.zeros((1,), jnp.float32), jnp.zeros((1,), jnp.float32)
+    return gate_params
+
+
+def _softplus(x):
+    return jnp.where(x > SOFTPLUS_THRESHOLD, x, jnp.log1p(jnp.exp(jnp.minimum(x, SOFTPLUS_THRESHOLD))))
+
+
+def _l2norm(x):
+    return x * jax.lax.rsqrt(jnp.sum(x * x) + L2NORM_EPS)
+
+
+def load_token(spec: TokenSpec, refs, b, h):
+    """Load and prepare row b's token for value head h inside a kernel.
+
+    Args:
+      refs: `(q, k, g_or_a, beta_or_b, A_log | None, dt_bias | None)` input refs.
+
+    Returns:
+      `(q [Dk], k [Dk], log_alpha [Dk] or scalar, beta scalar)` in float32; q is normalised
+      and scaled, k normalised, as the recurrence uses them.
+    """
+    q_ref, k_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref = refs
+    hk = h // spec.group_size
+    q = q_ref[b, hk, :].astype(jnp.float32)
+    k = k_ref[b, hk, :].astype(jnp.float32)
+    if spec.use_qk_l2norm:
+        q, k = _l2norm(q), _l2norm(k)
+    q = q * spec.scale
+    if spec.per_channel_gate:
+        g = g_ref[b, h, :].astype(jnp.float32)
+    else:
+        g = g_ref[b, h].astype(jnp.float32)
+    beta = beta_ref[b, h].astype(jnp.float32)
+    if spec.raw_gates:
+        dt_bias = dt_bias_ref[h, :] if spec.per_channel_gate else dt_bias_ref[h]
+        g = -jnp.exp(a_log_ref[h].astype(jnp.float32)) * _softplus(g + dt_bias.astype(jnp.float32))
+        beta = jax.nn.sigmoid(beta)
+    return q, k, g, beta
+
+
+def rebuild_dot(u_t, wk, precision: str):
+    """`u_t [BV, L] @ wk [L, Dk]` in float32 at the requested precision."""
+    if precision == "bf16":
+        return jnp.dot(
+            u_t.astype(jnp.bfloat16), wk.astype(jnp.bfloat16), preferred_element_type=jnp.float32
+        )
+    lax_precision = jax.lax.Precision.HIGHEST if precision == "ieee" else jax.lax.Precision.DEFAULT
+    return jnp.dot(u_t, wk, precision=lax_precision, preferred_element_type=jnp.float32)
+
+
+def any_spec() -> pl.BlockSpec:
+    """A whole-array ref: the kernel indexes it itself (slots, cursors, tiles)."""
+    return pl.BlockSpec(memory_space=pl.ANY)
+
+
+def row_modes(valid, flush):
+    """Per-row mode: MODE_PAD, MODE_APPEND or MODE_FLUSH (int32 `[B]`)."""
+    return jnp.where(valid, jnp.where(flush, MODE_FLUSH, MODE_APPEND), MODE_PAD).astype(jnp.int32)
+
+
+def default_interpret() -> bool:
+    """Interpret mode unless the default backend is a GPU."""
+    return jax.default_backend() != "gpu"
+
+
+def next_power_of_two(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())

@@ -1,0 +1,83 @@
+"""The "pallas" backend of `decode_step`: ReplayState in, kernels, ReplayState out.
+
+Tile choice per batch size lives here (`default_kernel_config`), measured on an H200
+(benchmarks/results/). With cache_len == 1 every step flushes, so the step runs the plain
+kernel on the checkpoint: same semantics, no cache traffic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxtyping import Array, Float
+
+from pallas_kernels import common
+from pallas_kernels.common import KernelConfig
+from pallas_kernels.plain_decode import plain_decode
+from pallas_kernels.replay_decode import replay_decode
+from replayssm_jax.replay import StepPlan
+from replayssm_jax.state import ReplayState
+
+# Batch size -> (block_v, num_warps): small batches use narrow tiles so that enough
+# programs fill the 132 SMs of an H200; large ones use wider tiles.
+_TILE_TABLE: tuple[tuple[int, int, int], ...] = (
+    # (max batch, block_v, num_warps)
+    (8, 16, 2),
+    (64, 32, 4),
+    (1 << 30, 64, 4),
+)
+
+
+def default_kernel_config(batch: int, state_dtype) -> KernelConfig:
+    """The launch configuration used for `batch` rows (see `_TILE_TABLE`)."""
+    del state_dtype  # same table for fp32 and bf16 states (bf16 halves bytes, not programs)
+    for max_batch, block_v, num_warps in _TILE_TABLE:
+        if batch <= max_batch:
+            return KernelConfig(block_v=block_v, num_warps=num_warps)
+    raise AssertionError("unreachable: the last table row covers every batch")
+
+
+def check_kernel_shapes(head_k_dim: int, head_v_dim: int) -> None:
+    """The kernels load whole key rows and BV-row tiles: d_k and d_v powers of two >= 16."""
+    for name, dim in (("head_k_dim", head_k_dim), ("head_v_dim", head_v_dim)):
+        if dim < common.MIN_DOT_DIM or dim & (dim - 1):
+            raise ValueError(f"the pallas backend needs {name} to be a power of two >= 16, got {dim}")
+
+
+def pallas_layer_step(
+    state: ReplayState,
+    q: Float[Array, "B Hk Dk"],
+    k: Float[Array, "B Hk Dk"],
+    v: Float[Array, "B Hv Dv"],
+    g: Float[Array, "B Hv *Dk"],
+    beta: Float[Array, "B Hv"],
+    plan: StepPlan,
+    *,
+    use_qk_l2norm: bool,
+    scale: float | None,
+    gate_params: tuple[Array, Array] | None = None,
+    kernel_config: KernelConfig | None = None,
+    interpret: bool | None = None,
+) -> tuple[Float[Array, "B Hv Dv"], ReplayState]:
+    """`replay.xla_layer_step` on the Pallas kernels; same arguments and results."""
+    cfg = state.config
+    check_kernel_shapes(cfg.head_k_dim, cfg.head_v_dim)
+    if kernel_config is None:
+        kernel_config = default_kernel_config(v.shape[0], cfg.state_dtype)
+    options = dict(
+        use_qk_l2norm=use_qk_l2norm, scale=scale, gate_params=gate_params,
+        config=kernel_config, interpret=interpret,
+    )
+    if cfg.cache_len == 1:
+        y, checkpoint = plain_decode(
+            state.checkpoint, q, k, v, g, beta, plan.slot, plan.valid, **options
+        )
+        return y, dataclasses.replace(state, checkpoint=checkpoint)
+    y, checkpoint, u_cache, k_cache, g_cache = replay_decode(
+        state.checkpoint, state.u_cache, state.k_cache, state.g_cache,
+        q, k, v, g, beta, plan.slot, plan.pos, common.row_modes(plan.valid, plan.flush),
+        **options,
+    )
+    return y, dataclasses.replace(
+        state, checkpoint=checkpoint, u_cache=u_cache, k_cache=k_cache, g_cache=g_cache
+    )
