@@ -134,6 +134,10 @@ def xla_layer_step(
     alpha = jnp.exp(_per_channel(g, cfg.head_k_dim))  # [B, Hv, Dk]
 
     prev = replay_state(state, plan)
+    # The k/g appends below do not depend on the replay's reads of those caches; tie the
+    # caches to `prev` so XLA orders the reads first and updates donated buffers in place
+    # (without this, copy insertion copies both caches every step).
+    prev, k_pool, g_pool = jax.lax.optimization_barrier((prev, state.k_cache, state.g_cache))
     matvec = lambda s, x: jnp.einsum("bhvk,bhk->bhv", s, x, precision=_HIGHEST)
     u = beta.astype(jnp.float32)[..., None] * (v.astype(jnp.float32) - matvec(prev, alpha * kv))
     y = matvec(prev, alpha * qv) + u * jnp.sum(kv * qv, axis=-1, keepdims=True)
@@ -146,8 +150,8 @@ def xla_layer_step(
         new_state.astype(cfg.state_dtype), mode="drop"
     )
     u_cache = state.u_cache.at[append_slot, :, plan.pos].set(u.astype(cfg.cache_dtype), mode="drop")
-    k_cache = state.k_cache.at[append_slot, :, plan.pos].set(k.astype(cfg.cache_dtype), mode="drop")
-    g_cache = state.g_cache.at[append_slot, :, plan.pos].set(g, mode="drop")
+    k_cache = k_pool.at[append_slot, :, plan.pos].set(k.astype(cfg.cache_dtype), mode="drop")
+    g_cache = g_pool.at[append_slot, :, plan.pos].set(g, mode="drop")
     return y, dataclasses.replace(
         state, checkpoint=checkpoint, u_cache=u_cache, k_cache=k_cache, g_cache=g_cache
     )
