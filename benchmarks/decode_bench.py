@@ -1,0 +1,460 @@
+"""GPU benchmark of the ReplaySSM and plain decode kernels (one process, table + JSON).
+
+Sections (all by default, in this order):
+  check   correctness on the GPU against the scan reference (fp32, bf16, every rebuild
+          precision, KDA, in-kernel gating, padding rows) and the donated step's HLO
+          (no copy of the state pool);
+  tune    block_v x num_warps sweep of both kernels at a few batch sizes;
+  sweep   the benchmark grid: per config the plain kernel, and the replay kernel with
+          synchronised cursors (non-flush, flush, cycle-amortised) and staggered cursors.
+
+Timing: per-kernel CUPTI times (`jax.experimental.mosaic.gpu.profiler.measure`) of a jitted
+`lax.scan` over whole cycles; the kernel rows are picked by name, medians over all steps of
+a kind. The slot sets rotate between consecutive kernels (R disjoint sets of B slots, each
+set used once every R kernels, R * B * slot bytes >= 3x the L2) so the L2 does not hold the
+state. Byte floors use the copy bandwidth measured at the start of the same run.
+
+  python benchmarks/decode_bench.py --out results.json            # on the GPU
+  python benchmarks/decode_bench.py --smoke                        # CPU, interpret mode
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
+
+import replayssm_jax as R  # noqa: E402
+from pallas_kernels.common import KernelConfig  # noqa: E402
+from pallas_kernels.ops import default_kernel_config, pallas_layer_step  # noqa: E402
+from pallas_kernels.plain_decode import plain_decode  # noqa: E402
+from replayssm_jax import cost  # noqa: E402
+from replayssm_jax.state import state_shapes  # noqa: E402
+
+L2_BYTES = 60 * 2**20  # H200 L2 (50 MiB usable; 60 MiB rounds up)
+REPLAY_KERNEL, PLAIN_KERNEL = "replayssm_decode", "plain_decode"
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    num_k_heads: int = 16
+    num_v_heads: int = 32
+    head_dim: int = 128
+    gate: str = "gdn"
+
+    def config(self, cache_len: int, state_dtype) -> R.ReplayConfig:
+        """Caches in the state dtype (fp32 state: exact parity with the plain recurrence)."""
+        return R.ReplayConfig(
+            self.num_k_heads, self.num_v_heads, self.head_dim, self.head_dim, cache_len,
+            gate=self.gate, state_dtype=state_dtype, cache_dtype=state_dtype,
+        )
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+class Timer:
+    """Per-kernel GPU times (µs) of one call: CUPTI on a GPU, wall clock in smoke mode."""
+
+    def __init__(self, smoke: bool):
+        self.smoke = smoke
+
+    def kernel_times(self, fn, args, name: str, iterations: int) -> list[float]:
+        if self.smoke:
+            jax.block_until_ready(fn(*args))
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            return [(time.perf_counter() - t0) * 1e6]
+        from jax.experimental.mosaic.gpu import profiler
+
+        _, runs = profiler.measure(fn, aggregate=False, iterations=iterations)(*args)
+        runs = runs if iterations > 1 else [runs]
+        times = [[ms * 1e3 for kname, ms in run if name in kname] for run in runs]
+        if not times[0]:
+            names = sorted({kname for kname, _ in runs[0]})
+            raise RuntimeError(f"no kernel named {name!r} among {names}")
+        if not getattr(self, "_shown", False):
+            print(f"cupti kernels of one run: {sorted({k for k, _ in runs[0]})}", flush=True)
+            self._shown = True
+        return [t for run in times for t in run]  # launch order, run after run
+
+
+def copy_bandwidth_GBps(timer: Timer, num_bytes: int = 2 << 30) -> float:
+    """Device-to-device streaming bandwidth: read + write of a `num_bytes` f32 buffer."""
+    x = jax.random.normal(jax.random.key(0), (num_bytes // 4,), jnp.float32)
+    fn = jax.jit(lambda a: a * 1.0001 + 1.0)
+    if timer.smoke:
+        return float("nan")
+    from jax.experimental.mosaic.gpu import profiler
+
+    _, runs = profiler.measure(fn, aggregate=True, iterations=10)(x)
+    return 2 * num_bytes / (statistics.median(runs) * 1e-3) / 1e9
+
+
+# ----------------------------------------------------------------------------- state
+
+
+def random_pool(cfg: R.ReplayConfig, num_slots: int, key, write_pos) -> R.ReplayState:
+    """A pool with random (non-zero) checkpoint and caches and the given cursors."""
+    ks = jax.random.split(key, 4)
+    shapes = state_shapes(cfg, num_slots)
+    rnd = lambda k, s, scale: (scale * jax.random.normal(k, s.shape, jnp.float32)).astype(s.dtype)
+    return R.ReplayState(
+        checkpoint=rnd(ks[0], shapes["checkpoint"], 0.05),
+        u_cache=rnd(ks[1], shapes["u_cache"], 0.05),
+        k_cache=rnd(ks[2], shapes["k_cache"], 0.08),
+        g_cache=-jnp.abs(rnd(ks[3], shapes["g_cache"], 0.05)),
+        write_pos=jnp.asarray(write_pos, jnp.int32),
+        config=cfg,
+    )
+
+
+def random_token(cfg: R.ReplayConfig, batch: int, key):
+    ks = jax.random.split(key, 5)
+    hk, hv, dk, dv = cfg.num_k_heads, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim
+    bf = jnp.bfloat16
+    return (
+        jax.random.normal(ks[0], (batch, hk, dk), bf),
+        jax.random.normal(ks[1], (batch, hk, dk), bf),
+        jax.random.normal(ks[2], (batch, hv, dv), bf),
+        -0.1 * jax.nn.softplus(jax.random.normal(ks[3], cfg.g_shape(batch), jnp.float32)),
+        jax.nn.sigmoid(jax.random.normal(ks[4], (batch, hv), jnp.float32)),
+    )
+
+
+def pool_layout(batch: int, slot_bytes: int, smoke: bool) -> tuple[int, int]:
+    """(R, N): R slot sets of `batch` slots with R * batch * slot_bytes >= 3 x L2, in a
+    pool of N >= 2 * batch slots."""
+    rotations = 1 if smoke else max(1, math.ceil(3 * L2_BYTES / (batch * slot_bytes)))
+    return rotations, max(2 * batch, rotations * batch)
+
+
+def slot_sets(batch: int, slot_bytes: int, rng: np.random.Generator, smoke: bool):
+    """R disjoint shuffled sets of `batch` slots `[R, B]`, and the pool size N."""
+    rotations, num_slots = pool_layout(batch, slot_bytes, smoke)
+    sets = rng.permutation(num_slots)[: rotations * batch].reshape(rotations, batch)
+    return sets.astype(np.int32), num_slots
+
+
+# ----------------------------------------------------------------------------- timed runs
+
+
+@functools.lru_cache(maxsize=None)
+def replay_cycle_fn(cfg: R.ReplayConfig, kernel_config: KernelConfig, interpret: bool):
+    """jit: L steps, each over every slot set in turn; returns the state."""
+
+    def one_step(token, state, slots):
+        plan = R.plan_step(state.write_pos, slots, None, cfg.cache_len)
+        y, state = pallas_layer_step(
+            state, *token, plan, use_qk_l2norm=True, scale=None,
+            kernel_config=kernel_config, interpret=interpret,
+        )
+        state = dataclasses.replace(state, write_pos=R.advance_write_pos(state.write_pos, plan))
+        return state, y[0, 0, 0]
+
+    def cycle(state, sets, token):
+        over_sets = lambda st, _: jax.lax.scan(functools.partial(one_step, token), st, sets)
+        state, _ = jax.lax.scan(over_sets, state, None, length=cfg.cache_len)
+        return state
+
+    return jax.jit(cycle)
+
+
+@functools.lru_cache(maxsize=None)
+def plain_steps_fn(kernel_config: KernelConfig, steps: int, interpret: bool):
+    def one_step(token, state, slots):
+        y, state = plain_decode(
+            state, *token, slots, slots >= 0, use_qk_l2norm=True,
+            config=kernel_config, interpret=interpret,
+        )
+        return state, y[0, 0, 0]
+
+    def run(state, sets, token):
+        over_sets = lambda st, _: jax.lax.scan(functools.partial(one_step, token), st, sets)
+        state, _ = jax.lax.scan(over_sets, state, None, length=steps)
+        return state
+
+    return jax.jit(run)
+
+
+@functools.lru_cache(maxsize=None)
+def time_plain_cached(timer, cfg_without_len, batch, kernel_config, iterations, smoke) -> float:
+    """Plain-kernel µs, measured once per (state config, batch, tiles): L plays no part."""
+    return time_plain(timer, cfg_without_len, batch, kernel_config, np.random.default_rng(batch), iterations, smoke)
+
+
+def time_plain(timer, cfg, batch, kernel_config, rng, iterations, smoke) -> float:
+    sets, num_slots = slot_sets(batch, cfg.state_bytes_per_slot(), rng, smoke)
+    pool = random_pool(cfg, num_slots, jax.random.key(1), np.zeros(num_slots)).checkpoint
+    token = random_token(cfg, batch, jax.random.key(2))
+    fn = plain_steps_fn(kernel_config, 4, interpret=smoke)
+    times = timer.kernel_times(fn, (pool, jnp.asarray(sets), token), PLAIN_KERNEL, iterations)
+    return statistics.median(times)
+
+
+def time_replay(timer, cfg, batch, kernel_config, rng, iterations, smoke, staggered: bool):
+    """Median kernel µs: (non-flush, flush, cycle-amortised) for sync cursors, or
+    (None, None, per-step) for staggered cursors."""
+    L = cfg.cache_len
+    sets, num_slots = slot_sets(batch, cfg.state_bytes_per_slot(), rng, smoke)
+    cursors = rng.integers(0, L, num_slots) if staggered else np.zeros(num_slots)
+    pool = random_pool(cfg, num_slots, jax.random.key(1), cursors)
+    token = random_token(cfg, batch, jax.random.key(2))
+    fn = replay_cycle_fn(cfg, kernel_config, interpret=smoke)
+    times = timer.kernel_times(fn, (pool, jnp.asarray(sets), token), REPLAY_KERNEL, iterations)
+    if staggered or timer.smoke:
+        return None, None, statistics.median(times)
+    per_run = len(sets) * L
+    step_of = lambda i: (i % per_run) // len(sets)
+    flush = [t for i, t in enumerate(times) if step_of(i) == L - 1]
+    nonflush = [t for i, t in enumerate(times) if step_of(i) != L - 1]
+    if L == 1:
+        return None, statistics.median(flush), statistics.median(flush)
+    nf, fl = statistics.median(nonflush), statistics.median(flush)
+    return nf, fl, ((L - 1) * nf + fl) / L
+
+
+# ----------------------------------------------------------------------------- sections
+
+
+def rel_err(x, ref) -> float:
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def check_section(smoke: bool) -> list[dict]:
+    """GPU kernels vs the scan reference at every step; the donated step's HLO."""
+    rows = []
+    dims = (2, 4, 32, 32) if smoke else (4, 8, 128, 128)
+    cases = [
+        ("gdn", 4, jnp.float32, "ieee", False), ("gdn", 16, jnp.float32, "ieee", False),
+        ("gdn", 16, jnp.float32, "tf32", False), ("gdn", 16, jnp.float32, "bf16", False),
+        ("gdn", 16, jnp.bfloat16, "bf16", False), ("kda", 16, jnp.float32, "ieee", False),
+        ("kda", 8, jnp.bfloat16, "tf32", False), ("gdn", 1, jnp.float32, "ieee", False),
+        ("gdn", 16, jnp.float32, "ieee", True), ("kda", 16, jnp.float32, "ieee", True),
+    ]
+    if smoke:
+        cases = cases[:2]
+    for gate, L, dtype, precision, raw in cases:
+        hk, hv, dk, dv = dims
+        cfg = R.ReplayConfig(hk, hv, dk, dv, L, gate=gate, state_dtype=dtype, cache_dtype=dtype)
+        batch, num_slots, steps = 6, 12, 3 * L + 1
+        rng = np.random.default_rng(L)
+        slots = np.array([7, 2, -1, 11, 0, 5], np.int32)
+        s0 = 0.1 * rng.standard_normal((num_slots, hv, dv, dk)).astype(np.float32)
+        state = R.init_state(cfg, num_slots, jnp.asarray(s0, dtype))
+        q = rng.standard_normal((batch, steps, hk, dk)).astype(np.float32)
+        k = rng.standard_normal((batch, steps, hk, dk)).astype(np.float32)
+        v = rng.standard_normal((batch, steps, hv, dv)).astype(np.float32)
+        g_shape = (batch, steps, hv, dk) if gate == "kda" else (batch, steps, hv)
+        a = rng.standard_normal(g_shape).astype(np.float32)
+        b = rng.standard_normal((batch, steps, hv)).astype(np.float32)
+        a_log = rng.standard_normal(hv).astype(np.float32) * 0.5
+        dt_bias = rng.standard_normal((hv, dk) if gate == "kda" else (hv,)).astype(np.float32)
+        gate_fn = R.kda_gate if gate == "kda" else R.gdn_gate
+        g = np.asarray(gate_fn(jnp.asarray(a), jnp.asarray(a_log), jnp.asarray(dt_bias)))
+        beta = np.asarray(R.beta_gate(jnp.asarray(b)))
+        init = np.where(slots[:, None, None, None] >= 0, np.asarray(jnp.asarray(s0, dtype), np.float32)[np.maximum(slots, 0)], 0)
+        y_ref, _, s_ref = R.recurrent_reference(q, k, v, g, beta, init, use_qk_l2norm=True, return_all_states=True)
+        kc = KernelConfig(block_v=16 if dv <= 32 else 32, rebuild_precision=precision)
+
+        @functools.partial(jax.jit, donate_argnums=0)
+        def step(state, q, k, v, g_or_a, beta_or_b, slots):
+            plan = R.plan_step(state.write_pos, slots, None, L)
+            y, new = pallas_layer_step(
+                state, q, k, v, g_or_a, beta_or_b, plan, use_qk_l2norm=True, scale=None,
+                gate_params=(jnp.asarray(a_log), jnp.asarray(dt_bias)) if raw else None,
+                kernel_config=kc, interpret=smoke,
+            )
+            return y, dataclasses.replace(new, write_pos=R.advance_write_pos(state.write_pos, plan))
+
+        y_err = s_err = 0.0
+        live = slots >= 0
+        for t in range(steps):
+            gin, bin_ = (a[:, t], b[:, t]) if raw else (g[:, t], beta[:, t])
+            y, state = step(state, q[:, t], k[:, t], v[:, t], gin, bin_, jnp.asarray(slots))
+            y = np.asarray(y, np.float32)
+            assert np.all(y[~live] == 0), "padding row output not zero"
+            y_err = max(y_err, rel_err(y[live], y_ref[live, t]))
+            s_live = np.asarray(R.materialize_state(state, jnp.asarray(slots)))
+            s_err = max(s_err, rel_err(s_live[live], s_ref[live, t]))
+        hlo = step.lower(state, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], jnp.asarray(slots)).compile().as_text()
+        pool_shape = "[" + ",".join(map(str, state.checkpoint.shape)) + "]"
+        pool_copies = [ln.strip()[:120] for ln in hlo.splitlines() if pool_shape in ln and " copy(" in ln]
+        row = dict(gate=gate, cache_len=L, dtype=jnp.dtype(dtype).name, precision=precision,
+                   raw_gates=raw, y_rel_err=y_err, state_rel_err=s_err, pool_copies=len(pool_copies))
+        print(f"check {row}", flush=True)
+        rows.append(row)
+    return rows
+
+
+def tune_section(timer, shape, batches, smoke, deadline) -> list[dict]:
+    rows = []
+    variants = [(16, 2), (16, 4), (32, 4), (32, 8), (64, 4), (64, 8), (128, 8)]
+    if smoke:
+        variants = variants[:2]
+    for batch in batches:
+        for state_dtype in (jnp.float32,):
+            cfg = shape.config(16, state_dtype)
+            for bv, warps in variants:
+                if time.time() > deadline:
+                    return rows
+                kc = KernelConfig(block_v=bv, num_warps=warps)
+                rng = np.random.default_rng(0)
+                plain = time_plain(timer, cfg, batch, kc, rng, 3, smoke)
+                _, _, rep = time_replay(timer, cfg, batch, kc, rng, 3, smoke, staggered=False)
+                row = dict(batch=batch, block_v=bv, num_warps=warps, plain_us=plain, replay_cycle_us=rep)
+                print(f"tune {row}", flush=True)
+                rows.append(row)
+    for batch in batches[-1:]:
+        for precision in ("tf32", "bf16"):
+            cfg = shape.config(16, jnp.float32)
+            kc = dataclasses.replace(default_kernel_config(batch, cfg.state_dtype), rebuild_precision=precision)
+            nf, fl, rep = time_replay(timer, cfg, batch, kc, np.random.default_rng(0), 3, smoke, staggered=False)
+            row = dict(batch=batch, precision=precision, replay_nonflush_us=nf, replay_flush_us=fl, replay_cycle_us=rep)
+            print(f"tune {row}", flush=True)
+            rows.append(row)
+    return rows
+
+
+def sweep_row(timer, shape, cfg, batch, bandwidth, smoke) -> list[dict]:
+    kc = default_kernel_config(batch, cfg.state_dtype)
+    rng = np.random.default_rng(batch * 1000 + cfg.cache_len)
+    iters = 3
+    plain_us = time_plain_cached(timer, dataclasses.replace(cfg, cache_len=1), batch, kc, iters, smoke)
+    plain_bytes = cost.plain_step_bytes(cfg, batch).total
+    L = cfg.cache_len
+    out = []
+    for staggered in (False, True):
+        if staggered and L == 1:
+            continue
+        nf, fl, cyc = time_replay(timer, cfg, batch, kc, rng, iters, smoke, staggered)
+        cycle_bytes = cost.replay_cycle_bytes(cfg, batch).total
+        nf_bytes = None if staggered or L == 1 else statistics.mean(
+            cost.replay_step_bytes(cfg, [p] * batch).total for p in range(L - 1))
+        fl_bytes = None if staggered else cost.replay_step_bytes(cfg, [L - 1] * batch).total
+        floor = cost.floor_us(cycle_bytes, bandwidth)
+        plain_floor = cost.floor_us(plain_bytes, bandwidth)
+        row = dict(
+            gate=shape.gate, num_k_heads=cfg.num_k_heads, num_v_heads=cfg.num_v_heads,
+            head_k_dim=cfg.head_k_dim, head_v_dim=cfg.head_v_dim,
+            state_dtype=cfg.state_dtype.name, cache_dtype=cfg.cache_dtype.name, cache_len=L,
+            batch=batch, num_slots=pool_layout(batch, cfg.state_bytes_per_slot(), smoke)[1],
+            cursors="staggered" if staggered else "sync",
+            block_v=kc.for_head_dim(cfg.head_v_dim).block_v, num_warps=kc.num_warps,
+            rebuild_precision=kc.rebuild_precision,
+            plain_us=plain_us, plain_bytes=plain_bytes,
+            replay_nonflush_us=nf, replay_flush_us=fl, replay_cycle_us=cyc,
+            replay_nonflush_bytes=nf_bytes, replay_flush_bytes=fl_bytes, replay_cycle_bytes=cycle_bytes,
+            replay_floor_us=floor, plain_floor_us=plain_floor,
+            replay_roofline_fraction=floor / cyc, plain_roofline_fraction=plain_floor / plain_us,
+            speedup_vs_plain=plain_us / cyc,
+        )
+        out.append(row)
+    return out
+
+
+def print_table(rows: list[dict]) -> None:
+    head = f"{'gate':4} {'Hv':>3} {'state':8} {'L':>3} {'B':>4} {'cur':5} {'plain':>8} {'nonfl':>8} {'flush':>8} {'cycle':>8} {'floor':>8} {'roof':>5} {'x':>5}"
+    print(head)
+    for r in rows:
+        f = lambda x: "-" if x is None else f"{x:8.1f}"
+        print(f"{r['gate']:4} {r['num_v_heads']:>3} {r['state_dtype'][:8]:8} {r['cache_len']:>3} {r['batch']:>4} "
+              f"{r['cursors'][:5]:5} {r['plain_us']:8.1f} {f(r['replay_nonflush_us'])} {f(r['replay_flush_us'])} "
+              f"{r['replay_cycle_us']:8.1f} {r['replay_floor_us']:8.1f} {r['replay_roofline_fraction']:5.2f} "
+              f"{r['speedup_vs_plain']:5.2f}")
+
+
+def versions() -> dict:
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    dev = jax.devices()[0]
+    return dict(gpu=getattr(dev, "device_kind", str(dev)), platform=platform.platform(),
+                date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                jax=jax.__version__, jaxlib=jax.lib.__version__ if hasattr(jax.lib, "__version__") else jax.__version__,
+                triton=triton_version, python=sys.version.split()[0])
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sections", default="check,tune,sweep")
+    p.add_argument("--out", default="decode_bench.json")
+    p.add_argument("--budget-s", type=float, default=540.0, help="stop starting new configs after this")
+    p.add_argument("--batches", default="1,8,32,64,128,256,512")
+    p.add_argument("--cache-lens", default="1,4,8,16,32")
+    p.add_argument("--tune-batches", default="1,64,512")
+    p.add_argument("--extra", default="hv64,kda", help="extra grids: hv64 (H_v=64, L=16), kda (L=16)")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode, wall clock (CPU)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    start = time.time()
+    deadline = start + args.budget_s
+    timer = Timer(args.smoke)
+    sections = args.sections.split(",")
+    ints = lambda s: [int(x) for x in s.split(",") if x]
+    shape = Shape(2, 4, 32) if args.smoke else Shape()
+    meta = versions()
+    meta["copy_bandwidth_GBps"] = copy_bandwidth_GBps(timer) if not args.smoke else 1000.0
+    meta["timing"] = ("wall clock, interpret mode (smoke)" if args.smoke else
+                      "CUPTI per-kernel times, median over steps; slot sets rotated past 3x L2")
+    print(f"meta {meta}", flush=True)
+    result = dict(meta=meta, checks=[], tune=[], rows=[])
+    if "check" in sections:
+        result["checks"] = check_section(args.smoke)
+    if "tune" in sections:
+        result["tune"] = tune_section(timer, shape, ints(args.tune_batches), args.smoke, deadline)
+    if "sweep" in sections:
+        grid = [(shape, dt, L, b) for dt in (jnp.float32, jnp.bfloat16)
+                for L in ints(args.cache_lens) for b in ints(args.batches)]
+        extras = args.extra.split(",") if args.extra else []
+        if "hv64" in extras and not args.smoke:
+            hv64 = Shape(16, 64, 128)
+            grid += [(hv64, dt, 16, b) for dt in (jnp.float32, jnp.bfloat16) for b in ints(args.batches)]
+        if "kda" in extras:
+            kda = Shape(4, 4, 32, "kda") if args.smoke else Shape(32, 32, 128, "kda")
+            grid += [(kda, jnp.float32, 16, b) for b in ints(args.batches) if b in (1, 8, 128, 512) or args.smoke]
+        for shp, dt, L, b in grid:
+            if time.time() > deadline:
+                print(f"budget reached: {len(result['rows'])} rows done", flush=True)
+                break
+            try:
+                rows = sweep_row(timer, shp, shp.config(L, dt), b, meta["copy_bandwidth_GBps"], args.smoke)
+            except Exception as err:  # keep the rest of the sweep; the error is in the log
+                print(f"row FAILED {shp} {jnp.dtype(dt).name} L={L} B={b}: {err!r}"[:2000], flush=True)
+                continue
+            for row in rows:
+                print(f"row {json.dumps(row)}", flush=True)
+                result["rows"].append(row)
+            with open(args.out, "w") as f:  # partial results survive a timeout
+                json.dump(result, f, indent=1)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    if result["rows"]:
+        print_table(result["rows"])
+    print(f"total {time.time() - start:.0f} s", flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()
