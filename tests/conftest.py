@@ -1,0 +1,38 @@
+"""Shared fixtures: a per-test random seed and the decode backend under test."""
+
+from __future__ import annotations
+
+import os
+import zlib
+
+import numpy as np
+import pytest
+
+BACKENDS = ("xla", "pallas")
+
+
+@pytest.fixture
+def seed(request: pytest.FixtureRequest) -> int:
+    """A seed that differs per test (derived from the node id), printed for reproduction.
+
+    Set REPLAYSSM_TEST_SEED to shift every test's seed (e.g. in a soak run); the printed
+    value shows up under "Captured stdout setup" when a test fails.
+    """
+    base = int(os.environ.get("REPLAYSSM_TEST_SEED", "0"))
+    value = (zlib.crc32(request.node.nodeid.encode()) + base) % 2**32
+    print(f"seed={value} (REPLAYSSM_TEST_SEED={base}, node {request.node.nodeid})")
+    return value
+
+
+@pytest.fixture
+def rng(seed: int) -> np.random.Generator:
+    """Fresh random numbers for one test."""
+    return np.random.default_rng(seed)
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    """The `decode_step` backend; "pallas" is skipped until `pallas_kernels.ops` exists."""
+    if request.param == "pallas":
+        pytest.importorskip("pallas_kernels.ops", reason="Pallas backend not available")
+    return request.param

@@ -1,0 +1,62 @@
+"""`ReplayConfig`: validation, derived shapes, immutability, hashing."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from replayssm_jax import ReplayConfig
+
+VALID = dict(num_k_heads=2, num_v_heads=4, head_k_dim=32, head_v_dim=16, cache_len=4)
+
+
+def test_defaults_and_derived_values():
+    config = ReplayConfig(**VALID)
+    assert config.gate == "gdn"
+    assert config.state_dtype == np.float32 and config.cache_dtype == np.float32
+    assert config.group_size == 2
+    assert config.g_shape(3) == (3, 4)
+    assert ReplayConfig(**VALID, gate="kda").g_shape(3) == (3, 4, 32)
+    assert config.state_bytes_per_slot() == 4 * 16 * 32 * 4
+    bf16 = ReplayConfig(**VALID, state_dtype=jnp.bfloat16)
+    assert bf16.state_dtype == jnp.bfloat16 and bf16.state_bytes_per_slot() == 4 * 16 * 32 * 2
+
+
+def test_frozen_and_hashable():
+    config = ReplayConfig(**VALID)
+    assert hash(config) == hash(ReplayConfig(**VALID))
+    assert config == ReplayConfig(**VALID, state_dtype="float32")
+    assert config != ReplayConfig(**{**VALID, "cache_len": 5})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.cache_len = 8
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(cache_len=0), r"cache_len must be a positive integer, got 0"),
+        (dict(cache_len=-3), r"cache_len must be a positive integer, got -3"),
+        (dict(cache_len=2.0), r"cache_len must be a positive integer, got 2.0"),
+        (dict(cache_len=True), r"cache_len must be a positive integer, got True"),
+        (dict(num_k_heads=0), r"num_k_heads must be a positive integer, got 0"),
+        (dict(head_k_dim=0), r"head_k_dim must be a positive integer"),
+        (dict(head_v_dim=-1), r"head_v_dim must be a positive integer"),
+        (dict(num_v_heads=3), r"num_v_heads \(3\) must be a multiple of num_k_heads \(2\)"),
+        (dict(num_k_heads=4, num_v_heads=2), r"num_v_heads \(2\) must be a multiple of num_k_heads \(4\)"),
+        (dict(gate="mamba"), r"gate must be one of \('gdn', 'kda'\), got 'mamba'"),
+        (dict(state_dtype=jnp.int32), r"state_dtype must be one of .*, got int32"),
+        (dict(cache_dtype="float64"), r"cache_dtype must be one of .*, got float64"),
+        (dict(state_dtype=object()), r"state_dtype must be a floating dtype"),
+    ],
+)
+def test_invalid_config_raises(change, match):
+    with pytest.raises(ValueError, match=match):
+        ReplayConfig(**{**VALID, **change})
+
+
+def test_numpy_integers_are_accepted():
+    config = ReplayConfig(**{**VALID, "cache_len": np.int64(16)})
+    assert config.cache_len == 16 and type(config.cache_len) is int
