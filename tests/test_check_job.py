@@ -1,0 +1,46 @@
+"""The `python -m replayssm_jax check` main job and the subcommand dispatcher."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from replayssm_jax import ReplayConfig, check_job
+from replayssm_jax.__main__ import main as cli_main
+
+
+@pytest.mark.parametrize("gate", ["gdn", "kda"])
+def test_check_job_reports_agreement(gate, capsys):
+    status = check_job.main(["--steps", "12", "--cache-len", "4", "--batch", "3", "--gate", gate])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "agreement: OK" in out
+    errors = re.search(r"outputs (\S+), live state (\S+) \(tolerance", out)
+    assert errors and max(map(float, errors.groups())) <= check_job.TOLERANCE, out
+    assert re.search(r"flushes: [1-9]\d* natural", out), out
+
+
+def test_replay_traffic_counts_checkpoint_entries_and_flushes():
+    config = ReplayConfig(num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=16, cache_len=4)
+    ckpt = 4 * 16 * 8 * 4
+    entry = (4 * 16 + 2 * 8) * 4 + 4 * 4  # u per value head, k per key head, fp32 g per value head
+    assert check_job.replay_traffic(config, 0, False) == check_job.Traffic(ckpt, entry)
+    assert check_job.replay_traffic(config, 3, True) == check_job.Traffic(ckpt + 3 * entry, ckpt)
+    assert check_job.plain_traffic(config) == check_job.Traffic(ckpt, ckpt)
+
+
+def test_cli_without_command_lists_commands(capsys):
+    assert cli_main([]) == 0
+    out = capsys.readouterr().out
+    assert "check" in out and "demo" in out
+
+
+def test_cli_dispatches_check(capsys):
+    assert cli_main(["check", "--steps", "3", "--cache-len", "2", "--batch", "2"]) == 0
+    assert "agreement: OK" in capsys.readouterr().out
+
+
+def test_cli_rejects_unknown_command():
+    with pytest.raises(SystemExit):
+        cli_main(["bogus"])
