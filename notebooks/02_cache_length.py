@@ -1,0 +1,425 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 02 · Cache length L: state traffic vs rebuild work
+#
+# Plain decode reads and writes the whole recurrent state every step. ReplaySSM reads the
+# checkpoint every step, writes it once every `L` steps, and in between reads the valid cache
+# entries and appends one (method note §10). This notebook:
+#
+# 1. plots the **byte model** (`replayssm_jax.cost`) against `L` for several batch sizes and
+#    state / cache dtypes: pure arithmetic, no device involved;
+# 2. overlays **measured** step times from the newest committed H200 benchmark file
+#    (`benchmarks/results/*.json`) on the same axes: model floor vs measurement;
+# 3. shows the **flush-step spike** with synchronised cursors and how staggered cursors
+#    flatten it;
+# 4. shows **where ReplaySSM stops paying**: small batches.
+#
+# Every measured number below comes from the benchmark file named in the output; when no
+# file exists the measured parts are skipped, never filled in.
+
+# %%
+import os
+
+from nbutil import env_ints
+
+# Layer shapes of the byte model (defaults: the GDN layer of replayssm.md §10).
+NUM_K_HEADS = int(os.environ.get("RS_NUM_K_HEADS", 16))
+NUM_V_HEADS = int(os.environ.get("RS_NUM_V_HEADS", 32))
+HEAD_DIM = int(os.environ.get("RS_HEAD_DIM", 128))
+CACHE_LENS = env_ints("RS_CACHE_LENS", (1, 2, 4, 8, 16, 32, 64))
+BATCHES = env_ints("RS_BATCHES", (1, 8, 32, 128, 512))
+SPIKE_BATCH = int(os.environ.get("RS_SPIKE_BATCH", 32))  # batch of the flush-spike plot
+SPIKE_CACHE_LEN = int(os.environ.get("RS_SPIKE_CACHE_LEN", 16))
+# Benchmark file: $RS_BENCH_JSON, else the newest benchmarks/results/*.json.
+BENCH_JSON = os.environ.get("RS_BENCH_JSON", "")
+# Bandwidth for model floors in µs when no benchmark file gives one (an assumption, labelled
+# as such: the copy bandwidth quoted for one H200 in replayssm.md §10).
+ASSUMED_BANDWIDTH_GBPS = float(os.environ.get("RS_ASSUMED_BANDWIDTH_GBPS", 4270.0))
+
+# %%
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import numpy as np
+
+from nbutil import repo_root, save_figure
+from replayssm_jax import ReplayConfig, cost
+
+MIB = 2**20
+
+# %% [markdown]
+# ## 1. The byte model against L
+#
+# Per row and step, averaged over a cycle of `L` steps (`cost.replay_cycle_bytes`):
+#
+# `S (1 + 1/L)` checkpoint bytes `+ E (L - 1)/2` cache reads `+ E (L - 1)/L` appends,
+#
+# with `S` the state of one slot and `E` one cache entry `(u, k, g)`. Plain decode moves
+# `2 S`. `L = 1` is exactly plain decode. Every term is proportional to the batch, so the
+# ratio to plain decode does not depend on the batch; the absolute bytes do.
+
+# %%
+def layer(cache_len, state_dtype="float32", cache_dtype="bfloat16", gate="gdn",
+          hk=NUM_K_HEADS, hv=NUM_V_HEADS, dk=HEAD_DIM, dv=HEAD_DIM):
+    return ReplayConfig(hk, hv, dk, dv, cache_len, gate, state_dtype, cache_dtype)
+
+
+def ratio_to_plain(cfg):
+    """Cycle-averaged ReplaySSM bytes / plain bytes (batch-independent)."""
+    return cost.replay_cycle_bytes(cfg, 1).total / cost.plain_step_bytes(cfg, 1).total
+
+
+DTYPE_COMBOS = [  # (state dtype, cache dtype)
+    ("float32", "float32"),
+    ("float32", "bfloat16"),
+    ("bfloat16", "bfloat16"),
+]
+shape_text = f"H_k={NUM_K_HEADS}, H_v={NUM_V_HEADS}, d_k=d_v={HEAD_DIM}"
+print("layer:", shape_text)
+short = {"float32": "fp32", "bfloat16": "bf16"}
+print("ReplaySSM bytes / plain bytes, columns: state dtype / cache dtype")
+print(f"{'L':>4} " + " ".join(f"{short[s] + '/' + short[c]:>10}" for s, c in DTYPE_COMBOS)
+      + "   state only: (1+1/L)/2")
+for L in CACHE_LENS:
+    ratios = " ".join(f"{ratio_to_plain(layer(L, s, c)):10.3f}" for s, c in DTYPE_COMBOS)
+    print(f"{L:4d} {ratios}   {(1 + 1 / L) / 2:10.3f}")
+
+# %%
+Ls = np.array(CACHE_LENS)
+fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
+
+# (a) components per row, fp32 state, bf16 caches
+ax = axes[0]
+parts = [cost.replay_cycle_bytes(layer(L), 1) for L in CACHE_LENS]
+stack = {
+    "checkpoint read": [p.checkpoint_read for p in parts],
+    "checkpoint write (1/L)": [p.checkpoint_write for p in parts],
+    "cache reads (valid entries)": [p.cache_read for p in parts],
+    "cache appends": [p.cache_append for p in parts],
+}
+ax.stackplot(Ls, *[np.array(v) / MIB for v in stack.values()], labels=list(stack), alpha=0.8)
+ax.axhline(cost.plain_step_bytes(layer(1), 1).total / MIB, color="k", ls="--", label="plain decode")
+ax.set(xscale="log", xlabel="cache length L (steps)", ylabel="MiB per row per step (cycle average)",
+       title="(a) ReplaySSM bytes by component\nfp32 state, bf16 caches")
+ax.set_xticks(Ls, [str(L) for L in Ls])
+ax.legend(fontsize=8, loc="upper right")
+
+# (b) ratio to plain, per dtype combination and gate
+ax = axes[1]
+for (s, c), color in zip(DTYPE_COMBOS, ["C0", "C1", "C2"]):
+    ax.plot(Ls, [ratio_to_plain(layer(L, s, c)) for L in Ls], "o-", color=color,
+            label=f"GDN, {s} state, {c} caches")
+    ax.plot(Ls, [ratio_to_plain(layer(L, s, c, gate="kda")) for L in Ls], "x:", color=color,
+            label=f"KDA, {s} state, {c} caches")
+ax.plot(Ls, (1 + 1 / Ls) / 2, "k--", label="state bytes only: (1+1/L)/2")
+ax.axhline(1.0, color="grey", lw=0.8)
+ax.set(xscale="log", xlabel="cache length L (steps)", ylabel="ReplaySSM bytes / plain bytes",
+       title="(b) byte ratio to plain decode (any batch)", ylim=(0, 1.4))
+ax.set_xticks(Ls, [str(L) for L in Ls])
+ax.legend(fontsize=7)
+
+# (c) absolute bytes per step for several batch sizes
+ax = axes[2]
+for i, B in enumerate(BATCHES):
+    for s, ls in (("float32", "-"), ("bfloat16", "--")):
+        ax.plot(Ls, [cost.replay_cycle_bytes(layer(L, s), B).total / MIB for L in Ls], ls,
+                marker="o", ms=3, color=f"C{i}", label=f"B={B}" if s == "float32" else None)
+ax.set(xscale="log", yscale="log", xlabel="cache length L (steps)", ylabel="MiB per step (all rows)",
+       title="(c) bytes per step vs L and batch\nsolid fp32 state, dashed bf16 state; bf16 caches")
+ax.set_xticks(Ls, [str(L) for L in Ls])
+ax.legend(fontsize=7, ncol=2)
+fig.suptitle(f"Byte model (replayssm_jax.cost), GDN/KDA layer {shape_text}: arithmetic, no device",
+             y=1.02)
+save_figure(fig, "02_byte_model_vs_L")
+plt.show()
+
+# %% [markdown]
+# The state term falls like `(1 + 1/L)/2` and is worth most of the saving by `L = 8`; the
+# cache reads grow like `(L - 1)/2` entries and, for a KDA layer (a g entry per key channel,
+# in float32) or float32 caches, start to eat the saving at large `L`. Bytes are not the whole
+# cost: the rebuild of the live state from `pos` entries is a `[d_v, pos] x [pos, d_k]`
+# product per head on chip (`cost.rebuild_flops`), so arithmetic per byte grows with `L`:
+
+# %%
+for L in (4, 16, 32, 64):
+    cfg = layer(L)
+    flops = np.mean([cost.rebuild_flops(cfg, p) for p in range(L)])
+    print(f"L={L:3d}: rebuild {flops / cost.replay_cycle_bytes(cfg, 1).total:5.1f} FLOP per byte moved "
+          "(cycle average, fp32 state, bf16 caches)")
+
+# %% [markdown]
+# ## 2. The benchmark file
+#
+# Measured step times come only from a committed benchmark file
+# (`benchmarks/results/*.json`, written by the benchmark on an H200). We load the newest one
+# (by its `meta.date`, then file name), or the file named by `$RS_BENCH_JSON`.
+
+# %%
+def find_benchmark(explicit: str) -> Path | None:
+    """The benchmark file to use: `explicit` if given, else the newest committed one."""
+    if explicit:
+        return Path(explicit)
+    files = sorted((repo_root() / "benchmarks" / "results").glob("*.json"))
+    if not files:
+        return None
+    dated = [(json.loads(f.read_text()).get("meta", {}).get("date", ""), f.name, f) for f in files]
+    return max(dated)[2]
+
+
+bench_path = find_benchmark(BENCH_JSON)
+if bench_path is None:
+    bench, rows, source = None, [], None
+    print("NO BENCHMARK FILE: benchmarks/results/*.json does not exist yet (and RS_BENCH_JSON "
+          "is not set).\nThe measured overlays below are skipped; only the byte model is shown.")
+else:
+    bench = json.loads(bench_path.read_text())
+    rows = bench["rows"]
+    meta = bench["meta"]
+    source = bench_path.name
+    print(f"benchmark file: {bench_path}")
+    for key in ("gpu", "date", "jax", "jaxlib", "triton", "copy_bandwidth_GBps", "timing"):
+        print(f"  {key:20s} {meta.get(key)}")
+    print(f"  {len(rows)} rows")
+
+bandwidth = bench["meta"]["copy_bandwidth_GBps"] if bench else ASSUMED_BANDWIDTH_GBPS
+gpu_label = f"{bench['meta']['gpu']}, from {source}" if bench else "no benchmark file"
+
+
+# %%
+def row_config(row) -> ReplayConfig:
+    """The layer a benchmark row measured, as a ReplayConfig."""
+    return ReplayConfig(row["num_k_heads"], row["num_v_heads"], row["head_k_dim"], row["head_v_dim"],
+                        row["cache_len"], row["gate"], row["state_dtype"], row["cache_dtype"])
+
+
+def shape_key(row):
+    return (row["gate"], row["num_k_heads"], row["num_v_heads"], row["head_k_dim"], row["head_v_dim"],
+            row["cache_dtype"])
+
+
+def select(rows, **want):
+    """Rows whose fields equal every `want` value."""
+    return [r for r in rows if all(r[k] == v for k, v in want.items())]
+
+
+def byte_check(rows):
+    """Largest relative gap between the file's byte counts and replayssm_jax.cost."""
+    worst = 0.0
+    for r in rows:
+        cfg = row_config(r)
+        model = {
+            "plain_bytes": cost.plain_step_bytes(cfg, r["batch"]).total,
+            "replay_cycle_bytes": cost.replay_cycle_bytes(cfg, r["batch"]).total,
+        }
+        for k, v in model.items():
+            worst = max(worst, abs(r[k] - v) / v)
+    return worst
+
+
+if rows:
+    shapes = sorted({shape_key(r) for r in rows})
+    print("layer shapes in the file (gate, H_k, H_v, d_k, d_v, cache dtype):", shapes)
+    print(f"byte counts in the file vs replayssm_jax.cost: largest relative gap {byte_check(rows):.2%}")
+
+# %% [markdown]
+# ## 3. Model floor vs measured step time, against L
+#
+# The model floor is the cycle-averaged bytes divided by the copy bandwidth in the file's
+# `meta` (what a kernel that only moved its bytes at copy speed would take). Measured points are
+# the file's `replay_cycle_us` (per-step time averaged over a whole cycle of `L` steps) and
+# `plain_us`, for synchronised cursors.
+
+# %%
+def main_shape(rows):
+    """The GDN layer shape with the most rows (the one to plot), or None."""
+    gdn = [shape_key(r) for r in rows if r["gate"] == "gdn"] or [shape_key(r) for r in rows]
+    return max(set(gdn), key=gdn.count) if gdn else None
+
+
+plot_shape = main_shape(rows)
+if plot_shape:
+    gate, hk, hv, dk, dv, cache_dtype = plot_shape
+else:
+    gate, hk, hv, dk, dv, cache_dtype = "gdn", NUM_K_HEADS, NUM_V_HEADS, HEAD_DIM, HEAD_DIM, "bfloat16"
+plot_rows = [r for r in rows if shape_key(r) == plot_shape]
+state_dtypes = sorted({r["state_dtype"] for r in plot_rows}, key=lambda d: d != "float32")
+state_dtypes = state_dtypes or ["float32", "bfloat16"]
+layer_text = f"{gate.upper()} H_k={hk} H_v={hv} d_k={dk} d_v={dv}, {cache_dtype} caches"
+
+fig, axes = plt.subplots(1, len(state_dtypes), figsize=(7.5 * len(state_dtypes), 5), squeeze=False)
+for ax, sd in zip(axes[0], state_dtypes):
+    measured = select(plot_rows, state_dtype=sd, cursors="sync")
+    batches = sorted({r["batch"] for r in measured}) or list(BATCHES)
+    for i, B in enumerate(batches):
+        cfgs = [layer(L, sd, cache_dtype, gate, hk, hv, dk, dv) for L in Ls]
+        floor = [cost.floor_us(cost.replay_cycle_bytes(c, B).total, bandwidth) for c in cfgs]
+        ax.plot(Ls, floor, "--", color=f"C{i}", lw=1, label=f"B={B} model floor")
+        pts = sorted(select(measured, batch=B), key=lambda r: r["cache_len"])
+        if pts:
+            ax.plot([r["cache_len"] for r in pts], [r["replay_cycle_us"] for r in pts], "o-",
+                    color=f"C{i}", label=f"B={B} measured ReplaySSM")
+            ax.plot([r["cache_len"] for r in pts], [r["plain_us"] for r in pts], "s:", ms=4,
+                    color=f"C{i}", alpha=0.6, label=f"B={B} measured plain")
+    ax.set(xscale="log", yscale="log", xlabel="cache length L (steps)",
+           ylabel="time per decode step (µs, cycle average)", title=f"{sd} state")
+    ax.set_xticks(Ls, [str(L) for L in Ls])
+    ax.legend(fontsize=7, ncol=2)
+    if not measured:
+        ax.text(0.5, 0.02, "no measurements: model only", transform=ax.transAxes, ha="center")
+bw_text = (f"model floor at the file's copy bandwidth {bandwidth:.0f} GB/s" if bench
+           else f"model floor at an ASSUMED {bandwidth:.0f} GB/s (no benchmark file)")
+fig.suptitle(f"ReplaySSM step time vs L, {layer_text}\nmeasured: {gpu_label}; {bw_text}", y=1.03)
+save_figure(fig, "02_model_vs_measured_vs_L")
+plt.show()
+
+# %% [markdown]
+# ## 4. The flush-step spike, and staggered cursors
+#
+# With synchronised cursors (every sequence started together) every row flushes on the same
+# step: that step writes `B` checkpoints while the others write none. Staggering the cursors
+# (row `i` at `(t + i) mod L`) spreads the flushes, so every step moves the cycle average.
+# Left: the byte model over three cycles. Right: measured non-flush / flush / cycle times.
+
+# %%
+spike_cfg = layer(SPIKE_CACHE_LEN, "float32", cache_dtype, gate, hk, hv, dk, dv)
+steps = np.arange(3 * SPIKE_CACHE_LEN)
+sync = [cost.replay_step_bytes(spike_cfg, cost.sync_cursors(t, SPIKE_BATCH, SPIKE_CACHE_LEN)).total
+        for t in steps]
+stag = [cost.replay_step_bytes(spike_cfg, cost.staggered_cursors(t, SPIKE_BATCH, SPIKE_CACHE_LEN)).total
+        for t in steps]
+plain = cost.plain_step_bytes(spike_cfg, SPIKE_BATCH).total
+
+fig, axes = plt.subplots(1, 2, figsize=(15, 4.6))
+ax = axes[0]
+ax.step(steps, np.array(sync) / MIB, where="mid", label="synchronised cursors")
+ax.step(steps, np.array(stag) / MIB, where="mid", label="staggered cursors")
+ax.axhline(plain / MIB, color="k", ls="--", label="plain decode")
+ax.set(xlabel="decode step", ylabel="MiB moved in the step (all rows)",
+       title=f"(a) byte model, B={SPIKE_BATCH}, L={SPIKE_CACHE_LEN}, fp32 state\n{layer_text}")
+ax.legend(fontsize=8)
+
+ax = axes[1]
+spike_rows = select(plot_rows, state_dtype="float32", cache_len=SPIKE_CACHE_LEN)
+sync_rows = {r["batch"]: r for r in spike_rows if r["cursors"] == "sync"}
+stag_rows = {r["batch"]: r for r in spike_rows if r["cursors"] == "staggered"}
+bars = sorted(set(sync_rows) | set(stag_rows))
+if bars:
+    x = np.arange(len(bars))
+    series = [
+        ("non-flush step (sync)", [sync_rows.get(b, {}).get("replay_nonflush_us") for b in bars]),
+        ("flush step (sync)", [sync_rows.get(b, {}).get("replay_flush_us") for b in bars]),
+        ("cycle average (sync)", [sync_rows.get(b, {}).get("replay_cycle_us") for b in bars]),
+        ("cycle average (staggered)", [stag_rows.get(b, {}).get("replay_cycle_us") for b in bars]),
+        ("plain", [(sync_rows.get(b) or stag_rows.get(b))["plain_us"] for b in bars]),
+    ]
+    width = 0.16
+    for j, (label, vals) in enumerate(series):
+        vals = [np.nan if v is None else v for v in vals]
+        ax.bar(x + (j - 2) * width, vals, width, label=label)
+    ax.set_xticks(x, [f"B={b}" for b in bars])
+    ax.set(yscale="log", ylabel="measured time per step (µs)",
+           title=f"(b) measured, L={SPIKE_CACHE_LEN}, fp32 state\n{gpu_label}")
+    ax.legend(fontsize=8)
+else:
+    ax.axis("off")
+    ax.text(0.5, 0.5, f"No measurements for L={SPIKE_CACHE_LEN}, fp32 state\n({gpu_label}):\n"
+            "measured panel skipped", ha="center", va="center", transform=ax.transAxes)
+save_figure(fig, "02_flush_spike")
+plt.show()
+
+for b in bars if bars else []:
+    r = sync_rows.get(b)
+    if r and r["replay_flush_us"] is not None:
+        print(f"B={b:4d}: flush step {r['replay_flush_us']:8.1f} µs = "
+              f"{r['replay_flush_us'] / r['replay_nonflush_us']:.2f}x the non-flush step "
+              f"(byte counts in the file: {r['replay_flush_bytes'] / r['replay_nonflush_bytes']:.2f}x)")
+
+# %% [markdown]
+# ## 5. Where ReplaySSM stops paying: small batches
+#
+# In the byte model the saving is a constant fraction at every batch (dashed lines: plain
+# bytes / ReplaySSM bytes). A real step also has a fixed cost (launch, the per-row rebuild
+# latency) that does not shrink with the batch; at small batches that fixed cost dominates, the
+# bytes saved are worth little, and the extra rebuild work can make ReplaySSM slower than plain
+# decode. The measured speed-ups (`plain_us / replay_cycle_us`) show where that happens.
+
+# %%
+fig, axes = plt.subplots(1, 2, figsize=(15, 4.6))
+ax = axes[0]
+curves = sorted({(r["state_dtype"], r["cache_len"]) for r in plot_rows if r["cache_len"] > 1},
+                key=lambda c: (c[0] != "float32", c[1]))
+curve_lens = sorted({L for _, L in curves})
+style = {"float32": "o-", "bfloat16": "s--"}
+for sd, L in curves:
+    pts = sorted(select(plot_rows, state_dtype=sd, cache_len=L, cursors="sync"), key=lambda r: r["batch"])
+    ax.plot([r["batch"] for r in pts], [r["speedup_vs_plain"] for r in pts], style[sd],
+            color=f"C{curve_lens.index(L) % 10}", label=f"measured, {sd} state, L={L}")
+for sd, ls in (("float32", "-."), ("bfloat16", ":")):
+    model = 1 / ratio_to_plain(layer(SPIKE_CACHE_LEN, sd, cache_dtype, gate, hk, hv, dk, dv))
+    ax.axhline(model, color="grey", ls=ls, lw=1.2,
+               label=f"byte model, {sd} state, L={SPIKE_CACHE_LEN} (any batch)")
+ax.axhline(1.0, color="k", lw=1)
+ax.set(xscale="log", xlabel="batch (rows per step)", ylabel="speed-up vs plain decode (×)",
+       title=f"(a) speed-up vs batch, synchronised cursors\n{gpu_label}")
+ax.legend(fontsize=7, ncol=2)
+if not curves:
+    ax.text(0.5, 0.5, "no measurements: only the byte model (grey)", ha="center", transform=ax.transAxes)
+    ax.set_xlim(min(BATCHES), max(BATCHES))
+
+ax = axes[1]
+for i, sd in enumerate(state_dtypes):
+    pts = sorted(select(plot_rows, state_dtype=sd, cache_len=SPIKE_CACHE_LEN, cursors="sync"),
+                 key=lambda r: r["batch"])
+    if pts:
+        ax.plot([r["batch"] for r in pts], [r["replay_roofline_fraction"] for r in pts], "o-",
+                color=f"C{i}", label=f"ReplaySSM, {sd} state, L={SPIKE_CACHE_LEN}")
+        ax.plot([r["batch"] for r in pts], [r["plain_roofline_fraction"] for r in pts], "s:",
+                color=f"C{i}", label=f"plain, {sd} state")
+ax.set(xscale="log", xlabel="batch (rows per step)", ylabel="byte floor / measured time",
+       title=f"(b) fraction of the byte floor reached\n{gpu_label}", ylim=(0, 1.05))
+if curves:
+    ax.legend(fontsize=7)
+else:
+    ax.text(0.5, 0.5, "no measurements", ha="center", transform=ax.transAxes)
+    ax.set_xlim(min(BATCHES), max(BATCHES))
+fig.suptitle(f"Where ReplaySSM pays, {layer_text}", y=1.02)
+save_figure(fig, "02_small_batch")
+plt.show()
+
+# %%
+if plot_rows:
+    print(f"Measured ({source}): smallest batch where ReplaySSM beats plain decode "
+          "(synchronised cursors)")
+    for sd, L in curves:
+        pts = sorted(select(plot_rows, state_dtype=sd, cache_len=L, cursors="sync"), key=lambda r: r["batch"])
+        wins = [r["batch"] for r in pts if r["speedup_vs_plain"] > 1.0]
+        print(f"  {sd:9s} L={L:3d}: {min(wins) if wins else 'never in this file'}")
+else:
+    print("No benchmark file: the break-even batch is a measured quantity and is not shown.")
+
+# %% [markdown]
+# ## Summary
+#
+# * Byte model (any device): the state term of ReplaySSM falls like `(1 + 1/L)/2` of plain
+#   decode; cache reads grow like `(L - 1)/2` entries, so bytes bottom out around `L = 8..16`
+#   for these shapes with bf16 caches and earlier with float32 caches or a KDA layer. The
+#   on-chip rebuild work per byte grows linearly with `L`.
+# * Synchronised cursors concentrate every checkpoint write on one step (the flush spike);
+#   staggered cursors move the cycle-average bytes on every step.
+# * The measured side (model floor vs time, flush spike, break-even batch) is printed above
+#   with its source file, or marked as missing when no benchmark file is committed.
