@@ -1,0 +1,319 @@
+"""A small decoder: embedding, pre-norm blocks of (GDN layer + SwiGLU MLP), final norm, LM head.
+
+Three entry points over the same params:
+
+* `decode_step(params, state, tokens, slots, force_flush)`: one token per row through the
+  ReplaySSM `ModelState`. One flush plan per step, a `lax.scan` over layers carrying the
+  state's flat view (every layer scatters into the same buffers), one cursor advance.
+  `jitted_decode_step` is it under `jit` with the state donated: fixed shapes (padding rows
+  have slot -1), so cursors, joins and leaves never recompile, and the state pool is
+  updated in place.
+* `prefill(params, state, tokens, lengths, slots)`: continue each slot's sequence by a prompt
+  chunk with the plain recurrence; leaves a flushed checkpoint (cursor 0) and the conv state.
+* `plain_forward(params, tokens, plain)`: the plain recurrence from an explicit per-row
+  `PlainState` (state read and written every token): the reference decode (T = 1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Float, Int
+
+from replayssm_jax import replay
+from replayssm_jax.config import ReplayConfig
+from replayssm_jax.decode import Backend, check_slots
+from replayssm_jax.model import slots as slot_ops
+from replayssm_jax.model.layer import (
+    GDNDims,
+    GDNParams,
+    gdn_plain,
+    gdn_replay,
+    init_gdn_params,
+    matmul,
+    rms_norm,
+)
+from replayssm_jax.model.state import (
+    ModelState,
+    check_model_state,
+    flat_view,
+    from_flat_view,
+    init_model_state,
+    layer_plan,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderConfig:
+    """Model sizes (small CPU defaults). Validated: every size a positive int."""
+
+    vocab_size: int = 256
+    d_model: int = 64
+    num_layers: int = 2
+    num_k_heads: int = 2
+    num_v_heads: int = 4
+    head_k_dim: int = 32
+    head_v_dim: int = 32
+    mlp_hidden: int = 128
+    conv_kernel: int = 4
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{field.name} must be a positive int, got {value!r}")
+        if self.num_v_heads % self.num_k_heads:
+            raise ValueError(
+                f"num_v_heads ({self.num_v_heads}) must be a multiple of num_k_heads "
+                f"({self.num_k_heads})"
+            )
+        if self.conv_kernel < 2:
+            raise ValueError(f"conv_kernel must be >= 2, got {self.conv_kernel}")
+
+    @property
+    def gdn(self) -> GDNDims:
+        return GDNDims(
+            self.d_model, self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim,
+            self.conv_kernel,
+        )
+
+    def replay_config(
+        self, cache_len: int, state_dtype=jnp.float32, cache_dtype=None
+    ) -> ReplayConfig:
+        """The GDN layers' `ReplayConfig`; caches default to the state dtype."""
+        return ReplayConfig(
+            self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim, cache_len,
+            state_dtype=state_dtype,
+            cache_dtype=state_dtype if cache_dtype is None else cache_dtype,
+        )
+
+    def init_state(
+        self, num_slots: int, cache_len: int, state_dtype=jnp.float32, cache_dtype=None
+    ) -> ModelState:
+        """An empty `ModelState` for this model (conv state in float32)."""
+        return init_model_state(
+            self.replay_config(cache_len, state_dtype, cache_dtype),
+            self.num_layers, num_slots, self.gdn.conv_channels, self.conv_kernel,
+        )
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class BlockParams:
+    """One pre-norm block (stacked over layers in `DecoderParams.blocks`)."""
+
+    attn_norm: Float[Array, " D"]
+    gdn: GDNParams
+    mlp_norm: Float[Array, " D"]
+    w_gate: Float[Array, "D F"]
+    w_up: Float[Array, "D F"]
+    w_down: Float[Array, "F D"]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecoderParams:
+    """All weights; every leaf of `blocks` has a leading layer axis Y."""
+
+    embed: Float[Array, "V D"]
+    blocks: BlockParams
+    final_norm: Float[Array, " D"]
+    lm_head: Float[Array, "D V"]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PlainState:
+    """Per-row state of the plain recurrence: ssm float32 `[Y,B,Hv,Dv,Dk]`, conv `[Y,B,K-1,C]`."""
+
+    ssm: Float[Array, "Y B Hv Dv Dk"]
+    conv: Float[Array, "Y B Km1 C"]
+
+
+def init_params(config: DecoderConfig, seed: int) -> DecoderParams:
+    """Seeded random weights (fan-in scaled normals, unit norms), drawn with numpy (no compile)."""
+    rng = np.random.default_rng(seed)
+    d, f = config.d_model, config.mlp_hidden
+    normal = lambda shape, fan_in: jnp.asarray(rng.standard_normal(shape) * fan_in**-0.5, jnp.float32)
+
+    def block():
+        return BlockParams(
+            attn_norm=jnp.ones((d,), jnp.float32),
+            gdn=init_gdn_params(rng, config.gdn),
+            mlp_norm=jnp.ones((d,), jnp.float32),
+            w_gate=normal((d, f), d),
+            w_up=normal((d, f), d),
+            w_down=normal((f, d), f),
+        )
+
+    blocks = jax.tree.map(lambda *xs: jnp.stack(xs), *[block() for _ in range(config.num_layers)])
+    return DecoderParams(
+        embed=normal((config.vocab_size, d), 1),
+        blocks=blocks,
+        final_norm=jnp.ones((d,), jnp.float32),
+        lm_head=normal((d, config.vocab_size), d),
+    )
+
+
+def init_plain_state(config: DecoderConfig, batch: int) -> PlainState:
+    """Zero plain state for `batch` independent rows."""
+    g = config.gdn
+    return PlainState(
+        ssm=jnp.zeros(
+            (config.num_layers, batch, g.num_v_heads, g.head_v_dim, g.head_k_dim), jnp.float32
+        ),
+        conv=jnp.zeros((config.num_layers, batch, config.conv_kernel - 1, g.conv_channels)),
+    )
+
+
+def _mlp(block: BlockParams, x: Float[Array, "... D"]) -> Float[Array, "... D"]:
+    h = rms_norm(x, block.mlp_norm)
+    return matmul(jax.nn.silu(matmul(h, block.w_gate)) * matmul(h, block.w_up), block.w_down)
+
+
+def _embed(params: DecoderParams, tokens: Int[Array, "..."]) -> Float[Array, "... D"]:
+    return params.embed[jnp.clip(tokens, 0, params.embed.shape[0] - 1)]
+
+
+def _logits(params: DecoderParams, x: Float[Array, "... D"]) -> Float[Array, "... V"]:
+    return matmul(rms_norm(x, params.final_norm), params.lm_head)
+
+
+def _dims(params: DecoderParams, state_config: ReplayConfig) -> GDNDims:
+    return GDNDims(
+        params.embed.shape[1], state_config.num_k_heads, state_config.num_v_heads,
+        state_config.head_k_dim, state_config.head_v_dim, params.blocks.gdn.conv_weight.shape[1],
+    )
+
+
+def _check_tokens(name: str, tokens: Array, ndim: int) -> None:
+    if jnp.ndim(tokens) != ndim or not jnp.issubdtype(jnp.result_type(tokens), jnp.integer):
+        raise ValueError(
+            f"{name} must be an integer array with {ndim} dims, got "
+            f"{tuple(jnp.shape(tokens))} {jnp.result_type(tokens)}"
+        )
+
+
+def decode_step(
+    params: DecoderParams,
+    state: ModelState,
+    tokens: Int[Array, " B"],
+    slots: Int[Array, " B"],
+    force_flush: Bool[Array, " B"] | None = None,
+    *,
+    backend: Backend = "xla",
+) -> tuple[Float[Array, "B V"], ModelState, replay.StepPlan]:
+    """One token per row through every layer with ReplaySSM.
+
+    Args:
+      tokens: `[B]` input token of each row (ignored on padding rows).
+      slots: `[B]` slot of each row; negative = padding row (writes nothing).
+      force_flush: optional `[B]` bool, e.g. `slots.track_flush(seq_lens, interval)`.
+
+    Returns:
+      `(logits [B, V], new_state, plan)`; `plan` says which rows flushed and their cursor
+      before the step (for statistics).
+    """
+    check_model_state(state)
+    _check_tokens("tokens", tokens, 1)
+    check_slots("slots", slots, jnp.shape(tokens)[0], state.num_slots)
+    plan = replay.plan_step(state.write_pos, slots, force_flush, state.config.cache_len)
+    dims = _dims(params, state.config)
+    view, conv_pool = flat_view(state)
+
+    def layer(carry, xs):
+        x, view, conv_pool = carry
+        block, index = xs
+        mixed, view, conv_pool = gdn_replay(
+            block.gdn, dims, rms_norm(x, block.attn_norm), view, conv_pool,
+            layer_plan(plan, index, state.num_slots), backend=backend,
+        )
+        x = x + mixed
+        return (x + _mlp(block, x), view, conv_pool), None
+
+    init = (_embed(params, tokens), view, conv_pool)
+    (x, view, conv_pool), _ = jax.lax.scan(
+        layer, init, (params.blocks, jnp.arange(state.num_layers))
+    )
+    write_pos = replay.advance_write_pos(state.write_pos, plan)
+    return _logits(params, x), from_flat_view(state, view, conv_pool, write_pos), plan
+
+
+jitted_decode_step = jax.jit(decode_step, static_argnames=("backend",), donate_argnames=("state",))
+
+
+def plain_forward(
+    params: DecoderParams,
+    tokens: Int[Array, "B T"],
+    plain: PlainState,
+    lengths: Int[Array, " B"] | None = None,
+) -> tuple[Float[Array, "B T V"], PlainState]:
+    """T tokens per row with the plain recurrence from `plain`; positions >= lengths are padding."""
+    _check_tokens("tokens", tokens, 2)
+    dims = _plain_dims(params, plain)
+
+    def layer(x, xs):
+        block, ssm, conv = xs
+        mixed, ssm, conv = gdn_plain(
+            block.gdn, dims, rms_norm(x, block.attn_norm), ssm, conv, lengths
+        )
+        x = x + mixed
+        return x + _mlp(block, x), (ssm, conv)
+
+    x, (ssm, conv) = jax.lax.scan(layer, _embed(params, tokens), (params.blocks, plain.ssm, plain.conv))
+    return _logits(params, x), PlainState(ssm=ssm, conv=conv)
+
+
+def _plain_dims(params: DecoderParams, plain: PlainState) -> GDNDims:
+    """Layer sizes from the weights and the plain state (H_k from C = 2 H_k d_k + H_v d_v)."""
+    _, _, hv, dv, dk = plain.ssm.shape
+    hk = (params.blocks.gdn.w_qkv.shape[-1] - hv * dv) // (2 * dk)
+    return GDNDims(params.embed.shape[1], hk, hv, dk, dv, params.blocks.gdn.conv_weight.shape[1])
+
+
+def prefill(
+    params: DecoderParams,
+    state: ModelState,
+    tokens: Int[Array, "B T"],
+    lengths: Int[Array, " B"],
+    slots: Int[Array, " B"],
+) -> tuple[Float[Array, "B V"], ModelState]:
+    """Continue each row's slot by `lengths[b]` tokens (right-padded to T) with the plain recurrence.
+
+    Starts from the slot's live state and conv state (a fresh `reset_slots` slot, or a
+    restored prefix snapshot), runs the recurrence over the chunk, and leaves the final state
+    as a flushed checkpoint (cursor 0) with the new conv state.
+
+    Returns:
+      `(logits of each row's last token [B, V], new_state)`.
+    """
+    check_model_state(state)
+    _check_tokens("tokens", tokens, 2)
+    if jnp.shape(lengths) != jnp.shape(tokens)[:1]:
+        raise ValueError(
+            f"lengths must have shape {jnp.shape(tokens)[:1]} (one per row), got {jnp.shape(lengths)}"
+        )
+    slots = slot_ops.check_slots_arg("slots", slots, state.num_slots, unique=True)
+    valid = slots >= 0
+    slot = jnp.where(valid, slots, 0)
+    start = PlainState(ssm=slot_ops.live_states(state, slots), conv=state.conv_state[:, slot])
+    logits, end = plain_forward(params, tokens, start, lengths)
+    target = jnp.where(valid, slots, state.num_slots)
+    state = dataclasses.replace(
+        state,
+        checkpoint=state.checkpoint.at[:, target].set(end.ssm.astype(state.checkpoint.dtype), mode="drop"),
+        conv_state=state.conv_state.at[:, target].set(end.conv, mode="drop"),
+        write_pos=state.write_pos.at[target].set(0, mode="drop"),
+    )
+    last = jnp.take_along_axis(logits, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)
+    return last[:, 0], state
+
+
+jitted_prefill = jax.jit(prefill, donate_argnames=("state",))
+plain_step = jax.jit(plain_forward)
+
+
+def num_params(params: DecoderParams) -> int:
+    return int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))

@@ -1,0 +1,225 @@
+"""Slot operations on a `ModelState`: pure functions, usable under `jit` (donate the state).
+
+A slot is one physical row of every layer's state pool. Slot arrays are int `[B]`; a
+negative entry is a padding entry and is ignored, so a fixed-size array serves any number
+of live entries without recompiling.
+
+Validation happens twice:
+
+* at the Python boundary, when the slot values are concrete (eager calls): a clear
+  `ValueError` for a slot >= N, a duplicate where it matters, or mismatched lengths;
+* inside `jit` the values are tracers, so each op calls `checkify.debug_check`: wrap the
+  op (or your jitted step) in `jax.experimental.checkify.checkify` to get the error,
+  e.g. `err, out = jax.jit(checkify.checkify(reset_slots))(state, slots); err.throw()`.
+  (`debug_check` rather than `check`: a plain `check` that is not functionalized by
+  `checkify` makes `jit` fail to lower; `debug_check` is a no-op there.) Without
+  `checkify`, out-of-range slots are dropped by the scatters, never written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import checkify
+from jaxtyping import Array, Bool, Float, Int
+
+from replayssm_jax import replay
+from replayssm_jax.decode import concrete_or_none
+from replayssm_jax.model.state import ModelState, Snapshot, check_model_state
+from replayssm_jax.state import ReplayState
+
+
+def check_slots_arg(name: str, slots: Array, num_slots: int, *, unique: bool) -> Int[Array, " B"]:
+    """`slots` as int32 `[B]` after the boundary checks; adds the in-jit checkify checks."""
+    if jnp.ndim(slots) != 1:
+        raise ValueError(f"{name} must be a 1-D [B] array, got shape {tuple(jnp.shape(slots))}")
+    if not jnp.issubdtype(jnp.result_type(slots), jnp.integer):
+        raise ValueError(f"{name} must be an integer array, got dtype {jnp.result_type(slots)}")
+    values = concrete_or_none(slots)
+    if values is not None:
+        if (values >= num_slots).any():
+            raise ValueError(
+                f"{name} holds slot {int(values.max())}, but the state has {num_slots} slots "
+                f"(valid: 0..{num_slots - 1}, negative = padding)"
+            )
+        live = values[values >= 0]
+        if unique and len(set(live.tolist())) != live.size:
+            raise ValueError(f"{name} names a slot more than once: {values.tolist()}")
+    slots = jnp.asarray(slots, jnp.int32)
+    checkify.debug_check(
+        jnp.all(slots < num_slots), f"{name} holds a slot >= {num_slots}: {{s}}", s=slots
+    )
+    if unique:
+        # Padding entries become distinct negatives so that only live duplicates count.
+        keyed = jnp.sort(jnp.where(slots >= 0, slots, -1 - jnp.arange(slots.shape[0])))
+        checkify.debug_check(
+            jnp.all(keyed[1:] != keyed[:-1]), f"{name} names a slot twice: {{s}}", s=slots
+        )
+    return slots
+
+
+def _target(slots: Int[Array, " B"], num_slots: int) -> Int[Array, " B"]:
+    """Scatter index: padding entries point past the end (dropped by mode="drop")."""
+    return jnp.where(slots >= 0, slots, num_slots)
+
+
+def _check_rows(name: str, x: Array, want: tuple[int, ...]) -> None:
+    if tuple(jnp.shape(x)) != want:
+        raise ValueError(f"{name} must have shape {want}, got {tuple(jnp.shape(x))}")
+    if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+        raise ValueError(f"{name} must be a floating array, got dtype {jnp.result_type(x)}")
+
+
+def live_states(state: ModelState, slots: Int[Array, " B"]) -> Float[Array, "Y B Hv Dv Dk"]:
+    """Every layer's live state of each slot (checkpoint replayed with its valid cache), float32.
+
+    Padding entries give zeros. Slots are not validated here (see the public ops).
+    """
+    plan = replay.plan_step(state.write_pos, slots, None, state.config.cache_len)
+
+    def one_layer(checkpoint, u_cache, k_cache, g_cache):
+        layer = ReplayState(
+            checkpoint, u_cache, k_cache, g_cache, state.write_pos, config=state.config
+        )
+        return replay.replay_state(layer, plan)
+
+    return jax.vmap(one_layer)(state.checkpoint, state.u_cache, state.k_cache, state.g_cache)
+
+
+def reset_slots(
+    state: ModelState,
+    slots: Int[Array, " B"],
+    checkpoint: Float[Array, "Y B Hv Dv Dk"] | None = None,
+    conv_state: Float[Array, "Y B Km1 C"] | None = None,
+) -> ModelState:
+    """Start `slots` afresh: zero (or given) checkpoint and conv state, empty cache (cursor 0).
+
+    Restoring a prefix snapshot is `reset_slots(state, slots, snap.checkpoint,
+    snap.conv_state)`. Cache entries are not zeroed: cursor 0 makes them stale (never read).
+
+    Raises:
+      ValueError: slot >= N, a slot named twice, or a checkpoint / conv state whose shape
+        is not `[Y, B, ...]` for this state.
+    """
+    check_model_state(state)
+    slots = check_slots_arg("slots", slots, state.num_slots, unique=True)
+    rows = (state.num_layers, slots.shape[0])
+    if checkpoint is None:
+        checkpoint = jnp.zeros((*rows, *state.checkpoint.shape[2:]), state.checkpoint.dtype)
+    _check_rows("checkpoint", checkpoint, (*rows, *state.checkpoint.shape[2:]))
+    if conv_state is None:
+        conv_state = jnp.zeros((*rows, *state.conv_state.shape[2:]), state.conv_state.dtype)
+    _check_rows("conv_state", conv_state, (*rows, *state.conv_state.shape[2:]))
+    target = _target(slots, state.num_slots)
+    return dataclasses.replace(
+        state,
+        checkpoint=state.checkpoint.at[:, target].set(
+            checkpoint.astype(state.checkpoint.dtype), mode="drop"
+        ),
+        conv_state=state.conv_state.at[:, target].set(
+            conv_state.astype(state.conv_state.dtype), mode="drop"
+        ),
+        write_pos=state.write_pos.at[target].set(0, mode="drop"),
+    )
+
+
+def flush_slots(state: ModelState, slots: Int[Array, " B"]) -> ModelState:
+    """Write each slot's live state into its checkpoint in every layer; cursor 0, no token.
+
+    Raises:
+      ValueError: slot >= N or a slot named twice.
+    """
+    check_model_state(state)
+    slots = check_slots_arg("slots", slots, state.num_slots, unique=True)
+    live = live_states(state, slots).astype(state.checkpoint.dtype)
+    target = _target(slots, state.num_slots)
+    return dataclasses.replace(
+        state,
+        checkpoint=state.checkpoint.at[:, target].set(live, mode="drop"),
+        write_pos=state.write_pos.at[target].set(0, mode="drop"),
+    )
+
+
+def copy_slots(
+    state: ModelState, src: Int[Array, " B"], dst: Int[Array, " B"]
+) -> ModelState:
+    """`dst[i]` gets `src[i]`'s LIVE state (its cache replayed) and conv state, empty cache.
+
+    Works whatever the source's cursor; the source is left as it is. All sources are read
+    before any destination is written. A pair with `dst[i] < 0` is padding.
+
+    Raises:
+      ValueError: src and dst of different lengths, a slot >= N, a dst named twice, or a
+        padding src paired with a live dst.
+    """
+    check_model_state(state)
+    if jnp.shape(src) != jnp.shape(dst):
+        raise ValueError(
+            f"src and dst must have the same shape, got {tuple(jnp.shape(src))} and "
+            f"{tuple(jnp.shape(dst))}"
+        )
+    src = check_slots_arg("src", src, state.num_slots, unique=False)
+    dst = check_slots_arg("dst", dst, state.num_slots, unique=True)
+    src_values, dst_values = concrete_or_none(src), concrete_or_none(dst)
+    if src_values is not None and dst_values is not None:
+        if ((src_values < 0) & (dst_values >= 0)).any():
+            raise ValueError(f"src has padding where dst names a slot: {src.tolist()} -> {dst.tolist()}")
+    checkify.debug_check(
+        jnp.all((src >= 0) | (dst < 0)), "src has padding where dst names a slot: {s}", s=src
+    )
+    live = live_states(state, src).astype(state.checkpoint.dtype)
+    conv = state.conv_state[:, jnp.maximum(src, 0)]
+    target = _target(dst, state.num_slots)
+    return dataclasses.replace(
+        state,
+        checkpoint=state.checkpoint.at[:, target].set(live, mode="drop"),
+        conv_state=state.conv_state.at[:, target].set(conv, mode="drop"),
+        write_pos=state.write_pos.at[target].set(0, mode="drop"),
+    )
+
+
+def track_flush(seq_lens: Int[Array, " B"], track_interval: int) -> Bool[Array, " B"]:
+    """Per-row `force_flush` that lands the checkpoint exactly on prefix-cache track positions.
+
+    `seq_lens[i]` is row i's sequence length INCLUDING this step's input token (SGLang's
+    decode `seq_lens`): the step's input is token number `seq_lens` (1-based), so a flush
+    on this step writes the state after exactly `seq_lens` tokens. Flushing where
+    `seq_lens % track_interval == 0` therefore writes the state at each track position.
+    Rows with `seq_lens <= 0` (padding) never flush.
+    """
+    if isinstance(track_interval, bool) or not isinstance(track_interval, int) or track_interval < 1:
+        raise ValueError(f"track_interval must be a positive int, got {track_interval!r}")
+    seq_lens = jnp.asarray(seq_lens)
+    if seq_lens.ndim != 1 or not jnp.issubdtype(seq_lens.dtype, jnp.integer):
+        raise ValueError(f"seq_lens must be an int [B] array, got {seq_lens.dtype} {seq_lens.shape}")
+    return (seq_lens > 0) & (seq_lens % track_interval == 0)
+
+
+def snapshot(state: ModelState, slots: Int[Array, " B"]) -> Snapshot:
+    """Read the checkpoint and conv state of flushed slots (cursor 0); zeros for padding.
+
+    Between flushes the checkpoint is not the live state, so a slot with cached entries
+    is an error: `ValueError` when `state.write_pos` is concrete, a `checkify` error
+    under `jit` (wrap with `checkify.checkify`). Flush it first (`flush_slots`) or force
+    the flush at the track position (`track_flush`).
+    """
+    check_model_state(state)
+    slots = check_slots_arg("slots", slots, state.num_slots, unique=False)
+    valid = slots >= 0
+    slot = jnp.where(valid, slots, 0)
+    cursors = jnp.where(valid, state.write_pos[slot], 0)
+    values = concrete_or_none(cursors)
+    if values is not None and values.any():
+        raise ValueError(
+            f"snapshot of unflushed slots: cursors {values.tolist()} for slots "
+            f"{slots.tolist()} (must be 0; flush first)"
+        )
+    checkify.debug_check(
+        jnp.all(cursors == 0), "snapshot of unflushed slots, cursors {c}", c=cursors
+    )
+    keep = lambda x: jnp.where(valid.reshape(1, -1, *([1] * (x.ndim - 2))), x, 0)
+    return Snapshot(
+        checkpoint=keep(state.checkpoint[:, slot]), conv_state=keep(state.conv_state[:, slot])
+    )

@@ -1,0 +1,187 @@
+"""Model-level ReplaySSM state: every linear-attention layer of a model in one pytree.
+
+Layout (Y layers, N physical slots, L = cache_len, C = conv channels, K = conv kernel):
+
+  checkpoint  [Y, N, H_v, d_v, d_k]   state_dtype   per layer, as in `ReplayState`
+  u_cache     [Y, N, H_v, L, d_v]     cache_dtype
+  k_cache     [Y, N, H_k, L, d_k]     cache_dtype
+  g_cache     [Y, N, H_v, L]          float32
+  conv_state  [Y, N, K - 1, C]        conv_dtype    last K - 1 inputs of the causal conv
+  write_pos   [N]                     int32         ONE cursor per slot, shared by all layers
+
+Per forward pass the flush plan is computed once (`replay.plan_step` on `write_pos`), every
+layer applies it, and the cursor advances once (`replay.advance_write_pos`).
+
+Two per-layer views of the same arrays:
+
+* `layer_state(state, i)`: layer i's `ReplayState` (slices + the shared `write_pos`), for
+  inspection (`materialize_state`) and tests. Slicing copies, so a step never uses it.
+* `flat_view(state)` + `layer_plan(plan, i, N)`: the stacked arrays reshaped (a free
+  bitcast) to one pool of Y * N slots, layer i's slot s at index i * N + s. A decode step
+  carries this view through a `lax.scan` over layers and `layer_step` scatters straight
+  into the donated buffers: no per-layer slice, no copy of the pool.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+from replayssm_jax.config import ReplayConfig
+from replayssm_jax.replay import StepPlan
+from replayssm_jax.state import ReplayState, state_shapes
+
+_REPLAY_FIELDS = ("checkpoint", "u_cache", "k_cache", "g_cache")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ModelState:
+    """Pytree of a model's ReplaySSM state (see the module docstring); `config` is static."""
+
+    checkpoint: Float[Array, "Y N Hv Dv Dk"]
+    u_cache: Float[Array, "Y N Hv L Dv"]
+    k_cache: Float[Array, "Y N Hk L Dk"]
+    g_cache: Float[Array, "Y N Hv L *Dk"]
+    conv_state: Float[Array, "Y N Km1 C"]
+    write_pos: Int[Array, " N"]
+    config: ReplayConfig = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def num_layers(self) -> int:
+        return self.checkpoint.shape[0]
+
+    @property
+    def num_slots(self) -> int:
+        return self.checkpoint.shape[1]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    """The state of B flushed slots, all layers: what a prefix cache stores.
+
+    Attributes:
+      checkpoint: `[Y, B, H_v, d_v, d_k]` in the state dtype.
+      conv_state: `[Y, B, K - 1, C]`.
+    """
+
+    checkpoint: Float[Array, "Y B Hv Dv Dk"]
+    conv_state: Float[Array, "Y B Km1 C"]
+
+
+def _positive(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def init_model_state(
+    config: ReplayConfig,
+    num_layers: int,
+    num_slots: int,
+    conv_channels: int,
+    conv_kernel: int = 4,
+    conv_dtype: jnp.dtype = jnp.float32,
+) -> ModelState:
+    """Zero checkpoints, empty caches, zero conv state for `num_layers` x `num_slots`.
+
+    Raises:
+      ValueError: on a non-positive size or a conv kernel < 2.
+    """
+    num_layers = _positive("num_layers", num_layers)
+    num_slots = _positive("num_slots", num_slots)
+    conv_channels = _positive("conv_channels", conv_channels)
+    if _positive("conv_kernel", conv_kernel) < 2:
+        raise ValueError(f"conv_kernel must be >= 2, got {conv_kernel}")
+    shapes = state_shapes(config, num_slots)
+    arrays = {
+        name: jnp.zeros((num_layers, *shapes[name].shape), shapes[name].dtype)
+        for name in _REPLAY_FIELDS
+    }
+    return ModelState(
+        **arrays,
+        conv_state=jnp.zeros((num_layers, num_slots, conv_kernel - 1, conv_channels), conv_dtype),
+        write_pos=jnp.zeros((num_slots,), jnp.int32),
+        config=config,
+    )
+
+
+def check_model_state(state: ModelState) -> None:
+    """Raise ValueError unless every field matches the state's config and sizes."""
+    if not isinstance(state, ModelState):
+        raise ValueError(f"state must be a ModelState, got {type(state).__name__}")
+    y, n = state.checkpoint.shape[:2]
+    shapes = state_shapes(state.config, n)
+    for name in _REPLAY_FIELDS:
+        want, got = shapes[name], getattr(state, name)
+        if tuple(got.shape) != (y, *want.shape) or got.dtype != want.dtype:
+            raise ValueError(
+                f"state.{name} must have shape {(y, *want.shape)} and dtype {want.dtype}, got "
+                f"{tuple(got.shape)} {got.dtype}"
+            )
+    if state.conv_state.ndim != 4 or state.conv_state.shape[:2] != (y, n):
+        raise ValueError(
+            f"state.conv_state must be [{y}, {n}, K-1, C], got {tuple(state.conv_state.shape)}"
+        )
+    if tuple(state.write_pos.shape) != (n,) or state.write_pos.dtype != jnp.int32:
+        raise ValueError(
+            f"state.write_pos must be int32 [{n}], got {tuple(state.write_pos.shape)} "
+            f"{state.write_pos.dtype}"
+        )
+
+
+def layer_state(state: ModelState, layer: int) -> ReplayState:
+    """Layer `layer`'s `ReplayState` (sliced arrays, shared `write_pos`)."""
+    return ReplayState(
+        **{name: getattr(state, name)[layer] for name in _REPLAY_FIELDS},
+        write_pos=state.write_pos,
+        config=state.config,
+    )
+
+
+def flat_view(state: ModelState) -> tuple[ReplayState, Float[Array, "YN Km1 C"]]:
+    """All layers as one `ReplayState` pool of Y * N slots, plus the conv pool `[Y*N, K-1, C]`.
+
+    Layer i's slot s is flat slot `i * N + s`; `write_pos` is tiled so every flat slot
+    carries its slot's shared cursor. The reshapes are bitcasts (no copy).
+    """
+    flat = {name: _merge(getattr(state, name)) for name in _REPLAY_FIELDS}
+    write_pos = jnp.tile(state.write_pos, state.num_layers)
+    view = ReplayState(**flat, write_pos=write_pos, config=state.config)
+    return view, _merge(state.conv_state)
+
+
+def from_flat_view(
+    state: ModelState,
+    view: ReplayState,
+    conv_pool: Float[Array, "YN Km1 C"],
+    write_pos: Int[Array, " N"],
+) -> ModelState:
+    """Fold a flat view (after layer steps) back into `state`'s layout with a new cursor."""
+    y = state.num_layers
+    return dataclasses.replace(
+        state,
+        **{name: _split(getattr(view, name), y) for name in _REPLAY_FIELDS},
+        conv_state=_split(conv_pool, y),
+        write_pos=write_pos,
+    )
+
+
+def layer_plan(plan: StepPlan, layer: Int[Array, ""] | int, num_slots: int) -> StepPlan:
+    """`plan` addressed to layer `layer` of a flat view (slot s -> layer * N + s)."""
+    return plan._replace(slot=plan.slot + layer * num_slots)
+
+
+def _merge(x: Array) -> Array:
+    """`[Y, N, ...]` -> `[Y * N, ...]`."""
+    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
+def _split(x: Array, num_layers: int) -> Array:
+    """`[Y * N, ...]` -> `[Y, N, ...]`."""
+    return x.reshape(num_layers, x.shape[0] // num_layers, *x.shape[1:])
