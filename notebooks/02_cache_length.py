@@ -208,8 +208,8 @@ def row_config(row) -> ReplayConfig:
 
 
 def shape_key(row):
-    return (row["gate"], row["num_k_heads"], row["num_v_heads"], row["head_k_dim"], row["head_v_dim"],
-            row["cache_dtype"])
+    """The layer shape of a row: (gate, H_k, H_v, d_k, d_v)."""
+    return (row["gate"], row["num_k_heads"], row["num_v_heads"], row["head_k_dim"], row["head_v_dim"])
 
 
 def select(rows, **want):
@@ -233,7 +233,8 @@ def byte_check(rows):
 
 if rows:
     shapes = sorted({shape_key(r) for r in rows})
-    print("layer shapes in the file (gate, H_k, H_v, d_k, d_v, cache dtype):", shapes)
+    print("layer shapes in the file (gate, H_k, H_v, d_k, d_v):", shapes)
+    print("(state dtype, cache dtype) pairs:", sorted({(r["state_dtype"], r["cache_dtype"]) for r in rows}))
     print(f"byte counts in the file vs replayssm_jax.cost: largest relative gap {byte_check(rows):.2%}")
 
 # %% [markdown]
@@ -252,21 +253,32 @@ def main_shape(rows):
 
 
 plot_shape = main_shape(rows)
-if plot_shape:
-    gate, hk, hv, dk, dv, cache_dtype = plot_shape
-else:
-    gate, hk, hv, dk, dv, cache_dtype = "gdn", NUM_K_HEADS, NUM_V_HEADS, HEAD_DIM, HEAD_DIM, "bfloat16"
+gate, hk, hv, dk, dv = plot_shape or ("gdn", NUM_K_HEADS, NUM_V_HEADS, HEAD_DIM, HEAD_DIM)
 plot_rows = [r for r in rows if shape_key(r) == plot_shape]
-state_dtypes = sorted({r["state_dtype"] for r in plot_rows}, key=lambda d: d != "float32")
-state_dtypes = state_dtypes or ["float32", "bfloat16"]
-layer_text = f"{gate.upper()} H_k={hk} H_v={hv} d_k={dk} d_v={dv}, {cache_dtype} caches"
+
+
+def cache_dtype_per_state(rows):
+    """For each state dtype, the cache dtype of most of its rows."""
+    out = {}
+    for sd in {r["state_dtype"] for r in rows}:
+        cds = [r["cache_dtype"] for r in rows if r["state_dtype"] == sd]
+        out[sd] = max(set(cds), key=cds.count)
+    return out
+
+
+# Without a file, model the benchmark's convention: caches in the state dtype.
+cache_of = cache_dtype_per_state(plot_rows) or {"float32": "float32", "bfloat16": "bfloat16"}
+plot_rows = [r for r in plot_rows if r["cache_dtype"] == cache_of[r["state_dtype"]]]
+state_dtypes = sorted(cache_of, key=lambda d: d != "float32")
+layer_text = f"{gate.upper()} H_k={hk} H_v={hv} d_k={dk} d_v={dv}"
+print("plotted:", layer_text, "| state dtype -> cache dtype:", cache_of, f"| {len(plot_rows)} rows")
 
 fig, axes = plt.subplots(1, len(state_dtypes), figsize=(7.5 * len(state_dtypes), 5), squeeze=False)
 for ax, sd in zip(axes[0], state_dtypes):
     measured = select(plot_rows, state_dtype=sd, cursors="sync")
     batches = sorted({r["batch"] for r in measured}) or list(BATCHES)
     for i, B in enumerate(batches):
-        cfgs = [layer(L, sd, cache_dtype, gate, hk, hv, dk, dv) for L in Ls]
+        cfgs = [layer(L, sd, cache_of[sd], gate, hk, hv, dk, dv) for L in Ls]
         floor = [cost.floor_us(cost.replay_cycle_bytes(c, B).total, bandwidth) for c in cfgs]
         ax.plot(Ls, floor, "--", color=f"C{i}", lw=1, label=f"B={B} model floor")
         pts = sorted(select(measured, batch=B), key=lambda r: r["cache_len"])
@@ -276,7 +288,8 @@ for ax, sd in zip(axes[0], state_dtypes):
             ax.plot([r["cache_len"] for r in pts], [r["plain_us"] for r in pts], "s:", ms=4,
                     color=f"C{i}", alpha=0.6, label=f"B={B} measured plain")
     ax.set(xscale="log", yscale="log", xlabel="cache length L (steps)",
-           ylabel="time per decode step (µs, cycle average)", title=f"{sd} state")
+           ylabel="time per decode step (µs, cycle average)",
+           title=f"{sd} state, {cache_of[sd]} caches")
     ax.set_xticks(Ls, [str(L) for L in Ls])
     ax.legend(fontsize=7, ncol=2)
     if not measured:
@@ -296,7 +309,8 @@ plt.show()
 # Left: the byte model over three cycles. Right: measured non-flush / flush / cycle times.
 
 # %%
-spike_cfg = layer(SPIKE_CACHE_LEN, "float32", cache_dtype, gate, hk, hv, dk, dv)
+spike_caches = cache_of.get("float32", "float32")
+spike_cfg = layer(SPIKE_CACHE_LEN, "float32", spike_caches, gate, hk, hv, dk, dv)
 steps = np.arange(3 * SPIKE_CACHE_LEN)
 sync = [cost.replay_step_bytes(spike_cfg, cost.sync_cursors(t, SPIKE_BATCH, SPIKE_CACHE_LEN)).total
         for t in steps]
@@ -310,7 +324,8 @@ ax.step(steps, np.array(sync) / MIB, where="mid", label="synchronised cursors")
 ax.step(steps, np.array(stag) / MIB, where="mid", label="staggered cursors")
 ax.axhline(plain / MIB, color="k", ls="--", label="plain decode")
 ax.set(xlabel="decode step", ylabel="MiB moved in the step (all rows)",
-       title=f"(a) byte model, B={SPIKE_BATCH}, L={SPIKE_CACHE_LEN}, fp32 state\n{layer_text}")
+       title=f"(a) byte model, B={SPIKE_BATCH}, L={SPIKE_CACHE_LEN}, fp32 state, "
+             f"{spike_caches} caches\n{layer_text}")
 ax.legend(fontsize=8)
 
 ax = axes[1]
@@ -344,7 +359,7 @@ plt.show()
 
 for b in bars if bars else []:
     r = sync_rows.get(b)
-    if r and r["replay_flush_us"] is not None:
+    if r and r["replay_flush_us"] is not None and r["replay_nonflush_us"] is not None:
         print(f"B={b:4d}: flush step {r['replay_flush_us']:8.1f} µs = "
               f"{r['replay_flush_us'] / r['replay_nonflush_us']:.2f}x the non-flush step "
               f"(byte counts in the file: {r['replay_flush_bytes'] / r['replay_nonflush_bytes']:.2f}x)")
@@ -370,9 +385,10 @@ for sd, L in curves:
     ax.plot([r["batch"] for r in pts], [r["speedup_vs_plain"] for r in pts], style[sd],
             color=f"C{curve_lens.index(L) % 10}", label=f"measured, {sd} state, L={L}")
 for sd, ls in (("float32", "-."), ("bfloat16", ":")):
-    model = 1 / ratio_to_plain(layer(SPIKE_CACHE_LEN, sd, cache_dtype, gate, hk, hv, dk, dv))
+    cd = cache_of.get(sd, sd)
+    model = 1 / ratio_to_plain(layer(SPIKE_CACHE_LEN, sd, cd, gate, hk, hv, dk, dv))
     ax.axhline(model, color="grey", ls=ls, lw=1.2,
-               label=f"byte model, {sd} state, L={SPIKE_CACHE_LEN} (any batch)")
+               label=f"byte model, {sd} state, {cd} caches, L={SPIKE_CACHE_LEN} (any batch)")
 ax.axhline(1.0, color="k", lw=1)
 ax.set(xscale="log", xlabel="batch (rows per step)", ylabel="speed-up vs plain decode (×)",
        title=f"(a) speed-up vs batch, synchronised cursors\n{gpu_label}")
@@ -392,9 +408,9 @@ for i, sd in enumerate(state_dtypes):
                 color=f"C{i}", label=f"plain, {sd} state")
 ax.set(xscale="log", xlabel="batch (rows per step)", ylabel="byte floor / measured time",
        title=f"(b) fraction of the byte floor reached\n{gpu_label}", ylim=(0, 1.05))
-if curves:
+if ax.get_legend_handles_labels()[0]:
     ax.legend(fontsize=7)
-else:
+if not curves:
     ax.text(0.5, 0.5, "no measurements", ha="center", transform=ax.transAxes)
     ax.set_xlim(min(BATCHES), max(BATCHES))
 fig.suptitle(f"Where ReplaySSM pays, {layer_text}", y=1.02)
@@ -411,6 +427,22 @@ if plot_rows:
         print(f"  {sd:9s} L={L:3d}: {min(wins) if wins else 'never in this file'}")
 else:
     print("No benchmark file: the break-even batch is a measured quantity and is not shown.")
+
+# %% [markdown]
+# Other layer shapes in the file (e.g. more value heads, KDA) are not plotted; their measured
+# speed-ups per batch (synchronised cursors) are listed here.
+
+# %%
+other = [r for r in rows if shape_key(r) != plot_shape and r["cursors"] == "sync"]
+groups = sorted({(shape_key(r), r["state_dtype"], r["cache_dtype"], r["cache_len"]) for r in other})
+for key, sd, cd, L in groups:
+    pts = sorted((r for r in other if (shape_key(r), r["state_dtype"], r["cache_dtype"], r["cache_len"])
+                  == (key, sd, cd, L)), key=lambda r: r["batch"])
+    g, k_heads, v_heads, d_k, d_v = key
+    speedups = ", ".join(f"B={r['batch']}: {r['speedup_vs_plain']:.2f}x" for r in pts)
+    print(f"{g.upper()} H_k={k_heads} H_v={v_heads} d={d_k}, {sd} state, {cd} caches, L={L}: {speedups}")
+if not other:
+    print("no other layer shapes" + (f" in {source}" if source else " (no benchmark file)"))
 
 # %% [markdown]
 # ## Summary
