@@ -315,9 +315,11 @@ plt.show()
 #   rounded once per window instead of once per step, and between flushes the live state is
 #   the rounded checkpoint plus float32 updates (the saw-tooth in the close-up). `L = 1` is the
 #   bf16 plain recurrence.
-# * **bf16 caches** cost ~2e-3 relative by themselves (each cached `u`, `k` is rounded once and
-#   the rounded entries are what the flush writes into the checkpoint); with a bf16 checkpoint
-#   the two errors add.
+# * **bf16 caches** cost ~2e-3 relative by themselves, whatever `L > 1` (each cached `u`, `k`
+#   is rounded once, and the rounded entries are what the flush writes into the checkpoint);
+#   with a bf16 checkpoint the two errors combine (roughly in quadrature). So at `L >= 16` an
+#   fp32 checkpoint with bf16 caches is no more accurate than a bf16 checkpoint with fp32
+#   caches.
 # * The errors do not grow without bound: the delta rule overwrites the state along each new
 #   key and the decay forgets, so after a few hundred steps the error settles at a level set by
 #   the dtype and `L`.
