@@ -302,61 +302,97 @@ def check_section(smoke: bool) -> list[dict]:
     return rows
 
 
-def tune_section(timer, shape, batches, smoke, deadline) -> list[dict]:
-    rows = []
-    variants = [(16, 2), (16, 4), (32, 4), (32, 8), (64, 4), (64, 8), (128, 8)]
-    if smoke:
-        variants = variants[:2]
+TUNE_VARIANTS = (  # (block_v, num_warps, cache_chunk)
+    (8, 1, 8), (8, 1, 16), (16, 1, 16), (16, 2, 16), (32, 2, 16), (32, 4, 16), (64, 4, 16),
+)
+
+
+def tune_section(timer, shape, batches, smoke, deadline) -> tuple[list[dict], dict]:
+    """Time every variant of both kernels (GDN, fp32 state, L = 16, sync cursors).
+
+    Returns the rows and `{batch: (best plain KernelConfig, best replay KernelConfig)}`.
+    """
+    rows, best = [], {}
+    variants = TUNE_VARIANTS[:2] if smoke else TUNE_VARIANTS
+    cfg = shape.config(16, jnp.float32)
     for batch in batches:
-        for state_dtype in (jnp.float32,):
-            cfg = shape.config(16, state_dtype)
-            for bv, warps in variants:
-                if time.time() > deadline:
-                    return rows
-                kc = KernelConfig(block_v=bv, num_warps=warps)
-                rng = np.random.default_rng(0)
-                plain = time_plain(timer, cfg, batch, kc, rng, 3, smoke)
-                _, _, rep = time_replay(timer, cfg, batch, kc, rng, 3, smoke, staggered=False)
-                row = dict(batch=batch, block_v=bv, num_warps=warps, plain_us=plain, replay_cycle_us=rep)
-                print(f"tune {row}", flush=True)
-                rows.append(row)
-    for batch in batches[-1:]:
-        for precision in ("tf32", "bf16"):
-            cfg = shape.config(16, jnp.float32)
-            kc = dataclasses.replace(default_kernel_config(batch, cfg.state_dtype), rebuild_precision=precision)
-            nf, fl, rep = time_replay(timer, cfg, batch, kc, np.random.default_rng(0), 3, smoke, staggered=False)
-            row = dict(batch=batch, precision=precision, replay_nonflush_us=nf, replay_flush_us=fl, replay_cycle_us=rep)
+        plain_times, replay_times = {}, {}
+        for bv, warps, chunk in variants:
+            if time.time() > deadline:
+                break
+            kc = KernelConfig(block_v=bv, num_warps=warps, cache_chunk=chunk)
+            rng = np.random.default_rng(0)
+            try:
+                plain_us = time_plain(timer, cfg, batch, kc, rng, 3, smoke)
+                nf, fl, replay_us = time_replay(timer, cfg, batch, kc, rng, 3, smoke, staggered=False)
+            except Exception as err:  # a variant that does not compile is skipped, not fatal
+                print(f"tune FAILED B={batch} {kc}: {err!r}"[:2000], flush=True)
+                continue
+            plain_times[kc], replay_times[kc] = plain_us, replay_us
+            row = dict(batch=batch, block_v=bv, num_warps=warps, cache_chunk=chunk,
+                       plain_us=plain_times[kc], replay_nonflush_us=nf, replay_flush_us=fl,
+                       replay_cycle_us=replay_times[kc])
             print(f"tune {row}", flush=True)
             rows.append(row)
-    return rows
+        if plain_times:
+            best[batch] = (min(plain_times, key=plain_times.get), min(replay_times, key=replay_times.get))
+            print(f"tune best B={batch}: plain {best[batch][0]}, replay {best[batch][1]}", flush=True)
+    for batch in batches[-1:]:
+        base = best.get(batch, (None, default_kernel_config(batch)))[1]
+        for precision in ("tf32", "bf16"):
+            kc = dataclasses.replace(base, block_v=max(base.block_v, 16), cache_chunk=16,
+                                     rebuild_precision=precision)
+            try:
+                nf, fl, rep = time_replay(timer, cfg, batch, kc, np.random.default_rng(0), 3, smoke, staggered=False)
+            except Exception as err:
+                print(f"tune FAILED B={batch} {kc}: {err!r}"[:2000], flush=True)
+                continue
+            row = dict(batch=batch, block_v=kc.block_v, num_warps=kc.num_warps, cache_chunk=16,
+                       precision=precision, replay_nonflush_us=nf, replay_flush_us=fl, replay_cycle_us=rep)
+            print(f"tune {row}", flush=True)
+            rows.append(row)
+    return rows, best
 
 
-def sweep_row(timer, shape, cfg, batch, bandwidth, smoke) -> list[dict]:
-    kc = default_kernel_config(batch, cfg.state_dtype)
+def choose_configs(best: dict, batch: int) -> tuple[KernelConfig, KernelConfig]:
+    """(plain, replay) configs: the tuned ones of the nearest tuned batch (log scale), else
+    the package defaults."""
+    if not best:
+        return default_kernel_config(batch, "plain"), default_kernel_config(batch, "replay")
+    nearest = min(best, key=lambda b: (abs(math.log2(b) - math.log2(batch)), b))
+    return best[nearest]
+
+
+def sweep_row(timer, shape, cfg, batch, bandwidth, smoke, configs) -> list[dict]:
+    kc_plain, kc_replay = configs
+    if cfg.cache_len == 1:  # L = 1 runs the plain kernel (every step flushes)
+        kc_replay = kc_plain
     rng = np.random.default_rng(batch * 1000 + cfg.cache_len)
     iters = 3
-    plain_us = time_plain_cached(timer, dataclasses.replace(cfg, cache_len=1), batch, kc, iters, smoke)
+    plain_us = time_plain_cached(timer, dataclasses.replace(cfg, cache_len=1), batch, kc_plain, iters, smoke)
     plain_bytes = cost.plain_step_bytes(cfg, batch).total
     L = cfg.cache_len
     out = []
     for staggered in (False, True):
         if staggered and L == 1:
             continue
-        nf, fl, cyc = time_replay(timer, cfg, batch, kc, rng, iters, smoke, staggered)
+        nf, fl, cyc = time_replay(timer, cfg, batch, kc_replay, rng, iters, smoke, staggered)
         cycle_bytes = cost.replay_cycle_bytes(cfg, batch).total
         nf_bytes = None if staggered or L == 1 else statistics.mean(
             cost.replay_step_bytes(cfg, [p] * batch).total for p in range(L - 1))
         fl_bytes = None if staggered else cost.replay_step_bytes(cfg, [L - 1] * batch).total
         floor = cost.floor_us(cycle_bytes, bandwidth)
         plain_floor = cost.floor_us(plain_bytes, bandwidth)
+        kc = kc_replay.for_head_dim(cfg.head_v_dim)
         row = dict(
             gate=shape.gate, num_k_heads=cfg.num_k_heads, num_v_heads=cfg.num_v_heads,
             head_k_dim=cfg.head_k_dim, head_v_dim=cfg.head_v_dim,
             state_dtype=cfg.state_dtype.name, cache_dtype=cfg.cache_dtype.name, cache_len=L,
             batch=batch, num_slots=pool_layout(batch, cfg.state_bytes_per_slot(), smoke)[1],
             cursors="staggered" if staggered else "sync",
-            block_v=kc.for_head_dim(cfg.head_v_dim).block_v, num_warps=kc.num_warps,
+            block_v=kc.block_v, num_warps=kc.num_warps, cache_chunk=kc.cache_chunk,
             rebuild_precision=kc.rebuild_precision,
+            plain_block_v=kc_plain.block_v, plain_num_warps=kc_plain.num_warps,
             plain_us=plain_us, plain_bytes=plain_bytes,
             replay_nonflush_us=nf, replay_flush_us=fl, replay_cycle_us=cyc,
             replay_nonflush_bytes=nf_bytes, replay_flush_bytes=fl_bytes, replay_cycle_bytes=cycle_bytes,
@@ -400,7 +436,7 @@ def parse_args(argv):
     p.add_argument("--budget-s", type=float, default=540.0, help="stop starting new configs after this")
     p.add_argument("--batches", default="1,8,32,64,128,256,512")
     p.add_argument("--cache-lens", default="1,4,8,16,32")
-    p.add_argument("--tune-batches", default="1,64,512")
+    p.add_argument("--tune-batches", default="1,8,32,128,512")
     p.add_argument("--extra", default="hv64,kda", help="extra grids: hv64 (H_v=64, L=16), kda (L=16)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode, wall clock (CPU)")
     return p.parse_args(argv)
@@ -420,10 +456,12 @@ def main(argv=None) -> dict:
                       "CUPTI per-kernel times, median over steps; slot sets rotated past 3x L2")
     print(f"meta {meta}", flush=True)
     result = dict(meta=meta, checks=[], tune=[], rows=[])
+    best = {}
     if "check" in sections:
         result["checks"] = check_section(args.smoke)
     if "tune" in sections:
-        result["tune"] = tune_section(timer, shape, ints(args.tune_batches), args.smoke, deadline)
+        result["tune"], best = tune_section(timer, shape, ints(args.tune_batches), args.smoke, deadline)
+        result["chosen"] = {b: [dataclasses.asdict(c) for c in cs] for b, cs in best.items()}
     if "sweep" in sections:
         grid = [(shape, dt, L, b) for dt in (jnp.float32, jnp.bfloat16)
                 for L in ints(args.cache_lens) for b in ints(args.batches)]
@@ -439,7 +477,8 @@ def main(argv=None) -> dict:
                 print(f"budget reached: {len(result['rows'])} rows done", flush=True)
                 break
             try:
-                rows = sweep_row(timer, shp, shp.config(L, dt), b, meta["copy_bandwidth_GBps"], args.smoke)
+                rows = sweep_row(timer, shp, shp.config(L, dt), b, meta["copy_bandwidth_GBps"],
+                                 args.smoke, choose_configs(best, b))
             except Exception as err:  # keep the rest of the sweep; the error is in the log
                 print(f"row FAILED {shp} {jnp.dtype(dt).name} L={L} B={b}: {err!r}"[:2000], flush=True)
                 continue

@@ -40,22 +40,30 @@ class KernelConfig:
     """Launch parameters of one decode kernel.
 
     Attributes:
-      block_v: BV, value rows of the state per program (power of two, >= 16, divides d_v).
+      block_v: BV, value rows of the state per program (a power of two dividing d_v; >= 16
+        for the tensor-core rebuild precisions).
       num_warps: warps per program.
-      num_stages: Triton software-pipelining depth.
-      rebuild_precision: the flush rebuild product `[BV, L] x [L, d_k]`:
-        "ieee" (exact fp32 FMA), "tf32" (tensor cores, ~1e-3 relative on the rebuilt
-        part), or "bf16" (operands rounded to bf16 on tensor cores, ~1e-2).
+      num_stages: Triton software-pipelining depth of the cache loops.
+      cache_chunk: C, cache entries loaded per iteration of the replay loops (a power of two;
+        >= 16 for the tensor-core rebuild precisions). Registers stay bounded for any L.
+      rebuild_precision: how a flush rebuilds the live state tile:
+        "ieee": exact fp32, the recurrence replayed entry by entry on chip (rank-1 FMAs);
+        "tf32": `[BV, C] x [C, d_k]` products on tensor cores in tf32 (~1e-3 relative on
+          the rebuilt part);
+        "bf16": the same products with operands rounded to bf16 (~1e-2).
     """
 
-    block_v: int = 32
-    num_warps: int = 4
+    block_v: int = 16
+    num_warps: int = 2
     num_stages: int = 1
+    cache_chunk: int = 16
     rebuild_precision: Precision = "ieee"
 
     def __post_init__(self) -> None:
-        if self.block_v < MIN_DOT_DIM or self.block_v & (self.block_v - 1):
-            raise ValueError(f"block_v must be a power of two >= 16, got {self.block_v}")
+        for name in ("block_v", "cache_chunk"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two, got {value}")
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
         if self.num_stages < 1:
@@ -63,6 +71,11 @@ class KernelConfig:
         if self.rebuild_precision not in PRECISIONS:
             raise ValueError(
                 f"rebuild_precision must be one of {PRECISIONS}, got {self.rebuild_precision!r}"
+            )
+        if self.rebuild_precision != "ieee" and min(self.block_v, self.cache_chunk) < MIN_DOT_DIM:
+            raise ValueError(
+                f"rebuild_precision={self.rebuild_precision!r} runs tensor-core dots and needs "
+                f"block_v and cache_chunk >= {MIN_DOT_DIM}, got {self.block_v}, {self.cache_chunk}"
             )
 
     def for_head_dim(self, head_v_dim: int) -> "KernelConfig":
@@ -149,13 +162,12 @@ def load_token(spec: TokenSpec, refs, b, h):
 
 
 def rebuild_dot(u_t, wk, precision: str):
-    """`u_t [BV, L] @ wk [L, Dk]` in float32 at the requested precision."""
+    """`u_t [BV, C] @ wk [C, Dk]` on tensor cores: "tf32", or "bf16" operands; f32 result."""
     if precision == "bf16":
         return jnp.dot(
             u_t.astype(jnp.bfloat16), wk.astype(jnp.bfloat16), preferred_element_type=jnp.float32
         )
-    lax_precision = jax.lax.Precision.HIGHEST if precision == "ieee" else jax.lax.Precision.DEFAULT
-    return jnp.dot(u_t, wk, precision=lax_precision, preferred_element_type=jnp.float32)
+    return jnp.dot(u_t, wk, precision=jax.lax.Precision.DEFAULT, preferred_element_type=jnp.float32)
 
 
 def any_spec() -> pl.BlockSpec:

@@ -18,22 +18,19 @@ from pallas_kernels.replay_decode import replay_decode
 from replayssm_jax.replay import StepPlan
 from replayssm_jax.state import ReplayState
 
-# Batch size -> (block_v, num_warps): small batches use narrow tiles so that enough
-# programs fill the 132 SMs of an H200; large ones use wider tiles.
-_TILE_TABLE: tuple[tuple[int, int, int], ...] = (
-    # (max batch, block_v, num_warps)
-    (8, 16, 2),
-    (64, 32, 4),
-    (1 << 30, 64, 4),
-)
+# Batch size -> launch configuration, per kernel: (max batch, block_v, num_warps, cache_chunk).
+# Small batches need narrow tiles so that enough programs fill the 132 SMs of an H200.
+_TILES: dict[str, tuple[tuple[int, int, int, int], ...]] = {
+    "plain": ((8, 8, 1, 16), (1 << 30, 16, 2, 16)),
+    "replay": ((8, 8, 1, 16), (1 << 30, 16, 2, 16)),
+}
 
 
-def default_kernel_config(batch: int, state_dtype) -> KernelConfig:
-    """The launch configuration used for `batch` rows (see `_TILE_TABLE`)."""
-    del state_dtype  # same table for fp32 and bf16 states (bf16 halves bytes, not programs)
-    for max_batch, block_v, num_warps in _TILE_TABLE:
+def default_kernel_config(batch: int, kernel: str = "replay") -> KernelConfig:
+    """The launch configuration used for `batch` rows by the "plain" or "replay" kernel."""
+    for max_batch, block_v, num_warps, cache_chunk in _TILES[kernel]:
         if batch <= max_batch:
-            return KernelConfig(block_v=block_v, num_warps=num_warps)
+            return KernelConfig(block_v=block_v, num_warps=num_warps, cache_chunk=cache_chunk)
     raise AssertionError("unreachable: the last table row covers every batch")
 
 
@@ -63,7 +60,7 @@ def pallas_layer_step(
     cfg = state.config
     check_kernel_shapes(cfg.head_k_dim, cfg.head_v_dim)
     if kernel_config is None:
-        kernel_config = default_kernel_config(v.shape[0], cfg.state_dtype)
+        kernel_config = default_kernel_config(v.shape[0], "plain" if cfg.cache_len == 1 else "replay")
     options = dict(
         use_qk_l2norm=use_qk_l2norm, scale=scale, gate_params=gate_params,
         config=kernel_config, interpret=interpret,

@@ -4,20 +4,22 @@ Grid `(B, H_v, d_v // BV)`: one program per (row, value head, BV-row tile of the
 Each program
 
 1. reads its row's slot, cursor `pos` and mode (padding / append / flush);
-2. loads the checkpoint tile `S_c [BV, d_k]` and the `pos` valid cache entries
-   (`u [L, BV]`, the key head's `k [L, d_k]`, `g`): the loads are masked by `j < pos`, so
-   stale entries cost no bytes;
+2. loads the checkpoint tile `S_c [BV, d_k]` once;
 3. computes the readout of the live state without forming it. With
-   `S_{t-1} = S_c diag(e^G) + sum_j u_j (W_j * k_j)^T` (G = sum g_j, W_j = e^{G - c_j}),
+   `S_{t-1} = S_c diag(e^G) + sum_j u_j (W_j * k_j)^T` (G = sum_{j<pos} g_j,
+   W_j = exp(sum_{j<i<pos} g_i)),
 
-       S_{t-1} x = S_c (e^G * x) + U^T ((W * K) x),
+       S_{t-1} x = sum_j u_j (k_j . (W_j * x)) + S_c (e^G * x)
 
-   for x = alpha*k and x = alpha*q: `u = beta (v - S_{t-1}(alpha k))`,
+   for x = alpha*k and x = alpha*q, walking the valid cache entries backwards in chunks of C
+   (masked loads: stale entries cost no bytes; registers do not grow with L) while x picks
+   up each chunk's decay; then `u = beta (v - S_{t-1}(alpha k))`,
    `y = S_{t-1}(alpha q) + u (k . q)`;
 4. append rows store `u` at `pos` (and, from one program per key head, `k` and `g`);
-   flush rows rebuild the tile on chip with the `[BV, L] x [L, d_k]` product (at the
-   configured precision) and write `S_t = S_{t-1} diag(alpha) + u k^T` in place. The
-   checkpoint tile is read from memory once per step, flush or not.
+   flush rows rebuild the tile on chip from the `S_c` already in registers (entry by entry
+   in exact fp32, or chunk by chunk with `[BV, C] x [C, d_k]` tensor-core products) and
+   write `S_t = S_{t-1} diag(alpha) + u k^T` in place. The checkpoint is read from memory
+   once per step, flush or not.
 
 Reads and writes of the state go through the aliased output refs only (in place).
 """
@@ -36,23 +38,99 @@ from pallas_kernels import common
 from pallas_kernels.common import KernelConfig, TokenSpec
 
 
-def cache_block_len(cache_len: int) -> int:
-    """Rows of the cache block a program loads: a power of two >= 16 (dot K dimension).
+def _load_chunk(spec, refs, slot, h, cols, start, chunk, pos):
+    """Cache entries `start .. start+C-1` of the slot (zeros at and past `pos`).
 
-    Rows at or past the cursor are masked, so padding the block costs no memory traffic.
+    Returns `(k [C, Dk], u [C, BV], g [C] or [C, Dk])` in float32.
     """
-    return max(common.next_power_of_two(cache_len), common.MIN_DOT_DIM)
+    ucache_ref, kcache_ref, gcache_ref = refs
+    rows = start + jnp.arange(chunk)
+    live = rows < pos
+    entries = pl.ds(start, chunk)
+    k_c = plgpu.load(kcache_ref.at[slot, h // spec.group_size, entries, :], mask=live[:, None], other=0.0)
+    u_c = plgpu.load(ucache_ref.at[slot, h, entries, cols], mask=live[:, None], other=0.0)
+    if spec.per_channel_gate:
+        g_c = plgpu.load(gcache_ref.at[slot, h, entries, :], mask=live[:, None], other=0.0)
+    else:
+        g_c = plgpu.load(gcache_ref.at[slot, h, entries], mask=live, other=0.0)
+    return k_c.astype(jnp.float32), u_c.astype(jnp.float32), g_c
+
+
+def _suffix_weights(g_c, live_rows):
+    """`exp(sum_{j<i<C} g_i)` per entry j of a chunk, 0 on masked rows; and the chunk's sum."""
+    total = jnp.sum(g_c, axis=0)
+    suffix = total - jnp.cumsum(g_c, axis=0)
+    mask = live_rows[:, None] if g_c.ndim == 2 else live_rows
+    return jnp.where(mask, jnp.exp(suffix), 0.0), total
+
+
+def _weighted_keys(k_c, weights):
+    return k_c * (weights if weights.ndim == 2 else weights[:, None])
+
+
+def _live_readout(spec, refs, slot, h, cols, pos, s_c, xs, chunk):
+    """`S_{t-1} x` for each x in `xs` (each `[Dk]`), walking the cache backwards."""
+    num_chunks = (pos + chunk - 1) // chunk
+
+    def body(i, carry):
+        outs, xs = carry
+        start = (num_chunks - 1 - i) * chunk
+        k_c, u_c, g_c = _load_chunk(spec, refs, slot, h, cols, start, chunk, pos)
+        weights, total = _suffix_weights(g_c, start + jnp.arange(chunk) < pos)
+        wk = _weighted_keys(k_c, weights)
+        outs = tuple(o + jnp.sum(u_c * jnp.sum(wk * x[None, :], axis=1)[:, None], axis=0)
+                     for o, x in zip(outs, xs))
+        return outs, tuple(x * jnp.exp(total) for x in xs)
+
+    zeros = tuple(jnp.zeros((s_c.shape[0],), jnp.float32) for _ in xs)
+    outs, xs = jax.lax.fori_loop(0, num_chunks, body, (zeros, tuple(xs)))
+    return tuple(o + jnp.sum(s_c * x[None, :], axis=1) for o, x in zip(outs, xs))
+
+
+def _rebuild_exact(spec, refs, slot, h, cols, pos, s_c):
+    """S_{t-1} tile by replaying the recurrence entry by entry from S_c (exact fp32)."""
+    ucache_ref, kcache_ref, gcache_ref = refs
+    hk = h // spec.group_size
+
+    def body(j, state):
+        u_j = ucache_ref[slot, h, j, cols].astype(jnp.float32)
+        k_j = kcache_ref[slot, hk, j, :].astype(jnp.float32)
+        if spec.per_channel_gate:
+            decay = jnp.exp(gcache_ref[slot, h, j, :])[None, :]
+        else:
+            decay = jnp.exp(gcache_ref[slot, h, j])
+        return state * decay + u_j[:, None] * k_j[None, :]
+
+    return jax.lax.fori_loop(0, pos, body, s_c)
+
+
+def _rebuild_dot(spec, refs, slot, h, cols, pos, s_c, chunk, precision):
+    """S_{t-1} tile as `S_c e^G + sum_chunks U_c^T (W_c * K_c)` on tensor cores."""
+    num_chunks = (pos + chunk - 1) // chunk
+
+    def body(i, carry):
+        acc, decay = carry  # decay: exp(sum of g over later chunks), scalar or [Dk]
+        start = (num_chunks - 1 - i) * chunk
+        k_c, u_c, g_c = _load_chunk(spec, refs, slot, h, cols, start, chunk, pos)
+        weights, total = _suffix_weights(g_c, start + jnp.arange(chunk) < pos)
+        wk = _weighted_keys(k_c, weights) * (decay[None, :] if spec.per_channel_gate else decay)
+        return acc + common.rebuild_dot(u_c.T, wk, precision), decay * jnp.exp(total)
+
+    decay0 = jnp.ones((s_c.shape[1],), jnp.float32) if spec.per_channel_gate else jnp.float32(1.0)
+    acc, decay = jax.lax.fori_loop(0, num_chunks, body, (jnp.zeros_like(s_c), decay0))
+    return acc + s_c * (decay[None, :] if spec.per_channel_gate else decay)
 
 
 def _replay_kernel(
     slot_ref, pos_ref, mode_ref, q_ref, k_ref, g_ref, beta_ref, v_ref, a_log_ref, dt_bias_ref,
     _ckpt_in, _u_in, _k_in, _g_in,
     y_ref, ckpt_ref, ucache_ref, kcache_ref, gcache_ref,
-    *, spec: TokenSpec, block_v: int, cache_block: int, precision: str,
+    *, spec: TokenSpec, block_v: int, chunk: int, precision: str,
 ):
     b, h, tile = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     cols = pl.ds(tile * block_v, block_v)
     mode = mode_ref[b]
+    cache_refs = (ucache_ref, kcache_ref, gcache_ref)
 
     @pl.when(mode == common.MODE_PAD)
     def _padding_row():
@@ -61,51 +139,25 @@ def _replay_kernel(
     @pl.when(mode != common.MODE_PAD)
     def _live_row():
         slot, pos = slot_ref[b], pos_ref[b]
-        hk = h // spec.group_size
         q, k, g, beta = common.load_token(
             spec, (q_ref, k_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref), b, h
         )
         v = v_ref[b, h, cols].astype(jnp.float32)
         s_c = ckpt_ref[slot, h, cols, :].astype(jnp.float32)  # [BV, Dk]
-
-        rows = jnp.arange(cache_block)
-        live = rows < pos  # [Lb]
-        live2 = live[:, None]
-        entries = pl.ds(0, cache_block)
-        k_c = plgpu.load(kcache_ref.at[slot, hk, entries, :], mask=live2, other=0.0)
-        u_c = plgpu.load(ucache_ref.at[slot, h, entries, cols], mask=live2, other=0.0)
-        if spec.per_channel_gate:
-            g_c = plgpu.load(gcache_ref.at[slot, h, entries, :], mask=live2, other=0.0)
-        else:
-            g_c = plgpu.load(gcache_ref.at[slot, h, entries], mask=live, other=0.0)
-        k_c, u_c = k_c.astype(jnp.float32), u_c.astype(jnp.float32)
-
-        prefix = jnp.cumsum(g_c, axis=0)  # c_j (rows past pos add 0)
-        total = jnp.sum(g_c, axis=0)  # G
-        if spec.per_channel_gate:
-            weights = jnp.where(live2, jnp.exp(total[None, :] - prefix), 0.0)  # [Lb, Dk]
-            wk = weights * k_c
-        else:
-            weights = jnp.where(live, jnp.exp(total - prefix), 0.0)  # [Lb]
-            wk = weights[:, None] * k_c
-        ckpt_decay = jnp.exp(total)  # scalar (GDN) or [Dk] (KDA)
         alpha = jnp.exp(g)
-
-        def live_state_times(x):  # S_{t-1} x without forming S_{t-1}: [BV]
-            from_ckpt = jnp.sum(s_c * (ckpt_decay * x)[None, :], axis=1)
-            coef = jnp.sum(wk * x[None, :], axis=1)  # [Lb]
-            return from_ckpt + jnp.sum(u_c * coef[:, None], axis=0)
-
-        u = beta * (v - live_state_times(alpha * k))
-        y = live_state_times(alpha * q) + u * jnp.sum(k * q)
-        y_ref[b, h, cols] = y.astype(y_ref.dtype)
+        s_k, s_q = _live_readout(
+            spec, cache_refs, slot, h, cols, pos, s_c, (alpha * k, alpha * q), chunk
+        )
+        u = beta * (v - s_k)
+        y_ref[b, h, cols] = (s_q + u * jnp.sum(k * q)).astype(y_ref.dtype)
 
         @pl.when(mode == common.MODE_FLUSH)
         def _flush():
-            rebuilt = common.rebuild_dot(u_c.T, wk, precision)  # [BV, Dk]
-            decay_row = ckpt_decay[None, :] if spec.per_channel_gate else ckpt_decay
+            if precision == "ieee":
+                prev = _rebuild_exact(spec, cache_refs, slot, h, cols, pos, s_c)
+            else:
+                prev = _rebuild_dot(spec, cache_refs, slot, h, cols, pos, s_c, chunk, precision)
             alpha_row = alpha[None, :] if spec.per_channel_gate else alpha
-            prev = s_c * decay_row + rebuilt
             new = prev * alpha_row + u[:, None] * k[None, :]
             ckpt_ref[slot, h, cols, :] = new.astype(ckpt_ref.dtype)
 
@@ -122,7 +174,7 @@ def _replay_kernel(
 
             @pl.when((tile == 0) & (h % spec.group_size == 0))
             def _append_key():  # once per key head, not once per value head
-                kcache_ref[slot, hk, pos, :] = k.astype(kcache_ref.dtype)
+                kcache_ref[slot, h // spec.group_size, pos, :] = k.astype(kcache_ref.dtype)
 
 
 def replay_decode(
@@ -178,7 +230,7 @@ def replay_decode(
         _replay_kernel,
         spec=spec,
         block_v=config.block_v,
-        cache_block=cache_block_len(u_cache.shape[2]),
+        chunk=config.cache_chunk,
         precision=config.rebuild_precision,
     )
     inputs = (slot, pos, mode, q, k, g, beta, v, a_log, dt_bias,
