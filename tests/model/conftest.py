@@ -9,7 +9,7 @@ import pytest
 from replayssm_jax.model import decoder
 
 TINY = decoder.DecoderConfig(
-    vocab_size=48, d_model=32, num_layers=2, num_k_heads=1, num_v_heads=2,
+    vocab_size=48, d_model=32, num_layers=2, num_k_heads=2, num_v_heads=4,
     head_k_dim=8, head_v_dim=8, mlp_hidden=32,
 )
 

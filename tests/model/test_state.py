@@ -23,7 +23,7 @@ from replayssm_jax.model.state import (
 from .conftest import TINY
 
 
-def _random_state(rng, num_slots=3, cache_len=4):
+def _random_state(rng, num_slots=4, cache_len=3):
     """A model state with random checkpoints/caches/conv and random cursors."""
     state = TINY.init_state(num_slots, cache_len)
     fill = lambda x: jnp.asarray(rng.standard_normal(x.shape), x.dtype)
@@ -102,9 +102,9 @@ def test_flat_view_step_equals_single_layer_decode_step(rng):
 
 
 def test_cursor_advances_once_per_forward_pass(params, rng):
-    state = TINY.init_state(num_slots=4, cache_len=5)
+    state = TINY.init_state(num_slots=4, cache_len=3)
     slots = jnp.array([3, -1, 1], jnp.int32)
     tokens = jnp.asarray(rng.integers(0, TINY.vocab_size, 3), jnp.int32)
-    for step in range(1, 4):
+    for step in range(1, 3):
         _, state, _ = decoder.jitted_decode_step(params, state, tokens, slots)
         np.testing.assert_array_equal(state.write_pos, [0, step, 0, step])

@@ -1,0 +1,293 @@
+"""Continuous batching with ReplaySSM: a host-side scheduler over three jitted device calls.
+
+* `Engine.step`: one decode step for a fixed batch of rows (padding rows have slot -1): the
+  decoder's `decode_step` with `force_flush = track_flush(seq_lens, track_interval)`, state
+  donated, greedy next token on the device. One compilation for the whole run.
+* `Engine.admit`: a joining request gets a free slot (slots are reused), starts from the
+  longest cached prefix snapshot of its prompt (`reset_slots(checkpoint=..., conv_state=...)`)
+  or from zero, and prefills the rest of its prompt in chunks that end on track positions.
+* Prefix cache: a dict from token prefix (length a multiple of `track_interval`) to a
+  `Snapshot`; filled after prefill chunks that end on a track position and after decode
+  steps whose forced flush landed on one (`snapshot` of the flushed slot).
+
+Each request records its tokens, logits, flushes and replay state traffic; `reference_decode`
+decodes requests on their own plain-recurrence states for comparison.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+from replayssm_jax.model import decoder, slots as slot_ops
+from replayssm_jax.model.state import ModelState, Snapshot
+
+
+@dataclasses.dataclass
+class Request:
+    """One generation request and what serving it produced.
+
+    `prompt` tokens are fed first; `max_new_tokens` greedy tokens are generated (the first
+    one from the prefill logits). `parent` is the request whose sequence the prompt extends.
+    """
+
+    rid: int
+    prompt: list[int]
+    max_new_tokens: int
+    parent: int | None = None
+    slot: int = -1
+    restored: int = 0  # prompt tokens restored from a prefix snapshot, not re-run
+    generated: list[int] = dataclasses.field(default_factory=list)
+    logits: list[np.ndarray] = dataclasses.field(default_factory=list)
+    natural_flushes: int = 0
+    forced_flushes: int = 0
+    decode_steps: int = 0
+    replay_read: int = 0  # bytes of recurrent state read by this request's decode steps
+    replay_written: int = 0
+    step_seconds: list[float] = dataclasses.field(default_factory=list)
+
+    @property
+    def sequence(self) -> list[int]:
+        return self.prompt + self.generated
+
+    @property
+    def processed(self) -> int:
+        """Tokens whose effect is in the slot's state (the last generated one is not fed yet)."""
+        return len(self.prompt) + max(len(self.generated) - 1, 0)
+
+    @property
+    def done(self) -> bool:
+        return len(self.generated) >= self.max_new_tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class StateTraffic:
+    """Bytes of recurrent (SSM) state moved per token per layer.
+
+    `checkpoint`: one slot's checkpoint; `entry`: one cache record (u, k, g) of one slot.
+    Plain decode reads and writes the full state every token: `2 * checkpoint`.
+    """
+
+    checkpoint: int
+    entry: int
+
+    @classmethod
+    def of(cls, state: ModelState) -> StateTraffic:
+        c = state.config
+        cache = np.dtype(c.cache_dtype).itemsize
+        entry = c.num_v_heads * c.head_v_dim * cache + c.num_k_heads * c.head_k_dim * cache
+        return cls(c.state_bytes_per_slot(), entry + c.num_v_heads * 4)
+
+    def replay(self, pos: int, flush: bool) -> tuple[int, int]:
+        """(read, written) by one ReplaySSM step with `pos` cached entries."""
+        read = self.checkpoint + pos * self.entry
+        return read, self.checkpoint if flush else self.entry
+
+    @property
+    def plain(self) -> int:
+        """Read (= written) by one plain-decode step."""
+        return self.checkpoint
+
+
+_traces = {"step": 0}
+
+
+def step_traces() -> int:
+    """How many times the serving decode step has been traced (compiled) in this process."""
+    return _traces["step"]
+
+
+@functools.partial(jax.jit, static_argnames=("track_interval", "backend"), donate_argnums=1)
+def _serve_step(params, state, tokens, slots, seq_lens, *, track_interval: int, backend: str):
+    """Decode step with track-position forced flushes and greedy next tokens (state donated)."""
+    _traces["step"] += 1  # runs only while tracing
+    force = slot_ops.track_flush(seq_lens, track_interval)
+    logits, state, plan = decoder.decode_step(params, state, tokens, slots, force, backend=backend)
+    return jnp.argmax(logits, axis=-1), logits, state, plan.pos, plan.flush
+
+
+_reset = jax.jit(slot_ops.reset_slots, donate_argnums=0)
+_snapshot = jax.jit(slot_ops.snapshot)
+
+
+class Engine:
+    """Continuous-batching server over one `ModelState` pool (see the module docstring)."""
+
+    def __init__(
+        self,
+        params: decoder.DecoderParams,
+        config: decoder.DecoderConfig,
+        *,
+        max_batch: int,
+        num_slots: int,
+        cache_len: int,
+        track_interval: int,
+        state_dtype=jnp.float32,
+        backend: str = "xla",
+    ):
+        if num_slots < max_batch:
+            raise ValueError(f"num_slots ({num_slots}) must be >= max_batch ({max_batch})")
+        if track_interval < 1:
+            raise ValueError(f"track_interval must be positive, got {track_interval}")
+        self.params, self.config = params, config
+        self.max_batch, self.track_interval = max_batch, track_interval
+        self.state = config.init_state(num_slots, cache_len, state_dtype)
+        self.traffic = StateTraffic.of(self.state)
+        self.rows: list[Request | None] = [None] * max_batch
+        self.free_slots = list(range(num_slots))
+        self.prefix_cache: dict[tuple[int, ...], Snapshot] = {}
+        self._backend = backend
+
+    @property
+    def active(self) -> list[Request]:
+        return [r for r in self.rows if r is not None]
+
+    def has_free_row(self) -> bool:
+        return any(r is None for r in self.rows)
+
+    def longest_prefix(self, prompt: list[int]) -> int:
+        """Longest cached track position P <= len(prompt) - 1 (one token is left to prefill)."""
+        interval = self.track_interval
+        for length in range((len(prompt) - 1) // interval * interval, 0, -interval):
+            if tuple(prompt[:length]) in self.prefix_cache:
+                return length
+        return 0
+
+    def admit(self, request: Request) -> None:
+        """Give `request` a free row and slot, restore its longest cached prefix, prefill the rest."""
+        row = self.rows.index(None)
+        request.slot = self.free_slots.pop()  # LIFO: the most recently freed slot is reused first
+        slots = jnp.array([request.slot], jnp.int32)
+        request.restored = self.longest_prefix(request.prompt)
+        if request.restored:
+            snap = self.prefix_cache[tuple(request.prompt[: request.restored])]
+            self.state = _reset(self.state, slots, snap.checkpoint, snap.conv_state)
+        else:
+            self.state = _reset(self.state, slots)
+        logits = self._prefill(request, slots)
+        request.generated.append(int(np.argmax(logits)))
+        request.logits.append(logits)
+        self.rows[row] = request
+        self._retire(row)
+
+    def _prefill(self, request: Request, slots: Int[Array, " 1"]) -> np.ndarray:
+        """Run the prompt after the restored prefix in chunks ending on track positions.
+
+        Every chunk is padded to `track_interval` tokens (one compilation); a chunk that ends
+        on a track position is snapshotted into the prefix cache.
+        """
+        interval, start, end = self.track_interval, request.restored, len(request.prompt)
+        while start < end:
+            stop = min((start // interval + 1) * interval, end)
+            chunk = np.zeros((1, interval), np.int32)
+            chunk[0, : stop - start] = request.prompt[start:stop]
+            logits, self.state = decoder.jitted_prefill(
+                self.params, self.state, jnp.asarray(chunk),
+                jnp.array([stop - start], jnp.int32), slots,
+            )
+            if stop % interval == 0:
+                self._remember(request.prompt[:stop], slots)
+            start = stop
+        return np.asarray(logits[0])
+
+    def _remember(self, prefix: list[int], slots: Int[Array, " 1"]) -> None:
+        key = tuple(prefix)
+        if key not in self.prefix_cache:
+            self.prefix_cache[key] = _snapshot(self.state, slots)
+
+    def _retire(self, row: int) -> None:
+        request = self.rows[row]
+        if request is not None and request.done:
+            self.rows[row] = None
+            self.free_slots.append(request.slot)
+
+    def warm_up(self) -> None:
+        """Compile the decode step with padding rows only (writes nothing), so timings exclude it."""
+        padding = jnp.full((self.max_batch,), -1, jnp.int32)
+        zeros = jnp.zeros((self.max_batch,), jnp.int32)
+        _, _, self.state, _, _ = _serve_step(
+            self.params, self.state, zeros, padding, zeros,
+            track_interval=self.track_interval, backend=self._backend,
+        )
+
+    def step(self) -> float:
+        """One decode step of every active row; returns its wall time in seconds."""
+        tokens = np.zeros(self.max_batch, np.int32)
+        slots = np.full(self.max_batch, -1, np.int32)
+        seq_lens = np.zeros(self.max_batch, np.int32)
+        for row, request in enumerate(self.rows):
+            if request is not None:
+                tokens[row] = request.generated[-1]
+                slots[row] = request.slot
+                seq_lens[row] = request.processed + 1  # including this step's token
+        jax.block_until_ready(self.state)  # time this step, not queued prefills
+        start = time.perf_counter()
+        next_tokens, logits, self.state, pos, flush = _serve_step(
+            self.params, self.state, jnp.asarray(tokens), jnp.asarray(slots),
+            jnp.asarray(seq_lens), track_interval=self.track_interval, backend=self._backend,
+        )
+        next_tokens, logits, pos, flush = jax.device_get((next_tokens, logits, pos, flush))
+        seconds = time.perf_counter() - start
+        layers = self.state.num_layers
+        for row, request in enumerate(self.rows):
+            if request is None:
+                continue
+            natural = bool(flush[row]) and pos[row] >= self.state.config.cache_len - 1
+            request.natural_flushes += natural
+            request.forced_flushes += bool(flush[row]) and not natural
+            read, written = self.traffic.replay(int(pos[row]), bool(flush[row]))
+            request.replay_read += layers * read
+            request.replay_written += layers * written
+            request.decode_steps += 1
+            request.step_seconds.append(seconds)
+            if seq_lens[row] % self.track_interval == 0:
+                self._remember(request.sequence[: seq_lens[row]], jnp.array([request.slot]))
+            request.generated.append(int(next_tokens[row]))
+            request.logits.append(logits[row])
+            self._retire(row)
+        return seconds
+
+
+def reference_decode(
+    params: decoder.DecoderParams,
+    config: decoder.DecoderConfig,
+    requests: list[Request],
+    batch: int = 16,
+) -> tuple[list[list[int]], list[Float[np.ndarray, "T V"]]]:
+    """Greedy-decode each request on its own plain-recurrence state (fp32, no replay).
+
+    Requests run `batch` at a time as independent rows (rows never interact: each has its own
+    state); row r feeds its prompt, then its own greedy tokens, until it has as many new
+    tokens as the request generated. Returns tokens and logits per request.
+    """
+    tokens_out: list[list[int]] = []
+    logits_out: list[np.ndarray] = []
+    for first in range(0, len(requests), batch):
+        group = requests[first : first + batch]
+        plain = decoder.init_plain_state(config, batch)
+        prompts = [r.prompt for r in group]
+        wanted = [len(r.generated) for r in group]
+        total = max(len(p) + n - 1 for p, n in zip(prompts, wanted))
+        got: list[list[np.ndarray]] = [[] for _ in group]
+        feed = np.zeros(batch, np.int32)
+        for t in range(total):
+            for i, p in enumerate(prompts):
+                if t < len(p):
+                    feed[i] = p[t]
+            logits, plain = decoder.plain_step(params, jnp.asarray(feed)[:, None], plain)
+            logits = np.asarray(logits[:, 0])
+            for i, p in enumerate(prompts):
+                if len(p) - 1 <= t and len(got[i]) < wanted[i]:
+                    got[i].append(logits[i])
+                    feed[i] = int(np.argmax(logits[i]))
+        for rows in got:
+            stacked = np.stack(rows)
+            tokens_out.append([int(t) for t in stacked.argmax(-1)])
+            logits_out.append(stacked)
+    return tokens_out, logits_out
