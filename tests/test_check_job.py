@@ -11,8 +11,9 @@ from replayssm_jax.__main__ import main as cli_main
 
 
 @pytest.mark.parametrize("gate", ["gdn", "kda"])
-def test_check_job_reports_agreement(gate, capsys):
-    status = check_job.main(["--steps", "12", "--cache-len", "4", "--batch", "3", "--gate", gate])
+def test_check_job_reports_agreement(gate, backend, capsys):
+    argv = ["--steps", "12", "--cache-len", "4", "--batch", "3", "--gate", gate]
+    status = check_job.main([*argv, "--backend", backend])
     out = capsys.readouterr().out
     assert status == 0, out
     assert "agreement: OK" in out
