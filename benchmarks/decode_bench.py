@@ -1,10 +1,11 @@
 """GPU benchmark of the ReplaySSM and plain decode kernels (one process, table + JSON).
 
-Sections (all by default, in this order):
+Sections (check, tune, sweep by default; in this order):
   check   correctness on the GPU against the scan reference (fp32, bf16, every rebuild
           precision, KDA, in-kernel gating, padding rows) and the donated step's HLO
           (no copy of the state pool);
   tune    block_v x num_warps sweep of both kernels at a few batch sizes;
+  steps   (diagnostic) per-step replay kernel time across a synchronised cycle;
   sweep   the benchmark grid: per config the plain kernel, and the replay kernel with
           synchronised cursors (non-flush, flush, cycle-amortised) and staggered cursors.
 
@@ -206,20 +207,33 @@ def time_plain(timer, cfg, batch, kernel_config, rng, iterations, smoke) -> floa
     return statistics.median(times)
 
 
+def step_medians(times: list[float], rotations: int, cache_len: int) -> list[float]:
+    """Median kernel µs at each step of a synchronised cycle (step i: every row at pos i)."""
+    per_run = rotations * cache_len
+    by_step = [[t for i, t in enumerate(times) if (i % per_run) // rotations == s]
+               for s in range(cache_len)]
+    return [statistics.median(ts) for ts in by_step]
+
+
+def replay_kernel_times(timer, cfg, batch, kernel_config, rng, iterations, smoke, staggered: bool):
+    """All replay-kernel µs of `iterations` cycles (launch order) and the rotation count R."""
+    sets, num_slots = slot_sets(batch, cfg.state_bytes_per_slot(), rng, smoke)
+    cursors = rng.integers(0, cfg.cache_len, num_slots) if staggered else np.zeros(num_slots)
+    pool = random_pool(cfg, num_slots, jax.random.key(1), cursors)
+    token = random_token(cfg, batch, jax.random.key(2))
+    fn = replay_cycle_fn(cfg, kernel_config, interpret=smoke)
+    return timer.kernel_times(fn, (pool, jnp.asarray(sets), token), REPLAY_KERNEL, iterations), len(sets)
+
+
 def time_replay(timer, cfg, batch, kernel_config, rng, iterations, smoke, staggered: bool):
     """Median kernel µs: (non-flush, flush, cycle-amortised) for sync cursors, or
     (None, None, per-step) for staggered cursors."""
     L = cfg.cache_len
-    sets, num_slots = slot_sets(batch, cfg.state_bytes_per_slot(), rng, smoke)
-    cursors = rng.integers(0, L, num_slots) if staggered else np.zeros(num_slots)
-    pool = random_pool(cfg, num_slots, jax.random.key(1), cursors)
-    token = random_token(cfg, batch, jax.random.key(2))
-    fn = replay_cycle_fn(cfg, kernel_config, interpret=smoke)
-    times = timer.kernel_times(fn, (pool, jnp.asarray(sets), token), REPLAY_KERNEL, iterations)
+    times, rotations = replay_kernel_times(timer, cfg, batch, kernel_config, rng, iterations, smoke, staggered)
     if staggered or timer.smoke:
         return None, None, statistics.median(times)
-    per_run = len(sets) * L
-    step_of = lambda i: (i % per_run) // len(sets)
+    per_run = rotations * L
+    step_of = lambda i: (i % per_run) // rotations
     flush = [t for i, t in enumerate(times) if step_of(i) == L - 1]
     nonflush = [t for i, t in enumerate(times) if step_of(i) != L - 1]
     if L == 1:
@@ -236,7 +250,7 @@ def rel_err(x, ref) -> float:
     return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
-def check_section(smoke: bool) -> list[dict]:
+def check_section(smoke: bool, tiles_per_program: int) -> list[dict]:
     """GPU kernels vs the scan reference at every step; the donated step's HLO."""
     rows = []
     dims = (2, 4, 32, 32) if smoke else (4, 8, 128, 128)
@@ -270,7 +284,8 @@ def check_section(smoke: bool) -> list[dict]:
         beta = np.asarray(R.beta_gate(jnp.asarray(b)))
         init = np.where(slots[:, None, None, None] >= 0, np.asarray(jnp.asarray(s0, dtype), np.float32)[np.maximum(slots, 0)], 0)
         y_ref, _, s_ref = R.recurrent_reference(q, k, v, g, beta, init, use_qk_l2norm=True, return_all_states=True)
-        kc = KernelConfig(block_v=16 if dv <= 32 else 32, rebuild_precision=precision)
+        kc = KernelConfig(block_v=16 if dv <= 32 else 32, rebuild_precision=precision,
+                          tiles_per_program=tiles_per_program)
 
         @functools.partial(jax.jit, donate_argnums=0)
         def step(state, q, k, v, g_or_a, beta_or_b, slots):
@@ -302,13 +317,15 @@ def check_section(smoke: bool) -> list[dict]:
     return rows
 
 
-TUNE_VARIANTS = (  # (block_v, num_warps, cache_chunk)
-    (8, 1, 8), (16, 1, 16), (32, 2, 16), (32, 4, 16), (64, 4, 16), (64, 8, 16), (128, 8, 16),
+TUNE_VARIANTS = (  # (block_v, num_warps, cache_chunk, tiles_per_program); 0 = per-tile kernel
+    (8, 1, 8, 0), (32, 2, 16, 0), (64, 4, 16, 0),
+    (16, 1, 16, 1), (16, 2, 16, 2), (32, 2, 16, 2), (32, 4, 16, 4), (64, 4, 16, 2), (64, 8, 16, 4),
 )
 
 
-def tune_section(timer, shape, batches, smoke, deadline) -> tuple[list[dict], dict]:
-    """Time every variant of both kernels (GDN, fp32 state, L = 16, sync cursors).
+def tune_section(timer, shape, batches, smoke, deadline, tune_plain) -> tuple[list[dict], dict]:
+    """Time every variant of the replay kernels (GDN, fp32 state, L = 16, sync cursors), and
+    of the plain kernel when `tune_plain` (else the plain kernel keeps its table entry).
 
     Returns the rows and `{batch: (best plain KernelConfig, best replay KernelConfig)}`.
     """
@@ -317,20 +334,25 @@ def tune_section(timer, shape, batches, smoke, deadline) -> tuple[list[dict], di
     cfg = shape.config(16, jnp.float32)
     for batch in batches:
         plain_times, replay_times = {}, {}
-        for bv, warps, chunk in variants:
+        plain_default = default_kernel_config(batch, "plain")
+        for bv, warps, chunk, per_program in variants:
             if time.time() > deadline:
                 break
-            kc = KernelConfig(block_v=bv, num_warps=warps, cache_chunk=chunk)
+            kc = KernelConfig(block_v=bv, num_warps=warps, cache_chunk=chunk, tiles_per_program=per_program)
             rng = np.random.default_rng(0)
             try:
-                plain_us = time_plain(timer, cfg, batch, kc, rng, 3, smoke)
+                if tune_plain:
+                    plain_us = time_plain(timer, cfg, batch, kc, rng, 3, smoke)
+                else:
+                    kc_plain = dataclasses.replace(plain_default, tiles_per_program=0)
+                    plain_us = time_plain_cached(timer, dataclasses.replace(cfg, cache_len=1), batch, kc_plain, 3, smoke)
                 nf, fl, replay_us = time_replay(timer, cfg, batch, kc, rng, 3, smoke, staggered=False)
             except Exception as err:  # a variant that does not compile is skipped, not fatal
                 print(f"tune FAILED B={batch} {kc}: {err!r}"[:2000], flush=True)
                 continue
-            plain_times[kc], replay_times[kc] = plain_us, replay_us
-            row = dict(batch=batch, block_v=bv, num_warps=warps, cache_chunk=chunk,
-                       plain_us=plain_times[kc], replay_nonflush_us=nf, replay_flush_us=fl,
+            plain_times[kc if tune_plain else kc_plain], replay_times[kc] = plain_us, replay_us
+            row = dict(batch=batch, block_v=bv, num_warps=warps, cache_chunk=chunk, tiles_per_program=per_program,
+                       plain_us=plain_us, replay_nonflush_us=nf, replay_flush_us=fl,
                        replay_cycle_us=replay_times[kc])
             print(f"tune {row}", flush=True)
             rows.append(row)
@@ -348,7 +370,7 @@ def tune_section(timer, shape, batches, smoke, deadline) -> tuple[list[dict], di
                 print(f"tune FAILED B={batch} {kc}: {err!r}"[:2000], flush=True)
                 continue
             row = dict(batch=batch, block_v=kc.block_v, num_warps=kc.num_warps, cache_chunk=16,
-                       precision=precision, replay_nonflush_us=nf, replay_flush_us=fl, replay_cycle_us=rep)
+                       tiles_per_program=kc.tiles_per_program, precision=precision, replay_nonflush_us=nf, replay_flush_us=fl, replay_cycle_us=rep)
             print(f"tune {row}", flush=True)
             rows.append(row)
     return rows, best
@@ -391,6 +413,7 @@ def sweep_row(timer, shape, cfg, batch, bandwidth, smoke, configs) -> list[dict]
             batch=batch, num_slots=pool_layout(batch, cfg.state_bytes_per_slot(), smoke)[1],
             cursors="staggered" if staggered else "sync",
             block_v=kc.block_v, num_warps=kc.num_warps, cache_chunk=kc.cache_chunk,
+            tiles_per_program=kc.tiles_per_program,
             rebuild_precision=kc.rebuild_precision,
             plain_block_v=kc_plain.block_v, plain_num_warps=kc_plain.num_warps,
             plain_us=plain_us, plain_bytes=plain_bytes,
@@ -402,6 +425,30 @@ def sweep_row(timer, shape, cfg, batch, bandwidth, smoke, configs) -> list[dict]
         )
         out.append(row)
     return out
+
+
+def steps_section(timer, shape, cases, smoke, best) -> list[dict]:
+    """Where the replay kernel's time goes: per-step kernel µs across a synchronised cycle
+    (step i reads i cache entries; the last step flushes), beside the plain kernel."""
+    rows = []
+    for batch, L in cases:
+        cfg = shape.config(L, jnp.float32)
+        kc_plain, kc = choose_configs(best, batch)
+        rng = np.random.default_rng(7)
+        times, rotations = replay_kernel_times(timer, cfg, batch, kc, rng, 3, smoke, staggered=False)
+        per_step = [times[0]] * L if smoke else step_medians(times, rotations, L)
+        plain = time_plain(timer, cfg, batch, kc_plain, rng, 3, smoke)
+        row = dict(batch=batch, cache_len=L, block_v=kc.block_v, num_warps=kc.num_warps,
+                   tiles_per_program=kc.tiles_per_program,
+                   plain_us=plain, replay_step_us=per_step,
+                   checkpoint_read_floor_us=cost.floor_us(batch * cfg.state_bytes_per_slot(),
+                                                          copy_bandwidth_cache.get("GBps", 1.0)))
+        print(f"steps {json.dumps(row)}", flush=True)
+        rows.append(row)
+    return rows
+
+
+copy_bandwidth_cache: dict = {}
 
 
 def print_table(rows: list[dict]) -> None:
@@ -438,6 +485,10 @@ def parse_args(argv):
     p.add_argument("--cache-lens", default="1,4,8,16,32")
     p.add_argument("--tune-batches", default="1,8,32,128,512")
     p.add_argument("--extra", default="hv64,kda", help="extra grids: hv64 (H_v=64, L=16), kda (L=16)")
+    p.add_argument("--tune-plain", type=int, default=1, help="0: keep the plain kernel's table entry")
+    p.add_argument("--check-tiles-per-program", type=int, default=0,
+                   help="replay kernel layout for the check section (0: per tile)")
+    p.add_argument("--steps-cases", default="512:16,512:32,128:16,8:16")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode, wall clock (CPU)")
     return p.parse_args(argv)
 
@@ -452,16 +503,21 @@ def main(argv=None) -> dict:
     shape = Shape(2, 4, 32) if args.smoke else Shape()
     meta = versions()
     meta["copy_bandwidth_GBps"] = copy_bandwidth_GBps(timer) if not args.smoke else 1000.0
+    copy_bandwidth_cache["GBps"] = meta["copy_bandwidth_GBps"]
     meta["timing"] = ("wall clock, interpret mode (smoke)" if args.smoke else
                       "CUPTI per-kernel times, median over steps; slot sets rotated past 3x L2")
     print(f"meta {meta}", flush=True)
     result = dict(meta=meta, checks=[], tune=[], rows=[])
     best = {}
     if "check" in sections:
-        result["checks"] = check_section(args.smoke)
+        result["checks"] = check_section(args.smoke, args.check_tiles_per_program)
     if "tune" in sections:
-        result["tune"], best = tune_section(timer, shape, ints(args.tune_batches), args.smoke, deadline)
+        result["tune"], best = tune_section(timer, shape, ints(args.tune_batches), args.smoke, deadline,
+                                            args.tune_plain)
         result["chosen"] = {b: [dataclasses.asdict(c) for c in cs] for b, cs in best.items()}
+    if "steps" in sections:
+        cases = [(2, 4)] if args.smoke else [tuple(map(int, c.split(":"))) for c in args.steps_cases.split(",")]
+        result["steps"] = steps_section(timer, shape, cases, args.smoke, best)
     if "sweep" in sections:
         grid = [(shape, dt, L, b) for dt in (jnp.float32, jnp.bfloat16)
                 for L in ints(args.cache_lens) for b in ints(args.batches)]

@@ -51,6 +51,8 @@ class KernelConfig:
         "tf32": `[BV, C] x [C, d_k]` products on tensor cores in tf32 (~1e-3 relative on
           the rebuilt part);
         "bf16": the same products with operands rounded to bf16 (~1e-2).
+      tiles_per_program: 0 runs the per-tile replay kernel (one program per value-head
+        tile); T >= 1 the key-head-grouped kernel with T tiles per program.
     """
 
     block_v: int = 16
@@ -58,6 +60,7 @@ class KernelConfig:
     num_stages: int = 1
     cache_chunk: int = 16
     rebuild_precision: Precision = "ieee"
+    tiles_per_program: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_v", "cache_chunk"):
@@ -66,6 +69,8 @@ class KernelConfig:
                 raise ValueError(f"{name} must be a power of two, got {value}")
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
+        if self.tiles_per_program < 0:
+            raise ValueError(f"tiles_per_program must be >= 0, got {self.tiles_per_program}")
         if self.num_stages < 1:
             raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
         if self.rebuild_precision not in PRECISIONS:
@@ -132,6 +137,31 @@ def _l2norm(x):
     return x * jax.lax.rsqrt(jnp.sum(x * x) + L2NORM_EPS)
 
 
+def load_qk(spec: TokenSpec, q_ref, k_ref, b, hk):
+    """Row b's q, k for key head hk inside a kernel: float32 `[Dk]`, normalised (if asked),
+    q scaled, as the recurrence uses them."""
+    q = q_ref[b, hk, :].astype(jnp.float32)
+    k = k_ref[b, hk, :].astype(jnp.float32)
+    if spec.use_qk_l2norm:
+        q, k = _l2norm(q), _l2norm(k)
+    return q * spec.scale, k
+
+
+def load_gates(spec: TokenSpec, g_ref, beta_ref, a_log_ref, dt_bias_ref, b, h):
+    """Row b's `(log_alpha, beta)` for value head h: log_alpha `[Dk]` (KDA) or scalar (GDN),
+    computed from raw `a`, `b` in the kernel when `spec.raw_gates`."""
+    if spec.per_channel_gate:
+        g = g_ref[b, h, :].astype(jnp.float32)
+    else:
+        g = g_ref[b, h].astype(jnp.float32)
+    beta = beta_ref[b, h].astype(jnp.float32)
+    if spec.raw_gates:
+        dt_bias = dt_bias_ref[h, :] if spec.per_channel_gate else dt_bias_ref[h]
+        g = -jnp.exp(a_log_ref[h].astype(jnp.float32)) * _softplus(g + dt_bias.astype(jnp.float32))
+        beta = jax.nn.sigmoid(beta)
+    return g, beta
+
+
 def load_token(spec: TokenSpec, refs, b, h):
     """Load and prepare row b's token for value head h inside a kernel.
 
@@ -143,21 +173,8 @@ def load_token(spec: TokenSpec, refs, b, h):
       and scaled, k normalised, as the recurrence uses them.
     """
     q_ref, k_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref = refs
-    hk = h // spec.group_size
-    q = q_ref[b, hk, :].astype(jnp.float32)
-    k = k_ref[b, hk, :].astype(jnp.float32)
-    if spec.use_qk_l2norm:
-        q, k = _l2norm(q), _l2norm(k)
-    q = q * spec.scale
-    if spec.per_channel_gate:
-        g = g_ref[b, h, :].astype(jnp.float32)
-    else:
-        g = g_ref[b, h].astype(jnp.float32)
-    beta = beta_ref[b, h].astype(jnp.float32)
-    if spec.raw_gates:
-        dt_bias = dt_bias_ref[h, :] if spec.per_channel_gate else dt_bias_ref[h]
-        g = -jnp.exp(a_log_ref[h].astype(jnp.float32)) * _softplus(g + dt_bias.astype(jnp.float32))
-        beta = jax.nn.sigmoid(beta)
+    q, k = load_qk(spec, q_ref, k_ref, b, h // spec.group_size)
+    g, beta = load_gates(spec, g_ref, beta_ref, a_log_ref, dt_bias_ref, b, h)
     return q, k, g, beta
 
 

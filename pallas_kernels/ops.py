@@ -15,14 +15,18 @@ from pallas_kernels import common
 from pallas_kernels.common import KernelConfig
 from pallas_kernels.plain_decode import plain_decode
 from pallas_kernels.replay_decode import replay_decode
+from pallas_kernels.replay_decode_grouped import replay_decode_grouped
 from replayssm_jax.replay import StepPlan
 from replayssm_jax.state import ReplayState
 
 # Batch size -> launch configuration, per kernel: (max batch, block_v, num_warps, cache_chunk).
-# Small batches need narrow tiles so that enough programs fill the 132 SMs of an H200.
+# The winners of the tile sweep on an H200 (benchmarks/results/h200_2026-11-29_v2_chunked.json,
+# "tune" rows at B = 1, 8, 32, 128, 512; each batch takes the nearest measured one). The plain
+# kernel wants narrow tiles (occupancy); the replay kernel wants wide ones, which amortise the
+# per-program cache walk over more state rows.
 _TILES: dict[str, tuple[tuple[int, int, int, int], ...]] = {
-    "plain": ((8, 8, 1, 16), (1 << 30, 16, 2, 16)),
-    "replay": ((8, 8, 1, 16), (1 << 30, 16, 2, 16)),
+    "plain": ((2, 8, 1, 8), (1 << 30, 16, 1, 16)),
+    "replay": ((2, 8, 1, 8), (16, 32, 2, 16), (1 << 30, 64, 4, 16)),
 }
 
 
@@ -70,7 +74,8 @@ def pallas_layer_step(
             state.checkpoint, q, k, v, g, beta, plan.slot, plan.valid, **options
         )
         return y, dataclasses.replace(state, checkpoint=checkpoint)
-    y, checkpoint, u_cache, k_cache, g_cache = replay_decode(
+    kernel = replay_decode_grouped if kernel_config.tiles_per_program else replay_decode
+    y, checkpoint, u_cache, k_cache, g_cache = kernel(
         state.checkpoint, state.u_cache, state.k_cache, state.g_cache,
         q, k, v, g, beta, plan.slot, plan.pos, common.row_modes(plan.valid, plan.flush),
         **options,

@@ -28,11 +28,7 @@ def _plain_kernel(
 ):
     b, h, tile = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     cols = pl.ds(tile * block_v, block_v)
-    valid, slot = valid_ref[b] != 0, slot_ref[b]  # one round trip with the token loads
-    q, k, g, beta = common.load_token(
-        spec, (q_ref, k_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref), b, h
-    )
-    v = v_ref[b, h, cols].astype(jnp.float32)
+    valid = valid_ref[b] != 0
 
     @pl.when(~valid)
     def _padding_row():
@@ -40,6 +36,11 @@ def _plain_kernel(
 
     @pl.when(valid)
     def _live_row():
+        slot = slot_ref[b]
+        q, k, g, beta = common.load_token(
+            spec, (q_ref, k_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref), b, h
+        )
+        v = v_ref[b, h, cols].astype(jnp.float32)
         alpha = jnp.exp(g)
         decayed = state_ref[slot, h, cols, :].astype(jnp.float32) * (
             alpha[None, :] if spec.per_channel_gate else alpha

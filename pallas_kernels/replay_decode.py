@@ -5,7 +5,7 @@ Each program
 
 1. reads its row's slot, cursor `pos` and mode (padding / append / flush);
 2. loads the checkpoint tile `S_c [BV, d_k]` once;
-3. (append rows) computes the readout of the live state without forming it. With
+3. computes the readout of the live state without forming it. With
    `S_{t-1} = S_c diag(e^G) + sum_j u_j (W_j * k_j)^T` (G = sum_{j<pos} g_j,
    W_j = exp(sum_{j<i<pos} g_i)),
 
@@ -15,11 +15,11 @@ Each program
    (masked loads: stale entries cost no bytes; registers do not grow with L) while x picks
    up each chunk's decay; then `u = beta (v - S_{t-1}(alpha k))`,
    `y = S_{t-1}(alpha q) + u (k . q)`;
-4. append rows store `u` at `pos` (and, from one program per key head, `k` and `g`).
-   Flush rows instead rebuild the tile on chip from `S_c` (entry by entry in exact fp32,
-   or chunk by chunk with `[BV, C] x [C, d_k]` tensor-core products), read `S~ = S_{t-1}
-   diag(alpha)` against k and q directly, and write `S_t = S~ + u k^T` in place. The
-   checkpoint is read from memory once per step, flush or not.
+4. append rows store `u` at `pos` (and, from one program per key head, `k` and `g`);
+   flush rows rebuild the tile on chip from the `S_c` already in registers (entry by entry
+   in exact fp32, or chunk by chunk with `[BV, C] x [C, d_k]` tensor-core products) and
+   write `S_t = S_{t-1} diag(alpha) + u k^T` in place. The checkpoint is read from memory
+   once per step, flush or not.
 
 Reads and writes of the state go through the aliased output refs only (in place).
 """
@@ -87,34 +87,21 @@ def _live_readout(spec, refs, slot, h, cols, pos, s_c, xs, chunk):
     return tuple(o + jnp.sum(s_c * x[None, :], axis=1) for o, x in zip(outs, xs))
 
 
-def _rebuild_exact(spec, refs, slot, h, cols, pos, s_c, unroll):
-    """S_{t-1} tile by replaying the recurrence entry by entry from S_c (exact fp32).
-
-    Each loop iteration issues the loads of `unroll` entries at once (masked past `pos`:
-    a masked entry has g = 0 and u = 0, an exact no-op), then applies them in order.
-    """
+def _rebuild_exact(spec, refs, slot, h, cols, pos, s_c):
+    """S_{t-1} tile by replaying the recurrence entry by entry from S_c (exact fp32)."""
     ucache_ref, kcache_ref, gcache_ref = refs
     hk = h // spec.group_size
-    zero = jnp.zeros((), jnp.int32)
 
-    def load_entry(j):
-        live = j < pos
-        j = jnp.where(live, j, zero)  # masked loads still form an in-bounds address
-        u_j = plgpu.load(ucache_ref.at[slot, h, j, cols], mask=live, other=0.0)
-        k_j = plgpu.load(kcache_ref.at[slot, hk, j, :], mask=live, other=0.0)
+    def body(j, state):
+        u_j = ucache_ref[slot, h, j, cols].astype(jnp.float32)
+        k_j = kcache_ref[slot, hk, j, :].astype(jnp.float32)
         if spec.per_channel_gate:
-            g_j = plgpu.load(gcache_ref.at[slot, h, j, :], mask=live, other=0.0)[None, :]
+            decay = jnp.exp(gcache_ref[slot, h, j, :])[None, :]
         else:
-            g_j = jnp.where(live, gcache_ref[slot, h, j], 0.0)
-        return u_j.astype(jnp.float32), k_j.astype(jnp.float32), g_j
+            decay = jnp.exp(gcache_ref[slot, h, j])
+        return state * decay + u_j[:, None] * k_j[None, :]
 
-    def body(i, state):
-        entries = [load_entry(i * unroll + e) for e in range(unroll)]
-        for u_j, k_j, g_j in entries:
-            state = state * jnp.exp(g_j) + u_j[:, None] * k_j[None, :]
-        return state
-
-    return jax.lax.fori_loop(0, (pos + unroll - 1) // unroll, body, s_c)
+    return jax.lax.fori_loop(0, pos, body, s_c)
 
 
 def _rebuild_dot(spec, refs, slot, h, cols, pos, s_c, chunk, precision):
@@ -142,55 +129,52 @@ def _replay_kernel(
 ):
     b, h, tile = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     cols = pl.ds(tile * block_v, block_v)
-    # Row metadata and the token are loaded up front, in one round trip with each other.
-    mode, slot, pos = mode_ref[b], slot_ref[b], pos_ref[b]
-    q, k, g, beta = common.load_token(
-        spec, (q_ref, k_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref), b, h
-    )
-    v = v_ref[b, h, cols].astype(jnp.float32)
-    alpha = jnp.exp(g)
+    mode = mode_ref[b]
     cache_refs = (ucache_ref, kcache_ref, gcache_ref)
-
-    def finish_readout(s_k, s_q):
-        u = beta * (v - s_k)
-        y_ref[b, h, cols] = (s_q + u * jnp.sum(k * q)).astype(y_ref.dtype)
-        return u
 
     @pl.when(mode == common.MODE_PAD)
     def _padding_row():
         y_ref[b, h, cols] = jnp.zeros((block_v,), y_ref.dtype)
 
-    @pl.when(mode == common.MODE_APPEND)
-    def _append_row():  # output-only: read checkpoint + cache, write y and the new entry
+    @pl.when(mode != common.MODE_PAD)
+    def _live_row():
+        slot, pos = slot_ref[b], pos_ref[b]
+        q, k, g, beta = common.load_token(
+            spec, (q_ref, k_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref), b, h
+        )
+        v = v_ref[b, h, cols].astype(jnp.float32)
         s_c = ckpt_ref[slot, h, cols, :].astype(jnp.float32)  # [BV, Dk]
+        alpha = jnp.exp(g)
         s_k, s_q = _live_readout(
             spec, cache_refs, slot, h, cols, pos, s_c, (alpha * k, alpha * q), chunk
         )
-        u = finish_readout(s_k, s_q)
-        ucache_ref[slot, h, pos, cols] = u.astype(ucache_ref.dtype)
+        u = beta * (v - s_k)
+        y_ref[b, h, cols] = (s_q + u * jnp.sum(k * q)).astype(y_ref.dtype)
 
-        @pl.when(tile == 0)
-        def _append_gate():
-            if spec.per_channel_gate:
-                gcache_ref[slot, h, pos, :] = g
+        @pl.when(mode == common.MODE_FLUSH)
+        def _flush():
+            if precision == "ieee":
+                prev = _rebuild_exact(spec, cache_refs, slot, h, cols, pos, s_c)
             else:
-                gcache_ref[slot, h, pos] = g
+                prev = _rebuild_dot(spec, cache_refs, slot, h, cols, pos, s_c, chunk, precision)
+            alpha_row = alpha[None, :] if spec.per_channel_gate else alpha
+            new = prev * alpha_row + u[:, None] * k[None, :]
+            ckpt_ref[slot, h, cols, :] = new.astype(ckpt_ref.dtype)
 
-        @pl.when((tile == 0) & (h % spec.group_size == 0))
-        def _append_key():  # once per key head, not once per value head
-            kcache_ref[slot, h // spec.group_size, pos, :] = k.astype(kcache_ref.dtype)
+        @pl.when(mode == common.MODE_APPEND)
+        def _append():
+            ucache_ref[slot, h, pos, cols] = u.astype(ucache_ref.dtype)
 
-    @pl.when(mode == common.MODE_FLUSH)
-    def _flush_row():  # rebuild the tile on chip, read out from it, write S_t in place
-        s_c = ckpt_ref[slot, h, cols, :].astype(jnp.float32)
-        if precision == "ieee":
-            prev = _rebuild_exact(spec, cache_refs, slot, h, cols, pos, s_c, chunk)
-        else:
-            prev = _rebuild_dot(spec, cache_refs, slot, h, cols, pos, s_c, chunk, precision)
-        alpha_row = alpha[None, :] if spec.per_channel_gate else alpha
-        decayed = prev * alpha_row
-        u = finish_readout(jnp.sum(decayed * k[None, :], axis=1), jnp.sum(decayed * q[None, :], axis=1))
-        ckpt_ref[slot, h, cols, :] = (decayed + u[:, None] * k[None, :]).astype(ckpt_ref.dtype)
+            @pl.when(tile == 0)
+            def _append_gate():
+                if spec.per_channel_gate:
+                    gcache_ref[slot, h, pos, :] = g
+                else:
+                    gcache_ref[slot, h, pos] = g
+
+            @pl.when((tile == 0) & (h % spec.group_size == 0))
+            def _append_key():  # once per key head, not once per value head
+                kcache_ref[slot, h // spec.group_size, pos, :] = k.astype(kcache_ref.dtype)
 
 
 def replay_decode(

@@ -1,0 +1,199 @@
+"""Fused ReplaySSM decode step, key-head-grouped layout (GDN and KDA).
+
+Grid `(B, H_k, P / T)` with P = r * d_v / BV (value-head tiles of one key-head group) and
+T = `tiles_per_program`: each program serves T (value head, BV-tile) pairs of one row and
+one key head. The key-side work of the replay is done once per program instead of once per
+tile: the program loads the key head's valid cache entries `K [L, d_k]` once and, for GDN,
+reduces them to `K k` and `K q` (`[L]`); each tile then only needs its value head's g
+entries (`[L]`), its u entries (`[L, BV]`) and its checkpoint tile (`[BV, d_k]`):
+
+    S_{t-1}(alpha x) = alpha (e^G S_c x + U^T (w * K x)),   w_j = exp(G - c_j)   (GDN)
+    S_{t-1}(alpha x) = S_c (e^G * alpha * x) + U^T ((W * K)(alpha * x))         (KDA)
+
+Flush rows rebuild the tile on chip (exact entry-by-entry replay, or `[BV, L] x [L, d_k]`
+on tensor cores) and write `S_t` in place; append rows store u (and g once per value head,
+k once per key head). The checkpoint is read from memory once per step.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+from jaxtyping import Array, Float, Int
+
+from pallas_kernels import common
+from pallas_kernels.common import KernelConfig, TokenSpec
+from pallas_kernels.replay_decode import _rebuild_exact
+
+
+def cache_block_len(cache_len: int) -> int:
+    """Cache rows a program loads at once: a power of two >= 16 (the dot's K dimension).
+
+    Rows at or past the cursor are masked, so the padding costs no memory traffic.
+    """
+    return max(common.next_power_of_two(cache_len), common.MIN_DOT_DIM)
+
+
+def _grouped_kernel(
+    slot_ref, pos_ref, mode_ref, q_ref, k_ref, g_ref, beta_ref, v_ref, a_log_ref, dt_bias_ref,
+    _ckpt_in, _u_in, _k_in, _g_in,
+    y_ref, ckpt_ref, ucache_ref, kcache_ref, gcache_ref,
+    *, spec: TokenSpec, block_v: int, tiles_per_head: int, tiles_per_program: int,
+    cache_block: int, precision: str,
+):
+    b, hk, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    mode, slot, pos = mode_ref[b], slot_ref[b], pos_ref[b]
+    first = split * tiles_per_program
+
+    def tile_of(p):
+        pair = first + p
+        vh = hk * spec.group_size + pair // tiles_per_head
+        tile = pair % tiles_per_head
+        return vh, tile, pl.ds(tile * block_v, block_v)
+
+    @pl.when(mode == common.MODE_PAD)
+    def _padding_row():
+        def body(p, carry):
+            vh, _, cols = tile_of(p)
+            y_ref[b, vh, cols] = jnp.zeros((block_v,), y_ref.dtype)
+            return carry
+
+        jax.lax.fori_loop(0, tiles_per_program, body, 0)
+
+    @pl.when(mode != common.MODE_PAD)
+    def _live_row():
+        q, k = common.load_qk(spec, q_ref, k_ref, b, hk)
+        live = jnp.arange(cache_block) < pos
+        live2 = live[:, None]
+        entries = pl.ds(0, cache_block)
+        k_c = plgpu.load(kcache_ref.at[slot, hk, entries, :], mask=live2, other=0.0)
+        k_c = k_c.astype(jnp.float32)  # [Lb, Dk], shared by every tile of the program
+        k_dot_q = jnp.sum(k * q)
+        if not spec.per_channel_gate:
+            kk, kq = jnp.sum(k_c * k[None, :], axis=1), jnp.sum(k_c * q[None, :], axis=1)
+
+        def body(p, carry):
+            vh, tile, cols = tile_of(p)
+            g, beta = common.load_gates(spec, g_ref, beta_ref, a_log_ref, dt_bias_ref, b, vh)
+            alpha = jnp.exp(g)
+            v = v_ref[b, vh, cols].astype(jnp.float32)
+            if spec.per_channel_gate:
+                g_c = plgpu.load(gcache_ref.at[slot, vh, entries, :], mask=live2, other=0.0)
+            else:
+                g_c = plgpu.load(gcache_ref.at[slot, vh, entries], mask=live, other=0.0)
+            total = jnp.sum(g_c, axis=0)
+            weights = jnp.where(live2 if spec.per_channel_gate else live,
+                                jnp.exp(total - jnp.cumsum(g_c, axis=0)), 0.0)
+            u_c = plgpu.load(ucache_ref.at[slot, vh, entries, cols], mask=live2, other=0.0)
+            u_c = u_c.astype(jnp.float32)  # [Lb, BV]
+            s_c = ckpt_ref[slot, vh, cols, :].astype(jnp.float32)  # [BV, Dk]
+            decay_c = jnp.exp(total)
+            if spec.per_channel_gate:
+                wk = weights * k_c
+                xk, xq = alpha * k, alpha * q
+                s_k = jnp.sum(s_c * (decay_c * xk)[None, :], axis=1) + jnp.sum(
+                    u_c * jnp.sum(wk * xk[None, :], axis=1)[:, None], axis=0)
+                s_q = jnp.sum(s_c * (decay_c * xq)[None, :], axis=1) + jnp.sum(
+                    u_c * jnp.sum(wk * xq[None, :], axis=1)[:, None], axis=0)
+            else:
+                s_k = alpha * (decay_c * jnp.sum(s_c * k[None, :], axis=1)
+                               + jnp.sum(u_c * (weights * kk)[:, None], axis=0))
+                s_q = alpha * (decay_c * jnp.sum(s_c * q[None, :], axis=1)
+                               + jnp.sum(u_c * (weights * kq)[:, None], axis=0))
+            u = beta * (v - s_k)
+            y_ref[b, vh, cols] = (s_q + u * k_dot_q).astype(y_ref.dtype)
+
+            @pl.when(mode == common.MODE_FLUSH)
+            def _flush():
+                if precision == "ieee":
+                    cache_refs = (ucache_ref, kcache_ref, gcache_ref)
+                    prev = _rebuild_exact(spec, cache_refs, slot, vh, cols, pos, s_c)
+                else:
+                    wk_dot = weights * k_c if spec.per_channel_gate else weights[:, None] * k_c
+                    decay_row = decay_c[None, :] if spec.per_channel_gate else decay_c
+                    prev = s_c * decay_row + common.rebuild_dot(u_c.T, wk_dot, precision)
+                alpha_row = alpha[None, :] if spec.per_channel_gate else alpha
+                new = prev * alpha_row + u[:, None] * k[None, :]
+                ckpt_ref[slot, vh, cols, :] = new.astype(ckpt_ref.dtype)
+
+            @pl.when(mode == common.MODE_APPEND)
+            def _append():
+                ucache_ref[slot, vh, pos, cols] = u.astype(ucache_ref.dtype)
+
+                @pl.when(tile == 0)
+                def _append_gate():
+                    if spec.per_channel_gate:
+                        gcache_ref[slot, vh, pos, :] = g
+                    else:
+                        gcache_ref[slot, vh, pos] = g
+
+            return carry
+
+        jax.lax.fori_loop(0, tiles_per_program, body, 0)
+
+        @pl.when((mode == common.MODE_APPEND) & (split == 0))
+        def _append_key():  # once per key head
+            kcache_ref[slot, hk, pos, :] = k.astype(kcache_ref.dtype)
+
+
+def replay_decode_grouped(
+    checkpoint: Float[Array, "N Hv Dv Dk"],
+    u_cache: Float[Array, "N Hv L Dv"],
+    k_cache: Float[Array, "N Hk L Dk"],
+    g_cache: Float[Array, "N Hv L *Dk"],
+    q: Float[Array, "B Hk Dk"],
+    k: Float[Array, "B Hk Dk"],
+    v: Float[Array, "B Hv Dv"],
+    g: Float[Array, "B Hv *Dk"],
+    beta: Float[Array, "B Hv"],
+    slot: Int[Array, " B"],
+    pos: Int[Array, " B"],
+    mode: Int[Array, " B"],
+    *,
+    use_qk_l2norm: bool = False,
+    scale: float | None = None,
+    gate_params: tuple[Array, Array] | None = None,
+    config: KernelConfig = KernelConfig(),
+    interpret: bool | None = None,
+):
+    """Same arguments and results as `replay_decode.replay_decode`; grouped layout."""
+    batch, num_v_heads, head_v_dim = v.shape
+    num_k_heads = q.shape[1]
+    config = config.for_head_dim(head_v_dim)
+    spec = common.token_spec(
+        q, v, per_channel_gate=g_cache.ndim == 4, gate_params=gate_params,
+        use_qk_l2norm=use_qk_l2norm, scale=scale,
+    )
+    tiles_per_head = head_v_dim // config.block_v
+    pairs = spec.group_size * tiles_per_head
+    tiles_per_program = max(1, min(config.tiles_per_program, pairs))
+    while pairs % tiles_per_program:
+        tiles_per_program //= 2
+    a_log, dt_bias = common.gate_param_inputs(gate_params)
+    kernel = functools.partial(
+        _grouped_kernel, spec=spec, block_v=config.block_v, tiles_per_head=tiles_per_head,
+        tiles_per_program=tiles_per_program, cache_block=cache_block_len(u_cache.shape[2]),
+        precision=config.rebuild_precision,
+    )
+    inputs = (slot, pos, mode, q, k, g, beta, v, a_log, dt_bias,
+              checkpoint, u_cache, k_cache, g_cache)
+    state_first = len(inputs) - 4
+    out_shape = (
+        jax.ShapeDtypeStruct(v.shape, v.dtype),
+        *(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in inputs[state_first:]),
+    )
+    return pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=(batch, num_k_heads, pairs // tiles_per_program),
+        in_specs=[common.any_spec()] * len(inputs),
+        out_specs=[common.any_spec()] * len(out_shape),
+        input_output_aliases={state_first + i: 1 + i for i in range(4)},
+        compiler_params=config.compiler_params(),
+        interpret=common.default_interpret() if interpret is None else interpret,
+        name="replayssm_decode",
+    )(*inputs)
