@@ -222,7 +222,8 @@ def replay_kernel_times(timer, cfg, batch, kernel_config, rng, iterations, smoke
     pool = random_pool(cfg, num_slots, jax.random.key(1), cursors)
     token = random_token(cfg, batch, jax.random.key(2))
     fn = replay_cycle_fn(cfg, kernel_config, interpret=smoke)
-    return timer.kernel_times(fn, (pool, jnp.asarray(sets), token), REPLAY_KERNEL, iterations), len(sets)
+    name = PLAIN_KERNEL if cfg.cache_len == 1 else REPLAY_KERNEL  # L = 1 runs the plain kernel
+    return timer.kernel_times(fn, (pool, jnp.asarray(sets), token), name, iterations), len(sets)
 
 
 def time_replay(timer, cfg, batch, kernel_config, rng, iterations, smoke, staggered: bool):
@@ -348,7 +349,7 @@ def tune_section(timer, shape, batches, smoke, deadline, tune_plain) -> tuple[li
                     plain_us = time_plain_cached(timer, dataclasses.replace(cfg, cache_len=1), batch, kc_plain, 3, smoke)
                 nf, fl, replay_us = time_replay(timer, cfg, batch, kc, rng, 3, smoke, staggered=False)
             except Exception as err:  # a variant that does not compile is skipped, not fatal
-                print(f"tune FAILED B={batch} {kc}: {err!r}"[:2000], flush=True)
+                print(f"FAILED tune B={batch} {kc}: {err!r}"[:2000], flush=True)
                 continue
             plain_times[kc if tune_plain else kc_plain], replay_times[kc] = plain_us, replay_us
             row = dict(batch=batch, block_v=bv, num_warps=warps, cache_chunk=chunk, tiles_per_program=per_program,
@@ -367,7 +368,7 @@ def tune_section(timer, shape, batches, smoke, deadline, tune_plain) -> tuple[li
             try:
                 nf, fl, rep = time_replay(timer, cfg, batch, kc, np.random.default_rng(0), 3, smoke, staggered=False)
             except Exception as err:
-                print(f"tune FAILED B={batch} {kc}: {err!r}"[:2000], flush=True)
+                print(f"FAILED tune B={batch} {kc}: {err!r}"[:2000], flush=True)
                 continue
             row = dict(batch=batch, block_v=kc.block_v, num_warps=kc.num_warps, cache_chunk=16,
                        tiles_per_program=kc.tiles_per_program, precision=precision, replay_nonflush_us=nf, replay_flush_us=fl, replay_cycle_us=rep)
@@ -536,7 +537,7 @@ def main(argv=None) -> dict:
                 rows = sweep_row(timer, shp, shp.config(L, dt), b, meta["copy_bandwidth_GBps"],
                                  args.smoke, choose_configs(best, b))
             except Exception as err:  # keep the rest of the sweep; the error is in the log
-                print(f"row FAILED {shp} {jnp.dtype(dt).name} L={L} B={b}: {err!r}"[:2000], flush=True)
+                print(f"FAILED sweep row {shp} {jnp.dtype(dt).name} L={L} B={b}: {err!r}"[:2000], flush=True)
                 continue
             for row in rows:
                 print(f"row {json.dumps(row)}", flush=True)

@@ -19,22 +19,26 @@ from pallas_kernels.replay_decode_grouped import replay_decode_grouped
 from replayssm_jax.replay import StepPlan
 from replayssm_jax.state import ReplayState
 
-# Batch size -> launch configuration, per kernel: (max batch, block_v, num_warps, cache_chunk).
-# The winners of the tile sweep on an H200 (benchmarks/results/h200_2026-11-29_v2_chunked.json,
-# "tune" rows at B = 1, 8, 32, 128, 512; each batch takes the nearest measured one). The plain
-# kernel wants narrow tiles (occupancy); the replay kernel wants wide ones, which amortise the
-# per-program cache walk over more state rows.
-_TILES: dict[str, tuple[tuple[int, int, int, int], ...]] = {
-    "plain": ((2, 8, 1, 8), (1 << 30, 16, 1, 16)),
-    "replay": ((2, 8, 1, 8), (16, 32, 2, 16), (1 << 30, 64, 4, 16)),
+# Batch size -> launch configuration per kernel:
+#   (max batch, block_v, num_warps, cache_chunk, tiles_per_program)
+# tiles_per_program = 0 selects the per-tile replay kernel, T >= 1 the key-head-grouped one.
+# The winners of the tile sweep on an H200 (benchmarks/results/h200_2026-11-29_v4_grouped.json,
+# "tune" rows at B = 1, 8, 32, 128, 512, L = 16, fp32 state; each batch takes the nearest
+# measured one on a log scale). The plain kernel wants narrow tiles (occupancy).
+_TILES: dict[str, tuple[tuple[int, int, int, int, int], ...]] = {
+    "plain": ((2, 8, 1, 8, 0), (1 << 30, 16, 1, 16, 0)),
+    "replay": ((2, 8, 1, 8, 0), (16, 32, 2, 16, 2), (1 << 30, 32, 4, 16, 4)),
 }
 
 
 def default_kernel_config(batch: int, kernel: str = "replay") -> KernelConfig:
     """The launch configuration used for `batch` rows by the "plain" or "replay" kernel."""
-    for max_batch, block_v, num_warps, cache_chunk in _TILES[kernel]:
+    for max_batch, block_v, num_warps, cache_chunk, per_program in _TILES[kernel]:
         if batch <= max_batch:
-            return KernelConfig(block_v=block_v, num_warps=num_warps, cache_chunk=cache_chunk)
+            return KernelConfig(
+                block_v=block_v, num_warps=num_warps, cache_chunk=cache_chunk,
+                tiles_per_program=per_program,
+            )
     raise AssertionError("unreachable: the last table row covers every batch")
 
 

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from replayssm_jax import replay
+from replayssm_jax import gating, replay
 from replayssm_jax.config import ReplayConfig
 from replayssm_jax.state import ReplayState, check_state
 
@@ -86,14 +86,17 @@ def check_step_inputs(
             raise ValueError(f"force_flush must be bool, got dtype {jnp.result_type(force_flush)}")
 
 
-def _layer_step_fn(backend: str):
-    if backend == "xla":
-        return replay.xla_layer_step
-    if backend == "pallas":
-        from pallas_kernels.ops import pallas_layer_step
-
-        return pallas_layer_step
-    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+def check_gate_params(config: ReplayConfig, gate_params) -> None:
+    """`gate_params = (A_log [H_v], dt_bias [H_v] (GDN) or [H_v, d_k] (KDA))`."""
+    if gate_params is None:
+        return
+    if not isinstance(gate_params, (tuple, list)) or len(gate_params) != 2:
+        raise ValueError("gate_params must be a pair (A_log, dt_bias)")
+    a_log, dt_bias = gate_params
+    hv = config.num_v_heads
+    _check_float("gate_params[0] (A_log)", a_log, (hv,))
+    want = (hv, config.head_k_dim) if config.per_channel_gate else (hv,)
+    _check_float("gate_params[1] (dt_bias)", dt_bias, want)
 
 
 def layer_step(
@@ -108,10 +111,31 @@ def layer_step(
     backend: Backend = "xla",
     use_qk_l2norm: bool = False,
     scale: float | None = None,
+    gate_params: tuple[Array, Array] | None = None,
+    kernel_config=None,
 ) -> tuple[Float[Array, "B Hv Dv"], ReplayState]:
-    """One layer's step under a precomputed plan; `write_pos` is left for the caller."""
-    step = _layer_step_fn(backend)
-    return step(state, q, k, v, g, beta, plan, use_qk_l2norm=use_qk_l2norm, scale=scale)
+    """One layer's step under a precomputed plan; `write_pos` is left for the caller.
+
+    With `gate_params`, `g` and `beta` hold the raw gate inputs `a` and `b` (see
+    `decode_step`).
+    """
+    if backend == "xla":
+        if kernel_config is not None:
+            raise ValueError("kernel_config applies to backend='pallas' only")
+        if gate_params is not None:
+            gate = gating.kda_gate if state.config.per_channel_gate else gating.gdn_gate
+            g, beta = gate(g, *gate_params), gating.beta_gate(beta)
+        return replay.xla_layer_step(
+            state, q, k, v, g, beta, plan, use_qk_l2norm=use_qk_l2norm, scale=scale
+        )
+    if backend == "pallas":
+        from pallas_kernels.ops import pallas_layer_step
+
+        return pallas_layer_step(
+            state, q, k, v, g, beta, plan, use_qk_l2norm=use_qk_l2norm, scale=scale,
+            gate_params=gate_params, kernel_config=kernel_config,
+        )
+    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 
 def decode_step(
@@ -127,6 +151,8 @@ def decode_step(
     backend: Backend = "xla",
     use_qk_l2norm: bool = False,
     scale: float | None = None,
+    gate_params: tuple[Array, Array] | None = None,
+    kernel_config=None,
 ) -> tuple[Float[Array, "B Hv Dv"], ReplayState]:
     """Decode one token per row through a ReplaySSM layer.
 
@@ -142,6 +168,13 @@ def decode_step(
         mode off-GPU).
       use_qk_l2norm: L2-normalise q and k (`x / sqrt(sum x^2 + 1e-6)`).
       scale: multiplies q after the norm; default `d_k ** -0.5`.
+      gate_params: optional `(A_log [H_v], dt_bias [H_v] or [H_v, d_k])`: `g` and `beta`
+        then hold the raw model inputs `a` and `b`, and the step computes
+        `g = -exp(A_log) softplus(a + dt_bias)`, `beta = sigmoid(b)` itself (inside the
+        kernel on the pallas backend).
+      kernel_config: a `pallas_kernels.common.KernelConfig` (tiles, warps, rebuild
+        precision) for the pallas backend; default: the per-batch-size table in
+        `pallas_kernels.ops`.
 
     Returns:
       `(y, new_state)`: y `[B, H_v, d_v]` in v's dtype, exactly 0 on padding rows.
@@ -152,10 +185,12 @@ def decode_step(
     """
     check_state(state)
     check_step_inputs(state.config, state.num_slots, q, k, v, g, beta, slots, force_flush)
+    check_gate_params(state.config, gate_params)
     plan = replay.plan_step(state.write_pos, slots, force_flush, state.config.cache_len)
     y, new_state = layer_step(
         state, q, k, v, g, beta, plan,
         backend=backend, use_qk_l2norm=use_qk_l2norm, scale=scale,
+        gate_params=gate_params, kernel_config=kernel_config,
     )
     write_pos = replay.advance_write_pos(state.write_pos, plan)
     return y, dataclasses.replace(new_state, write_pos=write_pos)
