@@ -22,7 +22,7 @@ from replayssm_jax.state import ReplayState
 # Batch size -> launch configuration per kernel:
 #   (max batch, block_v, num_warps, cache_chunk, tiles_per_program)
 # tiles_per_program = 0 selects the per-tile replay kernel, T >= 1 the key-head-grouped one.
-# The winners of the tile sweep on an H200 (benchmarks/results/h200_2026-11-29_v4_grouped.json,
+# The winners of the tile sweep on an H200 (benchmarks/results/h200_2026-11-29.json,
 # "tune" rows at B = 1, 8, 32, 128, 512, L = 16, fp32 state; each batch takes the nearest
 # measured one on a log scale). The plain kernel wants narrow tiles (occupancy).
 _TILES: dict[str, tuple[tuple[int, int, int, int, int], ...]] = {
