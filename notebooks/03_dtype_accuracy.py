@@ -51,7 +51,6 @@ import jax
 
 jax.config.update("jax_enable_x64", True)  # float64 reference on CPU
 
-import dataclasses
 
 import jax.numpy as jnp
 import matplotlib

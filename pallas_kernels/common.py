@@ -192,6 +192,29 @@ def any_spec() -> pl.BlockSpec:
     return pl.BlockSpec(memory_space=pl.ANY)
 
 
+def decode_call(kernel, *, grid, inputs, state, y_like, config: KernelConfig, interpret, name):
+    """`pallas_call` of a decode kernel: whole-array refs, `state` arrays aliased in place.
+
+    The kernel sees `(*inputs, *state)` then `(y, *state)` refs; returns `(y, *new_state)`.
+    """
+    operands = (*inputs, *state)
+    out_shape = (
+        jax.ShapeDtypeStruct(y_like.shape, y_like.dtype),
+        *(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in state),
+    )
+    return pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=grid,
+        in_specs=[any_spec()] * len(operands),
+        out_specs=[any_spec()] * len(out_shape),
+        input_output_aliases={len(inputs) + i: 1 + i for i in range(len(state))},
+        compiler_params=config.compiler_params(),
+        interpret=default_interpret() if interpret is None else interpret,
+        name=name,
+    )(*operands)
+
+
 def row_modes(valid, flush):
     """Per-row mode: MODE_PAD, MODE_APPEND or MODE_FLUSH (int32 `[B]`)."""
     return jnp.where(valid, jnp.where(flush, MODE_FLUSH, MODE_APPEND), MODE_PAD).astype(jnp.int32)

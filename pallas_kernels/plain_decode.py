@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Bool, Float, Int
@@ -86,19 +85,11 @@ def plain_decode(
     )
     a_log, dt_bias = common.gate_param_inputs(gate_params)
     kernel = functools.partial(_plain_kernel, spec=spec, block_v=config.block_v)
-    inputs = (slot, valid.astype(jnp.int32), q, k, g, beta, v, a_log, dt_bias, state)
-    out_shape = (
-        jax.ShapeDtypeStruct(v.shape, v.dtype),
-        jax.ShapeDtypeStruct(state.shape, state.dtype),
-    )
-    return pl.pallas_call(
+    y, new_state = common.decode_call(
         kernel,
-        out_shape=out_shape,
         grid=(batch, num_v_heads, head_v_dim // config.block_v),
-        in_specs=[common.any_spec()] * len(inputs),
-        out_specs=[common.any_spec()] * 2,
-        input_output_aliases={len(inputs) - 1: 1},
-        compiler_params=config.compiler_params(),
-        interpret=common.default_interpret() if interpret is None else interpret,
-        name="plain_decode",
-    )(*inputs)
+        inputs=(slot, valid.astype(jnp.int32), q, k, g, beta, v, a_log, dt_bias),
+        state=(state,),
+        y_like=v, config=config, interpret=interpret, name="plain_decode",
+    )
+    return y, new_state

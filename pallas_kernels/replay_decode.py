@@ -87,7 +87,7 @@ def _live_readout(spec, refs, slot, h, cols, pos, s_c, xs, chunk):
     return tuple(o + jnp.sum(s_c * x[None, :], axis=1) for o, x in zip(outs, xs))
 
 
-def _rebuild_exact(spec, refs, slot, h, cols, pos, s_c):
+def rebuild_exact(spec, refs, slot, h, cols, pos, s_c):
     """S_{t-1} tile by replaying the recurrence entry by entry from S_c (exact fp32)."""
     ucache_ref, kcache_ref, gcache_ref = refs
     hk = h // spec.group_size
@@ -154,7 +154,7 @@ def _replay_kernel(
         @pl.when(mode == common.MODE_FLUSH)
         def _flush():
             if precision == "ieee":
-                prev = _rebuild_exact(spec, cache_refs, slot, h, cols, pos, s_c)
+                prev = rebuild_exact(spec, cache_refs, slot, h, cols, pos, s_c)
             else:
                 prev = _rebuild_dot(spec, cache_refs, slot, h, cols, pos, s_c, chunk, precision)
             alpha_row = alpha[None, :] if spec.per_channel_gate else alpha
@@ -233,21 +233,10 @@ def replay_decode(
         chunk=config.cache_chunk,
         precision=config.rebuild_precision,
     )
-    inputs = (slot, pos, mode, q, k, g, beta, v, a_log, dt_bias,
-              checkpoint, u_cache, k_cache, g_cache)
-    state_first = len(inputs) - 4
-    out_shape = (
-        jax.ShapeDtypeStruct(v.shape, v.dtype),
-        *(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in inputs[state_first:]),
-    )
-    return pl.pallas_call(
+    return common.decode_call(
         kernel,
-        out_shape=out_shape,
         grid=(batch, num_v_heads, head_v_dim // config.block_v),
-        in_specs=[common.any_spec()] * len(inputs),
-        out_specs=[common.any_spec()] * len(out_shape),
-        input_output_aliases={state_first + i: 1 + i for i in range(4)},
-        compiler_params=config.compiler_params(),
-        interpret=common.default_interpret() if interpret is None else interpret,
-        name="replayssm_decode",
-    )(*inputs)
+        inputs=(slot, pos, mode, q, k, g, beta, v, a_log, dt_bias),
+        state=(checkpoint, u_cache, k_cache, g_cache),
+        y_like=v, config=config, interpret=interpret, name="replayssm_decode",
+    )

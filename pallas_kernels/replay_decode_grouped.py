@@ -27,7 +27,7 @@ from jaxtyping import Array, Float, Int
 
 from pallas_kernels import common
 from pallas_kernels.common import KernelConfig, TokenSpec
-from pallas_kernels.replay_decode import _rebuild_exact
+from pallas_kernels.replay_decode import rebuild_exact
 
 
 def cache_block_len(cache_len: int) -> int:
@@ -111,7 +111,7 @@ def _grouped_kernel(
             def _flush():
                 if precision == "ieee":
                     cache_refs = (ucache_ref, kcache_ref, gcache_ref)
-                    prev = _rebuild_exact(spec, cache_refs, slot, vh, cols, pos, s_c)
+                    prev = rebuild_exact(spec, cache_refs, slot, vh, cols, pos, s_c)
                 else:
                     wk_dot = weights * k_c if spec.per_channel_gate else weights[:, None] * k_c
                     decay_row = decay_c[None, :] if spec.per_channel_gate else decay_c
@@ -179,21 +179,10 @@ def replay_decode_grouped(
         tiles_per_program=tiles_per_program, cache_block=cache_block_len(u_cache.shape[2]),
         precision=config.rebuild_precision,
     )
-    inputs = (slot, pos, mode, q, k, g, beta, v, a_log, dt_bias,
-              checkpoint, u_cache, k_cache, g_cache)
-    state_first = len(inputs) - 4
-    out_shape = (
-        jax.ShapeDtypeStruct(v.shape, v.dtype),
-        *(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in inputs[state_first:]),
-    )
-    return pl.pallas_call(
+    return common.decode_call(
         kernel,
-        out_shape=out_shape,
         grid=(batch, num_k_heads, pairs // tiles_per_program),
-        in_specs=[common.any_spec()] * len(inputs),
-        out_specs=[common.any_spec()] * len(out_shape),
-        input_output_aliases={state_first + i: 1 + i for i in range(4)},
-        compiler_params=config.compiler_params(),
-        interpret=common.default_interpret() if interpret is None else interpret,
-        name="replayssm_decode",
-    )(*inputs)
+        inputs=(slot, pos, mode, q, k, g, beta, v, a_log, dt_bias),
+        state=(checkpoint, u_cache, k_cache, g_cache),
+        y_like=v, config=config, interpret=interpret, name="replayssm_decode",
+    )
