@@ -15,7 +15,13 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import fuser as _fuser  # noqa: F401  (see below)
 from jax.experimental.pallas import triton as plgpu
+
+# Pallas lowering imports its fuser lazily, and that import registers a jax config option
+# that is part of the tracing context: a jitted step that first lowers a kernel would then
+# be traced (and compiled) a second time on its next call. Importing it here, before any
+# trace, keeps one compilation.
 
 # Pallas-Triton is deprecated in jax 0.11 in favour of Mosaic GPU; it is still the GPU
 # backend of pallas_call that this project targets (see README).

@@ -10,6 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
+# Imported eagerly, not on first use: importing Pallas registers jax config options, and a
+# first import during a trace would change the tracing context and cost one recompile.
+from pallas_kernels import ops as pallas_ops
 from replayssm_jax import gating, replay
 from replayssm_jax.config import ReplayConfig
 from replayssm_jax.state import ReplayState, check_state
@@ -129,9 +132,7 @@ def layer_step(
             state, q, k, v, g, beta, plan, use_qk_l2norm=use_qk_l2norm, scale=scale
         )
     if backend == "pallas":
-        from pallas_kernels.ops import pallas_layer_step
-
-        return pallas_layer_step(
+        return pallas_ops.pallas_layer_step(
             state, q, k, v, g, beta, plan, use_qk_l2norm=use_qk_l2norm, scale=scale,
             gate_params=gate_params, kernel_config=kernel_config,
         )

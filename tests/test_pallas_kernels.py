@@ -225,3 +225,32 @@ def test_every_exposed_config_lowers_for_h200(kernel_config, gate):
                 state, *token, sds((batch,), jnp.int32), gates
             ).lower(lowering_platforms=("cuda",))
         assert "__gpu$xla.gpu.triton" in lowered.as_text()
+
+
+_FIRST_USE_SCRIPT = """
+import jax, jax.numpy as jnp
+import replayssm_jax as R
+traces = []
+def step(state, *args):
+    traces.append(1)
+    return R.decode_step(state, *args, backend="pallas")
+step = jax.jit(step, donate_argnums=0)
+cfg = R.ReplayConfig(2, 4, 16, 16, 4)
+state = R.init_state(cfg, 4)
+args = (jnp.ones((2, 2, 16)),) * 2 + (jnp.ones((2, 4, 16)), -jnp.ones((2, 4)),
+        0.5 * jnp.ones((2, 4)), jnp.array([0, 1], jnp.int32))
+for _ in range(3):
+    _, state = step(state, *args)
+print(len(traces))
+"""
+
+
+def test_first_pallas_step_in_a_fresh_process_traces_once():
+    # In a fresh interpreter the first lowering of a kernel must not change the tracing
+    # context (Pallas registers config options on import), or step 2 would recompile.
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _FIRST_USE_SCRIPT], capture_output=True,
+                         text=True, check=True, timeout=300)
+    assert out.stdout.strip().splitlines()[-1] == "1", out.stdout + out.stderr
