@@ -50,8 +50,9 @@ class KernelConfig:
         for the tensor-core rebuild precisions).
       num_warps: warps per program.
       num_stages: Triton software-pipelining depth of the cache loops.
-      cache_chunk: C, cache entries loaded per iteration of the replay loops (a power of two;
-        >= 16 for the tensor-core rebuild precisions). Registers stay bounded for any L.
+      cache_chunk: C, cache entries loaded per iteration of the per-tile kernel's replay
+        loops (a power of two; >= 16 for the tensor-core rebuild precisions), so its
+        registers stay bounded for any L. The grouped kernel loads the valid entries at once.
       rebuild_precision: how a flush rebuilds the live state tile:
         "ieee": exact fp32, the recurrence replayed entry by entry on chip (rank-1 FMAs);
         "tf32": `[BV, C] x [C, d_k]` products on tensor cores in tf32 (~1e-3 relative on
