@@ -185,6 +185,12 @@ def load_token(spec: TokenSpec, refs, b, h):
     return q, k, g, beta
 
 
+def over_rows(spec: TokenSpec, x):
+    """A decay for a `[BV, Dk]` state tile: per key channel (KDA, `[Dk]` -> `[1, Dk]`) or one
+    scalar (GDN, unchanged)."""
+    return x[None, :] if spec.per_channel_gate else x
+
+
 def rebuild_dot(u_t, wk, precision: str):
     """`u_t [BV, C] @ wk [C, Dk]` on tensor cores: "tf32", or "bf16" operands; f32 result."""
     if precision == "bf16":

@@ -41,9 +41,7 @@ def _plain_kernel(
         )
         v = v_ref[b, h, cols].astype(jnp.float32)
         alpha = jnp.exp(g)
-        decayed = state_ref[slot, h, cols, :].astype(jnp.float32) * (
-            alpha[None, :] if spec.per_channel_gate else alpha
-        )
+        decayed = state_ref[slot, h, cols, :].astype(jnp.float32) * common.over_rows(spec, alpha)
         u = beta * (v - jnp.sum(decayed * k[None, :], axis=1))
         new = decayed + u[:, None] * k[None, :]
         y_ref[b, h, cols] = jnp.sum(new * q[None, :], axis=1).astype(y_ref.dtype)

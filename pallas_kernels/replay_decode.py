@@ -64,7 +64,7 @@ def _suffix_weights(g_c, live_rows):
     return jnp.where(mask, jnp.exp(suffix), 0.0), total
 
 
-def _weighted_keys(k_c, weights):
+def weighted_keys(k_c, weights):
     return k_c * (weights if weights.ndim == 2 else weights[:, None])
 
 
@@ -77,7 +77,7 @@ def _live_readout(spec, refs, slot, h, cols, pos, s_c, xs, chunk):
         start = (num_chunks - 1 - i) * chunk
         k_c, u_c, g_c = _load_chunk(spec, refs, slot, h, cols, start, chunk, pos)
         weights, total = _suffix_weights(g_c, start + jnp.arange(chunk) < pos)
-        wk = _weighted_keys(k_c, weights)
+        wk = weighted_keys(k_c, weights)
         outs = tuple(o + jnp.sum(u_c * jnp.sum(wk * x[None, :], axis=1)[:, None], axis=0)
                      for o, x in zip(outs, xs))
         return outs, tuple(x * jnp.exp(total) for x in xs)
@@ -113,12 +113,26 @@ def _rebuild_dot(spec, refs, slot, h, cols, pos, s_c, chunk, precision):
         start = (num_chunks - 1 - i) * chunk
         k_c, u_c, g_c = _load_chunk(spec, refs, slot, h, cols, start, chunk, pos)
         weights, total = _suffix_weights(g_c, start + jnp.arange(chunk) < pos)
-        wk = _weighted_keys(k_c, weights) * (decay[None, :] if spec.per_channel_gate else decay)
+        wk = weighted_keys(k_c, weights) * common.over_rows(spec, decay)
         return acc + common.rebuild_dot(u_c.T, wk, precision), decay * jnp.exp(total)
 
     decay0 = jnp.ones((s_c.shape[1],), jnp.float32) if spec.per_channel_gate else jnp.float32(1.0)
     acc, decay = jax.lax.fori_loop(0, num_chunks, body, (jnp.zeros_like(s_c), decay0))
-    return acc + s_c * (decay[None, :] if spec.per_channel_gate else decay)
+    return acc + s_c * common.over_rows(spec, decay)
+
+
+def write_flushed_tile(spec, ckpt_ref, slot, h, cols, prev, alpha, u, k):
+    """Store `S_t = S_{t-1} diag(alpha) + u k^T` (prev = S_{t-1} tile) into the checkpoint."""
+    new = prev * common.over_rows(spec, alpha) + u[:, None] * k[None, :]
+    ckpt_ref[slot, h, cols, :] = new.astype(ckpt_ref.dtype)
+
+
+def append_gate(spec, gcache_ref, slot, h, pos, g):
+    """Store this token's log-decay (scalar, or `[Dk]` for KDA) at cache position `pos`."""
+    if spec.per_channel_gate:
+        gcache_ref[slot, h, pos, :] = g
+    else:
+        gcache_ref[slot, h, pos] = g
 
 
 def _replay_kernel(
@@ -157,9 +171,7 @@ def _replay_kernel(
                 prev = rebuild_exact(spec, cache_refs, slot, h, cols, pos, s_c)
             else:
                 prev = _rebuild_dot(spec, cache_refs, slot, h, cols, pos, s_c, chunk, precision)
-            alpha_row = alpha[None, :] if spec.per_channel_gate else alpha
-            new = prev * alpha_row + u[:, None] * k[None, :]
-            ckpt_ref[slot, h, cols, :] = new.astype(ckpt_ref.dtype)
+            write_flushed_tile(spec, ckpt_ref, slot, h, cols, prev, alpha, u, k)
 
         @pl.when(mode == common.MODE_APPEND)
         def _append():
@@ -167,10 +179,7 @@ def _replay_kernel(
 
             @pl.when(tile == 0)
             def _append_gate():
-                if spec.per_channel_gate:
-                    gcache_ref[slot, h, pos, :] = g
-                else:
-                    gcache_ref[slot, h, pos] = g
+                append_gate(spec, gcache_ref, slot, h, pos, g)
 
             @pl.when((tile == 0) & (h % spec.group_size == 0))
             def _append_key():  # once per key head, not once per value head

@@ -27,7 +27,12 @@ from jaxtyping import Array, Float, Int
 
 from pallas_kernels import common
 from pallas_kernels.common import KernelConfig, TokenSpec
-from pallas_kernels.replay_decode import rebuild_exact
+from pallas_kernels.replay_decode import (
+    append_gate,
+    rebuild_exact,
+    weighted_keys,
+    write_flushed_tile,
+)
 
 
 def cache_block_len(cache_len: int) -> int:
@@ -93,7 +98,7 @@ def _grouped_kernel(
             s_c = ckpt_ref[slot, vh, cols, :].astype(jnp.float32)  # [BV, Dk]
             decay_c = jnp.exp(total)
             if spec.per_channel_gate:
-                wk = weights * k_c
+                wk = weighted_keys(k_c, weights)
                 xk, xq = alpha * k, alpha * q
                 s_k = jnp.sum(s_c * (decay_c * xk)[None, :], axis=1) + jnp.sum(
                     u_c * jnp.sum(wk * xk[None, :], axis=1)[:, None], axis=0)
@@ -113,12 +118,9 @@ def _grouped_kernel(
                     cache_refs = (ucache_ref, kcache_ref, gcache_ref)
                     prev = rebuild_exact(spec, cache_refs, slot, vh, cols, pos, s_c)
                 else:
-                    wk_dot = weights * k_c if spec.per_channel_gate else weights[:, None] * k_c
-                    decay_row = decay_c[None, :] if spec.per_channel_gate else decay_c
-                    prev = s_c * decay_row + common.rebuild_dot(u_c.T, wk_dot, precision)
-                alpha_row = alpha[None, :] if spec.per_channel_gate else alpha
-                new = prev * alpha_row + u[:, None] * k[None, :]
-                ckpt_ref[slot, vh, cols, :] = new.astype(ckpt_ref.dtype)
+                    rebuilt = common.rebuild_dot(u_c.T, weighted_keys(k_c, weights), precision)
+                    prev = s_c * common.over_rows(spec, decay_c) + rebuilt
+                write_flushed_tile(spec, ckpt_ref, slot, vh, cols, prev, alpha, u, k)
 
             @pl.when(mode == common.MODE_APPEND)
             def _append():
@@ -126,10 +128,7 @@ def _grouped_kernel(
 
                 @pl.when(tile == 0)
                 def _append_gate():
-                    if spec.per_channel_gate:
-                        gcache_ref[slot, vh, pos, :] = g
-                    else:
-                        gcache_ref[slot, vh, pos] = g
+                    append_gate(spec, gcache_ref, slot, vh, pos, g)
 
             return carry
 
