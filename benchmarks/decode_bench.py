@@ -251,20 +251,25 @@ def rel_err(x, ref) -> float:
     return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
-def check_section(smoke: bool, tiles_per_program: int) -> list[dict]:
-    """GPU kernels vs the scan reference at every step; the donated step's HLO."""
+def check_section(smoke: bool) -> list[dict]:
+    """GPU kernels vs the scan reference at every step; the donated step's HLO.
+
+    Each case runs the launch configuration the package uses at large batch (grouped
+    kernel) or at batch 1 (per-tile kernel), with the case's rebuild precision.
+    """
     rows = []
     dims = (2, 4, 32, 32) if smoke else (4, 8, 128, 128)
     cases = [
-        ("gdn", 4, jnp.float32, "ieee", False), ("gdn", 16, jnp.float32, "ieee", False),
-        ("gdn", 16, jnp.float32, "tf32", False), ("gdn", 16, jnp.float32, "bf16", False),
-        ("gdn", 16, jnp.bfloat16, "bf16", False), ("kda", 16, jnp.float32, "ieee", False),
-        ("kda", 8, jnp.bfloat16, "tf32", False), ("gdn", 1, jnp.float32, "ieee", False),
-        ("gdn", 16, jnp.float32, "ieee", True), ("kda", 16, jnp.float32, "ieee", True),
+        ("gdn", 4, jnp.float32, "ieee", False, 512), ("gdn", 16, jnp.float32, "ieee", False, 512),
+        ("gdn", 16, jnp.float32, "tf32", False, 512), ("gdn", 16, jnp.float32, "bf16", False, 512),
+        ("gdn", 16, jnp.bfloat16, "bf16", False, 512), ("kda", 16, jnp.float32, "ieee", False, 512),
+        ("kda", 8, jnp.bfloat16, "tf32", False, 512), ("gdn", 1, jnp.float32, "ieee", False, 512),
+        ("gdn", 16, jnp.float32, "ieee", True, 512), ("kda", 16, jnp.float32, "ieee", True, 512),
+        ("gdn", 13, jnp.float32, "ieee", False, 1), ("kda", 16, jnp.float32, "ieee", True, 1),
     ]
     if smoke:
         cases = cases[:2]
-    for gate, L, dtype, precision, raw in cases:
+    for gate, L, dtype, precision, raw, table_batch in cases:
         hk, hv, dk, dv = dims
         cfg = R.ReplayConfig(hk, hv, dk, dv, L, gate=gate, state_dtype=dtype, cache_dtype=dtype)
         batch, num_slots, steps = 6, 12, 3 * L + 1
@@ -285,8 +290,9 @@ def check_section(smoke: bool, tiles_per_program: int) -> list[dict]:
         beta = np.asarray(R.beta_gate(jnp.asarray(b)))
         init = np.where(slots[:, None, None, None] >= 0, np.asarray(jnp.asarray(s0, dtype), np.float32)[np.maximum(slots, 0)], 0)
         y_ref, _, s_ref = R.recurrent_reference(q, k, v, g, beta, init, use_qk_l2norm=True, return_all_states=True)
-        kc = KernelConfig(block_v=16 if dv <= 32 else 32, rebuild_precision=precision,
-                          tiles_per_program=tiles_per_program)
+        kc = dataclasses.replace(default_kernel_config(table_batch), rebuild_precision=precision)
+        if precision != "ieee":  # tensor-core rebuild: BV and C >= 16
+            kc = dataclasses.replace(kc, block_v=max(kc.block_v, 16), cache_chunk=max(kc.cache_chunk, 16))
 
         @functools.partial(jax.jit, donate_argnums=0)
         def step(state, q, k, v, g_or_a, beta_or_b, slots):
@@ -312,15 +318,16 @@ def check_section(smoke: bool, tiles_per_program: int) -> list[dict]:
         pool_shape = "[" + ",".join(map(str, state.checkpoint.shape)) + "]"
         pool_copies = [ln.strip()[:120] for ln in hlo.splitlines() if pool_shape in ln and " copy(" in ln]
         row = dict(gate=gate, cache_len=L, dtype=jnp.dtype(dtype).name, precision=precision,
-                   raw_gates=raw, y_rel_err=y_err, state_rel_err=s_err, pool_copies=len(pool_copies))
+                   raw_gates=raw, kernel_config=dataclasses.asdict(kc), y_rel_err=y_err, state_rel_err=s_err, pool_copies=len(pool_copies))
         print(f"check {row}", flush=True)
         rows.append(row)
     return rows
 
 
-TUNE_VARIANTS = (  # (block_v, num_warps, cache_chunk, tiles_per_program); 0 = per-tile kernel
-    (8, 1, 8, 0), (32, 2, 16, 0), (64, 4, 16, 0),
-    (16, 1, 16, 1), (16, 2, 16, 2), (32, 2, 16, 2), (32, 4, 16, 4), (64, 4, 16, 2), (64, 8, 16, 4),
+TUNE_VARIANTS = (  # (block_v, num_warps, cache_chunk, tiles_per_program, rebuild_unroll)
+    (8, 1, 8, 0, 8), (32, 2, 16, 0, 4), (64, 4, 16, 0, 4),  # tiles_per_program 0: per-tile kernel
+    (16, 1, 16, 1, 4), (16, 2, 16, 2, 4), (32, 2, 16, 2, 4), (16, 4, 16, 4, 4), (32, 4, 16, 4, 4),
+    (32, 4, 16, 8, 4), (64, 8, 16, 4, 4),
 )
 
 
@@ -336,10 +343,11 @@ def tune_section(timer, shape, batches, smoke, deadline, tune_plain) -> tuple[li
     for batch in batches:
         plain_times, replay_times = {}, {}
         plain_default = default_kernel_config(batch, "plain")
-        for bv, warps, chunk, per_program in variants:
+        for bv, warps, chunk, per_program, unroll in variants:
             if time.time() > deadline:
                 break
-            kc = KernelConfig(block_v=bv, num_warps=warps, cache_chunk=chunk, tiles_per_program=per_program)
+            kc = KernelConfig(block_v=bv, num_warps=warps, cache_chunk=chunk,
+                              tiles_per_program=per_program, rebuild_unroll=unroll)
             rng = np.random.default_rng(0)
             try:
                 if tune_plain:
@@ -352,7 +360,8 @@ def tune_section(timer, shape, batches, smoke, deadline, tune_plain) -> tuple[li
                 print(f"FAILED tune B={batch} {kc}: {err!r}"[:2000], flush=True)
                 continue
             plain_times[kc if tune_plain else kc_plain], replay_times[kc] = plain_us, replay_us
-            row = dict(batch=batch, block_v=bv, num_warps=warps, cache_chunk=chunk, tiles_per_program=per_program,
+            row = dict(batch=batch, block_v=bv, num_warps=warps, cache_chunk=chunk,
+                       tiles_per_program=per_program, rebuild_unroll=unroll,
                        plain_us=plain_us, replay_nonflush_us=nf, replay_flush_us=fl,
                        replay_cycle_us=replay_times[kc])
             print(f"tune {row}", flush=True)
@@ -414,7 +423,7 @@ def sweep_row(timer, shape, cfg, batch, bandwidth, smoke, configs) -> list[dict]
             batch=batch, num_slots=pool_layout(batch, cfg.state_bytes_per_slot(), smoke)[1],
             cursors="staggered" if staggered else "sync",
             block_v=kc.block_v, num_warps=kc.num_warps, cache_chunk=kc.cache_chunk,
-            tiles_per_program=kc.tiles_per_program,
+            tiles_per_program=kc.tiles_per_program, rebuild_unroll=kc.rebuild_unroll,
             rebuild_precision=kc.rebuild_precision,
             plain_block_v=kc_plain.block_v, plain_num_warps=kc_plain.num_warps,
             plain_us=plain_us, plain_bytes=plain_bytes,
@@ -440,7 +449,7 @@ def steps_section(timer, shape, cases, smoke, best, bandwidth_GBps: float) -> li
         per_step = [times[0]] * L if smoke else step_medians(times, rotations, L)
         plain = time_plain(timer, cfg, batch, kc_plain, rng, 3, smoke)
         row = dict(batch=batch, cache_len=L, block_v=kc.block_v, num_warps=kc.num_warps,
-                   tiles_per_program=kc.tiles_per_program,
+                   tiles_per_program=kc.tiles_per_program, rebuild_unroll=kc.rebuild_unroll,
                    plain_us=plain, replay_step_us=per_step,
                    checkpoint_read_floor_us=cost.floor_us(batch * cfg.state_bytes_per_slot(),
                                                           bandwidth_GBps))
@@ -484,8 +493,6 @@ def parse_args(argv):
     p.add_argument("--tune-batches", default="1,8,32,128,512")
     p.add_argument("--extra", default="hv64,kda", help="extra grids: hv64 (H_v=64, L=16), kda (L=16)")
     p.add_argument("--tune-plain", type=int, default=1, help="0: keep the plain kernel's table entry")
-    p.add_argument("--check-tiles-per-program", type=int, default=0,
-                   help="replay kernel layout for the check section (0: per tile)")
     p.add_argument("--steps-cases", default="512:16,512:32,128:16,8:16")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode, wall clock (CPU)")
     return p.parse_args(argv)
@@ -507,7 +514,7 @@ def main(argv=None) -> dict:
     result = dict(meta=meta, checks=[], tune=[], rows=[])
     best = {}
     if "check" in sections:
-        result["checks"] = check_section(args.smoke, args.check_tiles_per_program)
+        result["checks"] = check_section(args.smoke)
     if "tune" in sections:
         result["tune"], best = tune_section(timer, shape, ints(args.tune_batches), args.smoke, deadline,
                                             args.tune_plain)

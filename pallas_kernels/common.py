@@ -39,6 +39,7 @@ PRECISIONS: tuple[str, ...] = ("ieee", "tf32", "bf16")
 SOFTPLUS_THRESHOLD = 20.0
 L2NORM_EPS = 1e-6
 MIN_DOT_DIM = 16  # tensor-core dots need M, N, K >= 16
+MAX_REBUILD_UNROLL = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +61,9 @@ class KernelConfig:
         "bf16": the same products with operands rounded to bf16 (~1e-2).
       tiles_per_program: 0 runs the per-tile replay kernel (one program per value-head
         tile); T >= 1 the key-head-grouped kernel with T tiles per program.
+      rebuild_unroll: U, cache entries the "ieee" rebuild loads per memory round trip (it
+        then applies them in order, so the result is the same for every U); a flush waits
+        on ceil(pos / U) round trips instead of pos. Larger U costs registers.
     """
 
     block_v: int = 16
@@ -68,6 +72,7 @@ class KernelConfig:
     cache_chunk: int = 16
     rebuild_precision: Precision = "ieee"
     tiles_per_program: int = 0
+    rebuild_unroll: int = 1
 
     def __post_init__(self) -> None:
         for name in ("block_v", "cache_chunk"):
@@ -78,6 +83,10 @@ class KernelConfig:
             raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
         if self.tiles_per_program < 0:
             raise ValueError(f"tiles_per_program must be >= 0, got {self.tiles_per_program}")
+        if not 1 <= self.rebuild_unroll <= MAX_REBUILD_UNROLL:
+            raise ValueError(
+                f"rebuild_unroll must be in 1..{MAX_REBUILD_UNROLL}, got {self.rebuild_unroll}"
+            )
         if self.num_stages < 1:
             raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
         if self.rebuild_precision not in PRECISIONS:

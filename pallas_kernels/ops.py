@@ -20,24 +20,31 @@ from replayssm_jax.replay import StepPlan
 from replayssm_jax.state import ReplayState
 
 # Batch size -> launch configuration per kernel:
-#   (max batch, block_v, num_warps, cache_chunk, tiles_per_program)
+#   (max batch, block_v, num_warps, cache_chunk, tiles_per_program, rebuild_unroll)
 # tiles_per_program = 0 selects the per-tile replay kernel, T >= 1 the key-head-grouped one.
-# The winners of the tile sweep on an H200 (benchmarks/results/h200_2026-11-29.json,
-# "tune" rows at B = 1, 8, 32, 128, 512, L = 16, fp32 state; each batch takes the nearest
-# measured one on a log scale). The plain kernel wants narrow tiles (occupancy).
-_TILES: dict[str, tuple[tuple[int, int, int, int, int], ...]] = {
-    "plain": ((2, 8, 1, 8, 0), (1 << 30, 16, 1, 16, 0)),
-    "replay": ((2, 8, 1, 8, 0), (16, 32, 2, 16, 2), (1 << 30, 32, 4, 16, 4)),
+# Measured on an H200 (benchmarks/results/raw/*v6*: GDN H_v = 32, L = 16, fp32 state;
+# each batch takes the entry of the nearest measured one). The plain kernel wants narrow
+# tiles (occupancy); the grouped kernel at large batch wants one program per (row, key
+# head); unrolling the exact rebuild by 8 costs registers everywhere except the small
+# per-tile kernel.
+_TILES: dict[str, tuple[tuple[int, int, int, int, int, int], ...]] = {
+    "plain": ((2, 8, 1, 8, 0, 1), (1 << 30, 16, 1, 16, 0, 1)),
+    "replay": (
+        (2, 8, 1, 8, 0, 8),
+        (16, 32, 2, 16, 2, 4),
+        (256, 32, 4, 16, 4, 4),
+        (1 << 30, 32, 4, 16, 8, 4),
+    ),
 }
 
 
 def default_kernel_config(batch: int, kernel: str = "replay") -> KernelConfig:
     """The launch configuration used for `batch` rows by the "plain" or "replay" kernel."""
-    for max_batch, block_v, num_warps, cache_chunk, per_program in _TILES[kernel]:
+    for max_batch, block_v, num_warps, cache_chunk, per_program, unroll in _TILES[kernel]:
         if batch <= max_batch:
             return KernelConfig(
                 block_v=block_v, num_warps=num_warps, cache_chunk=cache_chunk,
-                tiles_per_program=per_program,
+                tiles_per_program=per_program, rebuild_unroll=unroll,
             )
     raise AssertionError("unreachable: the last table row covers every batch")
 

@@ -48,7 +48,7 @@ def _grouped_kernel(
     _ckpt_in, _u_in, _k_in, _g_in,
     y_ref, ckpt_ref, ucache_ref, kcache_ref, gcache_ref,
     *, spec: TokenSpec, block_v: int, tiles_per_head: int, tiles_per_program: int,
-    cache_block: int, precision: str,
+    cache_block: int, precision: str, unroll: int,
 ):
     b, hk, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     mode, slot, pos = mode_ref[b], slot_ref[b], pos_ref[b]
@@ -71,11 +71,24 @@ def _grouped_kernel(
 
     @pl.when(mode != common.MODE_PAD)
     def _live_row():
-        q, k = common.load_qk(spec, q_ref, k_ref, b, hk)
         live = jnp.arange(cache_block) < pos
         live2 = live[:, None]
         entries = pl.ds(0, cache_block)
+
+        def load_tile(p):
+            """Tile p's cache entries, checkpoint tile and v, in their storage dtypes."""
+            vh, _, cols = tile_of(p)
+            if spec.per_channel_gate:
+                g_c = plgpu.load(gcache_ref.at[slot, vh, entries, :], mask=live2, other=0.0)
+            else:
+                g_c = plgpu.load(gcache_ref.at[slot, vh, entries], mask=live, other=0.0)
+            u_c = plgpu.load(ucache_ref.at[slot, vh, entries, cols], mask=live2, other=0.0)
+            return g_c, u_c, ckpt_ref[slot, vh, cols, :], v_ref[b, vh, cols]
+
+        # The key head's cache entries are loaded before q and k (measured on the H200: this
+        # order is ~10% faster on non-flush steps than loading q, k first).
         k_c = plgpu.load(kcache_ref.at[slot, hk, entries, :], mask=live2, other=0.0)
+        q, k = common.load_qk(spec, q_ref, k_ref, b, hk)
         k_c = k_c.astype(jnp.float32)  # [Lb, Dk], shared by every tile of the program
         k_dot_q = jnp.sum(k * q)
         if not spec.per_channel_gate:
@@ -83,19 +96,15 @@ def _grouped_kernel(
 
         def body(p, carry):
             vh, tile, cols = tile_of(p)
+            g_c, u_c, s_c, v = load_tile(p)
             g, beta = common.load_gates(spec, g_ref, beta_ref, a_log_ref, dt_bias_ref, b, vh)
             alpha = jnp.exp(g)
-            v = v_ref[b, vh, cols].astype(jnp.float32)
-            if spec.per_channel_gate:
-                g_c = plgpu.load(gcache_ref.at[slot, vh, entries, :], mask=live2, other=0.0)
-            else:
-                g_c = plgpu.load(gcache_ref.at[slot, vh, entries], mask=live, other=0.0)
+            v = v.astype(jnp.float32)
             total = jnp.sum(g_c, axis=0)
             weights = jnp.where(live2 if spec.per_channel_gate else live,
                                 jnp.exp(total - jnp.cumsum(g_c, axis=0)), 0.0)
-            u_c = plgpu.load(ucache_ref.at[slot, vh, entries, cols], mask=live2, other=0.0)
             u_c = u_c.astype(jnp.float32)  # [Lb, BV]
-            s_c = ckpt_ref[slot, vh, cols, :].astype(jnp.float32)  # [BV, Dk]
+            s_c = s_c.astype(jnp.float32)  # [BV, Dk]
             decay_c = jnp.exp(total)
             if spec.per_channel_gate:
                 wk = weighted_keys(k_c, weights)
@@ -116,11 +125,11 @@ def _grouped_kernel(
             def _flush():
                 if precision == "ieee":
                     cache_refs = (ucache_ref, kcache_ref, gcache_ref)
-                    prev = rebuild_exact(spec, cache_refs, slot, vh, cols, pos, s_c)
+                    prev = rebuild_exact(spec, cache_refs, slot, vh, cols, pos, s_c, unroll)
                 else:
                     rebuilt = common.rebuild_dot(u_c.T, weighted_keys(k_c, weights), precision)
                     prev = s_c * common.over_rows(spec, decay_c) + rebuilt
-                write_flushed_tile(spec, ckpt_ref, slot, vh, cols, prev, alpha, u, k)
+                write_flushed_tile(spec, ckpt_ref, slot_ref[b], vh, cols, prev, alpha, u, k)
 
             @pl.when(mode == common.MODE_APPEND)
             def _append():
@@ -176,7 +185,7 @@ def replay_decode_grouped(
     kernel = functools.partial(
         _grouped_kernel, spec=spec, block_v=config.block_v, tiles_per_head=tiles_per_head,
         tiles_per_program=tiles_per_program, cache_block=cache_block_len(u_cache.shape[2]),
-        precision=config.rebuild_precision,
+        precision=config.rebuild_precision, unroll=config.rebuild_unroll,
     )
     return common.decode_call(
         kernel,

@@ -95,10 +95,11 @@ def _compare_backends(rng, cfg: ReplayConfig, kernel_config: KernelConfig, bound
 
 
 LAYOUTS = {
-    "tile_bv8_chunk4": KernelConfig(block_v=8, num_warps=1, cache_chunk=4),  # multi-chunk walk
+    # multi-chunk walk; exact rebuild 3 entries per round trip (13 = 4 * 3 + 1: a partial last load)
+    "tile_bv8_chunk4": KernelConfig(block_v=8, num_warps=1, cache_chunk=4, rebuild_unroll=3),
     "tile_bv16": KernelConfig(block_v=16, num_warps=2, cache_chunk=16),
     "grouped_t1": KernelConfig(block_v=16, num_warps=2, tiles_per_program=1),
-    "grouped_t4": KernelConfig(block_v=16, num_warps=4, tiles_per_program=4),
+    "grouped_t4": KernelConfig(block_v=16, num_warps=4, tiles_per_program=4, rebuild_unroll=4),
     "grouped_bv32_t2": KernelConfig(block_v=32, num_warps=4, tiles_per_program=2),
 }
 
@@ -148,6 +149,8 @@ def test_plain_kernel_and_bf16_state(rng, gate):
         (dict(rebuild_precision="fp64"), "rebuild_precision must be one of"),
         (dict(block_v=8, rebuild_precision="tf32"), "needs block_v and cache_chunk >= 16"),
         (dict(tiles_per_program=-1), "tiles_per_program"),
+        (dict(rebuild_unroll=0), "rebuild_unroll must be in 1..16"),
+        (dict(rebuild_unroll=17), "rebuild_unroll must be in 1..16"),
     ],
 )
 def test_kernel_config_rejects_bad_values(kwargs, match):
