@@ -75,20 +75,39 @@ def _grouped_kernel(
         live2 = live[:, None]
         entries = pl.ds(0, cache_block)
 
-        def load_tile(p):
-            """Tile p's cache entries, checkpoint tile and v, in their storage dtypes."""
+        # Load order, measured on the H200 (benchmarks/NOTES.md, v6 and v7): GDN is ~9%
+        # faster with the key cache before q, k and each tile's cache and checkpoint before
+        # its gates; KDA is ~7% faster the other way round.
+        operands_first = not spec.per_channel_gate
+
+        def load_operands(p):
+            """Tile p's cache entries and checkpoint tile, in their storage dtypes."""
             vh, _, cols = tile_of(p)
             if spec.per_channel_gate:
                 g_c = plgpu.load(gcache_ref.at[slot, vh, entries, :], mask=live2, other=0.0)
             else:
                 g_c = plgpu.load(gcache_ref.at[slot, vh, entries], mask=live, other=0.0)
             u_c = plgpu.load(ucache_ref.at[slot, vh, entries, cols], mask=live2, other=0.0)
-            return g_c, u_c, ckpt_ref[slot, vh, cols, :], v_ref[b, vh, cols]
+            return g_c, u_c, ckpt_ref[slot, vh, cols, :]
 
-        # The key head's cache entries are loaded before q and k (measured on the H200: this
-        # order is ~10% faster on non-flush steps than loading q, k first).
-        k_c = plgpu.load(kcache_ref.at[slot, hk, entries, :], mask=live2, other=0.0)
-        q, k = common.load_qk(spec, q_ref, k_ref, b, hk)
+        def load_token_of(vh, cols):
+            """`(v [BV], log_alpha, beta)` of value head vh."""
+            if operands_first:
+                v = v_ref[b, vh, cols]
+            g, beta = common.load_gates(spec, g_ref, beta_ref, a_log_ref, dt_bias_ref, b, vh)
+            if not operands_first:
+                v = v_ref[b, vh, cols]
+            return v, g, beta
+
+        def load_keys():
+            return plgpu.load(kcache_ref.at[slot, hk, entries, :], mask=live2, other=0.0)
+
+        if operands_first:
+            k_c = load_keys()
+            q, k = common.load_qk(spec, q_ref, k_ref, b, hk)
+        else:
+            q, k = common.load_qk(spec, q_ref, k_ref, b, hk)
+            k_c = load_keys()
         k_c = k_c.astype(jnp.float32)  # [Lb, Dk], shared by every tile of the program
         k_dot_q = jnp.sum(k * q)
         if not spec.per_channel_gate:
@@ -96,8 +115,12 @@ def _grouped_kernel(
 
         def body(p, carry):
             vh, tile, cols = tile_of(p)
-            g_c, u_c, s_c, v = load_tile(p)
-            g, beta = common.load_gates(spec, g_ref, beta_ref, a_log_ref, dt_bias_ref, b, vh)
+            if operands_first:
+                g_c, u_c, s_c = load_operands(p)
+                v, g, beta = load_token_of(vh, cols)
+            else:
+                v, g, beta = load_token_of(vh, cols)
+                g_c, u_c, s_c = load_operands(p)
             alpha = jnp.exp(g)
             v = v.astype(jnp.float32)
             total = jnp.sum(g_c, axis=0)
