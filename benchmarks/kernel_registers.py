@@ -1,0 +1,168 @@
+"""Registers per thread of each decode kernel configuration on an H200, without a GPU.
+
+Occupancy decides these kernels' bandwidth (benchmarks/NOTES.md, v6): a kernel whose
+programs hold more registers keeps fewer of them, and fewer bytes, in flight per SM. This
+tool lowers a decode step for an abstract H200 (as `tests/test_pallas_kernels.py` does),
+takes the Triton IR that Pallas hands to XLA, compiles it with the `triton` package for
+sm_90a (the same Triton release as the GPU image, 3.6.0) and prints what `ptxas -v` reports.
+The GPU build runs XLA's own Triton pipeline, so counts can differ by a few registers;
+they track the measured runs (155 -> 128 for the grouped kernel's slot re-read).
+
+Needs the `triton` extra (`pip install -e ".[triton]"`); runs on a CPU:
+
+  python benchmarks/kernel_registers.py                     # the package's tile table
+  python benchmarks/kernel_registers.py --gate kda --cache-len 32 --state-dtype bfloat16
+  python benchmarks/kernel_registers.py --config 32,4,16,8,4 --config 16,4,16,4,1
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import subprocess
+import tempfile
+import warnings
+
+import jax
+import jax.numpy as jnp
+
+warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
+
+from jax._src.pallas.triton import pallas_call_registration  # noqa: E402
+
+from pallas_kernels import ops  # noqa: E402
+from pallas_kernels.common import KernelConfig  # noqa: E402
+from replayssm_jax import replay  # noqa: E402
+from replayssm_jax.config import ReplayConfig  # noqa: E402
+from replayssm_jax.state import init_state  # noqa: E402
+
+_H200 = jax.sharding.AbstractMesh(
+    (1,), ("x",),
+    abstract_device=jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="gpu"),
+)
+
+
+@contextlib.contextmanager
+def captured_triton_ir():
+    """Collect the Triton IR text of every `pallas_call` lowered inside the block.
+
+    Wraps jax's private `lower_jaxpr_to_triton_module` (jax 0.11.2, pinned by this project).
+    """
+    lowering = pallas_call_registration.lowering
+    original = lowering.lower_jaxpr_to_triton_module
+    modules: list[str] = []
+
+    def capture(*args, **kwargs):
+        result = original(*args, **kwargs)
+        modules.append(result.module.operation.get_asm(enable_debug_info=False))
+        return result
+
+    lowering.lower_jaxpr_to_triton_module = capture
+    try:
+        yield modules
+    finally:
+        lowering.lower_jaxpr_to_triton_module = original
+
+
+def kernel_ir(cfg: ReplayConfig, kernel_config: KernelConfig, batch: int) -> str:
+    """Triton IR of the decode kernel of one `pallas_layer_step` (lowered for an H200)."""
+    state = jax.eval_shape(lambda: init_state(cfg, 2 * batch))
+    sds = jax.ShapeDtypeStruct
+    hk, hv, dk, dv = cfg.num_k_heads, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim
+    token = (sds((batch, hk, dk), jnp.bfloat16), sds((batch, hk, dk), jnp.bfloat16),
+             sds((batch, hv, dv), jnp.bfloat16), sds(cfg.g_shape(batch), jnp.float32),
+             sds((batch, hv), jnp.float32))
+
+    def step(state, q, k, v, g, beta, slots):
+        plan = replay.plan_step(state.write_pos, slots, None, cfg.cache_len)
+        return ops.pallas_layer_step(state, q, k, v, g, beta, plan, use_qk_l2norm=True, scale=None,
+                                     kernel_config=kernel_config, interpret=False)
+
+    with captured_triton_ir() as modules, jax.sharding.use_abstract_mesh(_H200):
+        jax.jit(step, donate_argnums=0).trace(state, *token, sds((batch,), jnp.int32)).lower(
+            lowering_platforms=("cuda",))
+    (module,) = modules
+    return module
+
+
+def ptxas_report(ir_text: str, kernel_config: KernelConfig) -> dict:
+    """Compile Triton IR for sm_90a; return registers, spill bytes and shared memory."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ir_path = os.path.join(tmp, "kernel.ttir")
+        with open(ir_path, "w") as f:
+            f.write(ir_text)
+        options = dict(num_warps=kernel_config.num_warps, num_stages=kernel_config.num_stages)
+        compiled = triton.compile(ir_path, target=GPUTarget("cuda", 90, 32), options=options)
+        ptx_path = os.path.join(tmp, "kernel.ptx")
+        with open(ptx_path, "w") as f:
+            f.write(compiled.asm["ptx"])
+        ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+        out = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx_path, "-o", os.devnull],
+                             capture_output=True, text=True, check=True).stderr
+    registers = int(re.search(r"Used (\d+) registers", out).group(1))
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out)
+    return dict(registers=registers, spill_store_bytes=int(spills.group(1)),
+                spill_load_bytes=int(spills.group(2)), shared_bytes=compiled.metadata.shared)
+
+
+def programs_per_sm(registers: int, num_warps: int) -> int:
+    """Resident programs per H100/H200 SM by registers alone (65536 per SM, allocated per
+    warp in units of 256, at most 64 warps and 32 programs)."""
+    per_warp = -(-registers * 32 // 256) * 256
+    return min(65536 // (per_warp * num_warps), 64 // num_warps, 32)
+
+
+def parse_config(text: str) -> KernelConfig:
+    """`BV,warps,chunk,tiles_per_program,unroll` -> KernelConfig."""
+    try:
+        bv, warps, chunk, per_program, unroll = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected BV,warps,chunk,tiles_per_program,unroll, got {text!r}")
+    return KernelConfig(block_v=bv, num_warps=warps, cache_chunk=chunk,
+                        tiles_per_program=per_program, rebuild_unroll=unroll)
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gate", choices=("gdn", "kda"), default="gdn")
+    p.add_argument("--num-k-heads", type=int, default=None, help="default 16 (GDN), 32 (KDA)")
+    p.add_argument("--num-v-heads", type=int, default=32)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--cache-len", type=int, default=16)
+    p.add_argument("--state-dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--config", type=parse_config, action="append",
+                   help="BV,warps,chunk,tiles_per_program,unroll (repeatable); default: the tile table")
+    args = p.parse_args(argv)
+    num_k_heads = args.num_k_heads or (32 if args.gate == "kda" else 16)
+    dtype = jnp.dtype(args.state_dtype)
+    if args.config:
+        cases = [(512, kc, "replay") for kc in args.config]
+    else:
+        cases = [(b, ops.default_kernel_config(b, kernel), kernel)
+                 for kernel in ("replay", "plain") for b in (1, 8, 64, 512)]
+    rows = []
+    print(f"{'kernel':7} {'B':>4} {'BV':>3} {'warps':>5} {'T':>2} {'U':>2} {'regs':>5} {'spill B':>8} "
+          f"{'shared B':>8} {'programs/SM':>11}")
+    for batch, kc, kernel in cases:
+        cache_len = 1 if kernel == "plain" else args.cache_len
+        cfg = ReplayConfig(num_k_heads, args.num_v_heads, args.head_dim, args.head_dim, cache_len,
+                           gate=args.gate, state_dtype=dtype, cache_dtype=dtype)
+        report = ptxas_report(kernel_ir(cfg, kc, batch), kc)
+        row = dict(kernel=kernel, batch=batch, **{k: getattr(kc, k) for k in (
+            "block_v", "num_warps", "tiles_per_program", "rebuild_unroll")}, **report,
+            programs_per_sm=programs_per_sm(report["registers"], kc.num_warps))
+        print(f"{kernel:7} {batch:>4} {kc.block_v:>3} {kc.num_warps:>5} {kc.tiles_per_program:>2} "
+              f"{kc.rebuild_unroll:>2} {report['registers']:>5} "
+              f"{report['spill_store_bytes'] + report['spill_load_bytes']:>8} {report['shared_bytes']:>8} "
+              f"{row['programs_per_sm']:>11}")
+        rows.append(row)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
