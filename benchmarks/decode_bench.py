@@ -290,9 +290,7 @@ def check_section(smoke: bool) -> list[dict]:
         beta = np.asarray(R.beta_gate(jnp.asarray(b)))
         init = np.where(slots[:, None, None, None] >= 0, np.asarray(jnp.asarray(s0, dtype), np.float32)[np.maximum(slots, 0)], 0)
         y_ref, _, s_ref = R.recurrent_reference(q, k, v, g, beta, init, use_qk_l2norm=True, return_all_states=True)
-        kc = dataclasses.replace(default_kernel_config(table_batch), rebuild_precision=precision)
-        if precision != "ieee":  # tensor-core rebuild: BV and C >= 16
-            kc = dataclasses.replace(kc, block_v=max(kc.block_v, 16), cache_chunk=max(kc.cache_chunk, 16))
+        kc = default_kernel_config(table_batch).with_rebuild_precision(precision)
 
         @functools.partial(jax.jit, donate_argnums=0)
         def step(state, q, k, v, g_or_a, beta_or_b, slots):
@@ -372,14 +370,13 @@ def tune_section(timer, shape, batches, smoke, deadline, tune_plain) -> tuple[li
     for batch in batches[-1:]:
         base = best.get(batch, (None, default_kernel_config(batch)))[1]
         for precision in ("tf32", "bf16"):
-            kc = dataclasses.replace(base, block_v=max(base.block_v, 16), cache_chunk=16,
-                                     rebuild_precision=precision)
+            kc = base.with_rebuild_precision(precision)
             try:
                 nf, fl, rep = time_replay(timer, cfg, batch, kc, np.random.default_rng(0), 3, smoke, staggered=False)
             except Exception as err:
                 print(f"FAILED tune B={batch} {kc}: {err!r}"[:2000], flush=True)
                 continue
-            row = dict(batch=batch, block_v=kc.block_v, num_warps=kc.num_warps, cache_chunk=16,
+            row = dict(batch=batch, block_v=kc.block_v, num_warps=kc.num_warps, cache_chunk=kc.cache_chunk,
                        tiles_per_program=kc.tiles_per_program, precision=precision, replay_nonflush_us=nf, replay_flush_us=fl, replay_cycle_us=rep)
             print(f"tune {row}", flush=True)
             rows.append(row)

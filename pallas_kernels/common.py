@@ -99,6 +99,15 @@ class KernelConfig:
                 f"block_v and cache_chunk >= {MIN_DOT_DIM}, got {self.block_v}, {self.cache_chunk}"
             )
 
+    def with_rebuild_precision(self, precision: Precision) -> "KernelConfig":
+        """This config with `precision`; BV and C raised to 16 where it runs tensor-core dots."""
+        if precision == "ieee":
+            return dataclasses.replace(self, rebuild_precision=precision)
+        return dataclasses.replace(
+            self, rebuild_precision=precision, block_v=max(self.block_v, MIN_DOT_DIM),
+            cache_chunk=max(self.cache_chunk, MIN_DOT_DIM),
+        )
+
     def for_head_dim(self, head_v_dim: int) -> "KernelConfig":
         """This config with BV capped at d_v."""
         return dataclasses.replace(self, block_v=min(self.block_v, head_v_dim))

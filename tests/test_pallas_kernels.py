@@ -158,6 +158,17 @@ def test_kernel_config_rejects_bad_values(kwargs, match):
         KernelConfig(**kwargs)
 
 
+def test_with_rebuild_precision_raises_tiles_only_for_tensor_cores():
+    small = KernelConfig(block_v=8, cache_chunk=4, tiles_per_program=2)
+    assert small.with_rebuild_precision("ieee") == dataclasses.replace(small, rebuild_precision="ieee")
+    for precision in ("tf32", "bf16"):
+        kc = small.with_rebuild_precision(precision)
+        assert (kc.block_v, kc.cache_chunk, kc.rebuild_precision) == (16, 16, precision)
+        assert kc.tiles_per_program == 2
+    wide = KernelConfig(block_v=64, cache_chunk=32).with_rebuild_precision("tf32")
+    assert (wide.block_v, wide.cache_chunk) == (64, 32)
+
+
 def test_kernel_shape_and_option_errors():
     cfg = ReplayConfig(1, 1, 24, 16, 4)
     state = init_state(cfg, 2)
