@@ -133,10 +133,12 @@ def test_in_kernel_gating_matches_xla_gates(rng, gate, per_program):
 
 @pytest.mark.parametrize("gate", ["gdn", "kda"])
 def test_plain_kernel_and_bf16_state(rng, gate):
-    # L = 1 runs the plain kernel; bf16 state and caches through the grouped kernel.
+    # L = 1 runs the plain kernel; bf16 state and caches through both replay layouts, with
+    # the exact rebuild unrolled as in the tile table (L = 7: a partial last load).
     _compare_backends(rng, _config(gate, 1), KernelConfig(block_v=16), FP32_BOUND)
-    _compare_backends(rng, _config(gate, 8, jnp.bfloat16),
-                      KernelConfig(block_v=16, tiles_per_program=2), BF16_STATE_BOUND)
+    for kernel_config in (KernelConfig(block_v=16, tiles_per_program=2, rebuild_unroll=4),
+                          KernelConfig(block_v=8, num_warps=1, cache_chunk=8, rebuild_unroll=8)):
+        _compare_backends(rng, _config(gate, 7, jnp.bfloat16), kernel_config, BF16_STATE_BOUND)
 
 
 @pytest.mark.parametrize(
