@@ -69,38 +69,42 @@ def weighted_keys(k_c, weights):
 
 
 def _live_readout(spec, refs, slot, h, cols, pos, s_c, xs, chunk):
-    """`S_{t-1} x` for each x in `xs` (each `[Dk]`), walking the cache backwards."""
+    """`S_{t-1} x` for each x in `xs` (each `[Dk]`), walking the cache backwards; and `e^G`
+    (scalar, or `[Dk]` for KDA), the decay of the checkpoint over the valid entries."""
     num_chunks = (pos + chunk - 1) // chunk
 
     def body(i, carry):
-        outs, xs = carry
+        outs, decay = carry
         start = (num_chunks - 1 - i) * chunk
         k_c, u_c, g_c = _load_chunk(spec, refs, slot, h, cols, start, chunk, pos)
         weights, total = _suffix_weights(g_c, start + jnp.arange(chunk) < pos)
         wk = weighted_keys(k_c, weights)
-        outs = tuple(o + jnp.sum(u_c * jnp.sum(wk * x[None, :], axis=1)[:, None], axis=0)
+        outs = tuple(o + jnp.sum(u_c * jnp.sum(wk * (decay * x)[None, :], axis=1)[:, None], axis=0)
                      for o, x in zip(outs, xs))
-        return outs, tuple(x * jnp.exp(total) for x in xs)
+        return outs, decay * jnp.exp(total)
 
     zeros = tuple(jnp.zeros((s_c.shape[0],), jnp.float32) for _ in xs)
-    outs, xs = jax.lax.fori_loop(0, num_chunks, body, (zeros, tuple(xs)))
-    return tuple(o + jnp.sum(s_c * x[None, :], axis=1) for o, x in zip(outs, xs))
+    decay0 = jnp.ones((s_c.shape[1],), jnp.float32) if spec.per_channel_gate else jnp.float32(1.0)
+    outs, decay = jax.lax.fori_loop(0, num_chunks, body, (zeros, decay0))
+    return tuple(o + jnp.sum(s_c * (decay * x)[None, :], axis=1) for o, x in zip(outs, xs)), decay
 
 
-def rebuild_exact(spec, refs, slot, h, cols, pos, s_c, unroll: int = 1):
-    """S_{t-1} tile by replaying the recurrence entry by entry from S_c (exact fp32).
+def rebuild_exact(spec, refs, slot, h, cols, pos, s_c, decay_total, unroll: int = 1):
+    """S_{t-1} tile in fp32 on CUDA cores: `S_c diag(e^G) + sum_j u_j (W_j * k_j)^T`.
 
-    Each iteration loads `unroll` entries at once (independent loads, masked past `pos`, where
-    a zero entry with zero log-decay leaves the tile unchanged exactly) and then applies them
-    in order, so a flush waits on ceil(pos / unroll) memory round trips instead of pos.
+    `decay_total` is `e^G` (scalar, or `[Dk]` for KDA). The entries are walked newest first,
+    so `W_j` is a running product of the later entries' decays and each entry costs one
+    fused multiply-add per tile element. Each iteration loads `unroll` entries at once
+    (independent loads; a masked entry, u = 0 and g = 0, leaves the tile and the running
+    decay unchanged exactly), so a flush waits on ceil(pos / unroll) memory round trips.
     """
     ucache_ref, kcache_ref, gcache_ref = refs
     hk = h // spec.group_size
     block_v, head_k_dim = s_c.shape
 
     def load_entry(j):
-        live = j < pos
-        row = jnp.minimum(j, pos - 1)  # in bounds for the masked lanes' address
+        live = j >= 0
+        row = jnp.maximum(j, 0)  # in bounds for the masked lanes' address
         u_j = plgpu.load(ucache_ref.at[slot, h, row, cols], mask=jnp.full((block_v,), live), other=0.0)
         k_j = plgpu.load(kcache_ref.at[slot, hk, row, :], mask=jnp.full((head_k_dim,), live), other=0.0)
         if spec.per_channel_gate:
@@ -109,14 +113,21 @@ def rebuild_exact(spec, refs, slot, h, cols, pos, s_c, unroll: int = 1):
             g_j = jnp.where(live, gcache_ref[slot, h, row], 0.0)
         return u_j.astype(jnp.float32), k_j.astype(jnp.float32), g_j
 
-    def body(i, state):
-        entries = [load_entry(i * unroll + e) for e in range(unroll)]
+    def body(i, carry):
+        state, weight = carry  # weight: W_j of the next entry, scalar or [Dk]
+        entries = [load_entry(pos - 1 - i * unroll - e) for e in range(unroll)]
         for u_j, k_j, g_j in entries:
-            decay = jnp.exp(g_j)[None, :] if spec.per_channel_gate else jnp.exp(g_j)
-            state = state * decay + u_j[:, None] * k_j[None, :]
-        return state
+            if spec.per_channel_gate:
+                state = state + u_j[:, None] * (weight * k_j)[None, :]
+            else:
+                state = state + (weight * u_j)[:, None] * k_j[None, :]
+            weight = weight * jnp.exp(g_j)
+        return state, weight
 
-    return jax.lax.fori_loop(0, (pos + unroll - 1) // unroll, body, s_c)
+    weight0 = jnp.ones((head_k_dim,), jnp.float32) if spec.per_channel_gate else jnp.float32(1.0)
+    state0 = s_c * common.over_rows(spec, decay_total)
+    state, _ = jax.lax.fori_loop(0, (pos + unroll - 1) // unroll, body, (state0, weight0))
+    return state
 
 
 def _rebuild_dot(spec, refs, slot, h, cols, pos, s_c, chunk, precision):
@@ -180,7 +191,7 @@ def _replay_kernel(
         v = v_ref[b, h, cols].astype(jnp.float32)
         s_c = ckpt_ref[slot, h, cols, :].astype(jnp.float32)  # [BV, Dk]
         alpha = jnp.exp(g)
-        s_k, s_q = _live_readout(
+        (s_k, s_q), decay_total = _live_readout(
             spec, cache_refs, slot, h, cols, pos, s_c, (alpha * k, alpha * q), chunk
         )
         u = beta * (v - s_k)
@@ -189,7 +200,7 @@ def _replay_kernel(
         @pl.when(mode == common.MODE_FLUSH)
         def _flush():
             if precision == "ieee":
-                prev = rebuild_exact(spec, cache_refs, slot, h, cols, pos, s_c, unroll)
+                prev = rebuild_exact(spec, cache_refs, slot, h, cols, pos, s_c, decay_total, unroll)
             else:
                 prev = _rebuild_dot(spec, cache_refs, slot, h, cols, pos, s_c, chunk, precision)
             write_flushed_tile(spec, ckpt_ref, slot_ref[b], h, cols, prev, alpha, u, k)

@@ -144,7 +144,7 @@ def _grouped_kernel(
             def _flush():
                 if precision == "ieee":
                     cache_refs = (ucache_ref, kcache_ref, gcache_ref)
-                    prev = rebuild_exact(spec, cache_refs, slot, vh, cols, pos, s_c, unroll)
+                    prev = rebuild_exact(spec, cache_refs, slot, vh, cols, pos, s_c, decay_c, unroll)
                 else:
                     rebuilt = common.rebuild_dot(u_c.T, weighted_keys(k_c, weights), precision)
                     prev = s_c * common.over_rows(spec, decay_c) + rebuilt
