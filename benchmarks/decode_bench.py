@@ -159,7 +159,7 @@ def replay_cycle_fn(cfg: R.ReplayConfig, kernel_config: KernelConfig, interpret:
     """jit: L steps, each over every slot set in turn; returns the state."""
 
     def one_step(token, state, slots):
-        plan = R.plan_step(state.write_pos, slots, None, cfg.cache_len)
+        plan = R.plan_step(state.write_pos, slots, None, cfg.cache_len, kernel_config.flush_every_step)
         y, state = pallas_layer_step(
             state, *token, plan, use_qk_l2norm=True, scale=None,
             kernel_config=kernel_config, interpret=interpret,
@@ -228,9 +228,12 @@ def replay_kernel_times(timer, cfg, batch, kernel_config, rng, iterations, smoke
 
 def time_replay(timer, cfg, batch, kernel_config, rng, iterations, smoke, staggered: bool):
     """Median kernel µs: (non-flush, flush, cycle-amortised) for sync cursors, or
-    (None, None, per-step) for staggered cursors."""
+    (None, None, per-step) for staggered cursors. A config that flushes every step gives
+    (None, per-step, per-step) for both."""
     L = cfg.cache_len
     times, rotations = replay_kernel_times(timer, cfg, batch, kernel_config, rng, iterations, smoke, staggered)
+    if kernel_config.flush_every_step:
+        return None, statistics.median(times), statistics.median(times)
     if staggered or timer.smoke:
         return None, None, statistics.median(times)
     per_run = rotations * L
@@ -255,7 +258,8 @@ def check_section(smoke: bool) -> list[dict]:
     """GPU kernels vs the scan reference at every step; the donated step's HLO.
 
     Each case runs the launch configuration the package uses at large batch (grouped
-    kernel) or at batch 1 (per-tile kernel), with the case's rebuild precision.
+    kernel) or at batch 1 (per-tile kernel), with the case's rebuild precision; the batch-1
+    cases replay, except the last, which flushes every step as the package does there.
     """
     rows = []
     dims = (2, 4, 32, 32) if smoke else (4, 8, 128, 128)
@@ -267,9 +271,10 @@ def check_section(smoke: bool) -> list[dict]:
         ("gdn", 16, jnp.float32, "ieee", True, 512), ("kda", 16, jnp.float32, "ieee", True, 512),
         ("gdn", 13, jnp.float32, "ieee", False, 1), ("kda", 16, jnp.float32, "ieee", True, 1),
     ]
+    cases = [case + (False,) for case in cases] + [("gdn", 16, jnp.float32, "ieee", False, 1, True)]
     if smoke:
-        cases = cases[:2]
-    for gate, L, dtype, precision, raw, table_batch in cases:
+        cases = cases[:2] + cases[-1:]
+    for gate, L, dtype, precision, raw, table_batch, every_step in cases:
         hk, hv, dk, dv = dims
         cfg = R.ReplayConfig(hk, hv, dk, dv, L, gate=gate, state_dtype=dtype, cache_dtype=dtype)
         batch, num_slots, steps = 6, 12, 3 * L + 1
@@ -290,11 +295,12 @@ def check_section(smoke: bool) -> list[dict]:
         beta = np.asarray(R.beta_gate(jnp.asarray(b)))
         init = np.where(slots[:, None, None, None] >= 0, np.asarray(jnp.asarray(s0, dtype), np.float32)[np.maximum(slots, 0)], 0)
         y_ref, _, s_ref = R.recurrent_reference(q, k, v, g, beta, init, use_qk_l2norm=True, return_all_states=True)
-        kc = default_kernel_config(table_batch).with_rebuild_precision(precision)
+        kc = dataclasses.replace(default_kernel_config(table_batch).with_rebuild_precision(precision),
+                                 flush_every_step=every_step)
 
         @functools.partial(jax.jit, donate_argnums=0)
         def step(state, q, k, v, g_or_a, beta_or_b, slots):
-            plan = R.plan_step(state.write_pos, slots, None, L)
+            plan = R.plan_step(state.write_pos, slots, None, L, every_step)
             y, new = pallas_layer_step(
                 state, q, k, v, g_or_a, beta_or_b, plan, use_qk_l2norm=True, scale=None,
                 gate_params=(jnp.asarray(a_log), jnp.asarray(dt_bias)) if raw else None,
@@ -316,6 +322,7 @@ def check_section(smoke: bool) -> list[dict]:
         pool_shape = "[" + ",".join(map(str, state.checkpoint.shape)) + "]"
         pool_copies = [ln.strip()[:120] for ln in hlo.splitlines() if pool_shape in ln and " copy(" in ln]
         row = dict(gate=gate, cache_len=L, dtype=jnp.dtype(dtype).name, precision=precision,
+                   flush_every_step=every_step,
                    raw_gates=raw, kernel_config=dataclasses.asdict(kc), y_rel_err=y_err, state_rel_err=s_err, pool_copies=len(pool_copies))
         print(f"check {row}", flush=True)
         rows.append(row)
@@ -383,11 +390,11 @@ def tune_section(timer, shape, batches, smoke, deadline, tune_plain) -> tuple[li
     return rows, best
 
 
-def choose_configs(best: dict, batch: int) -> tuple[KernelConfig, KernelConfig]:
+def choose_configs(best: dict, batch: int, state_dtype=jnp.float32) -> tuple[KernelConfig, KernelConfig]:
     """(plain, replay) configs: the tuned ones of the nearest tuned batch (log scale), else
-    the package defaults."""
+    the package defaults for the state dtype."""
     if not best:
-        return default_kernel_config(batch, "plain"), default_kernel_config(batch, "replay")
+        return default_kernel_config(batch, "plain"), default_kernel_config(batch, "replay", state_dtype)
     nearest = min(best, key=lambda b: (abs(math.log2(b) - math.log2(batch)), b))
     return best[nearest]
 
@@ -406,10 +413,14 @@ def sweep_row(timer, shape, cfg, batch, bandwidth, smoke, configs) -> list[dict]
         if staggered and L == 1:
             continue
         nf, fl, cyc = time_replay(timer, cfg, batch, kc_replay, rng, iters, smoke, staggered)
-        cycle_bytes = cost.replay_cycle_bytes(cfg, batch).total
-        nf_bytes = None if staggered or L == 1 else statistics.mean(
-            cost.replay_step_bytes(cfg, [p] * batch).total for p in range(L - 1))
-        fl_bytes = None if staggered else cost.replay_step_bytes(cfg, [L - 1] * batch).total
+        if kc_replay.flush_every_step:  # every step: a flush of an empty cache
+            cycle_bytes = fl_bytes = batch * cost.replay_row_bytes(cfg, 0, force_flush=True).total
+            nf_bytes = None
+        else:
+            cycle_bytes = cost.replay_cycle_bytes(cfg, batch).total
+            nf_bytes = None if staggered or L == 1 else statistics.mean(
+                cost.replay_step_bytes(cfg, [p] * batch).total for p in range(L - 1))
+            fl_bytes = None if staggered else cost.replay_step_bytes(cfg, [L - 1] * batch).total
         floor = cost.floor_us(cycle_bytes, bandwidth)
         plain_floor = cost.floor_us(plain_bytes, bandwidth)
         kc = kc_replay.for_head_dim(cfg.head_v_dim)
@@ -421,7 +432,7 @@ def sweep_row(timer, shape, cfg, batch, bandwidth, smoke, configs) -> list[dict]
             cursors="staggered" if staggered else "sync",
             block_v=kc.block_v, num_warps=kc.num_warps, cache_chunk=kc.cache_chunk,
             tiles_per_program=kc.tiles_per_program, rebuild_unroll=kc.rebuild_unroll,
-            rebuild_precision=kc.rebuild_precision,
+            rebuild_precision=kc.rebuild_precision, flush_every_step=kc.flush_every_step,
             plain_block_v=kc_plain.block_v, plain_num_warps=kc_plain.num_warps,
             plain_us=plain_us, plain_bytes=plain_bytes,
             replay_nonflush_us=nf, replay_flush_us=fl, replay_cycle_us=cyc,
@@ -536,7 +547,7 @@ def main(argv=None) -> dict:
                 break
             try:
                 rows = sweep_row(timer, shp, shp.config(L, dt), b, meta["copy_bandwidth_GBps"],
-                                 args.smoke, choose_configs(best, b))
+                                 args.smoke, choose_configs(best, b, dt))
             except Exception as err:  # keep the rest of the sweep; the error is in the log
                 print(f"FAILED sweep row {shp} {jnp.dtype(dt).name} L={L} B={b}: {err!r}"[:2000], flush=True)
                 continue

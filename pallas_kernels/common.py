@@ -55,7 +55,8 @@ class KernelConfig:
         loops (a power of two; >= 16 for the tensor-core rebuild precisions), so its
         registers stay bounded for any L. The grouped kernel loads the valid entries at once.
       rebuild_precision: how a flush rebuilds the live state tile:
-        "ieee": exact fp32, the recurrence replayed entry by entry on chip (rank-1 FMAs);
+        "ieee": fp32 on CUDA cores, `S_c diag(e^G) + sum_j u_j (W_j * k_j)^T` one cached
+          entry at a time, newest first (one fused multiply-add per tile element and entry);
         "tf32": `[BV, C] x [C, d_k]` products on tensor cores in tf32 (~1e-3 relative on
           the rebuilt part);
         "bf16": the same products with operands rounded to bf16 (~1e-2).
@@ -64,6 +65,11 @@ class KernelConfig:
       rebuild_unroll: U, cache entries the "ieee" rebuild loads per memory round trip (it
         then applies them in order, so the result is the same for every U); a flush waits
         on ceil(pos / U) round trips instead of pos. Larger U costs registers.
+      flush_every_step: the step flushes every live row: the plain recurrence through the
+        replay kernel (a row's cached entries are folded in on its first such step, then
+        its cache stays empty). The package's table sets it at batch <= 2, where it
+        measured faster than both the replay cycle and the plain kernel (H200,
+        benchmarks/NOTES.md, v8). Takes effect through `decode_step`, which plans the step.
     """
 
     block_v: int = 16
@@ -73,6 +79,7 @@ class KernelConfig:
     rebuild_precision: Precision = "ieee"
     tiles_per_program: int = 0
     rebuild_unroll: int = 1
+    flush_every_step: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_v", "cache_chunk"):
@@ -87,6 +94,8 @@ class KernelConfig:
             raise ValueError(
                 f"rebuild_unroll must be in 1..{MAX_REBUILD_UNROLL}, got {self.rebuild_unroll}"
             )
+        if not isinstance(self.flush_every_step, bool):
+            raise ValueError(f"flush_every_step must be a bool, got {self.flush_every_step!r}")
         if self.num_stages < 1:
             raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
         if self.rebuild_precision not in PRECISIONS:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from pallas_kernels import common
@@ -16,37 +17,61 @@ from pallas_kernels.common import KernelConfig
 from pallas_kernels.plain_decode import plain_decode
 from pallas_kernels.replay_decode import replay_decode
 from pallas_kernels.replay_decode_grouped import replay_decode_grouped
+from replayssm_jax.config import ReplayConfig
 from replayssm_jax.replay import StepPlan
 from replayssm_jax.state import ReplayState
 
 # Batch size -> launch configuration per kernel:
-#   (max batch, block_v, num_warps, cache_chunk, tiles_per_program, rebuild_unroll)
+#   (max batch, block_v, num_warps, cache_chunk, tiles_per_program, rebuild_unroll,
+#    flush_every_step)
 # tiles_per_program = 0 selects the per-tile replay kernel, T >= 1 the key-head-grouped one.
-# Measured on an H200 (benchmarks/results/raw/*v6*: GDN H_v = 32, L = 16, fp32 state;
-# each batch takes the entry of the nearest measured one). The plain kernel wants narrow
-# tiles (occupancy); the grouped kernel at large batch wants one program per (row, key
-# head); unrolling the exact rebuild by 8 costs registers everywhere except the small
-# per-tile kernel.
-_TILES: dict[str, tuple[tuple[int, int, int, int, int, int], ...]] = {
-    "plain": ((2, 8, 1, 8, 0, 1), (1 << 30, 16, 1, 16, 0, 1)),
+# Measured on an H200 (benchmarks/results/raw/*v6*, *v8*: GDN H_v = 32, L = 16; each batch
+# takes the entry of the nearest measured one). The plain kernel wants narrow tiles
+# (occupancy); the grouped kernel at large batch wants one program per (row, key head),
+# and with a 2-byte state from batch 32 up (v8: B = 64 and 512); unrolling the exact
+# rebuild costs registers (U = 4 -> 2 at T = 8 freed them, v8). At batch <= 2 a flush at
+# every step (the plain recurrence in the replay kernel) beat both the replay cycle and
+# the plain kernel (v8: 3.49 vs 3.81 us at B = 1, 4.51 vs 4.64 at B = 2).
+_Tile = tuple[int, int, int, int, int, int, bool]
+_TILES: dict[str, tuple[_Tile, ...]] = {
+    "plain": ((2, 8, 1, 8, 0, 1, False), (1 << 30, 16, 1, 16, 0, 1, False)),
     "replay": (
-        (2, 8, 1, 8, 0, 8),
-        (16, 32, 2, 16, 2, 4),
-        (256, 32, 4, 16, 4, 4),
-        (1 << 30, 32, 4, 16, 8, 4),
+        (2, 8, 1, 8, 0, 8, True),
+        (16, 32, 2, 16, 2, 4, False),
+        (256, 32, 4, 16, 4, 4, False),
+        (1 << 30, 32, 4, 16, 8, 2, False),
+    ),
+    "replay_2byte_state": (
+        (2, 8, 1, 8, 0, 8, True),
+        (16, 32, 2, 16, 2, 4, False),
+        (1 << 30, 32, 4, 16, 8, 2, False),
     ),
 }
 
 
-def default_kernel_config(batch: int, kernel: str = "replay") -> KernelConfig:
+def default_kernel_config(batch: int, kernel: str = "replay", state_dtype=jnp.float32) -> KernelConfig:
     """The launch configuration used for `batch` rows by the "plain" or "replay" kernel."""
-    for max_batch, block_v, num_warps, cache_chunk, per_program, unroll in _TILES[kernel]:
+    if kernel == "replay" and jnp.dtype(state_dtype).itemsize == 2:
+        kernel = "replay_2byte_state"
+    for max_batch, block_v, num_warps, cache_chunk, per_program, unroll, every_step in _TILES[kernel]:
         if batch <= max_batch:
             return KernelConfig(
                 block_v=block_v, num_warps=num_warps, cache_chunk=cache_chunk,
-                tiles_per_program=per_program, rebuild_unroll=unroll,
+                tiles_per_program=per_program, rebuild_unroll=unroll, flush_every_step=every_step,
             )
     raise AssertionError("unreachable: the last table row covers every batch")
+
+
+def layer_kernel_config(config: ReplayConfig, batch: int, kernel_config: KernelConfig | None) -> KernelConfig:
+    """`kernel_config`, or the table's entry for this layer and batch (L = 1 runs the plain
+    kernel, whose every step is a flush)."""
+    if kernel_config is not None:
+        if not isinstance(kernel_config, KernelConfig):
+            raise ValueError(f"kernel_config must be a KernelConfig, got {type(kernel_config).__name__}")
+        return kernel_config
+    if config.cache_len == 1:
+        return default_kernel_config(batch, "plain")
+    return default_kernel_config(batch, "replay", config.state_dtype)
 
 
 def check_kernel_shapes(head_k_dim: int, head_v_dim: int) -> None:
@@ -74,8 +99,7 @@ def pallas_layer_step(
     """`replay.xla_layer_step` on the Pallas kernels; same arguments and results."""
     cfg = state.config
     check_kernel_shapes(cfg.head_k_dim, cfg.head_v_dim)
-    if kernel_config is None:
-        kernel_config = default_kernel_config(v.shape[0], "plain" if cfg.cache_len == 1 else "replay")
+    kernel_config = layer_kernel_config(cfg, v.shape[0], kernel_config)
     options = dict(
         use_qk_l2norm=use_qk_l2norm, scale=scale, gate_params=gate_params,
         config=kernel_config, interpret=interpret,

@@ -18,9 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from replayssm_jax.config import GATES, ReplayConfig
-from replayssm_jax.decode import BACKENDS, decode_step, materialize_state
+from replayssm_jax.decode import BACKENDS, decode_step, materialize_state, step_plan
 from replayssm_jax.reference import recurrent_reference
-from replayssm_jax.replay import plan_step
 from replayssm_jax.state import init_state
 
 # Built-in config: GQA 2:1, d_k = d_v = 64, fp32 state and caches.
@@ -132,7 +131,7 @@ def run_check(args: argparse.Namespace) -> CheckResult:
     for _ in range(args.steps):
         inputs = random_step_inputs(rng, config, args.batch)
         force = jnp.asarray(rng.random(args.batch) < FORCE_FLUSH_PROB)
-        plan = plan_step(state.write_pos, slots, force, config.cache_len)
+        plan, _ = step_plan(config, state.write_pos, slots, force, backend=args.backend)
         pos, flush = np.asarray(plan.pos), np.asarray(plan.flush)
         is_natural = pos == config.cache_len - 1
         natural += int(is_natural.sum())

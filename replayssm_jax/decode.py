@@ -102,6 +102,28 @@ def check_gate_params(config: ReplayConfig, gate_params) -> None:
     _check_float("gate_params[1] (dt_bias)", dt_bias, want)
 
 
+def step_plan(
+    config: ReplayConfig,
+    write_pos: Int[Array, " N"],
+    slots: Int[Array, " B"],
+    force_flush: Bool[Array, " B"] | None,
+    *,
+    backend: Backend,
+    kernel_config=None,
+) -> tuple[replay.StepPlan, object]:
+    """The step's flush plan and the pallas backend's launch configuration (None for xla).
+
+    The pallas backend's configuration can ask for a flush of every live row
+    (`KernelConfig.flush_every_step`, set by the package's table at batch <= 2); the plan
+    then says so, and `advance_write_pos` keeps the cursors consistent with it.
+    """
+    if backend == "pallas":
+        kernel_config = pallas_ops.layer_kernel_config(config, jnp.shape(slots)[0], kernel_config)
+    every_step = backend == "pallas" and kernel_config.flush_every_step
+    plan = replay.plan_step(write_pos, slots, force_flush, config.cache_len, every_step)
+    return plan, kernel_config
+
+
 def layer_step(
     state: ReplayState,
     q: Float[Array, "B Hk Dk"],
@@ -175,7 +197,8 @@ def decode_step(
         kernel on the pallas backend).
       kernel_config: a `pallas_kernels.common.KernelConfig` (tiles, warps, rebuild
         precision) for the pallas backend; default: the per-batch-size table in
-        `pallas_kernels.ops`.
+        `pallas_kernels.ops`, which flushes every live row at every step at batch <= 2
+        (faster there than replay and than the plain kernel; see `KernelConfig`).
 
     Returns:
       `(y, new_state)`: y `[B, H_v, d_v]` in v's dtype, exactly 0 on padding rows.
@@ -187,7 +210,10 @@ def decode_step(
     check_state(state)
     check_step_inputs(state.config, state.num_slots, q, k, v, g, beta, slots, force_flush)
     check_gate_params(state.config, gate_params)
-    plan = replay.plan_step(state.write_pos, slots, force_flush, state.config.cache_len)
+    plan, kernel_config = step_plan(
+        state.config, state.write_pos, slots, force_flush, backend=backend,
+        kernel_config=kernel_config,
+    )
     y, new_state = layer_step(
         state, q, k, v, g, beta, plan,
         backend=backend, use_qk_l2norm=use_qk_l2norm, scale=scale,

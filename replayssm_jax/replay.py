@@ -55,14 +55,16 @@ def plan_step(
     slots: Int[Array, " B"],
     force_flush: Bool[Array, " B"] | None,
     cache_len: int,
+    flush_every_step: bool = False,
 ) -> StepPlan:
-    """Which rows flush this step: natural (`write_pos == L-1`) or forced."""
+    """Which rows flush this step: natural (`write_pos == L-1`), forced, or every live row
+    when `flush_every_step` (the plain recurrence; see `KernelConfig.flush_every_step`)."""
     num_slots = write_pos.shape[0]
     slots = slots.astype(jnp.int32)
     valid = (slots >= 0) & (slots < num_slots)
     slot = jnp.where(valid, slots, 0)
     pos = jnp.where(valid, write_pos[slot], 0)
-    flush = pos >= cache_len - 1
+    flush = (pos >= cache_len - 1) | flush_every_step
     if force_flush is not None:
         flush = flush | force_flush.astype(bool)
     return StepPlan(slot=slot, valid=valid, pos=pos, flush=flush & valid)

@@ -3,6 +3,7 @@ compilation and donation, and input validation. Every decode test runs per `back
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -22,6 +23,7 @@ from helpers import (
     small_config,
     snapshot,
 )
+from pallas_kernels.ops import default_kernel_config
 from replayssm_jax import decode_step, init_state, materialize_state, recurrent_reference
 
 # fp32: the issue's bound. Replay only reorders fp32 sums (products of decays in log space,
@@ -105,6 +107,41 @@ def test_cache_len_one_is_plain_recurrence(gate, backend, rng):
         np.testing.assert_array_equal(state.write_pos, 0)
 
 
+@pytest.mark.parametrize("gate", ["gdn", "kda"])
+def test_pallas_flushes_every_step_at_batch_two(gate, rng):
+    """The package's table flushes every live row at batch <= 2: the first such step folds
+    the row's cached entries into the checkpoint, then every step writes the recurrent
+    state, the cursor stays 0 and the caches are not written. An explicit config with
+    `flush_every_step=False` replays as usual at the same batch."""
+    config, steps, warm = small_config(gate, 4), 5, 2
+    assert default_kernel_config(2).flush_every_step
+    slots = rng.choice(NUM_SLOTS, 2, replace=False)
+    tokens = random_tokens(rng, config, (2, warm + steps))
+    checkpoint0 = random_checkpoint(rng, config, NUM_SLOTS)
+    ref_y, _, ref_states = recurrent_reference(
+        *map(jnp.asarray, tokens.astuple()), jnp.asarray(checkpoint0[slots]),
+        use_qk_l2norm=True, return_all_states=True,
+    )
+    replaying = donated_step(
+        "pallas", use_qk_l2norm=True,
+        kernel_config=dataclasses.replace(default_kernel_config(2), flush_every_step=False),
+    )
+    table = donated_step("pallas", use_qk_l2norm=True)
+    state = init_state(config, NUM_SLOTS, jnp.asarray(checkpoint0))
+    for t in range(warm + steps):
+        inputs = map(jnp.asarray, tokens.take((slice(None), t)).astuple())
+        caches = snapshot(state)
+        y, state = (replaying if t < warm else table)(state, *inputs, jnp.asarray(slots, jnp.int32))
+        assert rel_err(y, ref_y[:, t]).max() <= FP32_TOL
+        if t < warm:  # replay: the checkpoint waits, the cursor advances
+            np.testing.assert_array_equal(state.write_pos[slots], t + 1)
+            continue
+        assert rel_err(state.checkpoint[slots], ref_states[:, t]).max() <= FP32_TOL
+        np.testing.assert_array_equal(state.write_pos, 0)
+        for name in ("u_cache", "k_cache", "g_cache"):
+            np.testing.assert_array_equal(bits(np.asarray(getattr(state, name))), bits(caches[name]))
+
+
 def _one_step_inputs(rng, config, slots, force=None):
     tokens = random_tokens(rng, config, (len(slots),))
     force = None if force is None else jnp.asarray(force)
@@ -116,7 +153,10 @@ def test_padding_rows_are_isolated(backend, rng):
     nothing, and do not change the other rows' results."""
     config = small_config("gdn", 4)
     state = init_state(config, NUM_SLOTS, jnp.asarray(random_checkpoint(rng, config, NUM_SLOTS)))
-    step = donated_step(backend, use_qk_l2norm=True)
+    # One launch configuration for the 2-row and the 4-row call: the package's table flushes
+    # every step at batch <= 2, which would change the cursors, not the results.
+    options = dict(kernel_config=default_kernel_config(4)) if backend == "pallas" else {}
+    step = donated_step(backend, use_qk_l2norm=True, **options)
     state, _ = _warm_up(step, state, rng, config, steps=2)  # nonzero cursors and caches
     live = np.array([5, 1])
     q, k, v, g, beta, _, _ = _one_step_inputs(rng, config, live)

@@ -153,6 +153,7 @@ def test_plain_kernel_and_bf16_state(rng, gate):
         (dict(tiles_per_program=-1), "tiles_per_program"),
         (dict(rebuild_unroll=0), "rebuild_unroll must be in 1..16"),
         (dict(rebuild_unroll=17), "rebuild_unroll must be in 1..16"),
+        (dict(flush_every_step=1), "flush_every_step must be a bool"),
     ],
 )
 def test_kernel_config_rejects_bad_values(kwargs, match):
@@ -185,12 +186,25 @@ def test_kernel_shape_and_option_errors():
 
 
 def test_tile_tables_cover_every_batch():
-    for kernel in ("plain", "replay"):
-        for batch in (1, 2, 3, 16, 17, 512, 1 << 20):
-            kc = ops.default_kernel_config(batch, kernel)
+    for kernel, dtype in itertools.product(("plain", "replay"), (jnp.float32, jnp.bfloat16)):
+        for batch in (1, 2, 3, 16, 17, 64, 512, 1 << 20):
+            kc = ops.default_kernel_config(batch, kernel, dtype)
             assert isinstance(kc, KernelConfig)
             if kernel == "plain":
                 assert kc.tiles_per_program == 0
+            # Only the replay kernel at batch <= 2 flushes every step (measured, ops._TILES).
+            assert kc.flush_every_step == (kernel == "replay" and batch <= 2)
+    # A 2-byte state takes one program per (row, key head) from batch 32 up (measured).
+    assert ops.default_kernel_config(64, "replay", jnp.bfloat16).tiles_per_program == 8
+    assert ops.default_kernel_config(64, "replay", jnp.float32).tiles_per_program == 4
+
+
+def test_layer_kernel_config_rejects_other_types():
+    cfg = ReplayConfig(1, 1, 16, 16, 4)
+    with pytest.raises(ValueError, match="kernel_config must be a KernelConfig, got dict"):
+        ops.layer_kernel_config(cfg, 1, {"block_v": 16})
+    assert ops.layer_kernel_config(dataclasses.replace(cfg, cache_len=1), 1, None) == (
+        ops.default_kernel_config(1, "plain"))
 
 
 # ---------------------------------------------------------------- lowering for an H200
@@ -205,7 +219,8 @@ _H200 = jax.sharding.AbstractMesh(
 
 def _exposed_configs() -> list[KernelConfig]:
     """Every table entry, each with every rebuild precision it admits."""
-    table = {ops.default_kernel_config(b, k) for k in ("plain", "replay") for b in (1, 8, 512)}
+    table = {ops.default_kernel_config(b, k, dtype) for k in ("plain", "replay")
+             for b in (1, 8, 64, 512) for dtype in (jnp.float32, jnp.bfloat16)}
     out = set()
     for kc, precision in itertools.product(table, ("ieee", "tf32", "bf16")):
         if precision == "ieee" or min(kc.block_v, kc.cache_chunk) >= 16:

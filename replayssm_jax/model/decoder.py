@@ -24,7 +24,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from replayssm_jax import replay
 from replayssm_jax.config import ReplayConfig
-from replayssm_jax.decode import Backend, check_slots
+from replayssm_jax.decode import Backend, check_slots, step_plan
 from replayssm_jax.model import slots as slot_ops
 from replayssm_jax.model.layer import (
     GDNDims,
@@ -219,7 +219,7 @@ def decode_step(
     check_model_state(state)
     _check_tokens("tokens", tokens, 1)
     check_slots("slots", slots, jnp.shape(tokens)[0], state.num_slots)
-    plan = replay.plan_step(state.write_pos, slots, force_flush, state.config.cache_len)
+    plan, _ = step_plan(state.config, state.write_pos, slots, force_flush, backend=backend)
     dims = _dims(params, state.config)
     view, conv_pool = flat_view(state)
 
