@@ -390,11 +390,11 @@ def tune_section(timer, shape, batches, smoke, deadline, tune_plain) -> tuple[li
     return rows, best
 
 
-def choose_configs(best: dict, batch: int, state_dtype=jnp.float32) -> tuple[KernelConfig, KernelConfig]:
+def choose_configs(best: dict, batch: int) -> tuple[KernelConfig, KernelConfig]:
     """(plain, replay) configs: the tuned ones of the nearest tuned batch (log scale), else
-    the package defaults for the state dtype."""
+    the package defaults."""
     if not best:
-        return default_kernel_config(batch, "plain"), default_kernel_config(batch, "replay", state_dtype)
+        return default_kernel_config(batch, "plain"), default_kernel_config(batch, "replay")
     nearest = min(best, key=lambda b: (abs(math.log2(b) - math.log2(batch)), b))
     return best[nearest]
 
@@ -547,7 +547,7 @@ def main(argv=None) -> dict:
                 break
             try:
                 rows = sweep_row(timer, shp, shp.config(L, dt), b, meta["copy_bandwidth_GBps"],
-                                 args.smoke, choose_configs(best, b, dt))
+                                 args.smoke, choose_configs(best, b))
             except Exception as err:  # keep the rest of the sweep; the error is in the log
                 print(f"FAILED sweep row {shp} {jnp.dtype(dt).name} L={L} B={b}: {err!r}"[:2000], flush=True)
                 continue

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from pallas_kernels import common
@@ -27,32 +26,25 @@ from replayssm_jax.state import ReplayState
 # tiles_per_program = 0 selects the per-tile replay kernel, T >= 1 the key-head-grouped one.
 # Measured on an H200 (benchmarks/results/raw/*v6*, *v8*: GDN H_v = 32, L = 16; each batch
 # takes the entry of the nearest measured one). The plain kernel wants narrow tiles
-# (occupancy); the grouped kernel at large batch wants one program per (row, key head),
-# and with a 2-byte state from batch 32 up (v8: B = 64 and 512); unrolling the exact
-# rebuild costs registers (U = 4 -> 2 at T = 8 freed them, v8). At batch <= 2 a flush at
-# every step (the plain recurrence in the replay kernel) beat both the replay cycle and
-# the plain kernel (v8: 3.49 vs 3.81 us at B = 1, 4.51 vs 4.64 at B = 2).
+# (occupancy); the grouped kernel at large batch wants one program per (row, key head);
+# unrolling the exact rebuild costs registers (U = 4 -> 2 in the grouped kernel: 146 -> 128
+# registers at T = 4, 3 -> 4 programs per SM; v8). At batch <= 2 a flush at every step (the
+# plain recurrence in the replay kernel) beat both the replay cycle and the plain kernel
+# (v8: 3.3 vs 3.8 us at B = 1, 4.5 vs 4.6 at B = 2).
 _Tile = tuple[int, int, int, int, int, int, bool]
 _TILES: dict[str, tuple[_Tile, ...]] = {
     "plain": ((2, 8, 1, 8, 0, 1, False), (1 << 30, 16, 1, 16, 0, 1, False)),
     "replay": (
         (2, 8, 1, 8, 0, 8, True),
         (16, 32, 2, 16, 2, 4, False),
-        (256, 32, 4, 16, 4, 4, False),
-        (1 << 30, 32, 4, 16, 8, 2, False),
-    ),
-    "replay_2byte_state": (
-        (2, 8, 1, 8, 0, 8, True),
-        (16, 32, 2, 16, 2, 4, False),
+        (256, 32, 4, 16, 4, 2, False),
         (1 << 30, 32, 4, 16, 8, 2, False),
     ),
 }
 
 
-def default_kernel_config(batch: int, kernel: str = "replay", state_dtype=jnp.float32) -> KernelConfig:
+def default_kernel_config(batch: int, kernel: str = "replay") -> KernelConfig:
     """The launch configuration used for `batch` rows by the "plain" or "replay" kernel."""
-    if kernel == "replay" and jnp.dtype(state_dtype).itemsize == 2:
-        kernel = "replay_2byte_state"
     for max_batch, block_v, num_warps, cache_chunk, per_program, unroll, every_step in _TILES[kernel]:
         if batch <= max_batch:
             return KernelConfig(
@@ -71,7 +63,7 @@ def layer_kernel_config(config: ReplayConfig, batch: int, kernel_config: KernelC
         return kernel_config
     if config.cache_len == 1:
         return default_kernel_config(batch, "plain")
-    return default_kernel_config(batch, "replay", config.state_dtype)
+    return default_kernel_config(batch, "replay")
 
 
 def check_kernel_shapes(head_k_dim: int, head_v_dim: int) -> None:

@@ -186,17 +186,14 @@ def test_kernel_shape_and_option_errors():
 
 
 def test_tile_tables_cover_every_batch():
-    for kernel, dtype in itertools.product(("plain", "replay"), (jnp.float32, jnp.bfloat16)):
+    for kernel in ("plain", "replay"):
         for batch in (1, 2, 3, 16, 17, 64, 512, 1 << 20):
-            kc = ops.default_kernel_config(batch, kernel, dtype)
+            kc = ops.default_kernel_config(batch, kernel)
             assert isinstance(kc, KernelConfig)
             if kernel == "plain":
                 assert kc.tiles_per_program == 0
             # Only the replay kernel at batch <= 2 flushes every step (measured, ops._TILES).
             assert kc.flush_every_step == (kernel == "replay" and batch <= 2)
-    # A 2-byte state takes one program per (row, key head) from batch 32 up (measured).
-    assert ops.default_kernel_config(64, "replay", jnp.bfloat16).tiles_per_program == 8
-    assert ops.default_kernel_config(64, "replay", jnp.float32).tiles_per_program == 4
 
 
 def test_layer_kernel_config_rejects_other_types():
@@ -219,8 +216,7 @@ _H200 = jax.sharding.AbstractMesh(
 
 def _exposed_configs() -> list[KernelConfig]:
     """Every table entry, each with every rebuild precision it admits."""
-    table = {ops.default_kernel_config(b, k, dtype) for k in ("plain", "replay")
-             for b in (1, 8, 64, 512) for dtype in (jnp.float32, jnp.bfloat16)}
+    table = {ops.default_kernel_config(b, k) for k in ("plain", "replay") for b in (1, 8, 64, 512)}
     out = set()
     for kc, precision in itertools.product(table, ("ieee", "tf32", "bf16")):
         if precision == "ieee" or min(kc.block_v, kc.cache_chunk) >= 16:
