@@ -1,4 +1,9 @@
-"""One synchronised B=512, L=16 GDN cycle (16 replay kernels) for Nsight Compute."""
+"""One synchronised B=512, L=16 GDN cycle (16 replay kernels) for Nsight Compute.
+
+Ran with the kernels of commit 39291cd (table: T = 8 with U = 4) as
+`ncu --kernel-name regex:replayssm --launch-skip 14 --launch-count 2 --section ... python
+benchmarks/experiments/ncu_target.py 512` (raw/h200_2026-11-29_v8_ncu_*.txt).
+"""
 import sys, warnings
 import jax, jax.numpy as jnp, numpy as np
 warnings.filterwarnings("ignore")

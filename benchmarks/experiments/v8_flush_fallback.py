@@ -1,5 +1,10 @@
 """v8 experiment (H200): weighted flush rebuild vs sequential replay; flush-every-step
-fallback at small batch; bf16-state tiles. One process; prints rows, writes JSON to argv[1]."""
+fallback at small batch; bf16-state tiles. One process; prints rows, writes JSON to argv[1].
+
+Ran on the H200 with the kernels of commit 39291cd (table: T = 8 with U = 4):
+`PYTHONPATH=$PWD python benchmarks/experiments/v8_flush_fallback.py $OUT/v8.json`
+(raw/h200_2026-11-29_v8_rebuild_fallback.*); `SMOKE=1` runs it on a CPU in interpret mode.
+"""
 
 import dataclasses, functools, json, os, statistics, sys, time, warnings
 SMOKE = bool(os.environ.get("SMOKE"))

@@ -1,5 +1,10 @@
 """v9 experiment (H200): grouped kernel at T = 4 (batch 32-256), sequential vs weighted
-rebuild and the rebuild unroll, side by side. Prints rows, writes JSON to argv[1]."""
+rebuild and the rebuild unroll, side by side. Prints rows, writes JSON to argv[1].
+
+Ran on the H200 with the kernels of commit ba797d0:
+`PYTHONPATH=$PWD python benchmarks/experiments/v9_mid_batch_unroll.py $OUT/v9.json`
+(raw/h200_2026-11-29_v9_unroll.*).
+"""
 
 import dataclasses, json, sys, time, warnings
 import jax.numpy as jnp, numpy as np
