@@ -69,7 +69,8 @@ class KernelConfig:
         replay kernel (a row's cached entries are folded in on its first such step, then
         its cache stays empty). The package's table sets it at batch <= 2, where it
         measured faster than both the replay cycle and the plain kernel (H200,
-        benchmarks/NOTES.md, v8). Takes effect through `decode_step`, which plans the step.
+        benchmarks/NOTES.md, v8). Takes effect through the plan (`decode.step_plan`, used by
+        `decode_step`, the model decoder and the check job); a kernel runs the plan it is given.
     """
 
     block_v: int = 16

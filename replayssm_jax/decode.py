@@ -13,6 +13,7 @@ from jaxtyping import Array, Bool, Float, Int
 # Imported eagerly, not on first use: importing Pallas registers jax config options, and a
 # first import during a trace would change the tracing context and cost one recompile.
 from pallas_kernels import ops as pallas_ops
+from pallas_kernels.common import KernelConfig
 from replayssm_jax import gating, replay
 from replayssm_jax.config import ReplayConfig
 from replayssm_jax.state import ReplayState, check_state
@@ -110,7 +111,7 @@ def step_plan(
     *,
     backend: Backend,
     kernel_config=None,
-) -> tuple[replay.StepPlan, object]:
+) -> tuple[replay.StepPlan, KernelConfig | None]:
     """The step's flush plan and the pallas backend's launch configuration (None for xla).
 
     The pallas backend's configuration can ask for a flush of every live row
