@@ -25,6 +25,7 @@ from helpers import (
 )
 from pallas_kernels.ops import default_kernel_config
 from replayssm_jax import decode_step, init_state, materialize_state, recurrent_reference
+from replayssm_jax.decode import step_plan
 
 # fp32: the issue's bound. Replay only reorders fp32 sums (products of decays in log space,
 # the rebuild as one contraction); measured worst normwise error over these runs is < 5e-7,
@@ -140,6 +141,28 @@ def test_pallas_flushes_every_step_at_batch_two(gate, rng):
         np.testing.assert_array_equal(state.write_pos, 0)
         for name in ("u_cache", "k_cache", "g_cache"):
             np.testing.assert_array_equal(bits(np.asarray(getattr(state, name))), bits(caches[name]))
+
+
+def test_step_plan_flushes_every_live_row_only_where_the_pallas_table_asks():
+    """`step_plan`: the pallas table's batch <= 2 entry flushes every live row (padding rows
+    never flush); a config passed in, the xla backend and larger batches keep natural
+    flushes only."""
+    config = small_config("gdn", 4)
+    write_pos = jnp.asarray([0, 1, 2, 3, 0, 1, 2, 3], jnp.int32)
+    natural = lambda slots: np.asarray([s >= 0 and int(write_pos[s]) == 3 for s in slots])
+    for slots, every in (([5, -1], True), ([1, 3], True), ([0, 1, 3], False)):
+        plan, kc = step_plan(config, write_pos, jnp.asarray(slots, jnp.int32), None, backend="pallas")
+        assert kc == default_kernel_config(len(slots))
+        want = np.asarray(slots) >= 0 if every else natural(slots)
+        np.testing.assert_array_equal(plan.flush, want)
+        plan, kc = step_plan(config, write_pos, jnp.asarray(slots, jnp.int32), None, backend="xla")
+        assert kc is None
+        np.testing.assert_array_equal(plan.flush, natural(slots))
+    replaying = dataclasses.replace(default_kernel_config(2), flush_every_step=False)
+    plan, kc = step_plan(config, write_pos, jnp.asarray([1, 3], jnp.int32), None,
+                         backend="pallas", kernel_config=replaying)
+    assert kc is replaying
+    np.testing.assert_array_equal(plan.flush, [False, True])
 
 
 def _one_step_inputs(rng, config, slots, force=None):

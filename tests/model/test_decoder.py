@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -60,6 +61,30 @@ def test_replay_model_matches_plain_model(params, rng):
     ref_tokens, ref_logits = run_plain(params, prompts, steps)
     assert tokens == ref_tokens
     np.testing.assert_allclose(np.stack(logits), np.stack(ref_logits), atol=LOGIT_ATOL, rtol=0)
+
+
+def test_pallas_decoder_at_batch_one_flushes_every_step(rng):
+    """At batch 1 the pallas backend's table flushes every step (the plain recurrence in the
+    replay kernel, interpret mode here): cursors stay 0 and the logits equal the xla
+    backend's, which replays the cache."""
+    cache_len, steps = 3, 5
+    model = dataclasses.replace(TINY, head_k_dim=16, head_v_dim=16)  # the kernels' smallest dims
+    params = decoder.init_params(model, seed=2)
+    prompt = rng.integers(0, model.vocab_size, 3).tolist()
+    slots = jnp.array([2], jnp.int32)
+    states = {}
+    for backend in ("xla", "pallas"):
+        _, state = _prefill(params, model.init_state(num_slots=4, cache_len=cache_len), prompt, 2)
+        token, outs = jnp.asarray([prompt[-1]], jnp.int32), []
+        for _ in range(steps):
+            out, state, plan = decoder.jitted_decode_step(params, state, token, slots, backend=backend)
+            outs.append(np.asarray(out[0]))
+            token = jnp.argmax(out, axis=-1).astype(jnp.int32)
+            if backend == "pallas":
+                assert bool(plan.flush[0]) and int(state.write_pos[2]) == 0
+        states[backend] = (np.stack(outs), state)
+    assert int(states["xla"][1].write_pos[2]) != 0  # the xla backend did replay
+    np.testing.assert_allclose(states["pallas"][0], states["xla"][0], atol=LOGIT_ATOL, rtol=0)
 
 
 def test_one_compilation_as_cursors_joins_and_leaves_change(params, rng):
