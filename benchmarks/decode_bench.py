@@ -44,6 +44,7 @@ from pallas_kernels.common import KernelConfig  # noqa: E402
 from pallas_kernels.ops import default_kernel_config, pallas_layer_step  # noqa: E402
 from pallas_kernels.plain_decode import plain_decode  # noqa: E402
 from replayssm_jax import cost  # noqa: E402
+from replayssm_jax.decode import step_plan  # noqa: E402
 from replayssm_jax.state import state_shapes  # noqa: E402
 
 L2_BYTES = 60 * 2**20  # H200 L2 (50 MiB usable; 60 MiB rounds up)
@@ -159,7 +160,7 @@ def replay_cycle_fn(cfg: R.ReplayConfig, kernel_config: KernelConfig, interpret:
     """jit: L steps, each over every slot set in turn; returns the state."""
 
     def one_step(token, state, slots):
-        plan = R.plan_step(state.write_pos, slots, None, cfg.cache_len, kernel_config.flush_every_step)
+        plan, _ = step_plan(cfg, state.write_pos, slots, None, backend="pallas", kernel_config=kernel_config)
         y, state = pallas_layer_step(
             state, *token, plan, use_qk_l2norm=True, scale=None,
             kernel_config=kernel_config, interpret=interpret,
@@ -300,7 +301,7 @@ def check_section(smoke: bool) -> list[dict]:
 
         @functools.partial(jax.jit, donate_argnums=0)
         def step(state, q, k, v, g_or_a, beta_or_b, slots):
-            plan = R.plan_step(state.write_pos, slots, None, L, every_step)
+            plan, _ = step_plan(cfg, state.write_pos, slots, None, backend="pallas", kernel_config=kc)
             y, new = pallas_layer_step(
                 state, q, k, v, g_or_a, beta_or_b, plan, use_qk_l2norm=True, scale=None,
                 gate_params=(jnp.asarray(a_log), jnp.asarray(dt_bias)) if raw else None,
