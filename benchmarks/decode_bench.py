@@ -259,8 +259,11 @@ def check_section(smoke: bool) -> list[dict]:
     """GPU kernels vs the scan reference at every step; the donated step's HLO.
 
     Each case runs the launch configuration the package uses at large batch (grouped
-    kernel) or at batch 1 (per-tile kernel), with the case's rebuild precision; the batch-1
-    cases replay, except the last, which flushes every step as the package does there.
+    kernel) or at batch 1 (per-tile tiles), with the case's rebuild precision, under one of
+    three plans: "replay" (flush when the cache is full, or forced), "every_step" (the
+    folding kernel flushing every live row, as the package does at small batch) and
+    "fold_natural" (the folding kernel under the replay plan: appends, and folds of every
+    cursor on the GPU).
     """
     rows = []
     dims = (2, 4, 32, 32) if smoke else (4, 8, 128, 128)
@@ -272,10 +275,13 @@ def check_section(smoke: bool) -> list[dict]:
         ("gdn", 16, jnp.float32, "ieee", True, 512), ("kda", 16, jnp.float32, "ieee", True, 512),
         ("gdn", 13, jnp.float32, "ieee", False, 1), ("kda", 16, jnp.float32, "ieee", True, 1),
     ]
-    cases = [case + (False,) for case in cases] + [("gdn", 16, jnp.float32, "ieee", False, 1, True)]
+    cases = [case + ("replay",) for case in cases] + [
+        ("gdn", 16, jnp.float32, "ieee", False, 1, "every_step"),
+        ("kda", 13, jnp.float32, "ieee", True, 1, "fold_natural"),
+    ]
     if smoke:
-        cases = cases[:2] + cases[-1:]
-    for gate, L, dtype, precision, raw, table_batch, every_step in cases:
+        cases = cases[:2] + cases[-2:]
+    for gate, L, dtype, precision, raw, table_batch, plan_kind in cases:
         hk, hv, dk, dv = dims
         cfg = R.ReplayConfig(hk, hv, dk, dv, L, gate=gate, state_dtype=dtype, cache_dtype=dtype)
         batch, num_slots, steps = 6, 12, 3 * L + 1
@@ -297,11 +303,14 @@ def check_section(smoke: bool) -> list[dict]:
         init = np.where(slots[:, None, None, None] >= 0, np.asarray(jnp.asarray(s0, dtype), np.float32)[np.maximum(slots, 0)], 0)
         y_ref, _, s_ref = R.recurrent_reference(q, k, v, g, beta, init, use_qk_l2norm=True, return_all_states=True)
         kc = dataclasses.replace(default_kernel_config(table_batch).with_rebuild_precision(precision),
-                                 flush_every_step=every_step)
+                                 flush_every_step=plan_kind != "replay")
 
         @functools.partial(jax.jit, donate_argnums=0)
         def step(state, q, k, v, g_or_a, beta_or_b, slots):
-            plan, _ = step_plan(cfg, state.write_pos, slots, None, backend="pallas", kernel_config=kc)
+            if plan_kind == "fold_natural":
+                plan = R.plan_step(state.write_pos, slots, None, cfg.cache_len)
+            else:
+                plan, _ = step_plan(cfg, state.write_pos, slots, None, backend="pallas", kernel_config=kc)
             y, new = pallas_layer_step(
                 state, q, k, v, g_or_a, beta_or_b, plan, use_qk_l2norm=True, scale=None,
                 gate_params=(jnp.asarray(a_log), jnp.asarray(dt_bias)) if raw else None,
@@ -323,7 +332,7 @@ def check_section(smoke: bool) -> list[dict]:
         pool_shape = "[" + ",".join(map(str, state.checkpoint.shape)) + "]"
         pool_copies = [ln.strip()[:120] for ln in hlo.splitlines() if pool_shape in ln and " copy(" in ln]
         row = dict(gate=gate, cache_len=L, dtype=jnp.dtype(dtype).name, precision=precision,
-                   flush_every_step=every_step,
+                   plan=plan_kind,
                    raw_gates=raw, kernel_config=dataclasses.asdict(kc), y_rel_err=y_err, state_rel_err=s_err, pool_copies=len(pool_copies))
         print(f"check {row}", flush=True)
         rows.append(row)

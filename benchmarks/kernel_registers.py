@@ -13,6 +13,7 @@ Needs the `triton` extra (`pip install -e ".[triton]"`); runs on a CPU:
   python benchmarks/kernel_registers.py                     # the package's tile table
   python benchmarks/kernel_registers.py --gate kda --cache-len 32 --state-dtype bfloat16
   python benchmarks/kernel_registers.py --config 32,4,16,8,4 --config 16,4,16,4,1
+  python benchmarks/kernel_registers.py --config 16,1,16,0,1,1   # the folding kernel
 """
 
 from __future__ import annotations
@@ -118,13 +119,17 @@ def programs_per_sm(registers: int, num_warps: int) -> int:
 
 
 def parse_config(text: str) -> KernelConfig:
-    """`BV,warps,chunk,tiles_per_program,unroll` -> KernelConfig."""
+    """`BV,warps,chunk,tiles_per_program,unroll[,flush_every_step 0/1]` -> KernelConfig."""
     try:
-        bv, warps, chunk, per_program, unroll = (int(x) for x in text.split(","))
+        fields = [int(x) for x in text.split(",")]
+        bv, warps, chunk, per_program, unroll = fields[:5]
+        (every_step,) = fields[5:] or [0]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected BV,warps,chunk,tiles_per_program,unroll, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected BV,warps,chunk,tiles_per_program,unroll[,flush_every_step], got {text!r}")
     return KernelConfig(block_v=bv, num_warps=warps, cache_chunk=chunk,
-                        tiles_per_program=per_program, rebuild_unroll=unroll)
+                        tiles_per_program=per_program, rebuild_unroll=unroll,
+                        flush_every_step=bool(every_step))
 
 
 def main(argv=None) -> list[dict]:
@@ -136,7 +141,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--cache-len", type=int, default=16)
     p.add_argument("--state-dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--config", type=parse_config, action="append",
-                   help="BV,warps,chunk,tiles_per_program,unroll (repeatable); default: the tile table")
+                   help="BV,warps,chunk,tiles_per_program,unroll[,flush_every_step] (repeatable); default: the tile table")
     args = p.parse_args(argv)
     num_k_heads = args.num_k_heads or (32 if args.gate == "kda" else 16)
     dtype = jnp.dtype(args.state_dtype)
@@ -150,6 +155,7 @@ def main(argv=None) -> list[dict]:
           f"{'shared B':>8} {'programs/SM':>11}")
     for batch, kc, kernel in cases:
         cache_len = 1 if kernel == "plain" else args.cache_len
+        kernel = "fold" if kc.flush_every_step and kernel == "replay" else kernel
         cfg = ReplayConfig(num_k_heads, args.num_v_heads, args.head_dim, args.head_dim, cache_len,
                            gate=args.gate, state_dtype=dtype, cache_dtype=dtype)
         report = ptxas_report(kernel_ir(cfg, kc, batch), kc)

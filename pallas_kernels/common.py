@@ -65,12 +65,13 @@ class KernelConfig:
       rebuild_unroll: U, cache entries the "ieee" rebuild loads per memory round trip (it
         then applies them in order, so the result is the same for every U); a flush waits
         on ceil(pos / U) round trips instead of pos. Larger U costs registers.
-      flush_every_step: the step flushes every live row: the plain recurrence through the
-        replay kernel (a row's cached entries are folded in on its first such step, then
-        its cache stays empty). The package's table sets it at batch <= 2, where it
-        measured faster than both the replay cycle and the plain kernel (H200,
-        benchmarks/NOTES.md, v8). Takes effect through the plan (`decode.step_plan`, used by
-        `decode_step`, the model decoder and the check job); a kernel runs the plan it is given.
+      flush_every_step: the step flushes every live row (the plan says so, through
+        `decode.step_plan`, used by `decode_step`, the model decoder and the check job) and
+        runs `fold_decode`, which folds a row's cached entries into its checkpoint tile on its
+        first such step; from then on the row's cache stays empty and each step is the plain
+        recurrence on the checkpoint. Only `block_v` and `num_warps` apply then (the fold is
+        exact fp32); `tiles_per_program` must be 0. The package's table sets it at small
+        batch, where it measured faster than the replay cycle (H200, benchmarks/NOTES.md).
     """
 
     block_v: int = 16
@@ -97,6 +98,11 @@ class KernelConfig:
             )
         if not isinstance(self.flush_every_step, bool):
             raise ValueError(f"flush_every_step must be a bool, got {self.flush_every_step!r}")
+        if self.flush_every_step and self.tiles_per_program:
+            raise ValueError(
+                "flush_every_step runs the per-tile folding kernel: tiles_per_program must be 0, "
+                f"got {self.tiles_per_program}"
+            )
         if self.num_stages < 1:
             raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
         if self.rebuild_precision not in PRECISIONS:
@@ -217,6 +223,21 @@ def over_rows(spec: TokenSpec, x):
     """A decay for a `[BV, Dk]` state tile: per key channel (KDA, `[Dk]` -> `[1, Dk]`) or one
     scalar (GDN, unchanged)."""
     return x[None, :] if spec.per_channel_gate else x
+
+
+def delta_rule_step(spec: TokenSpec, state, q, k, v, g, beta):
+    """One token of the gated delta rule on a live state tile `state [BV, Dk]` (float32).
+
+    Returns `(y [BV], u [BV], S_t [BV, Dk])` with alpha = exp(g):
+    `u = beta (v - S(alpha k))`, `y = S(alpha q) + u (k . q)`, `S_t = S diag(alpha) + u k^T`.
+    Both readouts come from the incoming tile, side by side, so y does not wait on `S_t`.
+    """
+    alpha = jnp.exp(g)
+    s_k = jnp.sum(state * (alpha * k)[None, :], axis=1)
+    s_q = jnp.sum(state * (alpha * q)[None, :], axis=1)
+    u = beta * (v - s_k)
+    y = s_q + u * jnp.sum(k * q)
+    return y, u, state * over_rows(spec, alpha) + u[:, None] * k[None, :]
 
 
 def rebuild_dot(u_t, wk, precision: str):

@@ -13,6 +13,7 @@ from jaxtyping import Array, Float
 
 from pallas_kernels import common
 from pallas_kernels.common import KernelConfig
+from pallas_kernels.fold_decode import fold_decode
 from pallas_kernels.plain_decode import plain_decode
 from pallas_kernels.replay_decode import replay_decode
 from pallas_kernels.replay_decode_grouped import replay_decode_grouped
@@ -101,7 +102,12 @@ def pallas_layer_step(
             state.checkpoint, q, k, v, g, beta, plan.slot, plan.valid, **options
         )
         return y, dataclasses.replace(state, checkpoint=checkpoint)
-    kernel = replay_decode_grouped if kernel_config.tiles_per_program else replay_decode
+    if kernel_config.flush_every_step:
+        kernel = fold_decode
+    elif kernel_config.tiles_per_program:
+        kernel = replay_decode_grouped
+    else:
+        kernel = replay_decode
     y, checkpoint, u_cache, k_cache, g_cache = kernel(
         state.checkpoint, state.u_cache, state.k_cache, state.g_cache,
         q, k, v, g, beta, plan.slot, plan.pos, common.row_modes(plan.valid, plan.flush),

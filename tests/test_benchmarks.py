@@ -48,6 +48,8 @@ def test_programs_per_sm(registers, warps, programs):
 def test_parse_config_round_trip_and_errors():
     kc = kernel_registers.parse_config("32,4,16,8,4")
     assert (kc.block_v, kc.num_warps, kc.cache_chunk, kc.tiles_per_program, kc.rebuild_unroll) == (32, 4, 16, 8, 4)
+    assert not kc.flush_every_step
+    assert kernel_registers.parse_config("16,1,16,0,1,1").flush_every_step
     with pytest.raises(Exception, match="expected BV,warps,chunk,tiles_per_program,unroll"):
         kernel_registers.parse_config("32,4")
     with pytest.raises(ValueError, match="rebuild_unroll"):

@@ -101,6 +101,8 @@ LAYOUTS = {
     "grouped_t1": KernelConfig(block_v=16, num_warps=2, tiles_per_program=1),
     "grouped_t4": KernelConfig(block_v=16, num_warps=4, tiles_per_program=4, rebuild_unroll=4),
     "grouped_bv32_t2": KernelConfig(block_v=32, num_warps=4, tiles_per_program=2),
+    # the folding kernel under the natural plan: appends and flushes at every cursor
+    "fold_bv8": KernelConfig(block_v=8, num_warps=1, flush_every_step=True),
 }
 
 
@@ -134,10 +136,12 @@ def test_in_kernel_gating_matches_xla_gates(rng, gate, per_program):
 @pytest.mark.parametrize("gate", ["gdn", "kda"])
 def test_plain_kernel_and_bf16_state(rng, gate):
     # L = 1 runs the plain kernel; bf16 state and caches through both replay layouts, with
-    # the exact rebuild unrolled as in the tile table (L = 7: a partial last load).
+    # the exact rebuild unrolled as in the tile table (L = 7: a partial last load), and
+    # through the folding kernel.
     _compare_backends(rng, _config(gate, 1), KernelConfig(block_v=16), FP32_BOUND)
     for kernel_config in (KernelConfig(block_v=16, tiles_per_program=2, rebuild_unroll=4),
-                          KernelConfig(block_v=8, num_warps=1, cache_chunk=8, rebuild_unroll=8)):
+                          KernelConfig(block_v=8, num_warps=1, cache_chunk=8, rebuild_unroll=8),
+                          KernelConfig(block_v=16, num_warps=1, flush_every_step=True)):
         _compare_backends(rng, _config(gate, 7, jnp.bfloat16), kernel_config, BF16_STATE_BOUND)
 
 
@@ -154,6 +158,7 @@ def test_plain_kernel_and_bf16_state(rng, gate):
         (dict(rebuild_unroll=0), "rebuild_unroll must be in 1..16"),
         (dict(rebuild_unroll=17), "rebuild_unroll must be in 1..16"),
         (dict(flush_every_step=1), "flush_every_step must be a bool"),
+        (dict(flush_every_step=True, tiles_per_program=2), "tiles_per_program must be 0"),
     ],
 )
 def test_kernel_config_rejects_bad_values(kwargs, match):

@@ -1,0 +1,144 @@
+"""ReplaySSM decode step that materialises the live state (GDN and KDA): the small-batch kernel.
+
+Grid `(B, H_v, d_v // BV)`: one program per (row, value head, BV-row tile of the state).
+Each program loads its checkpoint tile `S_c [BV, d_k]`, folds the row's `pos` valid cache
+entries into it oldest first, in exact fp32,
+
+    S <- S diag(alpha_j) + u_j k_j^T,   j = 0 .. pos-1,
+
+which is the live state `S_{t-1}`, and then applies one token of the gated delta rule on
+chip:
+
+    u = beta (v - S_{t-1}(alpha k)),   y = S_{t-1}(alpha q) + u (k . q),
+    S_t = S_{t-1} diag(alpha) + u k^T
+
+(both readouts taken from `S_{t-1}` side by side, so y does not wait on `S_t`). Flush rows
+write `S_t` into the checkpoint in place; append rows store `(u, k, g)` at the cursor as
+the replay kernels do, so the kernel is correct for any plan.
+
+Its cost grows with `pos` (one FMA per tile element and cached entry, every step), so it
+is meant for plans that flush every live row (`KernelConfig.flush_every_step`): a row's
+cached entries are folded in on its first step, its cursor returns to 0, and from then on
+each step is the plain recurrence on the checkpoint (read and write the tile once) with no
+cache traffic. That is the fastest step at small batch, where the replay kernels' reads
+and the plain kernel's reads cost the same latency (benchmarks/NOTES.md, v11).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jaxtyping import Array, Float, Int
+
+from pallas_kernels import common
+from pallas_kernels.common import KernelConfig, TokenSpec
+from pallas_kernels.replay_decode import append_gate
+
+
+def fold_cache(spec: TokenSpec, refs, slot, h, cols, pos, s_c):
+    """The live state tile `S_{t-1}` (float32 `[BV, Dk]`): the slot's first `pos` cache
+    entries folded into the checkpoint tile `s_c`, oldest first."""
+    ucache_ref, kcache_ref, gcache_ref = refs
+    hk = h // spec.group_size
+
+    def body(j, state):
+        u_j = ucache_ref[slot, h, j, cols].astype(jnp.float32)
+        k_j = kcache_ref[slot, hk, j, :].astype(jnp.float32)
+        if spec.per_channel_gate:
+            g_j = gcache_ref[slot, h, j, :].astype(jnp.float32)
+        else:
+            g_j = gcache_ref[slot, h, j].astype(jnp.float32)
+        return state * common.over_rows(spec, jnp.exp(g_j)) + u_j[:, None] * k_j[None, :]
+
+    return jax.lax.fori_loop(0, pos, body, s_c)
+
+
+def _fold_kernel(
+    slot_ref, pos_ref, mode_ref, q_ref, k_ref, g_ref, beta_ref, v_ref, a_log_ref, dt_bias_ref,
+    _ckpt_in, _u_in, _k_in, _g_in,
+    y_ref, ckpt_ref, ucache_ref, kcache_ref, gcache_ref,
+    *, spec: TokenSpec, block_v: int,
+):
+    b, h, tile = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    cols = pl.ds(tile * block_v, block_v)
+    mode = mode_ref[b]
+
+    @pl.when(mode == common.MODE_PAD)
+    def _padding_row():
+        y_ref[b, h, cols] = jnp.zeros((block_v,), y_ref.dtype)
+
+    @pl.when(mode != common.MODE_PAD)
+    def _live_row():
+        slot, pos = slot_ref[b], pos_ref[b]
+        q, k, g, beta = common.load_token(
+            spec, (q_ref, k_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref), b, h
+        )
+        v = v_ref[b, h, cols].astype(jnp.float32)
+        s_c = ckpt_ref[slot, h, cols, :].astype(jnp.float32)
+        live = fold_cache(spec, (ucache_ref, kcache_ref, gcache_ref), slot, h, cols, pos, s_c)
+        y, u, new = common.delta_rule_step(spec, live, q, k, v, g, beta)
+        y_ref[b, h, cols] = y.astype(y_ref.dtype)
+
+        @pl.when(mode == common.MODE_FLUSH)
+        def _flush():
+            ckpt_ref[slot, h, cols, :] = new.astype(ckpt_ref.dtype)
+
+        @pl.when(mode == common.MODE_APPEND)
+        def _append():
+            ucache_ref[slot, h, pos, cols] = u.astype(ucache_ref.dtype)
+
+            @pl.when(tile == 0)
+            def _append_gate():
+                append_gate(spec, gcache_ref, slot, h, pos, g)
+
+            @pl.when((tile == 0) & (h % spec.group_size == 0))
+            def _append_key():  # once per key head, not once per value head
+                kcache_ref[slot, h // spec.group_size, pos, :] = k.astype(kcache_ref.dtype)
+
+
+def fold_decode(
+    checkpoint: Float[Array, "N Hv Dv Dk"],
+    u_cache: Float[Array, "N Hv L Dv"],
+    k_cache: Float[Array, "N Hk L Dk"],
+    g_cache: Float[Array, "N Hv L *Dk"],
+    q: Float[Array, "B Hk Dk"],
+    k: Float[Array, "B Hk Dk"],
+    v: Float[Array, "B Hv Dv"],
+    g: Float[Array, "B Hv *Dk"],
+    beta: Float[Array, "B Hv"],
+    slot: Int[Array, " B"],
+    pos: Int[Array, " B"],
+    mode: Int[Array, " B"],
+    *,
+    use_qk_l2norm: bool = False,
+    scale: float | None = None,
+    gate_params: tuple[Array, Array] | None = None,
+    config: KernelConfig = KernelConfig(),
+    interpret: bool | None = None,
+):
+    """One ReplaySSM decode step of one layer through the live state (see module docstring).
+
+    Same arguments and results as `replay_decode`. From `config` only `block_v` and
+    `num_warps` apply: the fold is exact fp32 whatever `rebuild_precision` says.
+
+    Returns:
+      `(y [B, H_v, d_v] in v's dtype, checkpoint, u_cache, k_cache, g_cache)`.
+    """
+    batch, num_v_heads, head_v_dim = v.shape
+    config = config.for_head_dim(head_v_dim)
+    spec = common.token_spec(
+        q, v, per_channel_gate=g_cache.ndim == 4, gate_params=gate_params,
+        use_qk_l2norm=use_qk_l2norm, scale=scale,
+    )
+    a_log, dt_bias = common.gate_param_inputs(gate_params)
+    kernel = functools.partial(_fold_kernel, spec=spec, block_v=config.block_v)
+    return common.decode_call(
+        kernel,
+        grid=(batch, num_v_heads, head_v_dim // config.block_v),
+        inputs=(slot, pos, mode, q, k, g, beta, v, a_log, dt_bias),
+        state=(checkpoint, u_cache, k_cache, g_cache),
+        y_like=v, config=config, interpret=interpret, name="replayssm_decode_fold",
+    )
