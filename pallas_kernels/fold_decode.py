@@ -70,15 +70,15 @@ def _fold_kernel(
     def _padding_row():
         y_ref[b, h, cols] = jnp.zeros((block_v,), y_ref.dtype)
 
-    def live_row(fold: bool):
+    @pl.when(mode != common.MODE_PAD)
+    def _live_row():
         slot, pos = slot_ref[b], pos_ref[b]
         q, k, g, beta = common.load_token(
             spec, (q_ref, k_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref), b, h
         )
         v = v_ref[b, h, cols].astype(jnp.float32)
-        live = ckpt_ref[slot, h, cols, :].astype(jnp.float32)
-        if fold:
-            live = fold_cache(spec, (ucache_ref, kcache_ref, gcache_ref), slot, h, cols, pos, live)
+        s_c = ckpt_ref[slot, h, cols, :].astype(jnp.float32)
+        live = fold_cache(spec, (ucache_ref, kcache_ref, gcache_ref), slot, h, cols, pos, s_c)
         y, u, new = common.delta_rule_step(spec, live, q, k, v, g, beta)
         y_ref[b, h, cols] = y.astype(y_ref.dtype)
 
@@ -97,14 +97,6 @@ def _fold_kernel(
             @pl.when((tile == 0) & (h % spec.group_size == 0))
             def _append_key():  # once per key head, not once per value head
                 kcache_ref[slot, h // spec.group_size, pos, :] = k.astype(kcache_ref.dtype)
-
-    # An empty cache (every step of a flush-every-step plan after a row's first) runs
-    # straight-line code, with no loop between the loads and the update. Each branch loads
-    # its own operands: values shared by both branches made Triton 3.6's layout pass fail
-    # ("operand does not dominate this use").
-    has_entries = pos_ref[b] > 0
-    pl.when((mode != common.MODE_PAD) & ~has_entries)(lambda: live_row(fold=False))
-    pl.when((mode != common.MODE_PAD) & has_entries)(lambda: live_row(fold=True))
 
 
 def fold_decode(
