@@ -84,7 +84,7 @@ def _fold_kernel(
 
         @pl.when(mode == common.MODE_FLUSH)
         def _flush():
-            ckpt_ref[slot_ref[b], h, cols, :] = new.astype(ckpt_ref.dtype)
+            ckpt_ref[slot, h, cols, :] = new.astype(ckpt_ref.dtype)
 
         @pl.when(mode == common.MODE_APPEND)
         def _append():
