@@ -255,33 +255,40 @@ def rel_err(x, ref) -> float:
     return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
+# The per-tile replay kernel as the GPU check runs it: two cache chunks at L = 13 or 16,
+# the exact rebuild 8 entries per round trip (a partial last load at L = 13).
+CHECK_PER_TILE = KernelConfig(block_v=8, num_warps=1, cache_chunk=8, rebuild_unroll=8)
+
+
 def check_section(smoke: bool) -> list[dict]:
     """GPU kernels vs the scan reference at every step; the donated step's HLO.
 
-    Each case runs the launch configuration the package uses at large batch (grouped
-    kernel) or at batch 1 (per-tile tiles), with the case's rebuild precision, under one of
-    three plans: "replay" (flush when the cache is full, or forced), "every_step" (the
-    folding kernel flushing every live row, as the package does at small batch) and
-    "fold_natural" (the folding kernel under the replay plan: appends, and folds of every
-    cursor on the GPU).
+    Each case runs one kernel layout with the case's rebuild precision: "grouped" (the
+    package's configuration at large batch), "per_tile" (`replay_decode` walking the cache
+    in two chunks, the exact rebuild 8 entries per round trip) or "fold" (`fold_decode`, the
+    package's configuration at small batch), under one of three plans: "replay" (flush
+    when the cache is full, or forced), "every_step" (every live row flushes, as the package
+    does with "fold") and "fold_natural" ("fold" under the replay plan: appends, and folds
+    of every cursor on the GPU).
     """
     rows = []
     dims = (2, 4, 32, 32) if smoke else (4, 8, 128, 128)
     cases = [
-        ("gdn", 4, jnp.float32, "ieee", False, 512), ("gdn", 16, jnp.float32, "ieee", False, 512),
-        ("gdn", 16, jnp.float32, "tf32", False, 512), ("gdn", 16, jnp.float32, "bf16", False, 512),
-        ("gdn", 16, jnp.bfloat16, "bf16", False, 512), ("kda", 16, jnp.float32, "ieee", False, 512),
-        ("kda", 8, jnp.bfloat16, "tf32", False, 512), ("gdn", 1, jnp.float32, "ieee", False, 512),
-        ("gdn", 16, jnp.float32, "ieee", True, 512), ("kda", 16, jnp.float32, "ieee", True, 512),
-        ("gdn", 13, jnp.float32, "ieee", False, 1), ("kda", 16, jnp.float32, "ieee", True, 1),
+        ("gdn", 4, jnp.float32, "ieee", False, "grouped"), ("gdn", 16, jnp.float32, "ieee", False, "grouped"),
+        ("gdn", 16, jnp.float32, "tf32", False, "grouped"), ("gdn", 16, jnp.float32, "bf16", False, "grouped"),
+        ("gdn", 16, jnp.bfloat16, "bf16", False, "grouped"), ("kda", 16, jnp.float32, "ieee", False, "grouped"),
+        ("kda", 8, jnp.bfloat16, "tf32", False, "grouped"), ("gdn", 1, jnp.float32, "ieee", False, "grouped"),
+        ("gdn", 16, jnp.float32, "ieee", True, "grouped"), ("kda", 16, jnp.float32, "ieee", True, "grouped"),
+        ("gdn", 13, jnp.float32, "ieee", False, "per_tile"), ("kda", 16, jnp.float32, "ieee", True, "per_tile"),
     ]
     cases = [case + ("replay",) for case in cases] + [
-        ("gdn", 16, jnp.float32, "ieee", False, 1, "every_step"),
-        ("kda", 13, jnp.float32, "ieee", True, 1, "fold_natural"),
+        ("gdn", 16, jnp.float32, "ieee", False, "fold", "every_step"),
+        ("kda", 13, jnp.float32, "ieee", True, "fold", "fold_natural"),
     ]
+    layouts = {"grouped": default_kernel_config(512), "per_tile": CHECK_PER_TILE, "fold": default_kernel_config(1)}
     if smoke:
         cases = cases[:2] + cases[-2:]
-    for gate, L, dtype, precision, raw, table_batch, plan_kind in cases:
+    for gate, L, dtype, precision, raw, layout, plan_kind in cases:
         hk, hv, dk, dv = dims
         cfg = R.ReplayConfig(hk, hv, dk, dv, L, gate=gate, state_dtype=dtype, cache_dtype=dtype)
         batch, num_slots, steps = 6, 12, 3 * L + 1
@@ -302,8 +309,7 @@ def check_section(smoke: bool) -> list[dict]:
         beta = np.asarray(R.beta_gate(jnp.asarray(b)))
         init = np.where(slots[:, None, None, None] >= 0, np.asarray(jnp.asarray(s0, dtype), np.float32)[np.maximum(slots, 0)], 0)
         y_ref, _, s_ref = R.recurrent_reference(q, k, v, g, beta, init, use_qk_l2norm=True, return_all_states=True)
-        kc = dataclasses.replace(default_kernel_config(table_batch).with_rebuild_precision(precision),
-                                 flush_every_step=plan_kind != "replay")
+        kc = layouts[layout].with_rebuild_precision(precision)
 
         @functools.partial(jax.jit, donate_argnums=0)
         def step(state, q, k, v, g_or_a, beta_or_b, slots):
@@ -332,7 +338,7 @@ def check_section(smoke: bool) -> list[dict]:
         pool_shape = "[" + ",".join(map(str, state.checkpoint.shape)) + "]"
         pool_copies = [ln.strip()[:120] for ln in hlo.splitlines() if pool_shape in ln and " copy(" in ln]
         row = dict(gate=gate, cache_len=L, dtype=jnp.dtype(dtype).name, precision=precision,
-                   plan=plan_kind,
+                   layout=layout, plan=plan_kind,
                    raw_gates=raw, kernel_config=dataclasses.asdict(kc), y_rel_err=y_err, state_rel_err=s_err, pool_copies=len(pool_copies))
         print(f"check {row}", flush=True)
         rows.append(row)

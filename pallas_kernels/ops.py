@@ -24,19 +24,21 @@ from replayssm_jax.state import ReplayState
 # Batch size -> launch configuration per kernel:
 #   (max batch, block_v, num_warps, cache_chunk, tiles_per_program, rebuild_unroll,
 #    flush_every_step)
-# tiles_per_program = 0 selects the per-tile replay kernel, T >= 1 the key-head-grouped one.
-# Measured on an H200 (benchmarks/results/raw/*v6*, *v8*: GDN H_v = 32, L = 16; each batch
-# takes the entry of the nearest measured one). The plain kernel wants narrow tiles
+# tiles_per_program = 0 selects the per-tile replay kernel, T >= 1 the key-head-grouped one;
+# flush_every_step runs the folding kernel (`fold_decode`: block_v and num_warps only).
+# Measured on an H200 (benchmarks/results/raw/*v6*, *v8*, *v11*: GDN H_v = 32, L = 16; each
+# batch takes the entry of the nearest measured one). The plain kernel wants narrow tiles
 # (occupancy); the grouped kernel at large batch wants one program per (row, key head);
 # unrolling the exact rebuild costs registers (U = 4 -> 2 in the grouped kernel: 146 -> 128
-# registers at T = 4, 3 -> 4 programs per SM; v8). At batch <= 2 a flush at every step (the
-# plain recurrence in the replay kernel) beat both the replay cycle and the plain kernel
-# (v8: 3.3 vs 3.8 us at B = 1, 4.5 vs 4.6 at B = 2).
+# registers at T = 4, 3 -> 4 programs per SM; v8). At batch <= 4 flushing every step through
+# the folding kernel beat both the replay cycle and the plain kernel (v11: 3.3 vs 3.8 us at
+# B = 1, 6.1 vs 6.3 at B = 4; replay cycle 8.0); at B = 8 it lost to both (11.6 vs 9.9,
+# replay 10.6). The plain kernel keeps BV 8 up to B = 4 (v11: 6.3 vs 6.6 us at B = 4).
 _Tile = tuple[int, int, int, int, int, int, bool]
 _TILES: dict[str, tuple[_Tile, ...]] = {
-    "plain": ((2, 8, 1, 8, 0, 1, False), (1 << 30, 16, 1, 16, 0, 1, False)),
+    "plain": ((4, 8, 1, 8, 0, 1, False), (1 << 30, 16, 1, 16, 0, 1, False)),
     "replay": (
-        (2, 8, 1, 8, 0, 8, True),
+        (4, 8, 1, 16, 0, 1, True),
         (16, 32, 2, 16, 2, 4, False),
         (256, 32, 4, 16, 4, 2, False),
         (1 << 30, 32, 4, 16, 8, 2, False),

@@ -103,6 +103,7 @@ class CheckResult:
     state_err: float
     natural_flushes: int
     forced_flushes: int
+    every_step_flushes: int  # the pallas table's small-batch plan: every live row flushes
     replay_bytes: Traffic  # summed over rows and steps
     plain_bytes: Traffic
     row_steps: int
@@ -127,7 +128,7 @@ def run_check(args: argparse.Namespace) -> CheckResult:
     )
     ref_step, materialize = jax.jit(reference_step), jax.jit(materialize_state)
     y_err = state_err = 0.0
-    natural = forced = read = written = 0
+    natural = forced = every_step = read = written = 0
     for _ in range(args.steps):
         inputs = random_step_inputs(rng, config, args.batch)
         force = jnp.asarray(rng.random(args.batch) < FORCE_FLUSH_PROB)
@@ -135,7 +136,8 @@ def run_check(args: argparse.Namespace) -> CheckResult:
         pos, flush = np.asarray(plan.pos), np.asarray(plan.flush)
         is_natural = pos == config.cache_len - 1
         natural += int(is_natural.sum())
-        forced += int((flush & ~is_natural).sum())
+        forced += int((flush & ~is_natural & np.asarray(force)).sum())
+        every_step += int((flush & ~is_natural & ~np.asarray(force)).sum())
         for p, f in zip(pos, flush):
             traffic = replay_traffic(config, int(p), bool(f))
             read, written = read + traffic.read, written + traffic.written
@@ -149,6 +151,7 @@ def run_check(args: argparse.Namespace) -> CheckResult:
     plain = plain_traffic(config)
     return CheckResult(
         y_err=y_err, state_err=state_err, natural_flushes=natural, forced_flushes=forced,
+        every_step_flushes=every_step,
         replay_bytes=Traffic(read, written),
         plain_bytes=Traffic(plain.read * row_steps, plain.written * row_steps),
         row_steps=row_steps,
@@ -167,7 +170,9 @@ def report(args: argparse.Namespace, result: CheckResult) -> str:
         f"d_k=d_v={HEAD_DIM} L={L} fp32, batch {args.batch} on {2 * args.batch} shuffled "
         f"slots, {args.steps} steps, backend={args.backend}, seed={args.seed}",
         f"  flushes: {result.natural_flushes} natural, {result.forced_flushes} forced "
-        f"(p={FORCE_FLUSH_PROB} per row per step)",
+        f"(p={FORCE_FLUSH_PROB} per row per step)"
+        + (f", {result.every_step_flushes} of the pallas table's flush-every-step plan "
+           f"(batch <= 4)" if result.every_step_flushes else ""),
         f"  max normwise relative error vs recurrent_reference: outputs {result.y_err:.2e}, "
         f"live state {result.state_err:.2e} (tolerance {TOLERANCE:.0e})",
         f"  state KiB per row per step: replay read {per(result.replay_bytes.read):.1f} + "

@@ -115,7 +115,7 @@ def step_plan(
     """The step's flush plan and the pallas backend's launch configuration (None for xla).
 
     The pallas backend's configuration can ask for a flush of every live row
-    (`KernelConfig.flush_every_step`, set by the package's table at batch <= 2); the plan
+    (`KernelConfig.flush_every_step`, set by the package's table at batch <= 4); the plan
     then says so, and `advance_write_pos` keeps the cursors consistent with it.
     """
     if backend == "pallas":
@@ -198,8 +198,9 @@ def decode_step(
         kernel on the pallas backend).
       kernel_config: a `pallas_kernels.common.KernelConfig` (tiles, warps, rebuild
         precision) for the pallas backend; default: the per-batch-size table in
-        `pallas_kernels.ops`, which flushes every live row at every step at batch <= 2
-        (faster there than replay and than the plain kernel; see `KernelConfig`).
+        `pallas_kernels.ops`, which flushes every live row at every step at batch <= 4
+        through the folding kernel (faster there than replay and than the plain kernel;
+        see `KernelConfig`).
 
     Returns:
       `(y, new_state)`: y `[B, H_v, d_v]` in v's dtype, exactly 0 on padding rows.

@@ -10,16 +10,23 @@ from replayssm_jax import ReplayConfig, check_job
 from replayssm_jax.__main__ import main as cli_main
 
 
+@pytest.mark.parametrize("batch", [3, 5])
 @pytest.mark.parametrize("gate", ["gdn", "kda"])
-def test_check_job_reports_agreement(gate, backend, capsys):
-    argv = ["--steps", "12", "--cache-len", "4", "--batch", "3", "--gate", gate]
+def test_check_job_reports_agreement(gate, batch, backend, capsys):
+    argv = ["--steps", "12", "--cache-len", "4", "--batch", str(batch), "--gate", gate]
     status = check_job.main([*argv, "--backend", backend])
     out = capsys.readouterr().out
     assert status == 0, out
     assert "agreement: OK" in out
     errors = re.search(r"outputs (\S+), live state (\S+) \(tolerance", out)
     assert errors and max(map(float, errors.groups())) <= check_job.TOLERANCE, out
-    assert re.search(r"flushes: [1-9]\d* natural", out), out
+    if backend == "pallas" and batch <= 4:  # the table flushes every live row at every step
+        counts = re.search(r"flushes: 0 natural, (\d+) forced .*, (\d+) of the pallas table's "
+                           r"flush-every-step plan", out)
+        assert counts and sum(map(int, counts.groups())) == 12 * batch, out
+    else:
+        assert re.search(r"flushes: [1-9]\d* natural", out), out
+        assert "flush-every-step" not in out, out
 
 
 def test_replay_traffic_counts_checkpoint_entries_and_flushes():

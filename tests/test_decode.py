@@ -40,7 +40,8 @@ FP32_TOL = 1e-5
 BF16_TOL = 4 * 2.0**-8
 TOLERANCE = {"fp32": FP32_TOL, "bf16": BF16_TOL}
 DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
-NUM_SLOTS, BATCH, NUM_SEQS = 8, 4, 3
+# BATCH = 5: the pallas table replays from batch 5 (it flushes every step below).
+NUM_SLOTS, BATCH, NUM_SEQS = 8, 5, 3
 
 
 def run_random_schedule(rng, config, backend, *, steps, force_prob=0.2, **kwargs):
@@ -109,15 +110,15 @@ def test_cache_len_one_is_plain_recurrence(gate, backend, rng):
 
 
 @pytest.mark.parametrize("gate", ["gdn", "kda"])
-def test_pallas_flushes_every_step_at_batch_two(gate, rng):
-    """The package's table flushes every live row at batch <= 2: the first such step folds
-    the row's cached entries into the checkpoint, then every step writes the recurrent
-    state, the cursor stays 0 and the caches are not written. An explicit config with
-    `flush_every_step=False` replays as usual at the same batch."""
-    config, steps, warm = small_config(gate, 4), 5, 2
-    assert default_kernel_config(2).flush_every_step
-    slots = rng.choice(NUM_SLOTS, 2, replace=False)
-    tokens = random_tokens(rng, config, (2, warm + steps))
+def test_pallas_flushes_every_step_at_small_batch(gate, rng):
+    """The package's table flushes every live row at batch <= 4 (the folding kernel): the
+    first such step folds the row's cached entries into the checkpoint, then every step
+    writes the recurrent state, the cursor stays 0 and the caches are not written. An
+    explicit config with `flush_every_step=False` replays as usual at the same batch."""
+    config, steps, warm, batch = small_config(gate, 4), 5, 2, 3
+    assert default_kernel_config(batch).flush_every_step
+    slots = rng.choice(NUM_SLOTS, batch, replace=False)
+    tokens = random_tokens(rng, config, (batch, warm + steps))
     checkpoint0 = random_checkpoint(rng, config, NUM_SLOTS)
     ref_y, _, ref_states = recurrent_reference(
         *map(jnp.asarray, tokens.astuple()), jnp.asarray(checkpoint0[slots]),
@@ -125,7 +126,7 @@ def test_pallas_flushes_every_step_at_batch_two(gate, rng):
     )
     replaying = donated_step(
         "pallas", use_qk_l2norm=True,
-        kernel_config=dataclasses.replace(default_kernel_config(2), flush_every_step=False),
+        kernel_config=dataclasses.replace(default_kernel_config(batch), flush_every_step=False),
     )
     table = donated_step("pallas", use_qk_l2norm=True)
     state = init_state(config, NUM_SLOTS, jnp.asarray(checkpoint0))
@@ -144,13 +145,13 @@ def test_pallas_flushes_every_step_at_batch_two(gate, rng):
 
 
 def test_step_plan_flushes_every_live_row_only_where_the_pallas_table_asks():
-    """`step_plan`: the pallas table's batch <= 2 entry flushes every live row (padding rows
+    """`step_plan`: the pallas table's batch <= 4 entry flushes every live row (padding rows
     never flush); a config passed in, the xla backend and larger batches keep natural
     flushes only."""
     config = small_config("gdn", 4)
     write_pos = jnp.asarray([0, 1, 2, 3, 0, 1, 2, 3], jnp.int32)
     natural = lambda slots: np.asarray([s >= 0 and int(write_pos[s]) == 3 for s in slots])
-    for slots, every in (([5, -1], True), ([1, 3], True), ([0, 1, 3], False)):
+    for slots, every in (([5, -1], True), ([1, 3, 6, 2], True), ([0, 1, 3, 5, 6], False)):
         plan, kc = step_plan(config, write_pos, jnp.asarray(slots, jnp.int32), None, backend="pallas")
         assert kc == default_kernel_config(len(slots))
         want = np.asarray(slots) >= 0 if every else natural(slots)
@@ -176,9 +177,9 @@ def test_padding_rows_are_isolated(backend, rng):
     nothing, and do not change the other rows' results."""
     config = small_config("gdn", 4)
     state = init_state(config, NUM_SLOTS, jnp.asarray(random_checkpoint(rng, config, NUM_SLOTS)))
-    # One launch configuration for the 2-row and the 4-row call: the package's table flushes
-    # every step at batch <= 2, which would change the cursors, not the results.
-    options = dict(kernel_config=default_kernel_config(4)) if backend == "pallas" else {}
+    # One replaying launch configuration for the 2-row and the 4-row call (the package's
+    # table flushes every step at batch <= 4, which would keep the cursors at 0).
+    options = dict(kernel_config=default_kernel_config(8)) if backend == "pallas" else {}
     step = donated_step(backend, use_qk_l2norm=True, **options)
     state, _ = _warm_up(step, state, rng, config, steps=2)  # nonzero cursors and caches
     live = np.array([5, 1])

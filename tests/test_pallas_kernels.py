@@ -197,8 +197,8 @@ def test_tile_tables_cover_every_batch():
             assert isinstance(kc, KernelConfig)
             if kernel == "plain":
                 assert kc.tiles_per_program == 0
-            # Only the replay kernel at batch <= 2 flushes every step (measured, ops._TILES).
-            assert kc.flush_every_step == (kernel == "replay" and batch <= 2)
+            # Only the replay kernel at batch <= 4 flushes every step (measured, ops._TILES).
+            assert kc.flush_every_step == (kernel == "replay" and batch <= 4)
 
 
 def test_layer_kernel_config_rejects_other_types():
