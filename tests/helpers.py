@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from collections.abc import Callable
 
 import jax
@@ -26,6 +27,19 @@ from replayssm_jax import (
 )
 
 STATE_FIELDS = ("checkpoint", "u_cache", "k_cache", "g_cache", "write_pos")
+
+
+def exposed_kernel_configs() -> list:
+    """Every launch configuration of the pallas backend's tables, each with every rebuild
+    precision it admits (what a user reaches from `default_kernel_config`)."""
+    from pallas_kernels import ops
+
+    table = {ops.default_kernel_config(b, k) for k in ("plain", "replay") for b in (1, 8, 64, 512)}
+    out = set()
+    for kc, precision in itertools.product(table, ("ieee", "tf32", "bf16")):
+        if precision == "ieee" or min(kc.block_v, kc.cache_chunk) >= 16:
+            out.add(dataclasses.replace(kc, rebuild_precision=precision))
+    return sorted(out, key=repr)
 
 
 def small_config(gate: str, cache_len: int, dtype: jnp.dtype = jnp.float32) -> ReplayConfig:

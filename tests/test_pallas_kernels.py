@@ -23,7 +23,7 @@ from replayssm_jax import decode, replay
 from replayssm_jax.config import ReplayConfig
 from replayssm_jax.state import init_state
 
-from helpers import random_checkpoint, random_tokens
+from helpers import exposed_kernel_configs, random_checkpoint, random_tokens
 
 NUM_SLOTS, BATCH = 7, 4
 # fp32 through both backends: the same algebra summed in a different order, ~1e-7 apart.
@@ -219,17 +219,7 @@ _H200 = jax.sharding.AbstractMesh(
 )
 
 
-def _exposed_configs() -> list[KernelConfig]:
-    """Every table entry, each with every rebuild precision it admits."""
-    table = {ops.default_kernel_config(b, k) for k in ("plain", "replay") for b in (1, 8, 64, 512)}
-    out = set()
-    for kc, precision in itertools.product(table, ("ieee", "tf32", "bf16")):
-        if precision == "ieee" or min(kc.block_v, kc.cache_chunk) >= 16:
-            out.add(dataclasses.replace(kc, rebuild_precision=precision))
-    return sorted(out, key=repr)
-
-
-@pytest.mark.parametrize("kernel_config", _exposed_configs(), ids=repr)
+@pytest.mark.parametrize("kernel_config", exposed_kernel_configs(), ids=repr)
 @pytest.mark.parametrize("gate", ["gdn", "kda"])
 def test_every_exposed_config_lowers_for_h200(kernel_config, gate):
     batch = 8
