@@ -406,11 +406,11 @@ def tune_section(timer, shape, batches, smoke, deadline, tune_plain) -> tuple[li
     return rows, best
 
 
-def choose_configs(best: dict, batch: int) -> tuple[KernelConfig, KernelConfig]:
-    """(plain, replay) configs: the tuned ones of the nearest tuned batch (log scale), else
-    the package defaults."""
-    if not best:
-        return default_kernel_config(batch, "plain"), default_kernel_config(batch, "replay")
+def choose_configs(best: dict, batch: int, gate: str = "gdn") -> tuple[KernelConfig, KernelConfig]:
+    """(plain, replay) configs: for GDN the tuned ones of the nearest tuned batch (log
+    scale; the tune section runs GDN), else the package defaults for the gate."""
+    if not best or gate != "gdn":
+        return default_kernel_config(batch, "plain", gate), default_kernel_config(batch, "replay", gate)
     nearest = min(best, key=lambda b: (abs(math.log2(b) - math.log2(batch)), b))
     return best[nearest]
 
@@ -563,7 +563,7 @@ def main(argv=None) -> dict:
                 break
             try:
                 rows = sweep_row(timer, shp, shp.config(L, dt), b, meta["copy_bandwidth_GBps"],
-                                 args.smoke, choose_configs(best, b))
+                                 args.smoke, choose_configs(best, b, shp.gate))
             except Exception as err:  # keep the rest of the sweep; the error is in the log
                 print(f"FAILED sweep row {shp} {jnp.dtype(dt).name} L={L} B={b}: {err!r}"[:2000], flush=True)
                 continue

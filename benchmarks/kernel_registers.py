@@ -148,7 +148,7 @@ def main(argv=None) -> list[dict]:
     if args.config:
         cases = [(512, kc, "replay") for kc in args.config]
     else:
-        cases = [(b, ops.default_kernel_config(b, kernel), kernel)
+        cases = [(b, ops.default_kernel_config(b, kernel, args.gate), kernel)
                  for kernel in ("replay", "plain") for b in (1, 8, 64, 512)]
     rows = []
     print(f"{'kernel':7} {'B':>4} {'BV':>3} {'warps':>5} {'T':>2} {'U':>2} {'regs':>5} {'spill B':>8} "

@@ -1,6 +1,6 @@
 """The "pallas" backend of `decode_step`: ReplayState in, kernels, ReplayState out.
 
-Tile choice per batch size lives here (`default_kernel_config`), measured on an H200
+Tile choice per batch size (and gate) lives here (`default_kernel_config`), measured on an H200
 (benchmarks/results/). With cache_len == 1 every step flushes, so the step runs the plain
 kernel on the checkpoint: same semantics, no cache traffic.
 """
@@ -17,7 +17,7 @@ from pallas_kernels.fold_decode import fold_decode
 from pallas_kernels.plain_decode import plain_decode
 from pallas_kernels.replay_decode import replay_decode
 from pallas_kernels.replay_decode_grouped import replay_decode_grouped
-from replayssm_jax.config import ReplayConfig
+from replayssm_jax.config import GATES, ReplayConfig
 from replayssm_jax.replay import StepPlan
 from replayssm_jax.state import ReplayState
 
@@ -44,11 +44,25 @@ _TILES: dict[str, tuple[_Tile, ...]] = {
         (1 << 30, 32, 4, 16, 8, 2, False),
     ),
 }
+# KDA (per-channel decay) puts the replay's key-side work per value head, so its replay
+# cycle costs more at small batch, and its plain kernel prefers BV 8 there. Measured at
+# B = 8, L = 16 (v11, v11c, v11d: KDA H_k = H_v = 32): plain BV 8 11.7-11.8 us vs BV 16
+# 13.5-13.7, folding kernel BV 8 11.6, replay cycle 13.7. These entries come first for KDA.
+_KDA_FIRST: dict[str, tuple[_Tile, ...]] = {
+    "plain": ((8, 8, 1, 8, 0, 1, False),),
+    "replay": ((8, 8, 1, 16, 0, 1, True),),
+}
 
 
-def default_kernel_config(batch: int, kernel: str = "replay") -> KernelConfig:
-    """The launch configuration used for `batch` rows by the "plain" or "replay" kernel."""
-    for max_batch, block_v, num_warps, cache_chunk, per_program, unroll, every_step in _TILES[kernel]:
+def default_kernel_config(batch: int, kernel: str = "replay", gate: str = "gdn") -> KernelConfig:
+    """The launch configuration used for `batch` rows of a `gate` ("gdn" or "kda") layer by
+    the "plain" or "replay" kernel."""
+    if kernel not in _TILES:
+        raise ValueError(f"kernel must be 'plain' or 'replay', got {kernel!r}")
+    if gate not in GATES:
+        raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
+    rows = (_KDA_FIRST[kernel] if gate == "kda" else ()) + _TILES[kernel]
+    for max_batch, block_v, num_warps, cache_chunk, per_program, unroll, every_step in rows:
         if batch <= max_batch:
             return KernelConfig(
                 block_v=block_v, num_warps=num_warps, cache_chunk=cache_chunk,
@@ -64,9 +78,8 @@ def layer_kernel_config(config: ReplayConfig, batch: int, kernel_config: KernelC
         if not isinstance(kernel_config, KernelConfig):
             raise ValueError(f"kernel_config must be a KernelConfig, got {type(kernel_config).__name__}")
         return kernel_config
-    if config.cache_len == 1:
-        return default_kernel_config(batch, "plain")
-    return default_kernel_config(batch, "replay")
+    kernel = "plain" if config.cache_len == 1 else "replay"
+    return default_kernel_config(batch, kernel, config.gate)
 
 
 def check_kernel_shapes(head_k_dim: int, head_v_dim: int) -> None:

@@ -172,7 +172,7 @@ def report(args: argparse.Namespace, result: CheckResult) -> str:
         f"  flushes: {result.natural_flushes} natural, {result.forced_flushes} forced "
         f"(p={FORCE_FLUSH_PROB} per row per step)"
         + (f", {result.every_step_flushes} of the pallas table's flush-every-step plan "
-           f"(batch <= 4)" if result.every_step_flushes else ""),
+           f"(small batch)" if result.every_step_flushes else ""),
         f"  max normwise relative error vs recurrent_reference: outputs {result.y_err:.2e}, "
         f"live state {result.state_err:.2e} (tolerance {TOLERANCE:.0e})",
         f"  state KiB per row per step: replay read {per(result.replay_bytes.read):.1f} + "

@@ -115,7 +115,8 @@ def step_plan(
     """The step's flush plan and the pallas backend's launch configuration (None for xla).
 
     The pallas backend's configuration can ask for a flush of every live row
-    (`KernelConfig.flush_every_step`, set by the package's table at batch <= 4); the plan
+    (`KernelConfig.flush_every_step`, set by the package's table at batch <= 4, <= 8 for
+    KDA); the plan
     then says so, and `advance_write_pos` keeps the cursors consistent with it.
     """
     if backend == "pallas":
@@ -199,7 +200,7 @@ def decode_step(
       kernel_config: a `pallas_kernels.common.KernelConfig` (tiles, warps, rebuild
         precision) for the pallas backend; default: the per-batch-size table in
         `pallas_kernels.ops`, which flushes every live row at every step at batch <= 4
-        through the folding kernel (faster there than replay and than the plain kernel;
+        (<= 8 for KDA) through the folding kernel (faster there than replay and than the plain kernel;
         see `KernelConfig`).
 
     Returns:

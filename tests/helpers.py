@@ -34,7 +34,8 @@ def exposed_kernel_configs() -> list:
     precision it admits (what a user reaches from `default_kernel_config`)."""
     from pallas_kernels import ops
 
-    table = {ops.default_kernel_config(b, k) for k in ("plain", "replay") for b in (1, 8, 64, 512)}
+    table = {ops.default_kernel_config(b, k, gate) for k in ("plain", "replay")
+             for b in (1, 8, 64, 512) for gate in ("gdn", "kda")}
     out = set()
     for kc, precision in itertools.product(table, ("ieee", "tf32", "bf16")):
         if precision == "ieee" or min(kc.block_v, kc.cache_chunk) >= 16:

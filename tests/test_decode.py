@@ -40,8 +40,9 @@ FP32_TOL = 1e-5
 BF16_TOL = 4 * 2.0**-8
 TOLERANCE = {"fp32": FP32_TOL, "bf16": BF16_TOL}
 DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
-# BATCH = 5: the pallas table replays from batch 5 (it flushes every step below).
-NUM_SLOTS, BATCH, NUM_SEQS = 8, 5, 3
+# BATCH = 9: the pallas table replays from batch 5 for GDN and from 9 for KDA (it flushes
+# every step below).
+NUM_SLOTS, BATCH, NUM_SEQS = 12, 9, 3
 
 
 def run_random_schedule(rng, config, backend, *, steps, force_prob=0.2, **kwargs):
@@ -326,7 +327,7 @@ def _shape_message(name, want, got):
         ("slots", np.zeros(3, np.int32), r"slots must have shape \(4,\).*\(3,\)"),
         ("slots", np.zeros((4, 1), np.int32), r"slots must have shape \(4,\).*\(4, 1\)"),
         ("slots", np.arange(4, dtype=np.float32), r"slots must be an integer array.*float32"),
-        ("slots", np.array([0, 1, 8, 2], np.int32), r"slots holds slot 8.*8 slots"),
+        ("slots", np.array([0, 1, NUM_SLOTS, 2], np.int32), rf"slots holds slot {NUM_SLOTS}.*{NUM_SLOTS} slots"),
         ("slots", np.array([5, -1, 5, -1], np.int32), r"slots names a slot more than once"),
         ("force_flush", np.zeros(5, bool), _shape_message("force_flush", (4,), (5,))),
         ("force_flush", np.zeros(4, np.int32), r"force_flush must be bool.*int32"),
@@ -359,7 +360,7 @@ def test_bad_backend_and_state_are_rejected(rng):
     with pytest.raises(ValueError, match=r"state must be a ReplayState"):
         decode_step(state.checkpoint, **inputs)
     other = init_state(small_config("kda", 4), NUM_SLOTS)
-    with pytest.raises(ValueError, match=r"state.g_cache must have shape \(8, 4, 4, 32\).*\(8, 4, 4\)"):
+    with pytest.raises(ValueError, match=_shape_message("state.g_cache", (NUM_SLOTS, 4, 4, 32), (NUM_SLOTS, 4, 4))):
         decode_step(type(state)(**{**vars(other), "g_cache": state.g_cache}), **inputs)
 
 
@@ -367,7 +368,7 @@ def test_materialize_state_rejects_bad_slots():
     state = init_state(small_config("gdn", 4), NUM_SLOTS)
     with pytest.raises(ValueError, match=r"slots must be a 1-D \[B\] array.*\(2, 2\)"):
         materialize_state(state, jnp.zeros((2, 2), jnp.int32))
-    with pytest.raises(ValueError, match=r"slots holds slot 9.*8 slots"):
-        materialize_state(state, jnp.asarray([9, 0], jnp.int32))
+    with pytest.raises(ValueError, match=rf"slots holds slot {NUM_SLOTS + 1}.*{NUM_SLOTS} slots"):
+        materialize_state(state, jnp.asarray([NUM_SLOTS + 1, 0], jnp.int32))
     with pytest.raises(ValueError, match=r"slots names a slot more than once"):
         materialize_state(state, jnp.asarray([2, 2], jnp.int32))

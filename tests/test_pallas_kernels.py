@@ -192,13 +192,21 @@ def test_kernel_shape_and_option_errors():
 
 def test_tile_tables_cover_every_batch():
     for kernel in ("plain", "replay"):
-        for batch in (1, 2, 3, 16, 17, 64, 512, 1 << 20):
+        for batch in (1, 2, 3, 4, 5, 8, 9, 16, 17, 64, 512, 1 << 20):
             kc = ops.default_kernel_config(batch, kernel)
             assert isinstance(kc, KernelConfig)
             if kernel == "plain":
                 assert kc.tiles_per_program == 0
             # Only the replay kernel at batch <= 4 flushes every step (measured, ops._TILES).
             assert kc.flush_every_step == (kernel == "replay" and batch <= 4)
+            # KDA: the folding kernel and the plain kernel's BV 8 up to batch 8 (ops._KDA_FIRST).
+            kda = ops.default_kernel_config(batch, kernel, "kda")
+            assert kda.flush_every_step == (kernel == "replay" and batch <= 8)
+            assert kda == kc or batch in (5, 8)
+    with pytest.raises(ValueError, match="kernel must be 'plain' or 'replay', got 'fold'"):
+        ops.default_kernel_config(1, "fold")
+    with pytest.raises(ValueError, match="gate must be one of"):
+        ops.default_kernel_config(1, "replay", "mamba")
 
 
 def test_layer_kernel_config_rejects_other_types():
@@ -207,6 +215,13 @@ def test_layer_kernel_config_rejects_other_types():
         ops.layer_kernel_config(cfg, 1, {"block_v": 16})
     assert ops.layer_kernel_config(dataclasses.replace(cfg, cache_len=1), 1, None) == (
         ops.default_kernel_config(1, "plain"))
+
+
+def test_layer_kernel_config_follows_the_gate():
+    gdn, kda = ReplayConfig(1, 2, 16, 16, 4), ReplayConfig(2, 2, 16, 16, 4, gate="kda")
+    assert not ops.layer_kernel_config(gdn, 8, None).flush_every_step
+    assert ops.layer_kernel_config(kda, 8, None) == ops.default_kernel_config(8, "replay", "kda")
+    assert ops.layer_kernel_config(kda, 8, None).flush_every_step
 
 
 # ---------------------------------------------------------------- lowering for an H200
