@@ -43,6 +43,11 @@ def cache_block_len(cache_len: int) -> int:
     return max(common.next_power_of_two(cache_len), common.MIN_DOT_DIM)
 
 
+def checkpoint_readout(s_c, x):
+    """`S_c x` (`[BV]`) of a checkpoint tile `s_c [BV, Dk]` and a key-side vector `x [Dk]`."""
+    return jnp.sum(s_c * x[None, :], axis=1)
+
+
 def _grouped_kernel(
     slot_ref, pos_ref, mode_ref, q_ref, k_ref, g_ref, beta_ref, v_ref, a_log_ref, dt_bias_ref,
     _ckpt_in, _u_in, _k_in, _g_in,
@@ -133,9 +138,9 @@ def _grouped_kernel(
                 s_q = jnp.sum(s_c * (decay_c * xq)[None, :], axis=1) + jnp.sum(
                     u_c * jnp.sum(wk * xq[None, :], axis=1)[:, None], axis=0)
             else:
-                s_k = alpha * (decay_c * jnp.sum(s_c * k[None, :], axis=1)
+                s_k = alpha * (decay_c * checkpoint_readout(s_c, k)
                                + jnp.sum(u_c * (weights * kk)[:, None], axis=0))
-                s_q = alpha * (decay_c * jnp.sum(s_c * q[None, :], axis=1)
+                s_q = alpha * (decay_c * checkpoint_readout(s_c, q)
                                + jnp.sum(u_c * (weights * kq)[:, None], axis=0))
             u = beta * (v - s_k)
             y_ref[b, vh, cols] = (s_q + u * k_dot_q).astype(y_ref.dtype)
