@@ -35,7 +35,7 @@ from jaxtyping import Array, Float, Int
 
 from pallas_kernels import common
 from pallas_kernels.common import KernelConfig, TokenSpec
-from pallas_kernels.replay_decode import append_gate
+from pallas_kernels.replay_decode import append_entry
 
 
 def fold_cache(spec: TokenSpec, refs, slot, h, cols, pos, s_c):
@@ -78,7 +78,8 @@ def _fold_kernel(
         )
         v = v_ref[b, h, cols].astype(jnp.float32)
         s_c = ckpt_ref[slot, h, cols, :].astype(jnp.float32)
-        live = fold_cache(spec, (ucache_ref, kcache_ref, gcache_ref), slot, h, cols, pos, s_c)
+        cache_refs = (ucache_ref, kcache_ref, gcache_ref)
+        live = fold_cache(spec, cache_refs, slot, h, cols, pos, s_c)
         y, u, new = common.delta_rule_step(spec, live, q, k, v, g, beta)
         y_ref[b, h, cols] = y.astype(y_ref.dtype)
 
@@ -88,15 +89,7 @@ def _fold_kernel(
 
         @pl.when(mode == common.MODE_APPEND)
         def _append():
-            ucache_ref[slot, h, pos, cols] = u.astype(ucache_ref.dtype)
-
-            @pl.when(tile == 0)
-            def _append_gate():
-                append_gate(spec, gcache_ref, slot, h, pos, g)
-
-            @pl.when((tile == 0) & (h % spec.group_size == 0))
-            def _append_key():  # once per key head, not once per value head
-                kcache_ref[slot, h // spec.group_size, pos, :] = k.astype(kcache_ref.dtype)
+            append_entry(spec, cache_refs, slot, h, tile, cols, pos, u, g, k)
 
 
 def fold_decode(

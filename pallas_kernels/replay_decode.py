@@ -167,6 +167,22 @@ def append_gate(spec, gcache_ref, slot, h, pos, g):
         gcache_ref[slot, h, pos] = g
 
 
+def append_entry(spec, cache_refs, slot, h, tile, cols, pos, u, g, k):
+    """Store this token's cache entry at position `pos` from the program of value head h's
+    tile `tile` (rows `cols`): its u rows; g from tile 0; k from tile 0 of the first value
+    head of each key head (once per key head, not once per value head)."""
+    ucache_ref, kcache_ref, gcache_ref = cache_refs
+    ucache_ref[slot, h, pos, cols] = u.astype(ucache_ref.dtype)
+
+    @pl.when(tile == 0)
+    def _append_gate():
+        append_gate(spec, gcache_ref, slot, h, pos, g)
+
+    @pl.when((tile == 0) & (h % spec.group_size == 0))
+    def _append_key():
+        kcache_ref[slot, h // spec.group_size, pos, :] = k.astype(kcache_ref.dtype)
+
+
 def _replay_kernel(
     slot_ref, pos_ref, mode_ref, q_ref, k_ref, g_ref, beta_ref, v_ref, a_log_ref, dt_bias_ref,
     _ckpt_in, _u_in, _k_in, _g_in,
@@ -207,15 +223,7 @@ def _replay_kernel(
 
         @pl.when(mode == common.MODE_APPEND)
         def _append():
-            ucache_ref[slot, h, pos, cols] = u.astype(ucache_ref.dtype)
-
-            @pl.when(tile == 0)
-            def _append_gate():
-                append_gate(spec, gcache_ref, slot, h, pos, g)
-
-            @pl.when((tile == 0) & (h % spec.group_size == 0))
-            def _append_key():  # once per key head, not once per value head
-                kcache_ref[slot, h // spec.group_size, pos, :] = k.astype(kcache_ref.dtype)
+            append_entry(spec, cache_refs, slot, h, tile, cols, pos, u, g, k)
 
 
 def replay_decode(
