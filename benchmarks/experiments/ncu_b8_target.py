@@ -2,9 +2,13 @@
 tile (BV 16, 1 warp), two launches each, to see why the plain kernel is faster there
 (9.9 vs 12.7 us; NOTES, v11).
 
-Ran with the kernels of the commit that adds this script as
+Tried once with the kernels of commit 3291047 as
 `ncu --kernel-name regex:"plain_decode|replayssm_decode_fold" --launch-count 4 --section ...
-python benchmarks/experiments/ncu_b8_target.py` (raw/h200_2026-11-29_v11_ncu_b8.txt).
+python benchmarks/experiments/ncu_b8_target.py`; it did not finish inside the 200 s given:
+ncu saved and restored the whole device memory around each of its 18 replay passes (the
+pools are sized past 3x the L2), and the report is printed only at the end
+(raw/h200_2026-11-29_v11_ncu_b8_incomplete.txt). Next time: a pool of 2B slots, or
+`--replay-mode application`.
 """
 import dataclasses, sys, warnings
 import jax, jax.numpy as jnp, numpy as np
