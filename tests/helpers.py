@@ -29,13 +29,19 @@ from replayssm_jax import (
 STATE_FIELDS = ("checkpoint", "u_cache", "k_cache", "g_cache", "write_pos")
 
 
+def table_launches() -> set:
+    """`(KernelConfig, kernel, gate)` of every entry of the pallas backend's launch tables
+    (the batches hit every table row: <= 4, <= 8 for KDA, <= 16, <= 256 and above)."""
+    from pallas_kernels import ops
+
+    return {(ops.default_kernel_config(b, kernel, gate), kernel, gate)
+            for kernel in ("plain", "replay") for b in (1, 8, 64, 512) for gate in ("gdn", "kda")}
+
+
 def exposed_kernel_configs() -> list:
     """Every launch configuration of the pallas backend's tables, each with every rebuild
     precision it admits (what a user reaches from `default_kernel_config`)."""
-    from pallas_kernels import ops
-
-    table = {ops.default_kernel_config(b, k, gate) for k in ("plain", "replay")
-             for b in (1, 8, 64, 512) for gate in ("gdn", "kda")}
+    table = {kc for kc, _, _ in table_launches()}
     out = set()
     for kc, precision in itertools.product(table, ("ieee", "tf32", "bf16")):
         if precision == "ieee" or min(kc.block_v, kc.cache_chunk) >= 16:

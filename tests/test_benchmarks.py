@@ -20,7 +20,7 @@ import kernel_registers  # noqa: E402
 from pallas_kernels import ops  # noqa: E402
 from replayssm_jax.config import ReplayConfig  # noqa: E402
 
-from helpers import exposed_kernel_configs  # noqa: E402
+from helpers import exposed_kernel_configs, table_launches  # noqa: E402
 
 
 def test_decode_bench_smoke_writes_every_section(tmp_path):
@@ -74,8 +74,7 @@ def test_kernel_ir_is_the_replay_kernel_for_an_h200():
 # What the package launches by default for each gate: each replay table entry at L > 1,
 # each plain table entry at L = 1. These must not spill (a spilling kernel measured 2-6x
 # slower).
-PACKAGE_LAUNCHES = {(ops.default_kernel_config(b, kernel, gate), kernel == "plain", gate)
-                    for kernel in ("plain", "replay") for b in (1, 8, 64, 512) for gate in ("gdn", "kda")}
+PACKAGE_LAUNCHES = {(kc, kernel == "plain", gate) for kc, kernel, gate in table_launches()}
 
 
 @pytest.mark.parametrize("kernel_config", exposed_kernel_configs(), ids=repr)
