@@ -136,8 +136,9 @@ def run_check(args: argparse.Namespace) -> CheckResult:
         pos, flush = np.asarray(plan.pos), np.asarray(plan.flush)
         is_natural = pos == config.cache_len - 1
         natural += int(is_natural.sum())
-        forced += int((flush & ~is_natural & np.asarray(force)).sum())
-        every_step += int((flush & ~is_natural & ~np.asarray(force)).sum())
+        extra, asked = flush & ~is_natural, np.asarray(force)
+        forced += int((extra & asked).sum())
+        every_step += int((extra & ~asked).sum())
         for p, f in zip(pos, flush):
             traffic = replay_traffic(config, int(p), bool(f))
             read, written = read + traffic.read, written + traffic.written
