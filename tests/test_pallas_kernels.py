@@ -127,9 +127,10 @@ def test_rebuild_precisions(rng, gate, precision, bound, per_program):
 
 
 @pytest.mark.parametrize("gate", ["gdn", "kda"])
-@pytest.mark.parametrize("per_program", [0, 2])
-def test_in_kernel_gating_matches_xla_gates(rng, gate, per_program):
-    kc = KernelConfig(block_v=16, tiles_per_program=per_program)
+@pytest.mark.parametrize("layout", ["tile", "grouped", "fold"])
+def test_in_kernel_gating_matches_xla_gates(rng, gate, layout):
+    kc = {"tile": KernelConfig(block_v=16), "grouped": KernelConfig(block_v=16, tiles_per_program=2),
+          "fold": KernelConfig(block_v=16, flush_every_step=True)}[layout]
     _compare_backends(rng, _config(gate, 4), kc, FP32_BOUND, raw_gates=True)
 
 
