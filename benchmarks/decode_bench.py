@@ -265,8 +265,9 @@ def check_section(smoke: bool) -> list[dict]:
 
     Each case runs one kernel layout with the case's rebuild precision: "grouped" (the
     package's configuration at large batch), "per_tile" (`replay_decode` walking the cache
-    in two chunks, the exact rebuild 8 entries per round trip) or "fold" (`fold_decode`, the
-    package's configuration at small batch), under one of three plans: "replay" (flush
+    in two chunks, the exact rebuild 8 entries per round trip), "fold" (`fold_decode`, the
+    package's configuration at small batch) or "plain" (L = 1: the plain kernel with the
+    package's large-batch configuration), under one of three plans: "replay" (flush
     when the cache is full, or forced), "every_step" (every live row flushes, as the package
     does with "fold") and "fold_natural" ("fold" under the replay plan: appends, and folds
     of every cursor on the GPU).
@@ -277,7 +278,7 @@ def check_section(smoke: bool) -> list[dict]:
         ("gdn", 4, jnp.float32, "ieee", False, "grouped"), ("gdn", 16, jnp.float32, "ieee", False, "grouped"),
         ("gdn", 16, jnp.float32, "tf32", False, "grouped"), ("gdn", 16, jnp.float32, "bf16", False, "grouped"),
         ("gdn", 16, jnp.bfloat16, "bf16", False, "grouped"), ("kda", 16, jnp.float32, "ieee", False, "grouped"),
-        ("kda", 8, jnp.bfloat16, "tf32", False, "grouped"), ("gdn", 1, jnp.float32, "ieee", False, "grouped"),
+        ("kda", 8, jnp.bfloat16, "tf32", False, "grouped"), ("gdn", 1, jnp.float32, "ieee", False, "plain"),
         ("gdn", 16, jnp.float32, "ieee", True, "grouped"), ("kda", 16, jnp.float32, "ieee", True, "grouped"),
         ("gdn", 13, jnp.float32, "ieee", False, "per_tile"), ("kda", 16, jnp.float32, "ieee", True, "per_tile"),
     ]
@@ -285,7 +286,8 @@ def check_section(smoke: bool) -> list[dict]:
         ("gdn", 16, jnp.float32, "ieee", False, "fold", "every_step"),
         ("kda", 13, jnp.float32, "ieee", True, "fold", "fold_natural"),
     ]
-    layouts = {"grouped": default_kernel_config(512), "per_tile": CHECK_PER_TILE, "fold": default_kernel_config(1)}
+    layouts = {"grouped": default_kernel_config(512), "per_tile": CHECK_PER_TILE, "fold": default_kernel_config(1),
+               "plain": default_kernel_config(512, "plain")}
     if smoke:
         cases = cases[:2] + cases[-2:]
     for gate, L, dtype, precision, raw, layout, plan_kind in cases:
@@ -406,11 +408,12 @@ def tune_section(timer, shape, batches, smoke, deadline, tune_plain) -> tuple[li
     return rows, best
 
 
-def choose_configs(best: dict, batch: int, gate: str = "gdn") -> tuple[KernelConfig, KernelConfig]:
+def choose_configs(best: dict, batch: int, gate: str = "gdn", state_dtype=jnp.float32
+                   ) -> tuple[KernelConfig, KernelConfig]:
     """(plain, replay) configs: for GDN the tuned ones of the nearest tuned batch (log
-    scale; the tune section runs GDN), else the package defaults for the gate."""
+    scale; the tune section runs GDN), else the package defaults for the gate and state."""
     if not best or gate != "gdn":
-        return default_kernel_config(batch, "plain", gate), default_kernel_config(batch, "replay", gate)
+        return tuple(default_kernel_config(batch, kernel, gate, state_dtype) for kernel in ("plain", "replay"))
     nearest = min(best, key=lambda b: (abs(math.log2(b) - math.log2(batch)), b))
     return best[nearest]
 
@@ -563,7 +566,7 @@ def main(argv=None) -> dict:
                 break
             try:
                 rows = sweep_row(timer, shp, shp.config(L, dt), b, meta["copy_bandwidth_GBps"],
-                                 args.smoke, choose_configs(best, b, shp.gate))
+                                 args.smoke, choose_configs(best, b, shp.gate, dt))
             except Exception as err:  # keep the rest of the sweep; the error is in the log
                 print(f"FAILED sweep row {shp} {jnp.dtype(dt).name} L={L} B={b}: {err!r}"[:2000], flush=True)
                 continue

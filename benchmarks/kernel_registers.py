@@ -14,6 +14,7 @@ Needs the `triton` extra (`pip install -e ".[triton]"`); runs on a CPU:
   python benchmarks/kernel_registers.py --gate kda --cache-len 32 --state-dtype bfloat16
   python benchmarks/kernel_registers.py --config 32,4,16,8,4 --config 16,4,16,4,1
   python benchmarks/kernel_registers.py --config 16,1,16,0,1,1   # the folding kernel
+  python benchmarks/kernel_registers.py --config 32,4,16,8,2,0,32  # W = 32 column chunks
 """
 
 from __future__ import annotations
@@ -118,18 +119,24 @@ def programs_per_sm(registers: int, num_warps: int) -> int:
     return min(65536 // (per_warp * num_warps), 64 // num_warps, 32)
 
 
+CONFIG_FIELDS = "BV,warps,chunk,tiles_per_program,unroll[,flush_every_step[,column_chunk[,rows_outermost]]]"
+
+
 def parse_config(text: str) -> KernelConfig:
-    """`BV,warps,chunk,tiles_per_program,unroll[,flush_every_step 0/1]` -> KernelConfig."""
+    """`BV,warps,chunk,tiles_per_program,unroll[,flush_every_step[,column_chunk[,rows_outermost]]]`
+    (the flags 0/1) -> KernelConfig."""
     try:
         fields = [int(x) for x in text.split(",")]
         bv, warps, chunk, per_program, unroll = fields[:5]
-        (every_step,) = fields[5:] or [0]
+        every_step, column_chunk, outermost = (fields[5:] + [0, 0, 0])[:3]
+        if len(fields) > 8:
+            raise ValueError
     except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected BV,warps,chunk,tiles_per_program,unroll[,flush_every_step], got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected {CONFIG_FIELDS}, got {text!r}")
     return KernelConfig(block_v=bv, num_warps=warps, cache_chunk=chunk,
                         tiles_per_program=per_program, rebuild_unroll=unroll,
-                        flush_every_step=bool(every_step))
+                        flush_every_step=bool(every_step), column_chunk=column_chunk,
+                        rows_outermost=bool(outermost))
 
 
 def main(argv=None) -> list[dict]:
@@ -141,14 +148,14 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--cache-len", type=int, default=16)
     p.add_argument("--state-dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--config", type=parse_config, action="append",
-                   help="BV,warps,chunk,tiles_per_program,unroll[,flush_every_step] (repeatable); default: the tile table")
+                   help=f"{CONFIG_FIELDS} (repeatable); default: the tile table")
     args = p.parse_args(argv)
     num_k_heads = args.num_k_heads or (32 if args.gate == "kda" else 16)
     dtype = jnp.dtype(args.state_dtype)
     if args.config:
         cases = [(512, kc, "replay") for kc in args.config]
     else:
-        cases = [(b, ops.default_kernel_config(b, kernel, args.gate), kernel)
+        cases = [(b, ops.default_kernel_config(b, kernel, args.gate, dtype), kernel)
                  for kernel in ("replay", "plain") for b in (1, 8, 64, 512)]
     rows = []
     print(f"{'kernel':7} {'B':>4} {'BV':>3} {'warps':>5} {'T':>2} {'U':>2} {'regs':>5} {'spill B':>8} "

@@ -72,6 +72,18 @@ class KernelConfig:
         recurrence on the checkpoint. Only `block_v` and `num_warps` apply then (the fold is
         exact fp32); `tiles_per_program` must be 0. The package's table sets it at small
         batch, where it measured faster than the replay cycle (H200, benchmarks/NOTES.md).
+      column_chunk: W, the d_k columns of a state tile are handled as `[BV, W]` chunks
+        (a power of two dividing d_k; 0: whole rows, one `[BV, d_k]` block). Triton lays
+        a `[BV, 128]` fp32 block out with the 32 lanes of a warp along d_k, so each row
+        sum (`S k`, `S q`) costs 5 shuffle steps per row a thread holds; a `[BV, 16]`
+        chunk gets 4 lanes along d_k and 8 along rows, and products summed chunk by chunk
+        in registers leave one 2-step row sum (H200: the plain kernel 5-8% faster at
+        B >= 32, the grouped kernel 3-9%; benchmarks/NOTES.md, v14-v16). The per-tile
+        replay kernel works on whole rows.
+      rows_outermost: launch the grid with the row index slowest instead of fastest, so
+        that neighbouring blocks read neighbouring tiles of one slot instead of the same
+        tile of B scattered slots (H200: the plain kernel 5% faster at B = 512 and 10%
+        slower at B = 8; v15).
     """
 
     block_v: int = 16
@@ -82,6 +94,8 @@ class KernelConfig:
     tiles_per_program: int = 0
     rebuild_unroll: int = 1
     flush_every_step: bool = False
+    column_chunk: int = 0
+    rows_outermost: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_v", "cache_chunk"):
@@ -96,8 +110,11 @@ class KernelConfig:
             raise ValueError(
                 f"rebuild_unroll must be in 1..{MAX_REBUILD_UNROLL}, got {self.rebuild_unroll}"
             )
-        if not isinstance(self.flush_every_step, bool):
-            raise ValueError(f"flush_every_step must be a bool, got {self.flush_every_step!r}")
+        for name in ("flush_every_step", "rows_outermost"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.column_chunk < 0 or self.column_chunk & (self.column_chunk - 1):
+            raise ValueError(f"column_chunk must be 0 or a power of two, got {self.column_chunk}")
         if self.flush_every_step and self.tiles_per_program:
             raise ValueError(
                 "flush_every_step runs the per-tile folding kernel: tiles_per_program must be 0, "
@@ -127,6 +144,11 @@ class KernelConfig:
     def for_head_dim(self, head_v_dim: int) -> "KernelConfig":
         """This config with BV capped at d_v."""
         return dataclasses.replace(self, block_v=min(self.block_v, head_v_dim))
+
+    def column_slices(self, head_k_dim: int) -> tuple[pl.Slice, ...]:
+        """The d_k columns in chunks of `column_chunk` (one chunk when 0 or >= d_k)."""
+        width = self.column_chunk if 0 < self.column_chunk < head_k_dim else head_k_dim
+        return tuple(pl.ds(c * width, width) for c in range(head_k_dim // width))
 
     def compiler_params(self) -> plgpu.CompilerParams:
         return plgpu.CompilerParams(num_warps=self.num_warps, num_stages=self.num_stages)
@@ -174,70 +196,114 @@ def _softplus(x):
     return jnp.where(x > SOFTPLUS_THRESHOLD, x, jnp.log1p(jnp.exp(jnp.minimum(x, SOFTPLUS_THRESHOLD))))
 
 
-def _l2norm(x):
-    return x * jax.lax.rsqrt(jnp.sum(x * x) + L2NORM_EPS)
+# A row's d_k-sized vectors and the `[rows, d_k]` tiles of the state and caches are held as
+# tuples of column chunks (`KernelConfig.column_slices`): `[W]` vectors, `[rows, W]` tiles.
+# A per-head gate (GDN) is one scalar for every chunk; a per-channel gate (KDA) is a tuple.
+Chunks = tuple
 
 
-def load_qk(spec: TokenSpec, q_ref, k_ref, b, hk):
-    """Row b's q, k for key head hk inside a kernel: float32 `[Dk]`, normalised (if asked),
-    q scaled, as the recurrence uses them."""
-    q = q_ref[b, hk, :].astype(jnp.float32)
-    k = k_ref[b, hk, :].astype(jnp.float32)
+def load_qk(spec: TokenSpec, q_ref, k_ref, b, hk, slices) -> tuple[Chunks, Chunks, jax.Array]:
+    """Row b's q, k for key head hk inside a kernel, as float32 column chunks normalised
+    (if asked), q scaled, as the recurrence uses them; and `k . q`.
+
+    The norms come from whole-row loads, one reduction each: summing per-chunk partial
+    norms instead measured 4% slower in the plain kernel (v19 vs v15, B = 512)."""
+    q_fac, k_fac = spec.scale, 1.0
     if spec.use_qk_l2norm:
-        q, k = _l2norm(q), _l2norm(k)
-    return q * spec.scale, k
+        inv_norm = lambda ref: jax.lax.rsqrt(
+            jnp.sum(jnp.square(ref[b, hk, :].astype(jnp.float32))) + L2NORM_EPS)
+        q_fac, k_fac = q_fac * inv_norm(q_ref), inv_norm(k_ref)
+    qs = tuple(q_ref[b, hk, c].astype(jnp.float32) * q_fac for c in slices)
+    ks = tuple(k_ref[b, hk, c].astype(jnp.float32) * k_fac for c in slices)
+    return qs, ks, sum(jnp.sum(q * k) for q, k in zip(qs, ks))
 
 
-def load_gates(spec: TokenSpec, g_ref, beta_ref, a_log_ref, dt_bias_ref, b, h):
-    """Row b's `(log_alpha, beta)` for value head h: log_alpha `[Dk]` (KDA) or scalar (GDN),
-    computed from raw `a`, `b` in the kernel when `spec.raw_gates`."""
-    if spec.per_channel_gate:
-        g = g_ref[b, h, :].astype(jnp.float32)
-    else:
-        g = g_ref[b, h].astype(jnp.float32)
+def load_gates(spec: TokenSpec, g_ref, beta_ref, a_log_ref, dt_bias_ref, b, h, slices):
+    """Row b's `(log_alpha, beta)` for value head h: log_alpha column chunks (KDA) or one
+    scalar (GDN), computed from raw `a`, `b` in the kernel when `spec.raw_gates`."""
     beta = beta_ref[b, h].astype(jnp.float32)
+
+    def gate(raw, dt_bias):
+        raw = raw.astype(jnp.float32)
+        if not spec.raw_gates:
+            return raw
+        return -jnp.exp(a_log_ref[h].astype(jnp.float32)) * _softplus(raw + dt_bias.astype(jnp.float32))
+
     if spec.raw_gates:
-        dt_bias = dt_bias_ref[h, :] if spec.per_channel_gate else dt_bias_ref[h]
-        g = -jnp.exp(a_log_ref[h].astype(jnp.float32)) * _softplus(g + dt_bias.astype(jnp.float32))
         beta = jax.nn.sigmoid(beta)
-    return g, beta
+    if spec.per_channel_gate:
+        return tuple(gate(g_ref[b, h, c], dt_bias_ref[h, c] if spec.raw_gates else None)
+                     for c in slices), beta
+    return gate(g_ref[b, h], dt_bias_ref[h] if spec.raw_gates else None), beta
 
 
-def load_token(spec: TokenSpec, refs, b, h):
+def load_token(spec: TokenSpec, refs, b, h, slices):
     """Load and prepare row b's token for value head h inside a kernel.
 
     Args:
-      refs: `(q, k, g_or_a, beta_or_b, A_log | None, dt_bias | None)` input refs.
+      refs: `(q, k, g_or_a, beta_or_b, A_log, dt_bias)` input refs.
+      slices: the column chunks of d_k.
 
     Returns:
-      `(q [Dk], k [Dk], log_alpha [Dk] or scalar, beta scalar)` in float32; q is normalised
-      and scaled, k normalised, as the recurrence uses them.
+      `(q chunks, k chunks, k . q, log_alpha (chunks, or a scalar for GDN), beta)` in
+      float32; q is normalised and scaled, k normalised, as the recurrence uses them.
     """
     q_ref, k_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref = refs
-    q, k = load_qk(spec, q_ref, k_ref, b, h // spec.group_size)
-    g, beta = load_gates(spec, g_ref, beta_ref, a_log_ref, dt_bias_ref, b, h)
-    return q, k, g, beta
+    qs, ks, k_dot_q = load_qk(spec, q_ref, k_ref, b, h // spec.group_size, slices)
+    g, beta = load_gates(spec, g_ref, beta_ref, a_log_ref, dt_bias_ref, b, h, slices)
+    return qs, ks, k_dot_q, g, beta
 
 
 def over_rows(spec: TokenSpec, x):
-    """A decay for a `[BV, Dk]` state tile: per key channel (KDA, `[Dk]` -> `[1, Dk]`) or one
-    scalar (GDN, unchanged)."""
+    """A decay for a whole-row `[BV, Dk]` tile: per key channel (KDA, `[Dk]` -> `[1, Dk]`)
+    or one scalar (GDN, unchanged)."""
     return x[None, :] if spec.per_channel_gate else x
 
 
-def delta_rule_step(spec: TokenSpec, state, q, k, v, g, beta):
-    """One token of the gated delta rule on a live state tile `state [BV, Dk]` (float32).
+def gate_map(fn, g):
+    """`fn` applied to a gate: each chunk of a per-channel gate, or the one scalar."""
+    return tuple(fn(x) for x in g) if isinstance(g, tuple) else fn(g)
 
-    Returns `(y [BV], u [BV], S_t [BV, Dk])` with alpha = exp(g):
-    `u = beta (v - S(alpha k))`, `y = S(alpha q) + u (k . q)`, `S_t = S diag(alpha) + u k^T`.
-    Both readouts come from the incoming tile, side by side, so y does not wait on `S_t`.
+
+def scale_columns(tiles: Chunks, factor) -> Chunks:
+    """Tile chunks `[R, W]` times a per-column factor (chunks `[W]`) or a scalar."""
+    if isinstance(factor, tuple):
+        return tuple(t * f[None, :] for t, f in zip(tiles, factor))
+    return tuple(t * factor for t in tiles)
+
+
+def scale_vector(vecs: Chunks, factor) -> Chunks:
+    """Vector chunks `[W]` times per-column chunks `[W]` or a scalar."""
+    if isinstance(factor, tuple):
+        return tuple(x * f for x, f in zip(vecs, factor))
+    return tuple(x * factor for x in vecs)
+
+
+def row_sum(tiles: Chunks, vecs: Chunks):
+    """`T x` (`[R]`) of a tile and a vector given as chunks: the chunk products are summed
+    in registers first, then one row sum."""
+    acc = tiles[0] * vecs[0][None, :]
+    for t, x in zip(tiles[1:], vecs[1:]):
+        acc = acc + t * x[None, :]
+    return jnp.sum(acc, axis=1)
+
+
+def add_outer(tiles: Chunks, u, vecs: Chunks) -> Chunks:
+    """`T + u x^T` over the chunks (`u [R]`, x chunks `[W]`)."""
+    return tuple(t + u[:, None] * x[None, :] for t, x in zip(tiles, vecs))
+
+
+def delta_rule_step(state: Chunks, qs: Chunks, ks: Chunks, v, g, beta):
+    """One token of the gated delta rule on a live state tile (float32 chunks `[BV, W]`).
+
+    Returns `(y [BV], u [BV], S_t chunks)` with alpha = exp(g):
+    `S~ = S diag(alpha)`, `u = beta (v - S~ k)`, `S_t = S~ + u k^T`, `y = S_t q`: the
+    plain kernel's order.
     """
-    alpha = jnp.exp(g)
-    s_k = jnp.sum(state * (alpha * k)[None, :], axis=1)
-    s_q = jnp.sum(state * (alpha * q)[None, :], axis=1)
-    u = beta * (v - s_k)
-    y = s_q + u * jnp.sum(k * q)
-    return y, u, state * over_rows(spec, alpha) + u[:, None] * k[None, :]
+    decayed = scale_columns(state, gate_map(jnp.exp, g))
+    u = beta * (v - row_sum(decayed, ks))
+    new = add_outer(decayed, u, ks)
+    return row_sum(new, qs), u, new
 
 
 def rebuild_dot(u_t, wk, precision: str):
@@ -258,6 +324,8 @@ def decode_call(kernel, *, grid, inputs, state, y_like, config: KernelConfig, in
     """`pallas_call` of a decode kernel: whole-array refs, `state` arrays aliased in place.
 
     The kernel sees `(*inputs, *state)` then `(y, *state)` refs; returns `(y, *new_state)`.
+    `grid` starts with the row axis; with `config.rows_outermost` it is launched reversed
+    and the kernel reads its indices through `program_ids`.
     """
     operands = (*inputs, *state)
     out_shape = (
@@ -267,7 +335,7 @@ def decode_call(kernel, *, grid, inputs, state, y_like, config: KernelConfig, in
     return pl.pallas_call(
         kernel,
         out_shape=out_shape,
-        grid=grid,
+        grid=tuple(reversed(grid)) if config.rows_outermost else grid,
         in_specs=[any_spec()] * len(operands),
         out_specs=[any_spec()] * len(out_shape),
         input_output_aliases={len(inputs) + i: 1 + i for i in range(len(state))},
@@ -275,6 +343,13 @@ def decode_call(kernel, *, grid, inputs, state, y_like, config: KernelConfig, in
         interpret=default_interpret() if interpret is None else interpret,
         name=name,
     )(*operands)
+
+
+def program_ids(rows_outermost: bool) -> tuple:
+    """The program's indices `(row, ..., ...)` in the order of the grid given to
+    `decode_call`, however it was launched."""
+    ids = tuple(pl.program_id(axis) for axis in range(3))
+    return ids[::-1] if rows_outermost else ids
 
 
 def row_modes(valid, flush):

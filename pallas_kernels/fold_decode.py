@@ -1,7 +1,8 @@
 """ReplaySSM decode step that materialises the live state (GDN and KDA): the small-batch kernel.
 
-Grid `(B, H_v, d_v // BV)`: one program per (row, value head, BV-row tile of the state).
-Each program loads its checkpoint tile `S_c [BV, d_k]`, folds the row's `pos` valid cache
+Grid `(B, H_v, d_v // BV)` (launched reversed with `rows_outermost`): one program per (row,
+value head, BV-row tile of the state). Each program loads its checkpoint tile
+`S_c [BV, d_k]` (as `[BV, W]` column chunks), folds the row's `pos` valid cache
 entries into it oldest first, in exact fp32,
 
     S <- S diag(alpha_j) + u_j k_j^T,   j = 0 .. pos-1,
@@ -38,20 +39,20 @@ from pallas_kernels.common import KernelConfig, TokenSpec
 from pallas_kernels.replay_decode import append_entry
 
 
-def fold_cache(spec: TokenSpec, refs, slot, h, cols, pos, s_c):
-    """The live state tile `S_{t-1}` (float32 `[BV, Dk]`): the slot's first `pos` cache
-    entries folded into the checkpoint tile `s_c`, oldest first."""
+def fold_cache(spec: TokenSpec, refs, slot, h, cols, slices, pos, s_c):
+    """The live state tile `S_{t-1}` (float32 column chunks `[BV, W]`): the slot's first
+    `pos` cache entries folded into the checkpoint tile `s_c`, oldest first."""
     ucache_ref, kcache_ref, gcache_ref = refs
     hk = h // spec.group_size
 
     def body(j, state):
         u_j = ucache_ref[slot, h, j, cols].astype(jnp.float32)
-        k_j = kcache_ref[slot, hk, j, :].astype(jnp.float32)
+        k_j = tuple(kcache_ref[slot, hk, j, c].astype(jnp.float32) for c in slices)
         if spec.per_channel_gate:
-            g_j = gcache_ref[slot, h, j, :].astype(jnp.float32)
+            g_j = tuple(gcache_ref[slot, h, j, c].astype(jnp.float32) for c in slices)
         else:
             g_j = gcache_ref[slot, h, j].astype(jnp.float32)
-        return state * common.over_rows(spec, jnp.exp(g_j)) + u_j[:, None] * k_j[None, :]
+        return common.add_outer(common.scale_columns(state, common.gate_map(jnp.exp, g_j)), u_j, k_j)
 
     return jax.lax.fori_loop(0, pos, body, s_c)
 
@@ -60,9 +61,9 @@ def _fold_kernel(
     slot_ref, pos_ref, mode_ref, q_ref, k_ref, g_ref, beta_ref, v_ref, a_log_ref, dt_bias_ref,
     _ckpt_in, _u_in, _k_in, _g_in,
     y_ref, ckpt_ref, ucache_ref, kcache_ref, gcache_ref,
-    *, spec: TokenSpec, block_v: int,
+    *, spec: TokenSpec, block_v: int, slices: tuple, rows_outermost: bool,
 ):
-    b, h, tile = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    b, h, tile = common.program_ids(rows_outermost)
     cols = pl.ds(tile * block_v, block_v)
     mode = mode_ref[b]
 
@@ -73,23 +74,24 @@ def _fold_kernel(
     @pl.when(mode != common.MODE_PAD)
     def _live_row():
         slot, pos = slot_ref[b], pos_ref[b]
-        q, k, g, beta = common.load_token(
-            spec, (q_ref, k_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref), b, h
+        qs, ks, _, g, beta = common.load_token(
+            spec, (q_ref, k_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref), b, h, slices
         )
         v = v_ref[b, h, cols].astype(jnp.float32)
-        s_c = ckpt_ref[slot, h, cols, :].astype(jnp.float32)
+        s_c = tuple(ckpt_ref[slot, h, cols, c].astype(jnp.float32) for c in slices)
         cache_refs = (ucache_ref, kcache_ref, gcache_ref)
-        live = fold_cache(spec, cache_refs, slot, h, cols, pos, s_c)
-        y, u, new = common.delta_rule_step(spec, live, q, k, v, g, beta)
+        live = fold_cache(spec, cache_refs, slot, h, cols, slices, pos, s_c)
+        y, u, new = common.delta_rule_step(live, qs, ks, v, g, beta)
         y_ref[b, h, cols] = y.astype(y_ref.dtype)
 
         @pl.when(mode == common.MODE_FLUSH)
         def _flush():
-            ckpt_ref[slot, h, cols, :] = new.astype(ckpt_ref.dtype)
+            for c, chunk in zip(slices, new):
+                ckpt_ref[slot, h, cols, c] = chunk.astype(ckpt_ref.dtype)
 
         @pl.when(mode == common.MODE_APPEND)
         def _append():
-            append_entry(spec, cache_refs, slot, h, tile, cols, pos, u, g, k)
+            append_entry(spec, cache_refs, slot, h, tile, cols, slices, pos, u, g, ks)
 
 
 def fold_decode(
@@ -114,8 +116,9 @@ def fold_decode(
 ):
     """One ReplaySSM decode step of one layer through the live state (see module docstring).
 
-    Same arguments and results as `replay_decode`. From `config` only `block_v` and
-    `num_warps` apply: the fold is exact fp32 whatever `rebuild_precision` says.
+    Same arguments and results as `replay_decode`. From `config` only `block_v`,
+    `num_warps`, `column_chunk` and `rows_outermost` apply: the fold is exact fp32 whatever
+    `rebuild_precision` says.
 
     Returns:
       `(y [B, H_v, d_v] in v's dtype, checkpoint, u_cache, k_cache, g_cache)`.
@@ -127,7 +130,10 @@ def fold_decode(
         use_qk_l2norm=use_qk_l2norm, scale=scale,
     )
     a_log, dt_bias = common.gate_param_inputs(gate_params)
-    kernel = functools.partial(_fold_kernel, spec=spec, block_v=config.block_v)
+    kernel = functools.partial(
+        _fold_kernel, spec=spec, block_v=config.block_v,
+        slices=config.column_slices(q.shape[2]), rows_outermost=config.rows_outermost,
+    )
     return common.decode_call(
         kernel,
         grid=(batch, num_v_heads, head_v_dim // config.block_v),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from pallas_kernels import common
@@ -21,54 +22,64 @@ from replayssm_jax.config import GATES, ReplayConfig
 from replayssm_jax.replay import StepPlan
 from replayssm_jax.state import ReplayState
 
-# Batch size -> launch configuration per kernel:
-#   (max batch, block_v, num_warps, cache_chunk, tiles_per_program, rebuild_unroll,
-#    flush_every_step)
-# tiles_per_program = 0 selects the per-tile replay kernel, T >= 1 the key-head-grouped one;
-# flush_every_step runs the folding kernel (`fold_decode`: block_v and num_warps only).
-# Measured on an H200 (benchmarks/results/raw/*v6*, *v8*, *v11*: GDN H_v = 32, L = 16; each
-# batch takes the entry of the nearest measured one). The plain kernel wants narrow tiles
-# (occupancy); the grouped kernel at large batch wants one program per (row, key head);
-# unrolling the exact rebuild costs registers (U = 4 -> 2 in the grouped kernel: 146 -> 128
-# registers at T = 4, 3 -> 4 programs per SM; v8). At batch <= 4 flushing every step through
-# the folding kernel beat both the replay cycle and the plain kernel (v11: 3.3 vs 3.8 us at
-# B = 1, 6.1 vs 6.3 at B = 4; replay cycle 8.0); at B = 8 it lost to both (11.6 vs 9.9,
-# replay 10.6). The plain kernel keeps BV 8 up to B = 4 (v11: 6.3 vs 6.6 us at B = 4).
-_Tile = tuple[int, int, int, int, int, int, bool]
-_TILES: dict[str, tuple[_Tile, ...]] = {
-    "plain": ((4, 8, 1, 8, 0, 1, False), (1 << 30, 16, 1, 16, 0, 1, False)),
+# Batch size -> launch configuration per kernel: `(max batch, KernelConfig)`, first match.
+# Measured on an H200 (benchmarks/results/raw/*v6*, *v8*, *v11*, *v14*-*v18*: GDN
+# H_v = 32, L = 16; each batch takes the entry of the nearest measured one). The plain
+# kernel wants narrow one-warp tiles (occupancy), and from B = 32 column chunks and the
+# row index outermost (v15: 588 -> 538 us at B = 512; both cost 10-15% at B = 8). The
+# grouped kernel wants W = 32 chunks up to B = 256 (v18, v19: cycle -4 to -11%) and at
+# large batch one program per (row, key head) on whole rows (at T = 8 the chunked flush
+# measured 1702 vs 1095 us, v19); unrolling the exact rebuild costs registers (U = 4 -> 2 in the grouped kernel: 146
+# -> 128 registers at T = 4, 3 -> 4 programs per SM; v8). At batch <= 4 flushing every step
+# through the folding kernel beat both the replay cycle and the plain kernel (v11); at
+# B = 8 it lost to both (11.6 vs 9.9, replay 10.6).
+_TILES: dict[str, tuple[tuple[int, KernelConfig], ...]] = {
+    "plain": (
+        (2, KernelConfig(block_v=8, num_warps=1, cache_chunk=8, column_chunk=32)),
+        (4, KernelConfig(block_v=8, num_warps=1, cache_chunk=8)),
+        (16, KernelConfig(block_v=16, num_warps=1)),
+        (1 << 30, KernelConfig(block_v=16, num_warps=1, column_chunk=16, rows_outermost=True)),
+    ),
     "replay": (
-        (4, 8, 1, 16, 0, 1, True),
-        (16, 32, 2, 16, 2, 4, False),
-        (256, 32, 4, 16, 4, 2, False),
-        (1 << 30, 32, 4, 16, 8, 2, False),
+        (4, KernelConfig(block_v=8, num_warps=1, flush_every_step=True)),
+        (16, KernelConfig(block_v=32, num_warps=2, tiles_per_program=2, rebuild_unroll=4, column_chunk=32)),
+        (256, KernelConfig(block_v=32, num_warps=4, tiles_per_program=4, rebuild_unroll=2, column_chunk=32)),
+        (1 << 30, KernelConfig(block_v=32, num_warps=4, tiles_per_program=8, rebuild_unroll=2)),
     ),
 }
 # KDA (per-channel decay) puts the replay's key-side work per value head, so its replay
 # cycle costs more at small batch, and its plain kernel prefers BV 8 there. Measured at
 # B = 8, L = 16 (v11, v11c, v11d: KDA H_k = H_v = 32): plain BV 8 11.7-11.8 us vs BV 16
 # 13.5-13.7, folding kernel BV 8 11.6, replay cycle 13.7. These entries come first for KDA.
-_KDA_FIRST: dict[str, tuple[_Tile, ...]] = {
-    "plain": ((8, 8, 1, 8, 0, 1, False),),
-    "replay": ((8, 8, 1, 16, 0, 1, True),),
+# The grouped kernel's KDA path keeps whole rows: chunked, its per-channel weights and
+# keys raise it from 164 to 228 registers per thread (2 programs per SM instead of 3).
+_KDA_FIRST: dict[str, tuple[tuple[int, KernelConfig], ...]] = {
+    "plain": ((8, KernelConfig(block_v=8, num_warps=1, cache_chunk=8)),),
+    "replay": (
+        (8, KernelConfig(block_v=8, num_warps=1, flush_every_step=True)),
+        (256, KernelConfig(block_v=32, num_warps=4, tiles_per_program=4, rebuild_unroll=2)),
+        (1 << 30, KernelConfig(block_v=32, num_warps=4, tiles_per_program=8, rebuild_unroll=2)),
+    ),
 }
 
 
-def default_kernel_config(batch: int, kernel: str = "replay", gate: str = "gdn") -> KernelConfig:
+def default_kernel_config(
+    batch: int, kernel: str = "replay", gate: str = "gdn", state_dtype=jnp.float32
+) -> KernelConfig:
     """The launch configuration used for `batch` rows of a `gate` ("gdn" or "kda") layer by
-    the "plain" or "replay" kernel."""
+    the "plain" or "replay" kernel. Column chunks apply to 4-byte states only: with a bf16
+    state a thread's share of a whole row is 8 elements and the chunked kernels measured
+    slower (v14, v15: plain kernel at B = 512 296 -> 332 us; ptxas: 117 -> 167 registers
+    in the grouped kernel)."""
     if kernel not in _TILES:
         raise ValueError(f"kernel must be 'plain' or 'replay', got {kernel!r}")
     if gate not in GATES:
         raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
     rows = (_KDA_FIRST[kernel] if gate == "kda" else ()) + _TILES[kernel]
-    for max_batch, block_v, num_warps, cache_chunk, per_program, unroll, every_step in rows:
-        if batch <= max_batch:
-            return KernelConfig(
-                block_v=block_v, num_warps=num_warps, cache_chunk=cache_chunk,
-                tiles_per_program=per_program, rebuild_unroll=unroll, flush_every_step=every_step,
-            )
-    raise AssertionError("unreachable: the last table row covers every batch")
+    config = next(config for max_batch, config in rows if batch <= max_batch)
+    if jnp.dtype(state_dtype).itemsize < 4:
+        config = dataclasses.replace(config, column_chunk=0)
+    return config
 
 
 def layer_kernel_config(config: ReplayConfig, batch: int, kernel_config: KernelConfig | None) -> KernelConfig:
@@ -79,7 +90,7 @@ def layer_kernel_config(config: ReplayConfig, batch: int, kernel_config: KernelC
             raise ValueError(f"kernel_config must be a KernelConfig, got {type(kernel_config).__name__}")
         return kernel_config
     kernel = "plain" if config.cache_len == 1 else "replay"
-    return default_kernel_config(batch, kernel, config.gate)
+    return default_kernel_config(batch, kernel, config.gate, config.state_dtype)
 
 
 def check_kernel_shapes(head_k_dim: int, head_v_dim: int) -> None:

@@ -1,7 +1,8 @@
 """Plain recurrent decode (the in-project baseline): read and write the full state every step.
 
-Grid `(B, H_v, d_v // BV)`; each program loads its row's state tile `S [BV, d_k]` from the
-row's slot, applies one token of the gated delta rule
+Grid `(B, H_v, d_v // BV)` (launched reversed with `rows_outermost`); each program loads
+its row's state tile `S [BV, d_k]` from the row's slot (as `[BV, W]` column chunks),
+applies one token of the gated delta rule
 
     S~ = S diag(alpha),  u = beta (v - S~ k),  S' = S~ + u k^T,  y = S' q
 
@@ -23,9 +24,9 @@ from pallas_kernels.common import KernelConfig, TokenSpec
 def _plain_kernel(
     slot_ref, valid_ref, q_ref, k_ref, g_ref, beta_ref, v_ref, a_log_ref, dt_bias_ref,
     _state_in, y_ref, state_ref,
-    *, spec: TokenSpec, block_v: int,
+    *, spec: TokenSpec, block_v: int, slices: tuple, rows_outermost: bool,
 ):
-    b, h, tile = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    b, h, tile = common.program_ids(rows_outermost)
     cols = pl.ds(tile * block_v, block_v)
     valid = valid_ref[b] != 0
 
@@ -36,16 +37,17 @@ def _plain_kernel(
     @pl.when(valid)
     def _live_row():
         slot = slot_ref[b]
-        q, k, g, beta = common.load_token(
-            spec, (q_ref, k_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref), b, h
+        qs, ks, _, g, beta = common.load_token(
+            spec, (q_ref, k_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref), b, h, slices
         )
         v = v_ref[b, h, cols].astype(jnp.float32)
-        alpha = jnp.exp(g)
-        decayed = state_ref[slot, h, cols, :].astype(jnp.float32) * common.over_rows(spec, alpha)
-        u = beta * (v - jnp.sum(decayed * k[None, :], axis=1))
-        new = decayed + u[:, None] * k[None, :]
-        y_ref[b, h, cols] = jnp.sum(new * q[None, :], axis=1).astype(y_ref.dtype)
-        state_ref[slot, h, cols, :] = new.astype(state_ref.dtype)
+        tile_chunks = tuple(state_ref[slot, h, cols, c].astype(jnp.float32) for c in slices)
+        decayed = common.scale_columns(tile_chunks, common.gate_map(jnp.exp, g))
+        u = beta * (v - common.row_sum(decayed, ks))
+        new = common.add_outer(decayed, u, ks)
+        y_ref[b, h, cols] = common.row_sum(new, qs).astype(y_ref.dtype)
+        for c, chunk in zip(slices, new):
+            state_ref[slot, h, cols, c] = chunk.astype(state_ref.dtype)
 
 
 def plain_decode(
@@ -72,7 +74,8 @@ def plain_decode(
         `g` is `[B, H_v, d_k]`.
       slot: `[B]` int32 slot of each row (any valid index on padding rows).
       valid: `[B]` bool, False on padding rows (y = 0, nothing written).
-      config: tile and warps (`rebuild_precision` is unused: there is no rebuild).
+      config: tile, warps, column chunks and grid order (`rebuild_precision` is unused:
+        there is no rebuild).
       interpret: run in the Pallas interpreter (default: off GPU).
     """
     batch, num_v_heads, head_v_dim = v.shape
@@ -82,7 +85,10 @@ def plain_decode(
         use_qk_l2norm=use_qk_l2norm, scale=scale,
     )
     a_log, dt_bias = common.gate_param_inputs(gate_params)
-    kernel = functools.partial(_plain_kernel, spec=spec, block_v=config.block_v)
+    kernel = functools.partial(
+        _plain_kernel, spec=spec, block_v=config.block_v,
+        slices=config.column_slices(q.shape[2]), rows_outermost=config.rows_outermost,
+    )
     y, new_state = common.decode_call(
         kernel,
         grid=(batch, num_v_heads, head_v_dim // config.block_v),

@@ -1,7 +1,8 @@
 """Fused ReplaySSM decode step (GDN and KDA): replay readout, append or flush, one launch.
 
-Grid `(B, H_v, d_v // BV)`: one program per (row, value head, BV-row tile of the state).
-Each program
+Grid `(B, H_v, d_v // BV)` (launched reversed with `rows_outermost`): one program per
+(row, value head, BV-row tile of the state), working on whole rows (`column_chunk` does not
+apply). Each program
 
 1. reads its row's slot, cursor `pos` and mode (padding / append / flush);
 2. loads the checkpoint tile `S_c [BV, d_k]` once;
@@ -89,43 +90,51 @@ def _live_readout(spec, refs, slot, h, cols, pos, s_c, xs, chunk):
     return tuple(o + jnp.sum(s_c * (decay * x)[None, :], axis=1) for o, x in zip(outs, xs)), decay
 
 
-def rebuild_exact(spec, refs, slot, h, cols, pos, s_c, decay_total, unroll: int = 1):
+def rebuild_exact(spec, refs, slot, h, cols, slices, pos, s_c, decay_total, unroll: int = 1):
     """S_{t-1} tile in fp32 on CUDA cores: `S_c diag(e^G) + sum_j u_j (W_j * k_j)^T`.
 
-    `decay_total` is `e^G` (scalar, or `[Dk]` for KDA). The entries are walked newest first,
-    so `W_j` is a running product of the later entries' decays and each entry costs one
-    fused multiply-add per tile element. Each iteration loads `unroll` entries at once
-    (independent loads; a masked entry, u = 0 and g = 0, leaves the tile and the running
-    decay unchanged exactly), so a flush waits on ceil(pos / unroll) memory round trips.
+    `s_c` and the result are column chunks `[BV, W]`; `decay_total` is `e^G` (scalar, or
+    chunks `[W]` for KDA). The entries are walked newest first, so `W_j` is a running
+    product of the later entries' decays and each entry costs one fused multiply-add per
+    tile element. Each iteration loads `unroll` entries at once (independent loads; a
+    masked entry, u = 0 and g = 0, leaves the tile and the running decay unchanged
+    exactly), so a flush waits on ceil(pos / unroll) memory round trips.
     """
     ucache_ref, kcache_ref, gcache_ref = refs
     hk = h // spec.group_size
-    block_v, head_k_dim = s_c.shape
+    block_v = s_c[0].shape[0]
+
+    def masked(ref, live):
+        return plgpu.load(ref, mask=jnp.full(ref.shape, live), other=0.0).astype(jnp.float32)
 
     def load_entry(j):
         live = j >= 0
         row = jnp.maximum(j, 0)  # in bounds for the masked lanes' address
-        u_j = plgpu.load(ucache_ref.at[slot, h, row, cols], mask=jnp.full((block_v,), live), other=0.0)
-        k_j = plgpu.load(kcache_ref.at[slot, hk, row, :], mask=jnp.full((head_k_dim,), live), other=0.0)
+        u_j = masked(ucache_ref.at[slot, h, row, cols], live)
+        k_j = tuple(masked(kcache_ref.at[slot, hk, row, c], live) for c in slices)
         if spec.per_channel_gate:
-            g_j = plgpu.load(gcache_ref.at[slot, h, row, :], mask=jnp.full((head_k_dim,), live), other=0.0)
+            g_j = tuple(masked(gcache_ref.at[slot, h, row, c], live) for c in slices)
         else:
             g_j = jnp.where(live, gcache_ref[slot, h, row], 0.0)
-        return u_j.astype(jnp.float32), k_j.astype(jnp.float32), g_j
+        return u_j, k_j, g_j
 
     def body(i, carry):
-        state, weight = carry  # weight: W_j of the next entry, scalar or [Dk]
+        state, weight = carry  # weight: W_j of the next entry, scalar or chunks [W]
         entries = [load_entry(pos - 1 - i * unroll - e) for e in range(unroll)]
         for u_j, k_j, g_j in entries:
             if spec.per_channel_gate:
-                state = state + u_j[:, None] * (weight * k_j)[None, :]
+                state = common.add_outer(state, u_j, common.scale_vector(k_j, weight))
+                weight = common.scale_vector(weight, common.gate_map(jnp.exp, g_j))
             else:
-                state = state + (weight * u_j)[:, None] * k_j[None, :]
-            weight = weight * jnp.exp(g_j)
+                state = common.add_outer(state, weight * u_j, k_j)
+                weight = weight * jnp.exp(g_j)
         return state, weight
 
-    weight0 = jnp.ones((head_k_dim,), jnp.float32) if spec.per_channel_gate else jnp.float32(1.0)
-    state0 = s_c * common.over_rows(spec, decay_total)
+    if spec.per_channel_gate:
+        weight0 = tuple(jnp.ones((c.size,), jnp.float32) for c in slices)
+    else:
+        weight0 = jnp.float32(1.0)
+    state0 = common.scale_columns(s_c, decay_total)
     state, _ = jax.lax.fori_loop(0, (pos + unroll - 1) // unroll, body, (state0, weight0))
     return state
 
@@ -147,27 +156,36 @@ def _rebuild_dot(spec, refs, slot, h, cols, pos, s_c, chunk, precision):
     return acc + s_c * common.over_rows(spec, decay)
 
 
-def write_flushed_tile(spec, ckpt_ref, slot, h, cols, prev, alpha, u, k):
-    """Store `S_t = S_{t-1} diag(alpha) + u k^T` (prev = S_{t-1} tile) into the checkpoint.
+def write_flushed_tile(ckpt_ref, slot, h, cols, slices, prev, alpha, u, ks):
+    """Store `S_t = S_{t-1} diag(alpha) + u k^T` (prev = S_{t-1} tile, column chunks;
+    alpha a scalar or chunks) into the checkpoint.
 
     Pass `slot` freshly read from the slot ref, not the value the tile was loaded with:
     then the compiler rebuilds the store's per-element address tensor here instead of
     keeping the load's alive across the readout and the rebuild (ptxas, sm_90a, grouped
     kernel at BV = 32, 4 warps: 155 -> 128 registers per thread).
     """
-    new = prev * common.over_rows(spec, alpha) + u[:, None] * k[None, :]
-    ckpt_ref[slot, h, cols, :] = new.astype(ckpt_ref.dtype)
+    new = common.add_outer(common.scale_columns(prev, alpha), u, ks)
+    for c, chunk in zip(slices, new):
+        ckpt_ref[slot, h, cols, c] = chunk.astype(ckpt_ref.dtype)
 
 
-def append_gate(spec, gcache_ref, slot, h, pos, g):
-    """Store this token's log-decay (scalar, or `[Dk]` for KDA) at cache position `pos`."""
+def append_gate(spec, gcache_ref, slot, h, slices, pos, g):
+    """Store this token's log-decay (scalar, or chunks for KDA) at cache position `pos`."""
     if spec.per_channel_gate:
-        gcache_ref[slot, h, pos, :] = g
+        for c, chunk in zip(slices, g):
+            gcache_ref[slot, h, pos, c] = chunk
     else:
         gcache_ref[slot, h, pos] = g
 
 
-def append_entry(spec, cache_refs, slot, h, tile, cols, pos, u, g, k):
+def append_key(kcache_ref, slot, hk, slices, pos, ks):
+    """Store this token's (normalised) key chunks at cache position `pos`."""
+    for c, chunk in zip(slices, ks):
+        kcache_ref[slot, hk, pos, c] = chunk.astype(kcache_ref.dtype)
+
+
+def append_entry(spec, cache_refs, slot, h, tile, cols, slices, pos, u, g, ks):
     """Store this token's cache entry at position `pos` from the program of value head h's
     tile `tile` (rows `cols`): its u rows; g from tile 0; k from tile 0 of the first value
     head of each key head (once per key head, not once per value head)."""
@@ -176,21 +194,22 @@ def append_entry(spec, cache_refs, slot, h, tile, cols, pos, u, g, k):
 
     @pl.when(tile == 0)
     def _append_gate():
-        append_gate(spec, gcache_ref, slot, h, pos, g)
+        append_gate(spec, gcache_ref, slot, h, slices, pos, g)
 
     @pl.when((tile == 0) & (h % spec.group_size == 0))
     def _append_key():
-        kcache_ref[slot, h // spec.group_size, pos, :] = k.astype(kcache_ref.dtype)
+        append_key(kcache_ref, slot, h // spec.group_size, slices, pos, ks)
 
 
 def _replay_kernel(
     slot_ref, pos_ref, mode_ref, q_ref, k_ref, g_ref, beta_ref, v_ref, a_log_ref, dt_bias_ref,
     _ckpt_in, _u_in, _k_in, _g_in,
     y_ref, ckpt_ref, ucache_ref, kcache_ref, gcache_ref,
-    *, spec: TokenSpec, block_v: int, chunk: int, precision: str, unroll: int,
+    *, spec: TokenSpec, block_v: int, chunk: int, precision: str, unroll: int, rows_outermost: bool,
 ):
-    b, h, tile = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    b, h, tile = common.program_ids(rows_outermost)
     cols = pl.ds(tile * block_v, block_v)
+    whole = (pl.ds(0, q_ref.shape[2]),)  # this kernel works on whole rows: one column chunk
     mode = mode_ref[b]
     cache_refs = (ucache_ref, kcache_ref, gcache_ref)
 
@@ -201,29 +220,31 @@ def _replay_kernel(
     @pl.when(mode != common.MODE_PAD)
     def _live_row():
         slot, pos = slot_ref[b], pos_ref[b]
-        q, k, g, beta = common.load_token(
-            spec, (q_ref, k_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref), b, h
+        (q,), (k,), k_dot_q, g, beta = common.load_token(
+            spec, (q_ref, k_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref), b, h, whole
         )
         v = v_ref[b, h, cols].astype(jnp.float32)
         s_c = ckpt_ref[slot, h, cols, :].astype(jnp.float32)  # [BV, Dk]
-        alpha = jnp.exp(g)
+        alpha = common.gate_map(jnp.exp, g)
+        (alpha_row,) = alpha if spec.per_channel_gate else (alpha,)
         (s_k, s_q), decay_total = _live_readout(
-            spec, cache_refs, slot, h, cols, pos, s_c, (alpha * k, alpha * q), chunk
+            spec, cache_refs, slot, h, cols, pos, s_c, (alpha_row * k, alpha_row * q), chunk
         )
         u = beta * (v - s_k)
-        y_ref[b, h, cols] = (s_q + u * jnp.sum(k * q)).astype(y_ref.dtype)
+        y_ref[b, h, cols] = (s_q + u * k_dot_q).astype(y_ref.dtype)
 
         @pl.when(mode == common.MODE_FLUSH)
         def _flush():
             if precision == "ieee":
-                prev = rebuild_exact(spec, cache_refs, slot, h, cols, pos, s_c, decay_total, unroll)
+                decay = (decay_total,) if spec.per_channel_gate else decay_total
+                prev = rebuild_exact(spec, cache_refs, slot, h, cols, whole, pos, (s_c,), decay, unroll)
             else:
-                prev = _rebuild_dot(spec, cache_refs, slot, h, cols, pos, s_c, chunk, precision)
-            write_flushed_tile(spec, ckpt_ref, slot_ref[b], h, cols, prev, alpha, u, k)
+                prev = (_rebuild_dot(spec, cache_refs, slot, h, cols, pos, s_c, chunk, precision),)
+            write_flushed_tile(ckpt_ref, slot_ref[b], h, cols, whole, prev, alpha, u, (k,))
 
         @pl.when(mode == common.MODE_APPEND)
         def _append():
-            append_entry(spec, cache_refs, slot, h, tile, cols, pos, u, g, k)
+            append_entry(spec, cache_refs, slot, h, tile, cols, whole, pos, u, g, (k,))
 
 
 def replay_decode(
@@ -282,6 +303,7 @@ def replay_decode(
         chunk=config.cache_chunk,
         precision=config.rebuild_precision,
         unroll=config.rebuild_unroll,
+        rows_outermost=config.rows_outermost,
     )
     return common.decode_call(
         kernel,

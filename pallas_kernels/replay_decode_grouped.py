@@ -1,11 +1,12 @@
 """Fused ReplaySSM decode step, key-head-grouped layout (GDN and KDA).
 
-Grid `(B, H_k, P / T)` with P = r * d_v / BV (value-head tiles of one key-head group) and
-T = `tiles_per_program`: each program serves T (value head, BV-tile) pairs of one row and
-one key head. The key-side work of the replay is done once per program instead of once per
-tile: the program loads the key head's valid cache entries `K [L, d_k]` once and, for GDN,
-reduces them to `K k` and `K q` (`[L]`); each tile then only needs its value head's g
-entries (`[L]`), its u entries (`[L, BV]`) and its checkpoint tile (`[BV, d_k]`):
+Grid `(B, H_k, P / T)` (launched reversed with `rows_outermost`) with P = r * d_v / BV
+(value-head tiles of one key-head group) and T = `tiles_per_program`: each program serves
+T (value head, BV-tile) pairs of one row and one key head. The key-side work of the replay
+is done once per program instead of once per tile: the program loads the key head's valid
+cache entries `K [L, d_k]` once and, for GDN, reduces them to `K k` and `K q` (`[L]`); each
+tile then only needs its value head's g entries (`[L]`), its u entries (`[L, BV]`) and its
+checkpoint tile (`[BV, d_k]`). Every `[., d_k]` operand is held as `[., W]` column chunks.
 
     S_{t-1}(alpha x) = alpha (e^G S_c x + U^T (w * K x)),   w_j = exp(G - c_j)   (GDN)
     S_{t-1}(alpha x) = S_c (e^G * alpha * x) + U^T ((W * K)(alpha * x))         (KDA)
@@ -29,8 +30,8 @@ from pallas_kernels import common
 from pallas_kernels.common import KernelConfig, TokenSpec
 from pallas_kernels.replay_decode import (
     append_gate,
+    append_key,
     rebuild_exact,
-    weighted_keys,
     write_flushed_tile,
 )
 
@@ -43,19 +44,14 @@ def cache_block_len(cache_len: int) -> int:
     return max(common.next_power_of_two(cache_len), common.MIN_DOT_DIM)
 
 
-def checkpoint_readout(s_c, x):
-    """`S_c x` (`[BV]`) of a checkpoint tile `s_c [BV, Dk]` and a key-side vector `x [Dk]`."""
-    return jnp.sum(s_c * x[None, :], axis=1)
-
-
 def _grouped_kernel(
     slot_ref, pos_ref, mode_ref, q_ref, k_ref, g_ref, beta_ref, v_ref, a_log_ref, dt_bias_ref,
     _ckpt_in, _u_in, _k_in, _g_in,
     y_ref, ckpt_ref, ucache_ref, kcache_ref, gcache_ref,
     *, spec: TokenSpec, block_v: int, tiles_per_head: int, tiles_per_program: int,
-    cache_block: int, precision: str, unroll: int,
+    cache_block: int, precision: str, unroll: int, slices: tuple, rows_outermost: bool,
 ):
-    b, hk, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    b, hk, split = common.program_ids(rows_outermost)
     mode, slot, pos = mode_ref[b], slot_ref[b], pos_ref[b]
     first = split * tiles_per_program
 
@@ -87,18 +83,21 @@ def _grouped_kernel(
 
         def load_tile(p):
             """Tile p's inputs in storage dtypes: `(g_c, u_c, s_c)` cache entries and
-            checkpoint tile, v `[BV]`, and `(log_alpha, beta)`; in the gate type's order."""
+            checkpoint tile chunks, v `[BV]`, and `(log_alpha, beta)`; in the gate type's
+            order."""
             vh, _, cols = tile_of(p)
 
             def operands():
                 if spec.per_channel_gate:
-                    g_c = plgpu.load(gcache_ref.at[slot, vh, entries, :], mask=live2, other=0.0)
+                    g_c = tuple(plgpu.load(gcache_ref.at[slot, vh, entries, c], mask=live2, other=0.0)
+                                for c in slices)
                 else:
                     g_c = plgpu.load(gcache_ref.at[slot, vh, entries], mask=live, other=0.0)
                 u_c = plgpu.load(ucache_ref.at[slot, vh, entries, cols], mask=live2, other=0.0)
-                return g_c, u_c, ckpt_ref[slot, vh, cols, :]
+                return g_c, u_c, tuple(ckpt_ref[slot, vh, cols, c] for c in slices)
 
-            gates = lambda: common.load_gates(spec, g_ref, beta_ref, a_log_ref, dt_bias_ref, b, vh)
+            gates = lambda: common.load_gates(
+                spec, g_ref, beta_ref, a_log_ref, dt_bias_ref, b, vh, slices)
             if operands_first:
                 cached, v, gate = operands(), v_ref[b, vh, cols], gates()
             else:
@@ -106,41 +105,44 @@ def _grouped_kernel(
             return cached, v, gate
 
         def load_keys():
-            return plgpu.load(kcache_ref.at[slot, hk, entries, :], mask=live2, other=0.0)
+            return tuple(plgpu.load(kcache_ref.at[slot, hk, entries, c], mask=live2, other=0.0)
+                         for c in slices)
 
         if operands_first:
             k_c = load_keys()
-            q, k = common.load_qk(spec, q_ref, k_ref, b, hk)
+            qs, ks, k_dot_q = common.load_qk(spec, q_ref, k_ref, b, hk, slices)
         else:
-            q, k = common.load_qk(spec, q_ref, k_ref, b, hk)
+            qs, ks, k_dot_q = common.load_qk(spec, q_ref, k_ref, b, hk, slices)
             k_c = load_keys()
-        k_c = k_c.astype(jnp.float32)  # [Lb, Dk], shared by every tile of the program
-        k_dot_q = jnp.sum(k * q)
+        k_c = tuple(x.astype(jnp.float32) for x in k_c)  # [Lb, W] chunks, shared by every tile
         if not spec.per_channel_gate:
-            kk, kq = jnp.sum(k_c * k[None, :], axis=1), jnp.sum(k_c * q[None, :], axis=1)
+            kk, kq = common.row_sum(k_c, ks), common.row_sum(k_c, qs)
 
         def body(p, carry):
             vh, tile, cols = tile_of(p)
             (g_c, u_c, s_c), v, (g, beta) = load_tile(p)
-            alpha = jnp.exp(g)
+            alpha = common.gate_map(jnp.exp, g)
             v = v.astype(jnp.float32)
-            total = jnp.sum(g_c, axis=0)
-            weights = jnp.where(live2 if spec.per_channel_gate else live,
-                                jnp.exp(total - jnp.cumsum(g_c, axis=0)), 0.0)
             u_c = u_c.astype(jnp.float32)  # [Lb, BV]
-            s_c = s_c.astype(jnp.float32)  # [BV, Dk]
-            decay_c = jnp.exp(total)
+            s_c = tuple(x.astype(jnp.float32) for x in s_c)  # [BV, W] chunks
             if spec.per_channel_gate:
-                wk = weighted_keys(k_c, weights)
-                xk, xq = alpha * k, alpha * q
-                s_k = jnp.sum(s_c * (decay_c * xk)[None, :], axis=1) + jnp.sum(
-                    u_c * jnp.sum(wk * xk[None, :], axis=1)[:, None], axis=0)
-                s_q = jnp.sum(s_c * (decay_c * xq)[None, :], axis=1) + jnp.sum(
-                    u_c * jnp.sum(wk * xq[None, :], axis=1)[:, None], axis=0)
+                totals = tuple(jnp.sum(x, axis=0) for x in g_c)
+                weights = tuple(jnp.where(live2, jnp.exp(t - jnp.cumsum(x, axis=0)), 0.0)
+                                for t, x in zip(totals, g_c))
+                decay_c = tuple(jnp.exp(t) for t in totals)
+                w_keys = tuple(x * w for x, w in zip(k_c, weights))
+                xk, xq = common.scale_vector(ks, alpha), common.scale_vector(qs, alpha)
+                s_k = common.row_sum(s_c, common.scale_vector(xk, decay_c)) + jnp.sum(
+                    u_c * common.row_sum(w_keys, xk)[:, None], axis=0)
+                s_q = common.row_sum(s_c, common.scale_vector(xq, decay_c)) + jnp.sum(
+                    u_c * common.row_sum(w_keys, xq)[:, None], axis=0)
             else:
-                s_k = alpha * (decay_c * checkpoint_readout(s_c, k)
+                total = jnp.sum(g_c, axis=0)
+                weights = jnp.where(live, jnp.exp(total - jnp.cumsum(g_c, axis=0)), 0.0)
+                decay_c = jnp.exp(total)
+                s_k = alpha * (decay_c * common.row_sum(s_c, ks)
                                + jnp.sum(u_c * (weights * kk)[:, None], axis=0))
-                s_q = alpha * (decay_c * checkpoint_readout(s_c, q)
+                s_q = alpha * (decay_c * common.row_sum(s_c, qs)
                                + jnp.sum(u_c * (weights * kq)[:, None], axis=0))
             u = beta * (v - s_k)
             y_ref[b, vh, cols] = (s_q + u * k_dot_q).astype(y_ref.dtype)
@@ -149,11 +151,12 @@ def _grouped_kernel(
             def _flush():
                 if precision == "ieee":
                     cache_refs = (ucache_ref, kcache_ref, gcache_ref)
-                    prev = rebuild_exact(spec, cache_refs, slot, vh, cols, pos, s_c, decay_c, unroll)
+                    prev = rebuild_exact(spec, cache_refs, slot, vh, cols, slices, pos, s_c, decay_c, unroll)
                 else:
-                    rebuilt = common.rebuild_dot(u_c.T, weighted_keys(k_c, weights), precision)
-                    prev = s_c * common.over_rows(spec, decay_c) + rebuilt
-                write_flushed_tile(spec, ckpt_ref, slot_ref[b], vh, cols, prev, alpha, u, k)
+                    keys = w_keys if spec.per_channel_gate else tuple(x * weights[:, None] for x in k_c)
+                    rebuilt = tuple(common.rebuild_dot(u_c.T, w, precision) for w in keys)
+                    prev = tuple(s + r for s, r in zip(common.scale_columns(s_c, decay_c), rebuilt))
+                write_flushed_tile(ckpt_ref, slot_ref[b], vh, cols, slices, prev, alpha, u, ks)
 
             @pl.when(mode == common.MODE_APPEND)
             def _append():
@@ -161,7 +164,7 @@ def _grouped_kernel(
 
                 @pl.when(tile == 0)
                 def _append_gate():
-                    append_gate(spec, gcache_ref, slot, vh, pos, g)
+                    append_gate(spec, gcache_ref, slot, vh, slices, pos, g)
 
             return carry
 
@@ -169,7 +172,7 @@ def _grouped_kernel(
 
         @pl.when((mode == common.MODE_APPEND) & (split == 0))
         def _append_key():  # once per key head
-            kcache_ref[slot, hk, pos, :] = k.astype(kcache_ref.dtype)
+            append_key(kcache_ref, slot, hk, slices, pos, ks)
 
 
 def replay_decode_grouped(
@@ -210,6 +213,7 @@ def replay_decode_grouped(
         _grouped_kernel, spec=spec, block_v=config.block_v, tiles_per_head=tiles_per_head,
         tiles_per_program=tiles_per_program, cache_block=cache_block_len(u_cache.shape[2]),
         precision=config.rebuild_precision, unroll=config.rebuild_unroll,
+        slices=config.column_slices(q.shape[2]), rows_outermost=config.rows_outermost,
     )
     return common.decode_call(
         kernel,

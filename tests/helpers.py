@@ -31,11 +31,13 @@ STATE_FIELDS = ("checkpoint", "u_cache", "k_cache", "g_cache", "write_pos")
 
 def table_launches() -> set:
     """`(KernelConfig, kernel, gate)` of every entry of the pallas backend's launch tables
-    (the batches hit every table row: <= 4, <= 8 for KDA, <= 16, <= 256 and above)."""
+    (the batches hit every table row: <= 2, <= 4, <= 8 for KDA, <= 16, <= 256 and above;
+    fp32 and bf16 states)."""
     from pallas_kernels import ops
 
-    return {(ops.default_kernel_config(b, kernel, gate), kernel, gate)
-            for kernel in ("plain", "replay") for b in (1, 8, 64, 512) for gate in ("gdn", "kda")}
+    return {(ops.default_kernel_config(b, kernel, gate, dtype), kernel, gate)
+            for kernel in ("plain", "replay") for b in (1, 4, 8, 64, 512) for gate in ("gdn", "kda")
+            for dtype in (jnp.float32, jnp.bfloat16)}
 
 
 def exposed_kernel_configs() -> list:

@@ -55,8 +55,11 @@ def test_parse_config_round_trip_and_errors():
     assert (kc.block_v, kc.num_warps, kc.cache_chunk, kc.tiles_per_program, kc.rebuild_unroll) == (32, 4, 16, 8, 4)
     assert not kc.flush_every_step
     assert kernel_registers.parse_config("16,1,16,0,1,1").flush_every_step
-    with pytest.raises(Exception, match="expected BV,warps,chunk,tiles_per_program,unroll"):
-        kernel_registers.parse_config("32,4")
+    chunked = kernel_registers.parse_config("16,1,16,0,1,0,16,1")
+    assert (chunked.column_chunk, chunked.rows_outermost, chunked.flush_every_step) == (16, True, False)
+    for bad in ("32,4", "16,1,16,0,1,0,16,1,7"):
+        with pytest.raises(Exception, match="expected BV,warps,chunk,tiles_per_program,unroll"):
+            kernel_registers.parse_config(bad)
     with pytest.raises(ValueError, match="rebuild_unroll"):
         kernel_registers.parse_config("32,4,16,8,0")
 

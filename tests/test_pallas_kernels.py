@@ -103,6 +103,14 @@ LAYOUTS = {
     "grouped_bv32_t2": KernelConfig(block_v=32, num_warps=4, tiles_per_program=2),
     # the folding kernel under the natural plan: appends and flushes at every cursor
     "fold_bv8": KernelConfig(block_v=8, num_warps=1, flush_every_step=True),
+    # column chunks (d_k = 32: four of 8, two of 16) and grids launched rows outermost; the
+    # per-tile kernel works on whole rows whatever column_chunk says
+    "grouped_t2_w8_outer": KernelConfig(block_v=8, num_warps=1, tiles_per_program=2, rebuild_unroll=2,
+                                        column_chunk=8, rows_outermost=True),
+    "fold_bv8_w16_outer": KernelConfig(block_v=8, num_warps=1, flush_every_step=True, column_chunk=16,
+                                       rows_outermost=True),
+    "tile_bv8_w8_outer": KernelConfig(block_v=8, num_warps=1, cache_chunk=8, column_chunk=8,
+                                      rows_outermost=True),
 }
 
 
@@ -115,22 +123,26 @@ def test_replay_kernel_layouts_match_spec(rng, gate, layout):
 
 @pytest.mark.parametrize("gate", ["gdn", "kda"])
 @pytest.mark.parametrize("precision,bound", [("tf32", FP32_BOUND), ("bf16", BF16_REBUILD_BOUND)])
-@pytest.mark.parametrize("per_program", [0, 2])
-def test_rebuild_precisions(rng, gate, precision, bound, per_program):
+@pytest.mark.parametrize("per_program,column_chunk", [(0, 0), (2, 0), (2, 16)])
+def test_rebuild_precisions(rng, gate, precision, bound, per_program, column_chunk):
     # On the CPU interpreter a "tf32" dot is computed in full fp32, so it meets the fp32
     # bound here; on an H200 it measured 2e-4 (benchmarks/results, "checks"). "bf16"
-    # rounds its operands on any device.
-    kc = KernelConfig(block_v=16, rebuild_precision=precision, tiles_per_program=per_program)
+    # rounds its operands on any device. Column chunks: one rebuild dot per chunk.
+    kc = KernelConfig(block_v=16, rebuild_precision=precision, tiles_per_program=per_program,
+                      column_chunk=column_chunk)
     worst = _compare_backends(rng, _config(gate, 16), kc, bound)
     if precision == "bf16":
         assert worst > 1e-6, "bf16 rebuild operands should differ from the fp32 spec"
 
 
 @pytest.mark.parametrize("gate", ["gdn", "kda"])
-@pytest.mark.parametrize("layout", ["tile", "grouped", "fold"])
+@pytest.mark.parametrize("layout", ["tile", "grouped", "grouped_w8", "fold", "fold_w8"])
 def test_in_kernel_gating_matches_xla_gates(rng, gate, layout):
+    # Column chunks: KDA's dt_bias and per-channel gates are read chunk by chunk.
     kc = {"tile": KernelConfig(block_v=16), "grouped": KernelConfig(block_v=16, tiles_per_program=2),
-          "fold": KernelConfig(block_v=16, flush_every_step=True)}[layout]
+          "grouped_w8": KernelConfig(block_v=16, tiles_per_program=2, column_chunk=8),
+          "fold": KernelConfig(block_v=16, flush_every_step=True),
+          "fold_w8": KernelConfig(block_v=16, flush_every_step=True, column_chunk=8)}[layout]
     _compare_backends(rng, _config(gate, 4), kc, FP32_BOUND, raw_gates=True)
 
 
@@ -139,7 +151,9 @@ def test_plain_kernel_and_bf16_state(rng, gate):
     # L = 1 runs the plain kernel; bf16 state and caches through both replay layouts, with
     # the exact rebuild unrolled as in the tile table (L = 7: a partial last load), and
     # through the folding kernel.
-    _compare_backends(rng, _config(gate, 1), KernelConfig(block_v=16), FP32_BOUND)
+    for plain in (KernelConfig(block_v=16), KernelConfig(block_v=8, column_chunk=8, rows_outermost=True)):
+        _compare_backends(rng, _config(gate, 1), plain, FP32_BOUND)
+        _compare_backends(rng, _config(gate, 1, jnp.bfloat16), plain, BF16_STATE_BOUND)
     for kernel_config in (KernelConfig(block_v=16, tiles_per_program=2, rebuild_unroll=4),
                           KernelConfig(block_v=8, num_warps=1, cache_chunk=8, rebuild_unroll=8),
                           KernelConfig(block_v=16, num_warps=1, flush_every_step=True)):
@@ -160,6 +174,9 @@ def test_plain_kernel_and_bf16_state(rng, gate):
         (dict(rebuild_unroll=17), "rebuild_unroll must be in 1..16"),
         (dict(flush_every_step=1), "flush_every_step must be a bool"),
         (dict(flush_every_step=True, tiles_per_program=2), "tiles_per_program must be 0"),
+        (dict(column_chunk=12), "column_chunk must be 0 or a power of two"),
+        (dict(column_chunk=-2), "column_chunk must be 0 or a power of two"),
+        (dict(rows_outermost=1), "rows_outermost must be a bool"),
     ],
 )
 def test_kernel_config_rejects_bad_values(kwargs, match):
@@ -203,7 +220,13 @@ def test_tile_tables_cover_every_batch():
             # KDA: the folding kernel and the plain kernel's BV 8 up to batch 8 (ops._KDA_FIRST).
             kda = ops.default_kernel_config(batch, kernel, "kda")
             assert kda.flush_every_step == (kernel == "replay" and batch <= 8)
-            assert kda == kc or batch in (5, 8)
+            if kernel == "replay" and batch > 8:  # the grouped kernel's KDA path: whole rows
+                assert kda == dataclasses.replace(kc, column_chunk=0)
+            else:
+                assert kda == kc or batch in (5, 8)
+            # bf16 state: whole rows everywhere, the rest as for fp32
+            bf16 = ops.default_kernel_config(batch, kernel, "gdn", jnp.bfloat16)
+            assert bf16 == dataclasses.replace(kc, column_chunk=0)
     with pytest.raises(ValueError, match="kernel must be 'plain' or 'replay', got 'fold'"):
         ops.default_kernel_config(1, "fold")
     with pytest.raises(ValueError, match="gate must be one of"):
@@ -223,6 +246,9 @@ def test_layer_kernel_config_follows_the_gate():
     assert not ops.layer_kernel_config(gdn, 8, None).flush_every_step
     assert ops.layer_kernel_config(kda, 8, None) == ops.default_kernel_config(8, "replay", "kda")
     assert ops.layer_kernel_config(kda, 8, None).flush_every_step
+    bf16 = ReplayConfig(1, 2, 16, 16, 4, state_dtype=jnp.bfloat16, cache_dtype=jnp.bfloat16)
+    assert ops.layer_kernel_config(gdn, 512, None).column_chunk == 32
+    assert ops.layer_kernel_config(bf16, 512, None).column_chunk == 0
 
 
 # ---------------------------------------------------------------- lowering for an H200
