@@ -10,19 +10,18 @@ entries into it oldest first, in exact fp32,
 which is the live state `S_{t-1}`, and then applies one token of the gated delta rule on
 chip:
 
-    u = beta (v - S_{t-1}(alpha k)),   y = S_{t-1}(alpha q) + u (k . q),
-    S_t = S_{t-1} diag(alpha) + u k^T
+    S~ = S_{t-1} diag(alpha),   u = beta (v - S~ k),   S_t = S~ + u k^T,   y = S_t q
 
-(both readouts taken from `S_{t-1}` side by side, so y does not wait on `S_t`). Flush rows
-write `S_t` into the checkpoint in place; append rows store `(u, k, g)` at the cursor as
+(the plain kernel's order: 3.30 vs 3.36 us at B = 1 against readouts side by side, v19).
+Flush rows write `S_t` into the checkpoint in place; append rows store `(u, k, g)` at the cursor as
 the replay kernels do, so the kernel is correct for any plan.
 
 Its cost grows with `pos` (one FMA per tile element and cached entry, every step), so it
 is meant for plans that flush every live row (`KernelConfig.flush_every_step`): a row's
 cached entries are folded in on its first step, its cursor returns to 0, and from then on
 each step is the plain recurrence on the checkpoint (read and write the tile once) with no
-cache traffic. That is the fastest step at small batch, where the replay kernels' reads
-and the plain kernel's reads cost the same latency (benchmarks/NOTES.md, v11).
+cache traffic. At small batch, where the replay kernels' reads and the plain kernel's
+reads cost the same latency, that beats the replay cycle (benchmarks/NOTES.md, v11, v20).
 """
 
 from __future__ import annotations

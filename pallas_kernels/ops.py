@@ -23,16 +23,18 @@ from replayssm_jax.replay import StepPlan
 from replayssm_jax.state import ReplayState
 
 # Batch size -> launch configuration per kernel: `(max batch, KernelConfig)`, first match.
-# Measured on an H200 (benchmarks/results/raw/*v6*, *v8*, *v11*, *v14*-*v18*: GDN
-# H_v = 32, L = 16; each batch takes the entry of the nearest measured one). The plain
-# kernel wants narrow one-warp tiles (occupancy), and from B = 32 column chunks and the
-# row index outermost (v15: 588 -> 538 us at B = 512; both cost 10-15% at B = 8). The
-# grouped kernel wants W = 32 chunks up to B = 256 (v18, v19: cycle -4 to -11%) and at
-# large batch one program per (row, key head) on whole rows (at T = 8 the chunked flush
-# measured 1702 vs 1095 us, v19); unrolling the exact rebuild costs registers (U = 4 -> 2 in the grouped kernel: 146
-# -> 128 registers at T = 4, 3 -> 4 programs per SM; v8). At batch <= 4 flushing every step
-# through the folding kernel beat both the replay cycle and the plain kernel (v11); at
-# B = 8 it lost to both (11.6 vs 9.9, replay 10.6).
+# Measured on an H200 (benchmarks/results/raw/*v6*, *v8*, *v11*, *v14*-*v20*: GDN
+# H_v = 32, L = 16; each batch takes the entry of the nearest measured one).
+# Plain kernel: narrow one-warp tiles (occupancy); `[8, 32]` column chunks at B <= 2 (v18:
+# 3.8 -> 3.2 us at B = 1); whole rows with the row index fastest at B = 3-16 (at B = 8 both
+# chunks and the reversed grid cost 10-15%, v14, v15); from B = 17 `[16, 16]` chunks and the
+# row index outermost (v15: 588 -> 538 us at B = 512).
+# Replay: at B <= 4 flushing every step through the folding kernel beat the replay cycle
+# (v11) and is within 2% of the plain kernel at B = 1 (v20); the grouped kernel takes W = 32
+# chunks up to B = 256 (v18-v20: cycle -4 to -11%) and at large batch one program per (row,
+# key head) on whole rows (at T = 8 the chunked flush measured 1702 vs 1095 us, v19).
+# Unrolling the exact rebuild costs registers (U = 4 -> 2 in the grouped kernel: 146 -> 128
+# registers at T = 4, 3 -> 4 programs per SM; v8).
 _TILES: dict[str, tuple[tuple[int, KernelConfig], ...]] = {
     "plain": (
         (2, KernelConfig(block_v=8, num_warps=1, cache_chunk=8, column_chunk=32)),
@@ -57,6 +59,7 @@ _KDA_FIRST: dict[str, tuple[tuple[int, KernelConfig], ...]] = {
     "plain": ((8, KernelConfig(block_v=8, num_warps=1, cache_chunk=8)),),
     "replay": (
         (8, KernelConfig(block_v=8, num_warps=1, flush_every_step=True)),
+        (16, KernelConfig(block_v=32, num_warps=2, tiles_per_program=2, rebuild_unroll=4)),
         (256, KernelConfig(block_v=32, num_warps=4, tiles_per_program=4, rebuild_unroll=2)),
         (1 << 30, KernelConfig(block_v=32, num_warps=4, tiles_per_program=8, rebuild_unroll=2)),
     ),
