@@ -131,14 +131,21 @@ class KernelConfig:
                 f"rebuild_precision={self.rebuild_precision!r} runs tensor-core dots and needs "
                 f"block_v and cache_chunk >= {MIN_DOT_DIM}, got {self.block_v}, {self.cache_chunk}"
             )
+        if self.rebuild_precision != "ieee" and 0 < self.column_chunk < MIN_DOT_DIM:
+            raise ValueError(
+                f"rebuild_precision={self.rebuild_precision!r} runs one tensor-core dot per column "
+                f"chunk and needs column_chunk 0 or >= {MIN_DOT_DIM}, got {self.column_chunk}"
+            )
 
     def with_rebuild_precision(self, precision: Precision) -> "KernelConfig":
-        """This config with `precision`; BV and C raised to 16 where it runs tensor-core dots."""
+        """This config with `precision`; BV, C and a nonzero W raised to 16 where it runs
+        tensor-core dots."""
         if precision == "ieee":
             return dataclasses.replace(self, rebuild_precision=precision)
         return dataclasses.replace(
             self, rebuild_precision=precision, block_v=max(self.block_v, MIN_DOT_DIM),
             cache_chunk=max(self.cache_chunk, MIN_DOT_DIM),
+            column_chunk=self.column_chunk and max(self.column_chunk, MIN_DOT_DIM),
         )
 
     def for_head_dim(self, head_v_dim: int) -> "KernelConfig":

@@ -177,6 +177,7 @@ def test_plain_kernel_and_bf16_state(rng, gate):
         (dict(column_chunk=12), "column_chunk must be 0 or a power of two"),
         (dict(column_chunk=-2), "column_chunk must be 0 or a power of two"),
         (dict(rows_outermost=1), "rows_outermost must be a bool"),
+        (dict(column_chunk=8, rebuild_precision="bf16"), "needs column_chunk 0 or >= 16"),
     ],
 )
 def test_kernel_config_rejects_bad_values(kwargs, match):
@@ -193,6 +194,8 @@ def test_with_rebuild_precision_raises_tiles_only_for_tensor_cores():
         assert kc.tiles_per_program == 2
     wide = KernelConfig(block_v=64, cache_chunk=32).with_rebuild_precision("tf32")
     assert (wide.block_v, wide.cache_chunk) == (64, 32)
+    chunked = [KernelConfig(column_chunk=w).with_rebuild_precision("bf16").column_chunk for w in (0, 8, 32)]
+    assert chunked == [0, 16, 32]
 
 
 def test_kernel_shape_and_option_errors():
