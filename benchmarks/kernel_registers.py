@@ -1,4 +1,5 @@
-"""Registers per thread of each decode kernel configuration on an H200, without a GPU.
+"""Registers per thread (and PTX shuffle / barrier counts) of each decode kernel
+configuration on an H200, without a GPU.
 
 Occupancy decides these kernels' bandwidth (benchmarks/NOTES.md, v6): a kernel whose
 programs hold more registers keeps fewer of them, and fewer bytes, in flight per SM. This
@@ -89,8 +90,16 @@ def kernel_ir(cfg: ReplayConfig, kernel_config: KernelConfig, batch: int) -> str
     return module
 
 
+# Static PTX instruction counts (each instruction once, loops not unrolled): the row sums'
+# warp shuffles and the layout conversions' barriers and shared-memory stores are what
+# bind the kernels' load/store pipe (benchmarks/NOTES.md, v8, v14).
+PTX_COUNTS = {"shuffles": r"shfl\.sync", "barriers": r"bar\.sync", "shared_stores": r"st\.shared",
+              "global_loads": r"ld\.global", "instructions": r";"}
+
+
 def ptxas_report(ir_text: str, kernel_config: KernelConfig) -> dict:
-    """Compile Triton IR for sm_90a; return registers, spill bytes and shared memory."""
+    """Compile Triton IR for sm_90a; return registers, spill bytes, shared memory and the
+    `PTX_COUNTS` of the PTX."""
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -108,8 +117,9 @@ def ptxas_report(ir_text: str, kernel_config: KernelConfig) -> dict:
                              capture_output=True, text=True, check=True).stderr
     registers = int(re.search(r"Used (\d+) registers", out).group(1))
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out)
+    counts = {name: len(re.findall(pattern, compiled.asm["ptx"])) for name, pattern in PTX_COUNTS.items()}
     return dict(registers=registers, spill_store_bytes=int(spills.group(1)),
-                spill_load_bytes=int(spills.group(2)), shared_bytes=compiled.metadata.shared)
+                spill_load_bytes=int(spills.group(2)), shared_bytes=compiled.metadata.shared, **counts)
 
 
 def programs_per_sm(registers: int, num_warps: int) -> int:
@@ -158,8 +168,8 @@ def main(argv=None) -> list[dict]:
         cases = [(b, ops.default_kernel_config(b, kernel, args.gate, dtype), kernel)
                  for kernel in ("replay", "plain") for b in (1, 8, 64, 512)]
     rows = []
-    print(f"{'kernel':7} {'B':>4} {'BV':>3} {'warps':>5} {'T':>2} {'U':>2} {'regs':>5} {'spill B':>8} "
-          f"{'shared B':>8} {'programs/SM':>11}")
+    print(f"{'kernel':7} {'B':>4} {'BV':>3} {'warps':>5} {'T':>2} {'U':>2} {'W':>3} {'regs':>5} {'spill B':>8} "
+          f"{'shared B':>8} {'programs/SM':>11} {'shfl':>5} {'bar':>4} {'instr':>6}")
     for batch, kc, kernel in cases:
         cache_len = 1 if kernel == "plain" else args.cache_len
         kernel = "fold" if kc.flush_every_step and kernel == "replay" else kernel
@@ -167,12 +177,14 @@ def main(argv=None) -> list[dict]:
                            gate=args.gate, state_dtype=dtype, cache_dtype=dtype)
         report = ptxas_report(kernel_ir(cfg, kc, batch), kc)
         row = dict(kernel=kernel, batch=batch, **{k: getattr(kc, k) for k in (
-            "block_v", "num_warps", "tiles_per_program", "rebuild_unroll")}, **report,
+            "block_v", "num_warps", "tiles_per_program", "rebuild_unroll", "column_chunk",
+            "rows_outermost")}, **report,
             programs_per_sm=programs_per_sm(report["registers"], kc.num_warps))
         print(f"{kernel:7} {batch:>4} {kc.block_v:>3} {kc.num_warps:>5} {kc.tiles_per_program:>2} "
-              f"{kc.rebuild_unroll:>2} {report['registers']:>5} "
+              f"{kc.rebuild_unroll:>2} {kc.column_chunk:>3} {report['registers']:>5} "
               f"{report['spill_store_bytes'] + report['spill_load_bytes']:>8} {report['shared_bytes']:>8} "
-              f"{row['programs_per_sm']:>11}")
+              f"{row['programs_per_sm']:>11} {report['shuffles']:>5} {report['barriers']:>4} "
+              f"{report['instructions']:>6}")
         rows.append(row)
     return rows
 
