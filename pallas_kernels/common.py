@@ -209,6 +209,17 @@ def _softplus(x):
 Chunks = tuple
 
 
+def load_chunks(ref, index: tuple, slices) -> Chunks:
+    """`ref[*index, c]` for each column chunk c, in float32."""
+    return tuple(ref[(*index, c)].astype(jnp.float32) for c in slices)
+
+
+def store_chunks(ref, index: tuple, slices, chunks: Chunks) -> None:
+    """`ref[*index, c] = chunk` for each column chunk c, in the ref's dtype."""
+    for c, chunk in zip(slices, chunks):
+        ref[(*index, c)] = chunk.astype(ref.dtype)
+
+
 def load_qk(spec: TokenSpec, q_ref, k_ref, b, hk, slices) -> tuple[Chunks, Chunks, jax.Array]:
     """Row b's q, k for key head hk inside a kernel, as float32 column chunks normalised
     (if asked), q scaled, as the recurrence uses them; and `k . q`.

@@ -46,9 +46,9 @@ def fold_cache(spec: TokenSpec, refs, slot, h, cols, slices, pos, s_c):
 
     def body(j, state):
         u_j = ucache_ref[slot, h, j, cols].astype(jnp.float32)
-        k_j = tuple(kcache_ref[slot, hk, j, c].astype(jnp.float32) for c in slices)
+        k_j = common.load_chunks(kcache_ref, (slot, hk, j), slices)
         if spec.per_channel_gate:
-            g_j = tuple(gcache_ref[slot, h, j, c].astype(jnp.float32) for c in slices)
+            g_j = common.load_chunks(gcache_ref, (slot, h, j), slices)
         else:
             g_j = gcache_ref[slot, h, j].astype(jnp.float32)
         return common.add_outer(common.scale_columns(state, common.gate_map(jnp.exp, g_j)), u_j, k_j)
@@ -77,7 +77,7 @@ def _fold_kernel(
             spec, (q_ref, k_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref), b, h, slices
         )
         v = v_ref[b, h, cols].astype(jnp.float32)
-        s_c = tuple(ckpt_ref[slot, h, cols, c].astype(jnp.float32) for c in slices)
+        s_c = common.load_chunks(ckpt_ref, (slot, h, cols), slices)
         cache_refs = (ucache_ref, kcache_ref, gcache_ref)
         live = fold_cache(spec, cache_refs, slot, h, cols, slices, pos, s_c)
         y, u, new = common.delta_rule_step(live, qs, ks, v, g, beta)
@@ -85,8 +85,7 @@ def _fold_kernel(
 
         @pl.when(mode == common.MODE_FLUSH)
         def _flush():
-            for c, chunk in zip(slices, new):
-                ckpt_ref[slot, h, cols, c] = chunk.astype(ckpt_ref.dtype)
+            common.store_chunks(ckpt_ref, (slot, h, cols), slices, new)
 
         @pl.when(mode == common.MODE_APPEND)
         def _append():

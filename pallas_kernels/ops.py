@@ -53,16 +53,9 @@ _TILES: dict[str, tuple[tuple[int, KernelConfig], ...]] = {
 # cycle costs more at small batch, and its plain kernel prefers BV 8 there. Measured at
 # B = 8, L = 16 (v11, v11c, v11d: KDA H_k = H_v = 32): plain BV 8 11.7-11.8 us vs BV 16
 # 13.5-13.7, folding kernel BV 8 11.6, replay cycle 13.7. These entries come first for KDA.
-# The grouped kernel's KDA path keeps whole rows: chunked, its per-channel weights and
-# keys raise it from 164 to 228 registers per thread (2 programs per SM instead of 3).
 _KDA_FIRST: dict[str, tuple[tuple[int, KernelConfig], ...]] = {
     "plain": ((8, KernelConfig(block_v=8, num_warps=1, cache_chunk=8)),),
-    "replay": (
-        (8, KernelConfig(block_v=8, num_warps=1, flush_every_step=True)),
-        (16, KernelConfig(block_v=32, num_warps=2, tiles_per_program=2, rebuild_unroll=4)),
-        (256, KernelConfig(block_v=32, num_warps=4, tiles_per_program=4, rebuild_unroll=2)),
-        (1 << 30, KernelConfig(block_v=32, num_warps=4, tiles_per_program=8, rebuild_unroll=2)),
-    ),
+    "replay": ((8, KernelConfig(block_v=8, num_warps=1, flush_every_step=True)),),
 }
 
 
@@ -73,14 +66,16 @@ def default_kernel_config(
     the "plain" or "replay" kernel. Column chunks apply to 4-byte states only: with a bf16
     state a thread's share of a whole row is 8 elements and the chunked kernels measured
     slower (v14, v15: plain kernel at B = 512 296 -> 332 us; ptxas: 117 -> 167 registers
-    in the grouped kernel)."""
+    in the grouped kernel). KDA's replay kernels keep whole rows too: chunked, the grouped
+    kernel's per-channel weights and keys take it from 164 to 228 registers per thread
+    (2 programs per SM instead of 3)."""
     if kernel not in _TILES:
         raise ValueError(f"kernel must be 'plain' or 'replay', got {kernel!r}")
     if gate not in GATES:
         raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
     rows = (_KDA_FIRST[kernel] if gate == "kda" else ()) + _TILES[kernel]
     config = next(config for max_batch, config in rows if batch <= max_batch)
-    if jnp.dtype(state_dtype).itemsize < 4:
+    if jnp.dtype(state_dtype).itemsize < 4 or (gate == "kda" and kernel == "replay"):
         config = dataclasses.replace(config, column_chunk=0)
     return config
 

@@ -41,13 +41,12 @@ def _plain_kernel(
             spec, (q_ref, k_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref), b, h, slices
         )
         v = v_ref[b, h, cols].astype(jnp.float32)
-        tile_chunks = tuple(state_ref[slot, h, cols, c].astype(jnp.float32) for c in slices)
-        decayed = common.scale_columns(tile_chunks, common.gate_map(jnp.exp, g))
+        tile = common.load_chunks(state_ref, (slot, h, cols), slices)
+        decayed = common.scale_columns(tile, common.gate_map(jnp.exp, g))
         u = beta * (v - common.row_sum(decayed, ks))
         new = common.add_outer(decayed, u, ks)
         y_ref[b, h, cols] = common.row_sum(new, qs).astype(y_ref.dtype)
-        for c, chunk in zip(slices, new):
-            state_ref[slot, h, cols, c] = chunk.astype(state_ref.dtype)
+        common.store_chunks(state_ref, (slot, h, cols), slices, new)
 
 
 def plain_decode(

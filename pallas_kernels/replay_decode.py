@@ -166,23 +166,20 @@ def write_flushed_tile(ckpt_ref, slot, h, cols, slices, prev, alpha, u, ks):
     kernel at BV = 32, 4 warps: 155 -> 128 registers per thread).
     """
     new = common.add_outer(common.scale_columns(prev, alpha), u, ks)
-    for c, chunk in zip(slices, new):
-        ckpt_ref[slot, h, cols, c] = chunk.astype(ckpt_ref.dtype)
+    common.store_chunks(ckpt_ref, (slot, h, cols), slices, new)
 
 
 def append_gate(spec, gcache_ref, slot, h, slices, pos, g):
     """Store this token's log-decay (scalar, or chunks for KDA) at cache position `pos`."""
     if spec.per_channel_gate:
-        for c, chunk in zip(slices, g):
-            gcache_ref[slot, h, pos, c] = chunk
+        common.store_chunks(gcache_ref, (slot, h, pos), slices, g)
     else:
         gcache_ref[slot, h, pos] = g
 
 
 def append_key(kcache_ref, slot, hk, slices, pos, ks):
     """Store this token's (normalised) key chunks at cache position `pos`."""
-    for c, chunk in zip(slices, ks):
-        kcache_ref[slot, hk, pos, c] = chunk.astype(kcache_ref.dtype)
+    common.store_chunks(kcache_ref, (slot, hk, pos), slices, ks)
 
 
 def append_entry(spec, cache_refs, slot, h, tile, cols, slices, pos, u, g, ks):
