@@ -156,7 +156,12 @@ def test_plain_kernel_and_bf16_state(rng, gate):
         _compare_backends(rng, _config(gate, 1, jnp.bfloat16), plain, BF16_STATE_BOUND)
     for kernel_config in (KernelConfig(block_v=16, tiles_per_program=2, rebuild_unroll=4),
                           KernelConfig(block_v=8, num_warps=1, cache_chunk=8, rebuild_unroll=8),
-                          KernelConfig(block_v=16, num_warps=1, flush_every_step=True)):
+                          KernelConfig(block_v=16, num_warps=1, flush_every_step=True),
+                          # column chunks stored back into bf16 refs (the table keeps bf16
+                          # states on whole rows; a user's config may not)
+                          KernelConfig(block_v=16, tiles_per_program=2, rebuild_unroll=4, column_chunk=16,
+                                       rows_outermost=True),
+                          KernelConfig(block_v=16, num_warps=1, flush_every_step=True, column_chunk=8)):
         _compare_backends(rng, _config(gate, 7, jnp.bfloat16), kernel_config, BF16_STATE_BOUND)
 
 
