@@ -264,7 +264,8 @@ def check_section(smoke: bool) -> list[dict]:
     """GPU kernels vs the scan reference at every step; the donated step's HLO.
 
     Each case runs one kernel layout with the case's rebuild precision: "grouped" (the
-    package's configuration at large batch), "per_tile" (`replay_decode` walking the cache
+    package's configuration at large batch), "grouped_one_tile" (its configuration at
+    B = 5-16: one `[64, d_k]` tile per program, no tile loop), "per_tile" (`replay_decode` walking the cache
     in two chunks, the exact rebuild 8 entries per round trip), "fold" (`fold_decode`, the
     package's configuration at small batch) or "plain" (L = 1: the plain kernel with the
     package's large-batch configuration), under one of three plans: "replay" (flush
@@ -281,12 +282,15 @@ def check_section(smoke: bool) -> list[dict]:
         ("kda", 8, jnp.bfloat16, "tf32", False, "grouped"), ("gdn", 1, jnp.float32, "ieee", False, "plain"),
         ("gdn", 16, jnp.float32, "ieee", True, "grouped"), ("kda", 16, jnp.float32, "ieee", True, "grouped"),
         ("gdn", 13, jnp.float32, "ieee", False, "per_tile"), ("kda", 16, jnp.float32, "ieee", True, "per_tile"),
+        ("gdn", 16, jnp.float32, "ieee", False, "grouped_one_tile"),
+        ("gdn", 13, jnp.float32, "ieee", True, "grouped_one_tile"),
     ]
     cases = [case + ("replay",) for case in cases] + [
         ("gdn", 16, jnp.float32, "ieee", False, "fold", "every_step"),
         ("kda", 13, jnp.float32, "ieee", True, "fold", "fold_natural"),
     ]
-    layouts = {"grouped": default_kernel_config(512), "per_tile": CHECK_PER_TILE, "fold": default_kernel_config(1),
+    layouts = {"grouped": default_kernel_config(512), "grouped_one_tile": default_kernel_config(8),
+               "per_tile": CHECK_PER_TILE, "fold": default_kernel_config(1),
                "plain": default_kernel_config(512, "plain")}
     if smoke:
         cases = cases[:2] + cases[-2:]

@@ -23,40 +23,51 @@ from replayssm_jax.replay import StepPlan
 from replayssm_jax.state import ReplayState
 
 # Batch size -> launch configuration per kernel: `(max batch, KernelConfig)`, first match.
-# Measured on an H200 (benchmarks/results/raw/*v6*, *v8*, *v11*, *v14*-*v20*: GDN
+# Measured on an H200 (benchmarks/results/raw/*v6*, *v8*, *v11*, *v14*-*v22*: GDN
 # H_v = 32, L = 16; each batch takes the entry of the nearest measured one).
-# Plain kernel: narrow one-warp tiles (occupancy); `[8, 32]` column chunks at B <= 2 (v18:
-# 3.8 -> 3.2 us at B = 1); whole rows with the row index fastest at B = 3-16 (at B = 8 both
-# chunks and the reversed grid cost 10-15%, v14, v15); from B = 17 `[16, 16]` chunks and the
-# row index outermost (v15: 588 -> 538 us at B = 512).
-# Replay: at B <= 4 flushing every step through the folding kernel beat the replay cycle
-# (v11) and is within 2% of the plain kernel at B = 1 (v20); the grouped kernel takes W = 32
-# chunks up to B = 256 (v18-v20: cycle -4 to -11%) and at large batch one program per (row,
-# key head) on whole rows (at T = 8 the chunked flush measured 1702 vs 1095 us, v19).
+# Plain kernel: narrow one-warp tiles (occupancy); `[4, 32]` column chunks at B <= 2 (v21:
+# 3.17 -> 3.01 us at B = 1 against `[8, 32]`); whole rows with the row index fastest at
+# B = 3-16 (at B = 8 both chunks and the reversed grid cost 10-15%, v14, v15); from B = 17
+# `[16, 16]` chunks and the row index outermost (v15: 588 -> 538 us at B = 512).
+# Replay: at B <= 5 flushing every step through the folding kernel beat the replay cycle
+# (v11, v21b, v23b; BV 4 at B = 1). From B = 6 the grouped kernel: at B <= 16 one `[64, d_k]`
+# tile per program (v21b: the two tiles of a (32, 2 warps, T = 2) program side by side, half
+# the flush's dependent round trips: B = 8 cycle 10.5 -> 9.7 us, B = 16 20.1 -> 17.6); W = 32
+# chunks up to B = 64, W = 64 above (v21, v21b: B = 512 cycle 409 -> 390 us, B = 128 108.9
+# -> 105.3, but B = 32 30.2 -> 32.2), one program per (row, key head) from B = 257.
 # Unrolling the exact rebuild costs registers (U = 4 -> 2 in the grouped kernel: 146 -> 128
 # registers at T = 4, 3 -> 4 programs per SM; v8).
 _TILES: dict[str, tuple[tuple[int, KernelConfig], ...]] = {
     "plain": (
-        (2, KernelConfig(block_v=8, num_warps=1, cache_chunk=8, column_chunk=32)),
+        (2, KernelConfig(block_v=4, num_warps=1, column_chunk=32)),
         (4, KernelConfig(block_v=8, num_warps=1, cache_chunk=8)),
         (16, KernelConfig(block_v=16, num_warps=1)),
         (1 << 30, KernelConfig(block_v=16, num_warps=1, column_chunk=16, rows_outermost=True)),
     ),
     "replay": (
-        (4, KernelConfig(block_v=8, num_warps=1, flush_every_step=True)),
-        (16, KernelConfig(block_v=32, num_warps=2, tiles_per_program=2, rebuild_unroll=4, column_chunk=32)),
-        (256, KernelConfig(block_v=32, num_warps=4, tiles_per_program=4, rebuild_unroll=2, column_chunk=32)),
-        (1 << 30, KernelConfig(block_v=32, num_warps=4, tiles_per_program=8, rebuild_unroll=2)),
+        (1, KernelConfig(block_v=4, num_warps=1, flush_every_step=True)),
+        (5, KernelConfig(block_v=8, num_warps=1, flush_every_step=True)),
+        (16, KernelConfig(block_v=64, num_warps=4, tiles_per_program=1, rebuild_unroll=2, column_chunk=32)),
+        (64, KernelConfig(block_v=32, num_warps=4, tiles_per_program=4, rebuild_unroll=2, column_chunk=32)),
+        (256, KernelConfig(block_v=32, num_warps=4, tiles_per_program=4, rebuild_unroll=2, column_chunk=64)),
+        (1 << 30, KernelConfig(block_v=32, num_warps=4, tiles_per_program=8, rebuild_unroll=2, column_chunk=64)),
     ),
 }
 # KDA (per-channel decay) puts the replay's key-side work per value head, so its replay
 # cycle costs more at small batch, and its plain kernel prefers BV 8 there. Measured at
 # B = 8, L = 16 (v11, v11c, v11d: KDA H_k = H_v = 32): plain BV 8 11.7-11.8 us vs BV 16
-# 13.5-13.7, folding kernel BV 8 11.6, replay cycle 13.7. These entries come first for KDA.
-_KDA_FIRST: dict[str, tuple[tuple[int, KernelConfig], ...]] = {
-    "plain": ((8, KernelConfig(block_v=8, num_warps=1, cache_chunk=8)),),
-    "replay": ((8, KernelConfig(block_v=8, num_warps=1, flush_every_step=True)),),
-}
+# 13.5-13.7, folding kernel BV 8 11.6, replay cycle 13.7. These plain entries come first
+# for KDA.
+_KDA_PLAIN_FIRST = ((8, KernelConfig(block_v=8, num_warps=1, cache_chunk=8)),)
+# Replay entries that come first for KDA and for 2-byte states, which keep whole rows:
+# the folding kernel up to B = 8 (KDA: above; bf16 state at B = 8, v22b: 7.5 us against 8.5
+# for the (32, 2, T = 2) grouped entry, plain 6.3; the `[64, d_k]` entry measured 9.4 in
+# v22), and at B = 9-16 the grouped entry measured before v21 (the `[64, d_k]` tiles were
+# measured for a GDN fp32 state only).
+_WHOLE_ROW_REPLAY_FIRST = (
+    (8, KernelConfig(block_v=8, num_warps=1, flush_every_step=True)),
+    (16, KernelConfig(block_v=32, num_warps=2, tiles_per_program=2, rebuild_unroll=4)),
+)
 
 
 def default_kernel_config(
@@ -73,9 +84,14 @@ def default_kernel_config(
         raise ValueError(f"kernel must be 'plain' or 'replay', got {kernel!r}")
     if gate not in GATES:
         raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
-    rows = (_KDA_FIRST[kernel] if gate == "kda" else ()) + _TILES[kernel]
-    config = next(config for max_batch, config in rows if batch <= max_batch)
-    if jnp.dtype(state_dtype).itemsize < 4 or (gate == "kda" and kernel == "replay"):
+    whole_rows = jnp.dtype(state_dtype).itemsize < 4 or (gate == "kda" and kernel == "replay")
+    first = ()
+    if kernel == "plain" and gate == "kda":
+        first = _KDA_PLAIN_FIRST
+    elif kernel == "replay" and whole_rows:
+        first = _WHOLE_ROW_REPLAY_FIRST
+    config = next(config for max_batch, config in first + _TILES[kernel] if batch <= max_batch)
+    if whole_rows:
         config = dataclasses.replace(config, column_chunk=0)
     return config
 

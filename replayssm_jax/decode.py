@@ -115,8 +115,8 @@ def step_plan(
     """The step's flush plan and the pallas backend's launch configuration (None for xla).
 
     The pallas backend's configuration can ask for a flush of every live row
-    (`KernelConfig.flush_every_step`, set by the package's table at batch <= 4, <= 8 for
-    KDA); the plan then says so, and `advance_write_pos` keeps the cursors consistent.
+    (`KernelConfig.flush_every_step`, set by the package's table at batch <= 5, <= 8 for
+    KDA and 2-byte states); the plan then says so, and `advance_write_pos` keeps the cursors consistent.
     """
     if backend == "pallas":
         kernel_config = pallas_ops.layer_kernel_config(config, jnp.shape(slots)[0], kernel_config)
@@ -198,8 +198,8 @@ def decode_step(
         kernel on the pallas backend).
       kernel_config: a `pallas_kernels.common.KernelConfig` (tiles, warps, rebuild
         precision) for the pallas backend; default: the per-batch-size table in
-        `pallas_kernels.ops`, which flushes every live row at every step at batch <= 4
-        (<= 8 for KDA) through the folding kernel (faster there than replay and than the
+        `pallas_kernels.ops`, which flushes every live row at every step at batch <= 5
+        (<= 8 for KDA and 2-byte states) through the folding kernel (faster there than replay and than the
         plain kernel; see `KernelConfig`).
 
     Returns:

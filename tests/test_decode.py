@@ -112,7 +112,7 @@ def test_cache_len_one_is_plain_recurrence(gate, backend, rng):
 
 @pytest.mark.parametrize("gate", ["gdn", "kda"])
 def test_pallas_flushes_every_step_at_small_batch(gate, rng):
-    """The package's table flushes every live row at batch <= 4 (the folding kernel): the
+    """The package's table flushes every live row at batch <= 5 (the folding kernel): the
     first such step folds the row's cached entries into the checkpoint, then every step
     writes the recurrent state, the cursor stays 0 and the caches are not written. An
     explicit config with `flush_every_step=False` replays as usual at the same batch."""
@@ -146,13 +146,13 @@ def test_pallas_flushes_every_step_at_small_batch(gate, rng):
 
 
 def test_step_plan_flushes_every_live_row_only_where_the_pallas_table_asks():
-    """`step_plan`: the pallas table's batch <= 4 entry flushes every live row (padding rows
+    """`step_plan`: the pallas table's batch <= 5 entries flush every live row (padding rows
     never flush); a config passed in, the xla backend and larger batches keep natural
     flushes only."""
     config = small_config("gdn", 4)
     write_pos = jnp.asarray([0, 1, 2, 3, 0, 1, 2, 3], jnp.int32)
     natural = lambda slots: np.asarray([s >= 0 and int(write_pos[s]) == 3 for s in slots])
-    for slots, every in (([5, -1], True), ([1, 3, 6, 2], True), ([0, 1, 3, 5, 6], False)):
+    for slots, every in (([5, -1], True), ([1, 3, 6, 2, 0], True), ([0, 1, 3, 5, 6, 7], False)):
         plan, kc = step_plan(config, write_pos, jnp.asarray(slots, jnp.int32), None, backend="pallas")
         assert kc == default_kernel_config(len(slots))
         want = np.asarray(slots) >= 0 if every else natural(slots)
@@ -179,7 +179,7 @@ def test_padding_rows_are_isolated(backend, rng):
     config = small_config("gdn", 4)
     state = init_state(config, NUM_SLOTS, jnp.asarray(random_checkpoint(rng, config, NUM_SLOTS)))
     # One replaying launch configuration for the 2-row and the 4-row call (the package's
-    # table flushes every step at batch <= 4, which would keep the cursors at 0).
+    # table flushes every step at batch <= 5, which would keep the cursors at 0).
     options = dict(kernel_config=default_kernel_config(8)) if backend == "pallas" else {}
     step = donated_step(backend, use_qk_l2norm=True, **options)
     state, _ = _warm_up(step, state, rng, config, steps=2)  # nonzero cursors and caches

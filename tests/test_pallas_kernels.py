@@ -105,6 +105,8 @@ LAYOUTS = {
     "fold_bv8": KernelConfig(block_v=8, num_warps=1, flush_every_step=True),
     # column chunks (d_k = 32: four of 8, two of 16) and grids launched rows outermost; the
     # per-tile kernel works on whole rows whatever column_chunk says
+    "grouped_t1_w8": KernelConfig(block_v=16, num_warps=2, tiles_per_program=1, rebuild_unroll=2,
+                                  column_chunk=8),
     "grouped_t2_w8_outer": KernelConfig(block_v=8, num_warps=1, tiles_per_program=2, rebuild_unroll=2,
                                         column_chunk=8, rows_outermost=True),
     "fold_bv8_w16_outer": KernelConfig(block_v=8, num_warps=1, flush_every_step=True, column_chunk=16,
@@ -223,19 +225,25 @@ def test_tile_tables_cover_every_batch():
             assert isinstance(kc, KernelConfig)
             if kernel == "plain":
                 assert kc.tiles_per_program == 0
-            # Only the replay kernel at batch <= 4 flushes every step (measured, ops._TILES).
-            assert kc.flush_every_step == (kernel == "replay" and batch <= 4)
-            # KDA: the folding kernel and the plain kernel's BV 8 up to batch 8 (ops._KDA_FIRST).
+            # Only the replay kernel at batch <= 5 flushes every step (measured, ops._TILES).
+            assert kc.flush_every_step == (kernel == "replay" and batch <= 5)
+            # KDA: the folding kernel up to batch 8 and the plain kernel's BV 8 up to batch 8
+            # (ops._WHOLE_ROW_REPLAY_FIRST, ops._KDA_PLAIN_FIRST).
             kda = ops.default_kernel_config(batch, kernel, "kda")
             assert kda.flush_every_step == (kernel == "replay" and batch <= 8)
-            # KDA keeps whole rows in the grouped kernel and in its small-batch plain entry;
-            # otherwise it takes the GDN entry
+            # KDA keeps whole rows in the replay kernels and in its small-batch plain entry,
+            # and its own entries up to batch 8 (plain) or 16 (replay); above, the GDN entry
             whole = lambda c: dataclasses.replace(c, column_chunk=0)
-            assert whole(kda) == whole(kc) or batch in (5, 8)
             assert kda.column_chunk == (kc.column_chunk if kernel == "plain" and batch > 8 else 0)
-            # bf16 state: whole rows everywhere, the rest as for fp32
+            if batch > (8 if kernel == "plain" else 16):
+                assert whole(kda) == whole(kc)
+            elif kernel == "replay" and batch > 8:
+                assert (kda.block_v, kda.tiles_per_program) == (32, 2) != (kc.block_v, kc.tiles_per_program)
+            # bf16 state: whole rows everywhere; the replay kernel takes KDA's entries up to
+            # batch 16, the rest is as for fp32
             bf16 = ops.default_kernel_config(batch, kernel, "gdn", jnp.bfloat16)
-            assert bf16 == dataclasses.replace(kc, column_chunk=0)
+            assert bf16.column_chunk == 0
+            assert bf16 == (kda if kernel == "replay" and batch <= 16 else whole(kc))
     with pytest.raises(ValueError, match="kernel must be 'plain' or 'replay', got 'fold'"):
         ops.default_kernel_config(1, "fold")
     with pytest.raises(ValueError, match="gate must be one of"):
@@ -256,7 +264,7 @@ def test_layer_kernel_config_follows_the_gate():
     assert ops.layer_kernel_config(kda, 8, None) == ops.default_kernel_config(8, "replay", "kda")
     assert ops.layer_kernel_config(kda, 8, None).flush_every_step
     bf16 = ReplayConfig(1, 2, 16, 16, 4, state_dtype=jnp.bfloat16, cache_dtype=jnp.bfloat16)
-    assert ops.layer_kernel_config(gdn, 128, None).column_chunk == 32
+    assert ops.layer_kernel_config(gdn, 128, None).column_chunk == 64
     assert ops.layer_kernel_config(bf16, 128, None).column_chunk == 0
 
 
