@@ -377,8 +377,8 @@ for b in bars if bars else []:
 # Where ReplaySSM loses at every batch, the loss is the kernel's, not the byte model's: panel
 # (b) shows the fraction of its byte floor each kernel reaches.
 #
-# The package's launch table answers the smallest batches with a fallback: at batch <= 4
-# (KDA: <= 8) the step flushes every live row (`KernelConfig.flush_every_step`), the plain
+# The package's launch table answers the smallest batches with a fallback: at batch <= 5
+# (KDA and 2-byte states: <= 8) the step flushes every live row (`KernelConfig.flush_every_step`), the plain
 # recurrence run by the folding kernel, which measured faster there than the replay cycle.
 # Rows measured that way carry `flush_every_step: true`; they are the fallback's speed, not
 # the cache's, and the break-even list below leaves them out.
