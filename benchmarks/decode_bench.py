@@ -265,7 +265,7 @@ def check_section(smoke: bool) -> list[dict]:
 
     Each case runs one kernel layout with the case's rebuild precision: "grouped" (the
     package's configuration at large batch), "grouped_one_tile" (its configuration at
-    B = 5-16: one `[64, d_k]` tile per program, no tile loop), "per_tile" (`replay_decode` walking the cache
+    B = 6-16: one `[64, d_k]` tile per program), "per_tile" (`replay_decode` walking the cache
     in two chunks, the exact rebuild 8 entries per round trip), "fold" (`fold_decode`, the
     package's configuration at small batch) or "plain" (L = 1: the plain kernel with the
     package's large-batch configuration), under one of three plans: "replay" (flush

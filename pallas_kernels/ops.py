@@ -23,7 +23,7 @@ from replayssm_jax.replay import StepPlan
 from replayssm_jax.state import ReplayState
 
 # Batch size -> launch configuration per kernel: `(max batch, KernelConfig)`, first match.
-# Measured on an H200 (benchmarks/results/raw/*v6*, *v8*, *v11*, *v14*-*v22*: GDN
+# Measured on an H200 (benchmarks/results/raw/*v6*, *v8*, *v11*, *v14*-*v23c*: GDN
 # H_v = 32, L = 16; each batch takes the entry of the nearest measured one).
 # Plain kernel: narrow one-warp tiles (occupancy); `[4, 32]` column chunks at B <= 2 (v21:
 # 3.17 -> 3.01 us at B = 1 against `[8, 32]`); whole rows with the row index fastest at
@@ -63,11 +63,15 @@ _KDA_PLAIN_FIRST = ((8, KernelConfig(block_v=8, num_warps=1, cache_chunk=8)),)
 # the folding kernel up to B = 8 (KDA: above; bf16 state at B = 8, v22b: 7.5 us against 8.5
 # for the (32, 2, T = 2) grouped entry, plain 6.3; the `[64, d_k]` entry measured 9.4 in
 # v22), and at B = 9-16 the grouped entry measured before v21 (the `[64, d_k]` tiles were
-# measured for a GDN fp32 state only).
+# measured for a GDN fp32 state only). A 2-byte state folds at BV 4 at B = 1 (v23c: 2.66-2.69
+# us against 3.01 at BV 8, plain 2.62).
 _WHOLE_ROW_REPLAY_FIRST = (
     (8, KernelConfig(block_v=8, num_warps=1, flush_every_step=True)),
     (16, KernelConfig(block_v=32, num_warps=2, tiles_per_program=2, rebuild_unroll=4)),
 )
+_TWO_BYTE_REPLAY_FIRST = (
+    (1, KernelConfig(block_v=4, num_warps=1, flush_every_step=True)),
+) + _WHOLE_ROW_REPLAY_FIRST
 
 
 def default_kernel_config(
@@ -79,17 +83,19 @@ def default_kernel_config(
     slower (v14, v15: plain kernel at B = 512 296 -> 332 us; ptxas: 117 -> 167 registers
     in the grouped kernel). KDA's replay kernels keep whole rows too: chunked, the grouped
     kernel's per-channel weights and keys take it from 164 to 228 registers per thread
-    (2 programs per SM instead of 3)."""
+    (2 programs per SM instead of 3). Both take their own replay entries up to B = 16 (the
+    folding kernel up to B = 8), and KDA its own plain entry up to B = 8."""
     if kernel not in _TILES:
         raise ValueError(f"kernel must be 'plain' or 'replay', got {kernel!r}")
     if gate not in GATES:
         raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
-    whole_rows = jnp.dtype(state_dtype).itemsize < 4 or (gate == "kda" and kernel == "replay")
+    two_byte = jnp.dtype(state_dtype).itemsize < 4
+    whole_rows = two_byte or (gate == "kda" and kernel == "replay")
     first = ()
     if kernel == "plain" and gate == "kda":
         first = _KDA_PLAIN_FIRST
     elif kernel == "replay" and whole_rows:
-        first = _WHOLE_ROW_REPLAY_FIRST
+        first = _TWO_BYTE_REPLAY_FIRST if two_byte else _WHOLE_ROW_REPLAY_FIRST
     config = next(config for max_batch, config in first + _TILES[kernel] if batch <= max_batch)
     if whole_rows:
         config = dataclasses.replace(config, column_chunk=0)

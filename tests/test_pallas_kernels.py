@@ -239,11 +239,11 @@ def test_tile_tables_cover_every_batch():
                 assert whole(kda) == whole(kc)
             elif kernel == "replay" and batch > 8:
                 assert (kda.block_v, kda.tiles_per_program) == (32, 2) != (kc.block_v, kc.tiles_per_program)
-            # bf16 state: whole rows everywhere; the replay kernel takes KDA's entries up to
-            # batch 16, the rest is as for fp32
+            # bf16 state: whole rows everywhere; the replay kernel takes KDA's entries at
+            # batch 2-16, the rest is as for fp32 (batch 1: the folding kernel at BV 4)
             bf16 = ops.default_kernel_config(batch, kernel, "gdn", jnp.bfloat16)
             assert bf16.column_chunk == 0
-            assert bf16 == (kda if kernel == "replay" and batch <= 16 else whole(kc))
+            assert bf16 == (kda if kernel == "replay" and 2 <= batch <= 16 else whole(kc))
     with pytest.raises(ValueError, match="kernel must be 'plain' or 'replay', got 'fold'"):
         ops.default_kernel_config(1, "fold")
     with pytest.raises(ValueError, match="gate must be one of"):
