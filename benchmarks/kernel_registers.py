@@ -165,8 +165,12 @@ def main(argv=None) -> list[dict]:
     if args.config:
         cases = [(512, kc, "replay") for kc in args.config]
     else:
-        cases = [(b, ops.default_kernel_config(b, kernel, args.gate, dtype), kernel)
-                 for kernel in ("replay", "plain") for b in (1, 8, 64, 512)]
+        cases = []  # one row per distinct table entry, at the smallest batch that uses it
+        for kernel in ("replay", "plain"):
+            for b in (1, 2, 4, 8, 16, 64, 128, 512):
+                kc = ops.default_kernel_config(b, kernel, args.gate, dtype)
+                if all((kc, kernel) != (c, k) for _, c, k in cases):
+                    cases.append((b, kc, kernel))
     rows = []
     print(f"{'kernel':7} {'B':>4} {'BV':>3} {'warps':>5} {'T':>2} {'U':>2} {'W':>3} {'regs':>5} {'spill B':>8} "
           f"{'shared B':>8} {'programs/SM':>11} {'shfl':>5} {'bar':>4} {'instr':>6}")
