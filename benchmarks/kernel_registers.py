@@ -129,18 +129,6 @@ def programs_per_sm(registers: int, num_warps: int) -> int:
     return min(65536 // (per_warp * num_warps), 64 // num_warps, 32)
 
 
-def table_cases(gate: str, state_dtype) -> list[tuple[int, KernelConfig, str]]:
-    """`(batch, config, kernel)` for each distinct entry of the package's launch table for
-    this gate and state dtype, at the smallest batch that uses it."""
-    cases = []
-    for kernel in ("replay", "plain"):
-        for batch in (1, 2, 4, 8, 16, 64, 128, 512):
-            kc = ops.default_kernel_config(batch, kernel, gate, state_dtype)
-            if all((kc, kernel) != (c, k) for _, c, k in cases):
-                cases.append((batch, kc, kernel))
-    return cases
-
-
 CONFIG_FIELDS = "BV,warps,chunk,tiles_per_program,unroll[,flush_every_step[,column_chunk[,rows_outermost]]]"
 
 
@@ -177,7 +165,8 @@ def main(argv=None) -> list[dict]:
     if args.config:
         cases = [(512, kc, "replay") for kc in args.config]
     else:
-        cases = table_cases(args.gate, dtype)
+        cases = [(batch, kc, kernel) for kernel in ("replay", "plain")
+                 for batch, kc in ops.table_entries(kernel, args.gate, dtype)]
     rows = []
     print(f"{'kernel':7} {'B':>4} {'BV':>3} {'warps':>5} {'T':>2} {'U':>2} {'W':>3} {'regs':>5} {'spill B':>8} "
           f"{'shared B':>8} {'programs/SM':>11} {'shfl':>5} {'bar':>4} {'instr':>6}")

@@ -85,6 +85,16 @@ def default_kernel_config(
     kernel's per-channel weights and keys take it from 164 to 228 registers per thread
     (2 programs per SM instead of 3). Both take their own replay entries up to B = 16 (the
     folding kernel up to B = 8), and KDA its own plain entry up to B = 8."""
+    rows, whole_rows = _table_rows(kernel, gate, state_dtype)
+    config = next(config for max_batch, config in rows if batch <= max_batch)
+    if whole_rows:
+        config = dataclasses.replace(config, column_chunk=0)
+    return config
+
+
+def _table_rows(kernel: str, gate: str, state_dtype) -> tuple[tuple[tuple[int, KernelConfig], ...], bool]:
+    """The `(max batch, KernelConfig)` rows `default_kernel_config` searches, first match, and
+    whether it takes their entries on whole rows."""
     if kernel not in _TILES:
         raise ValueError(f"kernel must be 'plain' or 'replay', got {kernel!r}")
     if gate not in GATES:
@@ -96,10 +106,22 @@ def default_kernel_config(
         first = _KDA_PLAIN_FIRST
     elif kernel == "replay" and whole_rows:
         first = _TWO_BYTE_REPLAY_FIRST if two_byte else _WHOLE_ROW_REPLAY_FIRST
-    config = next(config for max_batch, config in first + _TILES[kernel] if batch <= max_batch)
-    if whole_rows:
-        config = dataclasses.replace(config, column_chunk=0)
-    return config
+    return first + _TILES[kernel], whole_rows
+
+
+def table_entries(
+    kernel: str, gate: str = "gdn", state_dtype=jnp.float32
+) -> list[tuple[int, KernelConfig]]:
+    """`(smallest batch, KernelConfig)` of each distinct configuration `default_kernel_config`
+    returns for this kernel, gate and state dtype: every launch the table can make."""
+    entries, lowest = [], 1
+    for max_batch, _ in _table_rows(kernel, gate, state_dtype)[0]:
+        if max_batch >= lowest:  # not shadowed by the rows before it
+            config = default_kernel_config(lowest, kernel, gate, state_dtype)
+            if all(config != c for _, c in entries):
+                entries.append((lowest, config))
+            lowest = max_batch + 1
+    return entries
 
 
 def layer_kernel_config(config: ReplayConfig, batch: int, kernel_config: KernelConfig | None) -> KernelConfig:

@@ -31,13 +31,11 @@ STATE_FIELDS = ("checkpoint", "u_cache", "k_cache", "g_cache", "write_pos")
 
 def table_launches() -> set:
     """`(KernelConfig, kernel, gate)` of every entry of the pallas backend's launch tables
-    (the batches hit every table row: 1, <= 4 or 5, <= 8 for KDA and 2-byte states, <= 16,
-    <= 64, <= 256 and above; fp32 and bf16 states)."""
+    (`ops.table_entries`; fp32 and bf16 states)."""
     from pallas_kernels import ops
 
-    return {(ops.default_kernel_config(b, kernel, gate, dtype), kernel, gate)
-            for kernel in ("plain", "replay") for b in (1, 4, 8, 16, 64, 128, 512) for gate in ("gdn", "kda")
-            for dtype in (jnp.float32, jnp.bfloat16)}
+    return {(kc, kernel, gate) for kernel in ("plain", "replay") for gate in ("gdn", "kda")
+            for dtype in (jnp.float32, jnp.bfloat16) for _, kc in ops.table_entries(kernel, gate, dtype)}
 
 
 def exposed_kernel_configs() -> list:

@@ -123,6 +123,25 @@ def test_replay_kernel_layouts_match_spec(rng, gate, layout):
     _compare_backends(rng, _config(gate, 13), LAYOUTS[layout], FP32_BOUND)
 
 
+# Every launch the package's table makes (ops.table_entries), per kernel, gate and state
+# dtype. The table's column chunks are for d_k = 128; at the tests' d_k = 32 they are
+# scaled by 32/128 so that the chunked entries run on chunks here too (W = 64 -> 16).
+TABLE_LAUNCHES = [
+    (jnp.dtype(dtype).name, kernel, gate,
+     dataclasses.replace(kc, column_chunk=kc.column_chunk * 32 // 128))
+    for dtype in (jnp.float32, jnp.bfloat16) for kernel in ("plain", "replay") for gate in ("gdn", "kda")
+    for _, kc in ops.table_entries(kernel, gate, dtype)
+]
+
+
+@pytest.mark.parametrize("dtype,kernel,gate,kernel_config", TABLE_LAUNCHES, ids=str)
+def test_every_table_launch_matches_spec(rng, dtype, kernel, gate, kernel_config):
+    # padding rows, forced flushes and scattered slots as in every _compare_backends run;
+    # the plain kernel at L = 1 (what the table's plain entries serve)
+    bound = FP32_BOUND if dtype == "float32" else BF16_STATE_BOUND
+    _compare_backends(rng, _config(gate, 1 if kernel == "plain" else 7, jnp.dtype(dtype)), kernel_config, bound)
+
+
 @pytest.mark.parametrize("gate", ["gdn", "kda"])
 @pytest.mark.parametrize("precision,bound", [("tf32", FP32_BOUND), ("bf16", BF16_REBUILD_BOUND)])
 @pytest.mark.parametrize("per_program,column_chunk", [(0, 0), (2, 0), (2, 16)])
@@ -248,6 +267,22 @@ def test_tile_tables_cover_every_batch():
         ops.default_kernel_config(1, "fold")
     with pytest.raises(ValueError, match="gate must be one of"):
         ops.default_kernel_config(1, "replay", "mamba")
+
+
+@pytest.mark.parametrize("gate", ["gdn", "kda"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("kernel", ["plain", "replay"])
+def test_table_entries_list_every_launch_once(kernel, gate, dtype):
+    # What the CI compile test and kernel_registers.py iterate: every configuration some
+    # batch reaches, each once, with the smallest batch that reaches it.
+    entries = ops.table_entries(kernel, gate, dtype)
+    configs = [kc for _, kc in entries]
+    assert len(set(configs)) == len(configs)
+    for batch in range(1, 600):
+        assert ops.default_kernel_config(batch, kernel, gate, dtype) in configs
+    for batch, kc in entries:
+        assert ops.default_kernel_config(batch, kernel, gate, dtype) == kc
+        assert batch == 1 or ops.default_kernel_config(batch - 1, kernel, gate, dtype) != kc
 
 
 def test_layer_kernel_config_rejects_other_types():
