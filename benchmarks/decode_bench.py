@@ -268,10 +268,10 @@ def check_section(smoke: bool) -> list[dict]:
     B = 6-16: one `[64, d_k]` tile per program), "per_tile" (`replay_decode` walking the cache
     in two chunks, the exact rebuild 8 entries per round trip), "fold" (`fold_decode`, the
     package's configuration at small batch; "fold_two_byte" its bf16-state one) or "plain"
-    (L = 1: the plain kernel with the package's large-batch configuration), under one of three plans: "replay" (flush
-    when the cache is full, or forced), "every_step" (every live row flushes, as the package
-    does with "fold") and "fold_natural" ("fold" under the replay plan: appends, and folds
-    of every cursor on the GPU).
+    (L = 1: the plain kernel with the package's large-batch configuration), under one of
+    three plans: "replay" (flush when the cache is full, or forced), "every_step" (every
+    live row flushes, as the package does with "fold") and "fold_natural" ("fold" under the
+    replay plan: appends, and folds of every cursor on the GPU).
     """
     rows = []
     dims = (2, 4, 32, 32) if smoke else (4, 8, 128, 128)
