@@ -414,12 +414,14 @@ def tune_section(timer, shape, batches, smoke, deadline, tune_plain) -> tuple[li
     return rows, best
 
 
-def choose_configs(best: dict, batch: int, gate: str = "gdn", state_dtype=jnp.float32
-                   ) -> tuple[KernelConfig, KernelConfig]:
+def choose_configs(best: dict, batch: int, gate: str = "gdn", state_dtype=jnp.float32,
+                   cache_len: int = 16) -> tuple[KernelConfig, KernelConfig]:
     """(plain, replay) configs: for GDN the tuned ones of the nearest tuned batch (log
-    scale; the tune section runs GDN), else the package defaults for the gate and state."""
+    scale; the tune section runs GDN at L = 16), else the package defaults for the gate,
+    state and cache length."""
     if not best or gate != "gdn":
-        return tuple(default_kernel_config(batch, kernel, gate, state_dtype) for kernel in ("plain", "replay"))
+        return tuple(default_kernel_config(batch, kernel, gate, state_dtype, cache_len)
+                     for kernel in ("plain", "replay"))
     nearest = min(best, key=lambda b: (abs(math.log2(b) - math.log2(batch)), b))
     return best[nearest]
 
@@ -572,7 +574,7 @@ def main(argv=None) -> dict:
                 break
             try:
                 rows = sweep_row(timer, shp, shp.config(L, dt), b, meta["copy_bandwidth_GBps"],
-                                 args.smoke, choose_configs(best, b, shp.gate, dt))
+                                 args.smoke, choose_configs(best, b, shp.gate, dt, L))
             except Exception as err:  # keep the rest of the sweep; the error is in the log
                 print(f"FAILED sweep row {shp} {jnp.dtype(dt).name} L={L} B={b}: {err!r}"[:2000], flush=True)
                 continue

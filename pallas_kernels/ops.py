@@ -74,8 +74,20 @@ _TWO_BYTE_REPLAY_FIRST = (
 ) + _WHOLE_ROW_REPLAY_FIRST
 
 
+# The B > 256 entry rebuilds one entry per round trip (U = 1) for GDN with a 4-byte state
+# and a cache of at most SHORT_CACHE_MAX_LEN entries (v24d, B = 512, cycle U = 2 -> 1: L = 4
+# 417 -> 405, L = 8 394 -> 381, L = 16 391 -> 384 us; B = 300, L = 16: 235 -> 231). Longer
+# caches keep U = 2 (L = 32: 410 -> 441 us with U = 1, its non-flush step 358 -> 394), and
+# so do bf16 states and KDA (v24c, B = 512, L = 16: 272 -> 279 and 656 -> 661 us with U = 1).
+SHORT_CACHE_MAX_LEN = 16
+_SHORT_CACHE_LAST_REPLAY = (
+    1 << 30, KernelConfig(block_v=32, num_warps=4, tiles_per_program=8, rebuild_unroll=1, column_chunk=64)
+)
+
+
 def default_kernel_config(
-    batch: int, kernel: str = "replay", gate: str = "gdn", state_dtype=jnp.float32
+    batch: int, kernel: str = "replay", gate: str = "gdn", state_dtype=jnp.float32,
+    cache_len: int = SHORT_CACHE_MAX_LEN,
 ) -> KernelConfig:
     """The launch configuration used for `batch` rows of a `gate` ("gdn" or "kda") layer by
     the "plain" or "replay" kernel. Column chunks apply to 4-byte states only: with a bf16
@@ -84,21 +96,26 @@ def default_kernel_config(
     in the grouped kernel). KDA's replay kernels keep whole rows too: chunked, the grouped
     kernel's per-channel weights and keys take it from 164 to 228 registers per thread
     (2 programs per SM instead of 3). Both take their own replay entries up to B = 16 (the
-    folding kernel up to B = 8), and KDA its own plain entry up to B = 8."""
-    rows, whole_rows = _table_rows(kernel, gate, state_dtype)
+    folding kernel up to B = 8), and KDA its own plain entry up to B = 8. `cache_len` (the
+    layer's L) picks the rebuild unroll of the B > 256 entry (above)."""
+    rows, whole_rows = _table_rows(kernel, gate, state_dtype, cache_len)
     config = next(config for max_batch, config in rows if batch <= max_batch)
     if whole_rows:
         config = dataclasses.replace(config, column_chunk=0)
     return config
 
 
-def _table_rows(kernel: str, gate: str, state_dtype) -> tuple[tuple[tuple[int, KernelConfig], ...], bool]:
+def _table_rows(
+    kernel: str, gate: str, state_dtype, cache_len: int
+) -> tuple[tuple[tuple[int, KernelConfig], ...], bool]:
     """The `(max batch, KernelConfig)` rows `default_kernel_config` searches, first match, and
     whether it takes their entries on whole rows."""
     if kernel not in _TILES:
         raise ValueError(f"kernel must be 'plain' or 'replay', got {kernel!r}")
     if gate not in GATES:
         raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
+    if isinstance(cache_len, bool) or not isinstance(cache_len, int) or cache_len < 1:
+        raise ValueError(f"cache_len must be an int >= 1, got {cache_len!r}")
     two_byte = jnp.dtype(state_dtype).itemsize < 4
     whole_rows = two_byte or (gate == "kda" and kernel == "replay")
     first = ()
@@ -106,21 +123,28 @@ def _table_rows(kernel: str, gate: str, state_dtype) -> tuple[tuple[tuple[int, K
         first = _KDA_PLAIN_FIRST
     elif kernel == "replay" and whole_rows:
         first = _TWO_BYTE_REPLAY_FIRST if two_byte else _WHOLE_ROW_REPLAY_FIRST
-    return first + _TILES[kernel], whole_rows
+    rows = first + _TILES[kernel]
+    if kernel == "replay" and not whole_rows and cache_len <= SHORT_CACHE_MAX_LEN:
+        rows = rows[:-1] + (_SHORT_CACHE_LAST_REPLAY,)
+    return rows, whole_rows
 
 
 def table_entries(
     kernel: str, gate: str = "gdn", state_dtype=jnp.float32
-) -> list[tuple[int, KernelConfig]]:
-    """`(smallest batch, KernelConfig)` of each distinct configuration `default_kernel_config`
-    returns for this kernel, gate and state dtype: every launch the table can make."""
-    entries, lowest = [], 1
-    for max_batch, _ in _table_rows(kernel, gate, state_dtype)[0]:
-        if max_batch >= lowest:  # not shadowed by the rows before it
-            config = default_kernel_config(lowest, kernel, gate, state_dtype)
-            if all(config != c for _, c in entries):
-                entries.append((lowest, config))
-            lowest = max_batch + 1
+) -> list[tuple[int, int, KernelConfig]]:
+    """`(smallest batch, cache length, KernelConfig)` of each distinct configuration
+    `default_kernel_config` returns for this kernel, gate and state dtype: every launch the
+    table can make, with a cache length that reaches it (the rows differ only between
+    L <= SHORT_CACHE_MAX_LEN and longer caches)."""
+    entries = []
+    for cache_len in (SHORT_CACHE_MAX_LEN, SHORT_CACHE_MAX_LEN + 1):
+        lowest = 1
+        for max_batch, _ in _table_rows(kernel, gate, state_dtype, cache_len)[0]:
+            if max_batch >= lowest:  # not shadowed by the rows before it
+                config = default_kernel_config(lowest, kernel, gate, state_dtype, cache_len)
+                if all(config != c for *_, c in entries):
+                    entries.append((lowest, cache_len, config))
+                lowest = max_batch + 1
     return entries
 
 
@@ -132,7 +156,7 @@ def layer_kernel_config(config: ReplayConfig, batch: int, kernel_config: KernelC
             raise ValueError(f"kernel_config must be a KernelConfig, got {type(kernel_config).__name__}")
         return kernel_config
     kernel = "plain" if config.cache_len == 1 else "replay"
-    return default_kernel_config(batch, kernel, config.gate, config.state_dtype)
+    return default_kernel_config(batch, kernel, config.gate, config.state_dtype, config.cache_len)
 
 
 def check_kernel_shapes(head_k_dim: int, head_v_dim: int) -> None:

@@ -35,7 +35,7 @@ def table_launches() -> set:
     from pallas_kernels import ops
 
     return {(kc, kernel, gate) for kernel in ("plain", "replay") for gate in ("gdn", "kda")
-            for dtype in (jnp.float32, jnp.bfloat16) for _, kc in ops.table_entries(kernel, gate, dtype)}
+            for dtype in (jnp.float32, jnp.bfloat16) for *_, kc in ops.table_entries(kernel, gate, dtype)}
 
 
 def exposed_kernel_configs() -> list:

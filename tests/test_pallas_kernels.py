@@ -130,7 +130,7 @@ TABLE_LAUNCHES = [
     (jnp.dtype(dtype).name, kernel, gate,
      dataclasses.replace(kc, column_chunk=kc.column_chunk * 32 // 128))
     for dtype in (jnp.float32, jnp.bfloat16) for kernel in ("plain", "replay") for gate in ("gdn", "kda")
-    for _, kc in ops.table_entries(kernel, gate, dtype)
+    for *_, kc in ops.table_entries(kernel, gate, dtype)
 ]
 
 
@@ -252,17 +252,20 @@ def test_tile_tables_cover_every_batch():
             assert kda.flush_every_step == (kernel == "replay" and batch <= 8)
             # KDA keeps whole rows in the replay kernels and in its small-batch plain entry,
             # and its own entries up to batch 8 (plain) or 16 (replay); above, the GDN entry
+            # of a long cache (from batch 257 GDN fp32 rebuilds at U = 1 for L <= 16, KDA
+            # and bf16 states at U = 2 whatever L: test_rebuild_unroll_follows_the_cache_length)
             whole = lambda c: dataclasses.replace(c, column_chunk=0)
+            long_cache = ops.default_kernel_config(batch, kernel, cache_len=ops.SHORT_CACHE_MAX_LEN + 1)
             assert kda.column_chunk == (kc.column_chunk if kernel == "plain" and batch > 8 else 0)
             if batch > (8 if kernel == "plain" else 16):
-                assert whole(kda) == whole(kc)
+                assert whole(kda) == whole(long_cache)
             elif kernel == "replay" and batch > 8:
                 assert (kda.block_v, kda.tiles_per_program) == (32, 2) != (kc.block_v, kc.tiles_per_program)
             # bf16 state: whole rows everywhere; the replay kernel takes KDA's entries at
             # batch 2-16, the rest is as for fp32 (batch 1: the folding kernel at BV 4)
             bf16 = ops.default_kernel_config(batch, kernel, "gdn", jnp.bfloat16)
             assert bf16.column_chunk == 0
-            assert bf16 == (kda if kernel == "replay" and 2 <= batch <= 16 else whole(kc))
+            assert bf16 == (kda if kernel == "replay" and 2 <= batch <= 16 else whole(long_cache))
     with pytest.raises(ValueError, match="kernel must be 'plain' or 'replay', got 'fold'"):
         ops.default_kernel_config(1, "fold")
     with pytest.raises(ValueError, match="gate must be one of"):
@@ -274,15 +277,41 @@ def test_tile_tables_cover_every_batch():
 @pytest.mark.parametrize("kernel", ["plain", "replay"])
 def test_table_entries_list_every_launch_once(kernel, gate, dtype):
     # What the CI compile test and kernel_registers.py iterate: every configuration some
-    # batch reaches, each once, with the smallest batch that reaches it.
+    # batch and cache length reach, each once, with the smallest batch that reaches it.
     entries = ops.table_entries(kernel, gate, dtype)
-    configs = [kc for _, kc in entries]
+    configs = [kc for *_, kc in entries]
     assert len(set(configs)) == len(configs)
-    for batch in range(1, 600):
-        assert ops.default_kernel_config(batch, kernel, gate, dtype) in configs
-    for batch, kc in entries:
-        assert ops.default_kernel_config(batch, kernel, gate, dtype) == kc
-        assert batch == 1 or ops.default_kernel_config(batch - 1, kernel, gate, dtype) != kc
+    for cache_len in (2, 4, ops.SHORT_CACHE_MAX_LEN, ops.SHORT_CACHE_MAX_LEN + 1, 64):
+        for batch in range(1, 600):
+            assert ops.default_kernel_config(batch, kernel, gate, dtype, cache_len) in configs
+    for batch, cache_len, kc in entries:
+        assert ops.default_kernel_config(batch, kernel, gate, dtype, cache_len) == kc
+        assert batch == 1 or ops.default_kernel_config(batch - 1, kernel, gate, dtype, cache_len) != kc
+
+
+def test_rebuild_unroll_follows_the_cache_length():
+    # From batch 257 GDN with a 4-byte state rebuilds one entry per round trip (U = 1) when
+    # L <= 16 and two above; KDA and bf16 states keep U = 2 (measured, ops.SHORT_CACHE_MAX_LEN).
+    # Below batch 257, and in the plain kernel, L plays no part.
+    short, long = ops.SHORT_CACHE_MAX_LEN, ops.SHORT_CACHE_MAX_LEN + 1
+    config = ops.default_kernel_config
+    for batch in (257, 512, 1 << 20):
+        assert config(batch, cache_len=2).rebuild_unroll == config(batch, cache_len=short).rebuild_unroll == 1
+        assert config(batch, cache_len=long).rebuild_unroll == config(batch, cache_len=64).rebuild_unroll == 2
+        assert dataclasses.replace(config(batch, cache_len=short), rebuild_unroll=2) == config(batch, cache_len=long)
+        for gate, dtype in (("kda", jnp.float32), ("gdn", jnp.bfloat16)):
+            assert config(batch, "replay", gate, dtype, short) == config(batch, "replay", gate, dtype, long)
+            assert config(batch, "replay", gate, dtype, short).rebuild_unroll == 2
+    for batch in (1, 6, 8, 64, 256):
+        assert config(batch, cache_len=short) == config(batch, cache_len=long)
+    for batch in (1, 512):
+        assert config(batch, "plain", cache_len=1) == config(batch, "plain", cache_len=long)
+    layer = ReplayConfig(16, 32, 128, 128, 16)
+    assert ops.layer_kernel_config(layer, 512, None) == config(512, cache_len=16)
+    assert ops.layer_kernel_config(dataclasses.replace(layer, cache_len=32), 512, None) == config(512, cache_len=32)
+    for bad in (0, -1, 2.0, True, None):
+        with pytest.raises(ValueError, match="cache_len must be an int >= 1"):
+            config(8, cache_len=bad)
 
 
 def test_layer_kernel_config_rejects_other_types():
