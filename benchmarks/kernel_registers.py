@@ -6,8 +6,15 @@ programs hold more registers keeps fewer of them, and fewer bytes, in flight per
 tool lowers a decode step for an abstract H200 (as `tests/test_pallas_kernels.py` does),
 takes the Triton IR that Pallas hands to XLA, compiles it with the `triton` package for
 sm_90a (the same Triton release as the GPU image, 3.6.0) and prints what `ptxas -v` reports.
-The GPU build runs XLA's own Triton pipeline, so counts can differ by a few registers;
-they track the measured runs (155 -> 128 for the grouped kernel's slot re-read).
+
+The GPU build runs XLA's own Triton pipeline and CUDA's ptxas, and its counts can differ
+by more than the occupancy steps (Nsight Compute's launch__registers_per_thread on the
+H200, v24c/v24d, against this tool): the B > 256 grouped entry 96 vs 128 (5 programs per SM,
+not 4), the B = 6-16 entry 128 vs 163, the folding kernel 62 vs 61 (BV 4) and 96 vs 89
+(BV 8); v24's two-loop rebuild moved the GPU build from 96 to 128 while this tool saw 128
+for both. Read the counts here as a static view of one kernel's variants, not as the
+occupancy the GPU runs at; for that, on the GPU:
+`ncu --metrics launch__registers_per_thread python benchmarks/experiments/v24c_registers.py 512 table`.
 
 Needs the `triton` extra (`pip install -e ".[triton]"`); runs on a CPU:
 
@@ -166,7 +173,7 @@ def main(argv=None) -> list[dict]:
         cases = [(512, kc, "replay") for kc in args.config]
     else:
         cases = [(batch, kc, kernel) for kernel in ("replay", "plain")
-                 for batch, kc in ops.table_entries(kernel, args.gate, dtype)]
+                 for batch, _, kc in ops.table_entries(kernel, args.gate, dtype)]
     rows = []
     print(f"{'kernel':7} {'B':>4} {'BV':>3} {'warps':>5} {'T':>2} {'U':>2} {'W':>3} {'regs':>5} {'spill B':>8} "
           f"{'shared B':>8} {'programs/SM':>11} {'shfl':>5} {'bar':>4} {'instr':>6}")
