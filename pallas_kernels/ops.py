@@ -23,7 +23,7 @@ from replayssm_jax.replay import StepPlan
 from replayssm_jax.state import ReplayState
 
 # Batch size -> launch configuration per kernel: `(max batch, KernelConfig)`, first match.
-# Measured on an H200 (benchmarks/results/raw/*v6*, *v8*, *v11*, *v14*-*v23c*: GDN
+# Measured on an H200 (benchmarks/results/raw/*v6*, *v8*, *v11*, *v14*-*v24d*: GDN
 # H_v = 32, L = 16; each batch takes the entry of the nearest measured one).
 # Plain kernel: narrow one-warp tiles (occupancy); `[4, 32]` column chunks at B <= 2 (v21:
 # 3.17 -> 3.01 us at B = 1 against `[8, 32]`); whole rows with the row index fastest at
@@ -34,9 +34,10 @@ from replayssm_jax.state import ReplayState
 # tile per program (v21b: the two tiles of a (32, 2 warps, T = 2) program side by side, half
 # the flush's dependent round trips: B = 8 cycle 10.5 -> 9.7 us, B = 16 20.1 -> 17.6); W = 32
 # chunks up to B = 64, W = 64 above (v21, v21b: B = 512 cycle 409 -> 390 us, B = 128 108.9
-# -> 105.3, but B = 32 30.2 -> 32.2), one program per (row, key head) from B = 257.
-# Unrolling the exact rebuild costs registers (U = 4 -> 2 in the grouped kernel: 146 -> 128
-# registers at T = 4, 3 -> 4 programs per SM; v8).
+# -> 105.3, but B = 32 30.2 -> 32.2), one program per (row, key head) from B = 257 (its
+# rebuild unroll depends on L: SHORT_CACHE_MAX_LEN below). Unrolling the exact rebuild
+# costs registers (v8: U = 4 -> 2 in the grouped kernel, 146 -> 128 registers at T = 4 by
+# kernel_registers.py, whose counts differ from the GPU build's: v24c).
 _TILES: dict[str, tuple[tuple[int, KernelConfig], ...]] = {
     "plain": (
         (2, KernelConfig(block_v=4, num_warps=1, column_chunk=32)),
