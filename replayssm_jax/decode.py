@@ -198,8 +198,9 @@ def decode_step(
         `g = -exp(A_log) softplus(a + dt_bias)`, `beta = sigmoid(b)` itself (inside the
         kernel on the pallas backend).
       kernel_config: a `pallas_kernels.common.KernelConfig` (tiles, warps, rebuild
-        precision) for the pallas backend; default: the per-batch-size table in
-        `pallas_kernels.ops`, which flushes every live row at every step at batch <= 5
+        precision) for the pallas backend; default: the table in `pallas_kernels.ops`
+        (per batch size, gate, state dtype and cache length), which flushes every live
+        row at every step at batch <= 5
         (<= 8 for KDA and 2-byte states) through the folding kernel (faster there than
         replay and than the plain kernel; see `KernelConfig`).
 
