@@ -200,9 +200,9 @@ def decode_step(
       kernel_config: a `pallas_kernels.common.KernelConfig` (tiles, warps, rebuild
         precision) for the pallas backend; default: the table in `pallas_kernels.ops`
         (per batch size, gate, state dtype and cache length), which flushes every live
-        row at every step at batch <= 5
-        (<= 8 for KDA and 2-byte states) through the folding kernel (faster there than
-        replay and than the plain kernel; see `KernelConfig`).
+        row at every step at batch <= 5 (<= 8 for KDA and 2-byte states) through the
+        folding kernel (faster there than replay and than the plain kernel; see
+        `KernelConfig`).
 
     Returns:
       `(y, new_state)`: y `[B, H_v, d_v]` in v's dtype, exactly 0 on padding rows.
