@@ -81,9 +81,7 @@ _TWO_BYTE_REPLAY_FIRST = (
 # caches keep U = 2 (L = 32: 410 -> 441 us with U = 1, its non-flush step 358 -> 394), and
 # so do bf16 states and KDA (v24c, B = 512, L = 16: 272 -> 279 and 656 -> 661 us with U = 1).
 SHORT_CACHE_MAX_LEN = 16
-_SHORT_CACHE_LAST_REPLAY = (
-    1 << 30, KernelConfig(block_v=32, num_warps=4, tiles_per_program=8, rebuild_unroll=1, column_chunk=64)
-)
+_SHORT_CACHE_REBUILD_UNROLL = 1
 
 
 def default_kernel_config(
@@ -126,7 +124,8 @@ def _table_rows(
         first = _TWO_BYTE_REPLAY_FIRST if two_byte else _WHOLE_ROW_REPLAY_FIRST
     rows = first + _TILES[kernel]
     if kernel == "replay" and not whole_rows and cache_len <= SHORT_CACHE_MAX_LEN:
-        rows = rows[:-1] + (_SHORT_CACHE_LAST_REPLAY,)
+        max_batch, last = rows[-1]
+        rows = rows[:-1] + ((max_batch, dataclasses.replace(last, rebuild_unroll=_SHORT_CACHE_REBUILD_UNROLL)),)
     return rows, whole_rows
 
 
