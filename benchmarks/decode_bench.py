@@ -460,6 +460,7 @@ def sweep_row(timer, shape, cfg, batch, bandwidth, smoke, configs) -> list[dict]
             block_v=kc.block_v, num_warps=kc.num_warps, cache_chunk=kc.cache_chunk,
             tiles_per_program=kc.tiles_per_program, rebuild_unroll=kc.rebuild_unroll,
             rebuild_precision=kc.rebuild_precision, flush_every_step=kc.flush_every_step,
+            empty_cache_branch=kc.empty_cache_branch,
             plain_block_v=kc_plain.block_v, plain_num_warps=kc_plain.num_warps,
             plain_us=plain_us, plain_bytes=plain_bytes,
             replay_nonflush_us=nf, replay_flush_us=fl, replay_cycle_us=cyc,

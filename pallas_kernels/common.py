@@ -72,6 +72,11 @@ class KernelConfig:
         recurrence on the checkpoint. Only `block_v` and `num_warps` apply then (the fold is
         exact fp32); `tiles_per_program` must be 0. The package's table sets it at small
         batch, where it measured faster than the replay cycle (H200, benchmarks/NOTES.md).
+      empty_cache_branch: the folding kernel (`flush_every_step`) gives rows whose
+        cache is empty (cursor 0: every step of a row after its first under such a plan)
+        a branch of their own without the fold loop, so their step compiles like the plain
+        kernel's. H200, fp32 state (v25): 3.17 -> 3.01 us at B = 1, 4.29 -> 4.07 at B = 2
+        (BV 4); slower at B = 5 (7.26 -> 8.5) and for a bf16 state at B = 1 (2.64 -> 2.75).
       column_chunk: W, the d_k columns of a state tile are handled as `[BV, W]` chunks
         (a power of two dividing d_k; 0: whole rows, one `[BV, d_k]` block). Triton lays
         a `[BV, 128]` fp32 block out with the 32 lanes of a warp along d_k, so each row
@@ -94,6 +99,7 @@ class KernelConfig:
     tiles_per_program: int = 0
     rebuild_unroll: int = 1
     flush_every_step: bool = False
+    empty_cache_branch: bool = False
     column_chunk: int = 0
     rows_outermost: bool = False
 
@@ -110,7 +116,7 @@ class KernelConfig:
             raise ValueError(
                 f"rebuild_unroll must be in 1..{MAX_REBUILD_UNROLL}, got {self.rebuild_unroll}"
             )
-        for name in ("flush_every_step", "rows_outermost"):
+        for name in ("flush_every_step", "empty_cache_branch", "rows_outermost"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.column_chunk < 0 or self.column_chunk & (self.column_chunk - 1):

@@ -60,7 +60,7 @@ def _fold_kernel(
     slot_ref, pos_ref, mode_ref, q_ref, k_ref, g_ref, beta_ref, v_ref, a_log_ref, dt_bias_ref,
     _ckpt_in, _u_in, _k_in, _g_in,
     y_ref, ckpt_ref, ucache_ref, kcache_ref, gcache_ref,
-    *, spec: TokenSpec, block_v: int, slices: tuple, rows_outermost: bool,
+    *, spec: TokenSpec, block_v: int, slices: tuple, rows_outermost: bool, empty_cache_branch: bool,
 ):
     b, h, tile = common.program_ids(rows_outermost)
     cols = pl.ds(tile * block_v, block_v)
@@ -79,17 +79,30 @@ def _fold_kernel(
         v = v_ref[b, h, cols].astype(jnp.float32)
         s_c = common.load_chunks(ckpt_ref, (slot, h, cols), slices)
         cache_refs = (ucache_ref, kcache_ref, gcache_ref)
-        live = fold_cache(spec, cache_refs, slot, h, cols, slices, pos, s_c)
-        y, u, new = common.delta_rule_step(live, qs, ks, v, g, beta)
-        y_ref[b, h, cols] = y.astype(y_ref.dtype)
 
-        @pl.when(mode == common.MODE_FLUSH)
-        def _flush():
-            common.store_chunks(ckpt_ref, (slot, h, cols), slices, new)
+        def token_step(live):
+            y, u, new = common.delta_rule_step(live, qs, ks, v, g, beta)
+            y_ref[b, h, cols] = y.astype(y_ref.dtype)
 
-        @pl.when(mode == common.MODE_APPEND)
-        def _append():
-            append_entry(spec, cache_refs, slot, h, tile, cols, slices, pos, u, g, ks)
+            @pl.when(mode == common.MODE_FLUSH)
+            def _flush():
+                common.store_chunks(ckpt_ref, (slot, h, cols), slices, new)
+
+            @pl.when(mode == common.MODE_APPEND)
+            def _append():
+                append_entry(spec, cache_refs, slot, h, tile, cols, slices, pos, u, g, ks)
+
+        if not empty_cache_branch:
+            token_step(fold_cache(spec, cache_refs, slot, h, cols, slices, pos, s_c))
+            return
+
+        @pl.when(pos == 0)
+        def _checkpoint_is_live():
+            token_step(s_c)
+
+        @pl.when(pos != 0)
+        def _fold_then_step():
+            token_step(fold_cache(spec, cache_refs, slot, h, cols, slices, pos, s_c))
 
 
 def fold_decode(
@@ -115,7 +128,7 @@ def fold_decode(
     """One ReplaySSM decode step of one layer through the live state (see module docstring).
 
     Same arguments and results as `replay_decode`. From `config` only `block_v`,
-    `num_warps`, `column_chunk` and `rows_outermost` apply: the fold is exact fp32 whatever
+    `num_warps`, `column_chunk`, `rows_outermost` and `empty_cache_branch` apply: the fold is exact fp32 whatever
     `rebuild_precision` says.
 
     Returns:
@@ -131,6 +144,7 @@ def fold_decode(
     kernel = functools.partial(
         _fold_kernel, spec=spec, block_v=config.block_v,
         slices=config.column_slices(q.shape[2]), rows_outermost=config.rows_outermost,
+        empty_cache_branch=config.empty_cache_branch,
     )
     return common.decode_call(
         kernel,

@@ -30,7 +30,9 @@ from replayssm_jax.state import ReplayState
 # B = 3-16 (at B = 8 both chunks and the reversed grid cost 10-15%, v14, v15); from B = 17
 # `[16, 16]` chunks and the row index outermost (v15: 588 -> 538 us at B = 512).
 # Replay: at B <= 5 flushing every step through the folding kernel beat the replay cycle
-# (v11, v21b, v23b; BV 4 at B = 1). From B = 6 the grouped kernel: at B <= 16 one `[64, d_k]`
+# (v11, v21b, v23b); at B <= 2 with BV 4 and its empty-cache branch (v25: B = 1 3.17 ->
+# 3.01 us, level with the plain kernel; B = 2 4.29 -> 4.07, 1.02x; the branch costs B = 5
+# 7.26 -> 8.5). From B = 6 the grouped kernel: at B <= 16 one `[64, d_k]`
 # tile per program (v21b: the two tiles of a (32, 2 warps, T = 2) program side by side, half
 # the flush's dependent round trips: B = 8 cycle 10.5 -> 9.7 us, B = 16 20.1 -> 17.6); W = 32
 # chunks up to B = 64, W = 64 above (v21, v21b: B = 512 cycle 409 -> 390 us, B = 128 108.9
@@ -46,7 +48,7 @@ _TILES: dict[str, tuple[tuple[int, KernelConfig], ...]] = {
         (1 << 30, KernelConfig(block_v=16, num_warps=1, column_chunk=16, rows_outermost=True)),
     ),
     "replay": (
-        (1, KernelConfig(block_v=4, num_warps=1, flush_every_step=True)),
+        (2, KernelConfig(block_v=4, num_warps=1, flush_every_step=True, empty_cache_branch=True)),
         (5, KernelConfig(block_v=8, num_warps=1, flush_every_step=True)),
         (16, KernelConfig(block_v=64, num_warps=4, tiles_per_program=1, rebuild_unroll=2, column_chunk=32)),
         (64, KernelConfig(block_v=32, num_warps=4, tiles_per_program=4, rebuild_unroll=2, column_chunk=32)),

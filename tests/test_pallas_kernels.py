@@ -103,6 +103,9 @@ LAYOUTS = {
     "grouped_bv32_t2": KernelConfig(block_v=32, num_warps=4, tiles_per_program=2),
     # the folding kernel under the natural plan: appends and flushes at every cursor
     "fold_bv8": KernelConfig(block_v=8, num_warps=1, flush_every_step=True),
+    # ... with rows at cursor 0 on a branch of their own
+    "fold_bv8_empty_cache_branch": KernelConfig(block_v=8, num_warps=1, flush_every_step=True,
+                                                empty_cache_branch=True),
     # column chunks (d_k = 32: four of 8, two of 16) and grids launched rows outermost; the
     # per-tile kernel works on whole rows whatever column_chunk says
     "grouped_t1_w8": KernelConfig(block_v=16, num_warps=2, tiles_per_program=1, rebuild_unroll=2,
@@ -182,7 +185,8 @@ def test_plain_kernel_and_bf16_state(rng, gate):
                           # states on whole rows; a user's config may not)
                           KernelConfig(block_v=16, tiles_per_program=2, rebuild_unroll=4, column_chunk=16,
                                        rows_outermost=True),
-                          KernelConfig(block_v=16, num_warps=1, flush_every_step=True, column_chunk=8)):
+                          KernelConfig(block_v=16, num_warps=1, flush_every_step=True, column_chunk=8),
+                          KernelConfig(block_v=16, num_warps=1, flush_every_step=True, empty_cache_branch=True)):
         _compare_backends(rng, _config(gate, 7, jnp.bfloat16), kernel_config, BF16_STATE_BOUND)
 
 
@@ -203,6 +207,7 @@ def test_plain_kernel_and_bf16_state(rng, gate):
         (dict(column_chunk=12), "column_chunk must be 0 or a power of two"),
         (dict(column_chunk=-2), "column_chunk must be 0 or a power of two"),
         (dict(rows_outermost=1), "rows_outermost must be a bool"),
+        (dict(flush_every_step=True, empty_cache_branch=1), "empty_cache_branch must be a bool"),
         (dict(column_chunk=8, rebuild_precision="bf16"), "needs column_chunk 0 or >= 16"),
     ],
 )
@@ -244,12 +249,15 @@ def test_tile_tables_cover_every_batch():
             assert isinstance(kc, KernelConfig)
             if kernel == "plain":
                 assert kc.tiles_per_program == 0
-            # Only the replay kernel at batch <= 5 flushes every step (measured, ops._TILES).
+            # Only the replay kernel at batch <= 5 flushes every step (measured, ops._TILES),
+            # at batch <= 2 with the empty-cache branch (GDN with a 4-byte state only).
             assert kc.flush_every_step == (kernel == "replay" and batch <= 5)
+            assert kc.empty_cache_branch == (kernel == "replay" and batch <= 2)
             # KDA: the folding kernel up to batch 8 and the plain kernel's BV 8 up to batch 8
             # (ops._WHOLE_ROW_REPLAY_FIRST, ops._KDA_PLAIN_FIRST).
             kda = ops.default_kernel_config(batch, kernel, "kda")
             assert kda.flush_every_step == (kernel == "replay" and batch <= 8)
+            assert not kda.empty_cache_branch
             # KDA keeps whole rows in the replay kernels and in its small-batch plain entry,
             # and its own entries up to batch 8 (plain) or 16 (replay); above, the GDN entry
             # of a long cache (from batch 257 GDN fp32 rebuilds at U = 1 for L <= 16, KDA
@@ -262,10 +270,12 @@ def test_tile_tables_cover_every_batch():
             elif kernel == "replay" and batch > 8:
                 assert (kda.block_v, kda.tiles_per_program) == (32, 2) != (kc.block_v, kc.tiles_per_program)
             # bf16 state: whole rows everywhere; the replay kernel takes KDA's entries at
-            # batch 2-16, the rest is as for fp32 (batch 1: the folding kernel at BV 4)
+            # batch 2-16, the rest is as for fp32 (batch 1: the folding kernel at BV 4, without
+            # the empty-cache branch, which measured slower for a bf16 state)
             bf16 = ops.default_kernel_config(batch, kernel, "gdn", jnp.bfloat16)
-            assert bf16.column_chunk == 0
-            assert bf16 == (kda if kernel == "replay" and 2 <= batch <= 16 else whole(long_cache))
+            assert bf16.column_chunk == 0 and not bf16.empty_cache_branch
+            fp32 = dataclasses.replace(whole(long_cache), empty_cache_branch=False)
+            assert bf16 == (kda if kernel == "replay" and 2 <= batch <= 16 else fp32)
     with pytest.raises(ValueError, match="kernel must be 'plain' or 'replay', got 'fold'"):
         ops.default_kernel_config(1, "fold")
     with pytest.raises(ValueError, match="gate must be one of"):
