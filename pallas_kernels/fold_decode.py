@@ -20,10 +20,11 @@ Its cost grows with `pos` (one FMA per tile element and cached entry, every step
 is meant for plans that flush every live row (`KernelConfig.flush_every_step`): a row's
 cached entries are folded in on its first step, its cursor returns to 0, and from then on
 each step is the plain recurrence on the checkpoint (read and write the tile once) with no
-cache traffic. With `KernelConfig.empty_cache_branch` a row at cursor 0 takes a branch with
-its own copy of the token step and no fold loop (the loop, even when it runs no
-iteration, cost the step 0.13-0.16 us at B = 1 on the H200, v25b). At small batch, where the replay kernels' reads and the plain kernel's
+cache traffic. At small batch, where the replay kernels' reads and the plain kernel's
 reads cost the same latency, that beats the replay cycle (benchmarks/NOTES.md, v11, v20).
+With `KernelConfig.empty_cache_branch` a row at cursor 0 takes a branch with its own copy
+of the token step and no fold loop (the loop, even when it ran no iteration, cost the step
+0.13-0.16 us at B = 1 on the H200, v25b).
 """
 
 from __future__ import annotations
