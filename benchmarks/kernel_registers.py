@@ -12,9 +12,11 @@ by more than the occupancy steps (Nsight Compute's launch__registers_per_thread 
 H200, v24c/v24d, against this tool): the B > 256 grouped entry 96 vs 128 (5 programs per SM,
 not 4), the B = 6-16 entry 128 vs 163, the folding kernel 62 vs 61 (BV 4) and 96 vs 89
 (BV 8); v24's two-loop rebuild moved the GPU build from 96 to 128 while this tool saw 128
-for both. Read the counts here as a static view of one kernel's variants, not as the
-occupancy the GPU runs at; for that, on the GPU:
-`ncu --metrics launch__registers_per_thread python benchmarks/experiments/v24c_registers.py 512 table`.
+for both; benchmarks/NOTES.md (Occupancy) lists both counts for every table entry (v25f:
+off by -45 to +34). Read the counts here as a static view of one kernel's variants, not as
+the occupancy the GPU runs at; for that, on the GPU, every table launch at once:
+`ncu --kernel-name regex:'replayssm|plain_decode' --metrics launch__registers_per_thread
+python benchmarks/experiments/v25f_registers.py`.
 
 Needs the `triton` extra (`pip install -e ".[triton]"`); runs on a CPU:
 
