@@ -267,7 +267,8 @@ def check_section(smoke: bool) -> list[dict]:
     package's configuration at large batch), "grouped_one_tile" (its configuration at
     B = 6-16: one `[64, d_k]` tile per program), "per_tile" (`replay_decode` walking the cache
     in two chunks, the exact rebuild 8 entries per round trip), "fold" (`fold_decode`, the
-    package's configuration at small batch; "fold_two_byte" its bf16-state one) or "plain"
+    package's configuration at small batch; "fold_two_byte" its bf16-state one; "fold_kda"
+    KDA's at large batch: the plain kernel's tile, empty-cache branch) or "plain"
     (L = 1: the plain kernel with the package's large-batch configuration), under one of
     three plans: "replay" (flush when the cache is full, or forced), "every_step" (every
     live row flushes, as the package does with "fold") and "fold_natural" ("fold" under the
@@ -289,13 +290,16 @@ def check_section(smoke: bool) -> list[dict]:
         ("gdn", 16, jnp.float32, "ieee", False, "fold", "every_step"),
         ("kda", 13, jnp.float32, "ieee", True, "fold", "fold_natural"),
         ("gdn", 16, jnp.bfloat16, "ieee", False, "fold_two_byte", "every_step"),
+        ("kda", 16, jnp.float32, "ieee", True, "fold_kda", "every_step"),
+        ("kda", 13, jnp.float32, "ieee", False, "fold_kda", "fold_natural"),
     ]
     layouts = {"grouped": default_kernel_config(512), "grouped_one_tile": default_kernel_config(8),
                "per_tile": CHECK_PER_TILE, "fold": default_kernel_config(1),
                "fold_two_byte": default_kernel_config(1, "replay", "gdn", jnp.bfloat16),
+               "fold_kda": default_kernel_config(512, "replay", "kda"),
                "plain": default_kernel_config(512, "plain")}
     if smoke:  # two grouped and the two fp32 folding cases (fp32 tolerances in the smoke test)
-        cases = cases[:2] + cases[-3:-1]
+        cases = cases[:2] + cases[-5:-3]
     for gate, L, dtype, precision, raw, layout, plan_kind in cases:
         hk, hv, dk, dv = dims
         cfg = R.ReplayConfig(hk, hv, dk, dv, L, gate=gate, state_dtype=dtype, cache_dtype=dtype)

@@ -62,19 +62,26 @@ _TILES: dict[str, tuple[tuple[int, KernelConfig], ...]] = {
 # 13.5-13.7, folding kernel BV 8 11.6, replay cycle 13.7. These plain entries come first
 # for KDA.
 _KDA_PLAIN_FIRST = ((8, KernelConfig(block_v=8, num_warps=1, cache_chunk=8)),)
-# Replay entries that come first for KDA and for 2-byte states, which keep whole rows:
-# the folding kernel up to B = 8 (KDA: above; bf16 state at B = 8, v22b: 7.5 us against 8.5
-# for the (32, 2, T = 2) grouped entry, plain 6.3; the `[64, d_k]` entry measured 9.4 in
-# v22), and at B = 9-16 the grouped entry measured before v21 (the `[64, d_k]` tiles were
-# measured for a GDN fp32 state only). A 2-byte state folds at BV 4 at B = 1 (v23c: 2.66-2.69
-# us against 3.01 at BV 8, plain 2.62).
-_WHOLE_ROW_REPLAY_FIRST = (
+# Replay entries that come first for 2-byte states, which keep whole rows: the folding
+# kernel at BV 4 at B = 1 (v23c: 2.66-2.69 us against 3.01 at BV 8, plain 2.62) and at BV 8
+# up to B = 8 (v22b: 7.5 us against 8.5 for the (32, 2, T = 2) grouped entry, plain 6.3; the
+# `[64, d_k]` entry measured 9.4 in v22), and at B = 9-16 the grouped entry measured before
+# v21 (the `[64, d_k]` tiles were measured for a GDN fp32 state only).
+_TWO_BYTE_REPLAY_FIRST = (
+    (1, KernelConfig(block_v=4, num_warps=1, flush_every_step=True)),
     (8, KernelConfig(block_v=8, num_warps=1, flush_every_step=True)),
     (16, KernelConfig(block_v=32, num_warps=2, tiles_per_program=2, rebuild_unroll=4)),
 )
-_TWO_BYTE_REPLAY_FIRST = (
-    (1, KernelConfig(block_v=4, num_warps=1, flush_every_step=True)),
-) + _WHOLE_ROW_REPLAY_FIRST
+# KDA with a 4-byte state flushes every step at every batch: its replay cycle, whose grouped
+# kernel holds 168 registers per thread (3 programs per SM, v25f), measured 0.82-0.89x the
+# plain kernel at B = 32-512 (v27: 50.2 / 172.4 / 656.5 us against 41.0 / 150.3 / 585.9),
+# the folding kernel on the plain kernel's large-batch tile with the empty-cache branch
+# 1.00-1.05x (39.2 / 147.9 / 583.1 us); at B <= 8 on BV 8 whole rows (above).
+_KDA_REPLAY = (
+    (8, KernelConfig(block_v=8, num_warps=1, flush_every_step=True)),
+    (1 << 30, KernelConfig(block_v=16, num_warps=1, flush_every_step=True, empty_cache_branch=True,
+                           column_chunk=16, rows_outermost=True)),
+)
 
 
 # The B > 256 entry rebuilds one entry per round trip (U = 1) for GDN with a 4-byte state
@@ -94,11 +101,13 @@ def default_kernel_config(
     the "plain" or "replay" kernel. Column chunks apply to 4-byte states only: with a bf16
     state a thread's share of a whole row is 8 elements and the chunked kernels measured
     slower (v14, v15: plain kernel at B = 512 296 -> 332 us; ptxas: 117 -> 167 registers
-    in the grouped kernel). KDA's replay kernels keep whole rows too: chunked, the grouped
-    kernel's per-channel weights and keys take it from 164 to 228 registers per thread
-    (2 programs per SM instead of 3). Both take their own replay entries up to B = 16 (the
-    folding kernel up to B = 8), and KDA its own plain entry up to B = 8. `cache_len` (the
-    layer's L) picks the rebuild unroll of the B > 256 entry (above)."""
+    in the grouped kernel). KDA's grouped kernel keeps whole rows too: chunked, its
+    per-channel weights and keys take it from 164 to 228 registers per thread (2 programs
+    per SM instead of 3). 2-byte states take their own replay entries up to B = 16 (the
+    folding kernel up to B = 8); KDA with a 4-byte state flushes every step through the
+    folding kernel at every batch (`_KDA_REPLAY`), and takes its own plain entry up to
+    B = 8. `cache_len` (the layer's L) picks the rebuild unroll of the B > 256 entry
+    (above)."""
     rows, whole_rows = _table_rows(kernel, gate, state_dtype, cache_len)
     config = next(config for max_batch, config in rows if batch <= max_batch)
     if whole_rows:
@@ -118,12 +127,14 @@ def _table_rows(
     if isinstance(cache_len, bool) or not isinstance(cache_len, int) or cache_len < 1:
         raise ValueError(f"cache_len must be an int >= 1, got {cache_len!r}")
     two_byte = jnp.dtype(state_dtype).itemsize < 4
-    whole_rows = two_byte or (gate == "kda" and kernel == "replay")
+    if kernel == "replay" and gate == "kda" and not two_byte:
+        return _KDA_REPLAY, False
+    whole_rows = two_byte
     first = ()
     if kernel == "plain" and gate == "kda":
         first = _KDA_PLAIN_FIRST
-    elif kernel == "replay" and whole_rows:
-        first = _TWO_BYTE_REPLAY_FIRST if two_byte else _WHOLE_ROW_REPLAY_FIRST
+    elif kernel == "replay" and two_byte:
+        first = _TWO_BYTE_REPLAY_FIRST
     rows = first + _TILES[kernel]
     if kernel == "replay" and not whole_rows and cache_len <= SHORT_CACHE_MAX_LEN:
         max_batch, last = rows[-1]

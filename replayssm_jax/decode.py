@@ -116,8 +116,8 @@ def step_plan(
 
     The pallas backend's configuration can ask for a flush of every live row
     (`KernelConfig.flush_every_step`, set by the package's table at batch <= 5, <= 8 for
-    KDA and 2-byte states); the plan then says so, and `advance_write_pos` keeps the
-    cursors consistent.
+    2-byte states, and at every batch for KDA with a 4-byte state); the plan then says
+    so, and `advance_write_pos` keeps the cursors consistent.
     """
     if backend == "pallas":
         kernel_config = pallas_ops.layer_kernel_config(config, jnp.shape(slots)[0], kernel_config)
@@ -200,9 +200,9 @@ def decode_step(
       kernel_config: a `pallas_kernels.common.KernelConfig` (tiles, warps, rebuild
         precision) for the pallas backend; default: the table in `pallas_kernels.ops`
         (per batch size, gate, state dtype and cache length), which flushes every live
-        row at every step at batch <= 5 (<= 8 for KDA and 2-byte states) through the
-        folding kernel (faster there than replay and than the plain kernel; see
-        `KernelConfig`).
+        row at every step at batch <= 5 (<= 8 for 2-byte states, every batch for KDA with
+        a 4-byte state) through the folding kernel (faster there than replay and than the
+        plain kernel; see `KernelConfig`).
 
     Returns:
       `(y, new_state)`: y `[B, H_v, d_v]` in v's dtype, exactly 0 on padding rows.

@@ -253,29 +253,39 @@ def test_tile_tables_cover_every_batch():
             # at batch <= 2 with the empty-cache branch (GDN with a 4-byte state only).
             assert kc.flush_every_step == (kernel == "replay" and batch <= 5)
             assert kc.empty_cache_branch == (kernel == "replay" and batch <= 2)
-            # KDA: the folding kernel up to batch 8 and the plain kernel's BV 8 up to batch 8
-            # (ops._WHOLE_ROW_REPLAY_FIRST, ops._KDA_PLAIN_FIRST).
-            kda = ops.default_kernel_config(batch, kernel, "kda")
-            assert kda.flush_every_step == (kernel == "replay" and batch <= 8)
-            assert not kda.empty_cache_branch
-            # KDA keeps whole rows in the replay kernels and in its small-batch plain entry,
-            # and its own entries up to batch 8 (plain) or 16 (replay); above, the GDN entry
-            # of a long cache (from batch 257 GDN fp32 rebuilds at U = 1 for L <= 16, KDA
-            # and bf16 states at U = 2 whatever L: test_rebuild_unroll_follows_the_cache_length)
             whole = lambda c: dataclasses.replace(c, column_chunk=0)
             long_cache = ops.default_kernel_config(batch, kernel, cache_len=ops.SHORT_CACHE_MAX_LEN + 1)
-            assert kda.column_chunk == (kc.column_chunk if kernel == "plain" and batch > 8 else 0)
-            if batch > (8 if kernel == "plain" else 16):
-                assert whole(kda) == whole(long_cache)
-            elif kernel == "replay" and batch > 8:
-                assert (kda.block_v, kda.tiles_per_program) == (32, 2) != (kc.block_v, kc.tiles_per_program)
-            # bf16 state: whole rows everywhere; the replay kernel takes KDA's entries at
-            # batch 2-16, the rest is as for fp32 (batch 1: the folding kernel at BV 4, without
-            # the empty-cache branch, which measured slower for a bf16 state)
-            bf16 = ops.default_kernel_config(batch, kernel, "gdn", jnp.bfloat16)
-            assert bf16.column_chunk == 0 and not bf16.empty_cache_branch
-            fp32 = dataclasses.replace(whole(long_cache), empty_cache_branch=False)
-            assert bf16 == (kda if kernel == "replay" and 2 <= batch <= 16 else fp32)
+            # KDA (4-byte state): the plain kernel's BV 8 on whole rows up to batch 8, then the
+            # GDN entries (ops._KDA_PLAIN_FIRST); the replay kernel flushes every step at every
+            # batch through the folding kernel (ops._KDA_REPLAY): BV 8 on whole rows up to
+            # batch 8, above on the plain kernel's large-batch tile with the empty-cache branch.
+            kda = ops.default_kernel_config(batch, kernel, "kda")
+            if kernel == "plain":
+                assert not kda.flush_every_step
+                assert kda == (KernelConfig(block_v=8, num_warps=1, cache_chunk=8) if batch <= 8 else kc)
+            else:
+                assert kda.flush_every_step and kda.tiles_per_program == 0
+                plain_tile = ops.default_kernel_config(1 << 20, "plain")
+                assert (kda.block_v, kda.column_chunk, kda.rows_outermost, kda.empty_cache_branch) == (
+                    (8, 0, False, False) if batch <= 8 else
+                    (plain_tile.block_v, plain_tile.column_chunk, plain_tile.rows_outermost, True))
+            # bf16 state: whole rows everywhere; the replay kernel takes its own entries up to
+            # batch 16 (the folding kernel at BV 4 at batch 1, without the empty-cache branch,
+            # which measured slower for a bf16 state; BV 8 up to batch 8; (32, 2 warps, T = 2)
+            # at batch 9-16), the rest is as for fp32 with a long cache (from batch 257 GDN fp32
+            # rebuilds at U = 1 for L <= 16, bf16 states at U = 2 whatever L:
+            # test_rebuild_unroll_follows_the_cache_length); KDA with a bf16 state alike.
+            for gate in ("gdn", "kda"):
+                bf16 = ops.default_kernel_config(batch, kernel, gate, jnp.bfloat16)
+                assert bf16.column_chunk == 0 and not bf16.empty_cache_branch
+                if kernel == "plain":
+                    assert whole(bf16) == whole(kda if gate == "kda" else kc)
+                elif batch <= 16:
+                    assert bf16.flush_every_step == (batch <= 8)
+                    assert (bf16.block_v, bf16.tiles_per_program) == (
+                        (4, 0) if batch == 1 else (8, 0) if batch <= 8 else (32, 2))
+                else:
+                    assert bf16 == whole(long_cache)
     with pytest.raises(ValueError, match="kernel must be 'plain' or 'replay', got 'fold'"):
         ops.default_kernel_config(1, "fold")
     with pytest.raises(ValueError, match="gate must be one of"):
@@ -301,17 +311,19 @@ def test_table_entries_list_every_launch_once(kernel, gate, dtype):
 
 def test_rebuild_unroll_follows_the_cache_length():
     # From batch 257 GDN with a 4-byte state rebuilds one entry per round trip (U = 1) when
-    # L <= 16 and two above; KDA and bf16 states keep U = 2 (measured, ops.SHORT_CACHE_MAX_LEN).
-    # Below batch 257, and in the plain kernel, L plays no part.
+    # L <= 16 and two above; bf16 states keep U = 2 (measured, ops.SHORT_CACHE_MAX_LEN), and
+    # KDA with a 4-byte state, which flushes every step (no rebuild), ignores L. Below batch
+    # 257, and in the plain kernel, L plays no part.
     short, long = ops.SHORT_CACHE_MAX_LEN, ops.SHORT_CACHE_MAX_LEN + 1
     config = ops.default_kernel_config
     for batch in (257, 512, 1 << 20):
         assert config(batch, cache_len=2).rebuild_unroll == config(batch, cache_len=short).rebuild_unroll == 1
         assert config(batch, cache_len=long).rebuild_unroll == config(batch, cache_len=64).rebuild_unroll == 2
         assert dataclasses.replace(config(batch, cache_len=short), rebuild_unroll=2) == config(batch, cache_len=long)
-        for gate, dtype in (("kda", jnp.float32), ("gdn", jnp.bfloat16)):
+        for gate, dtype in (("kda", jnp.float32), ("gdn", jnp.bfloat16), ("kda", jnp.bfloat16)):
             assert config(batch, "replay", gate, dtype, short) == config(batch, "replay", gate, dtype, long)
-            assert config(batch, "replay", gate, dtype, short).rebuild_unroll == 2
+            kc = config(batch, "replay", gate, dtype, short)
+            assert kc.flush_every_step if dtype == jnp.float32 else kc.rebuild_unroll == 2
     for batch in (1, 6, 8, 64, 256):
         assert config(batch, cache_len=short) == config(batch, cache_len=long)
     for batch in (1, 512):
