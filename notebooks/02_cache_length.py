@@ -378,8 +378,9 @@ for b in bars if bars else []:
 # (b) shows the fraction of its byte floor each kernel reaches.
 #
 # The package's launch table answers the smallest batches with a fallback: at batch <= 5
-# (KDA and 2-byte states: <= 8) the step flushes every live row (`KernelConfig.flush_every_step`), the plain
-# recurrence run by the folding kernel, which measured faster there than the replay cycle.
+# (2-byte states: <= 8; KDA with a 4-byte state: every batch) the step flushes every live row
+# (`KernelConfig.flush_every_step`), the plain recurrence run by the folding kernel, which
+# measured faster there than the replay cycle.
 # Rows measured that way carry `flush_every_step: true`; they are the fallback's speed, not
 # the cache's, and the break-even list below leaves them out.
 
