@@ -25,23 +25,24 @@ from replayssm_jax import (
     materialize_state,
     recurrent_reference,
 )
+from replayssm_jax.decode import step_plan
 
 STATE_FIELDS = ("checkpoint", "u_cache", "k_cache", "g_cache", "write_pos")
 
 
 def table_launches() -> set:
-    """`(KernelConfig, kernel, gate)` of every entry of the pallas backend's launch tables
-    (`ops.table_entries`; fp32 and bf16 states)."""
+    """`(KernelConfig, kernel, gate, state dtype)` of every entry of the pallas backend's
+    launch tables (`ops.table_entries`; fp32 and bf16 states)."""
     from pallas_kernels import ops
 
-    return {(kc, kernel, gate) for kernel in ("plain", "replay") for gate in ("gdn", "kda")
+    return {(kc, kernel, gate, jnp.dtype(dtype)) for kernel in ("plain", "replay") for gate in ("gdn", "kda")
             for dtype in (jnp.float32, jnp.bfloat16) for *_, kc in ops.table_entries(kernel, gate, dtype)}
 
 
 def exposed_kernel_configs() -> list:
     """Every launch configuration of the pallas backend's tables, each with every rebuild
     precision it admits (what a user reaches from `default_kernel_config`)."""
-    table = {kc for kc, _, _ in table_launches()}
+    table = {kc for kc, *_ in table_launches()}
     out = set()
     for kc, precision in itertools.product(table, ("ieee", "tf32", "bf16")):
         if precision == "ieee" or min(kc.block_v, kc.cache_chunk) >= 16:
@@ -197,6 +198,7 @@ class RunReport:
     natural_flushes: int = 0
     forced_flushes: int = 0
     tokens: int = 0
+    flush_every_step: bool = False  # the step's plan flushed every live row (pallas table)
 
 
 def _row_inputs(
@@ -249,11 +251,13 @@ def run_schedule(
     backend: str,
     use_qk_l2norm: bool = True,
     scale: float | None = None,
+    kernel_config=None,
 ) -> RunReport:
     """Drive `decode_step` (jitted, state donated) through `schedule`, checking every step.
 
     Exact invariants are asserted here: padding rows output exactly 0; `write_pos` follows
-    the host model (flush when the cursor is L-1 or forced, then 0, else +1); slots no row
+    the host model (flush when the cursor is L-1 or forced, or at every step where the
+    pallas backend's launch configuration flushes every live row, then 0, else +1); slots no row
     names are unchanged bit for bit; non-flushing rows keep their checkpoint and valid cache
     entries. Errors against `recurrent_reference` (run per sequence on `tokens [S, T, ...]`
     from `checkpoint0[seq_slots]`) are returned for the caller to bound: each active row's
@@ -266,12 +270,14 @@ def run_schedule(
     )
     ref_y, ref_states = np.asarray(ref_y), np.asarray(ref_states)
     init = checkpoint0[schedule.seq_slots].astype(np.float32)
-    step = donated_step(backend, use_qk_l2norm=use_qk_l2norm, scale=scale)
+    step = donated_step(backend, use_qk_l2norm=use_qk_l2norm, scale=scale, kernel_config=kernel_config)
     state = init_state(config, schedule.num_slots, jnp.asarray(checkpoint0))
     num_seqs, length = schedule.seq_slots.size, config.cache_len
     done = np.zeros(num_seqs, int)
     write_pos = np.zeros(schedule.num_slots, int)
-    report = RunReport()
+    _, launch = step_plan(config, state.write_pos, jnp.zeros(schedule.rows.shape[1], jnp.int32), None,
+                          backend=backend, kernel_config=kernel_config)
+    report = RunReport(flush_every_step=launch is not None and launch.flush_every_step)
     for t in range(schedule.steps):
         rows, force = schedule.rows[t], schedule.force[t]
         active = rows >= 0
@@ -280,7 +286,7 @@ def run_schedule(
         inputs = _row_inputs(rng, config, tokens, rows, done)
         pos = write_pos[slots[active]]
         natural = pos == length - 1
-        flush = natural | force[active]
+        flush = natural | force[active] | report.flush_every_step
         before = snapshot(state)
         y, state = step(state, *map(jnp.asarray, inputs.astuple()),
                         jnp.asarray(slots, jnp.int32), jnp.asarray(force))
