@@ -76,7 +76,8 @@ _TWO_BYTE_REPLAY_FIRST = (
 # kernel holds 168 registers per thread (3 programs per SM, v25f), measured 0.82-0.89x the
 # plain kernel at B = 32-512 (v27: 50.2 / 172.4 / 656.5 us against 41.0 / 150.3 / 585.9),
 # the folding kernel on the plain kernel's large-batch tile with the empty-cache branch
-# 1.00-1.05x (39.2 / 147.9 / 583.1 us); at B <= 8 on BV 8 whole rows (above).
+# 1.00-1.05x (39.2 / 147.9 / 583.1 us); at B = 12 / 16 1.07 / 1.12x against the former
+# (32, 2, T = 2) replay entry's 0.69 / 0.88x (v27b); at B <= 8 on BV 8 whole rows (above).
 _KDA_REPLAY = (
     (8, KernelConfig(block_v=8, num_warps=1, flush_every_step=True)),
     (1 << 30, KernelConfig(block_v=16, num_warps=1, flush_every_step=True, empty_cache_branch=True,
