@@ -89,7 +89,8 @@ _KDA_REPLAY = (
 # and a cache of at most SHORT_CACHE_MAX_LEN entries (v24d, B = 512, cycle U = 2 -> 1: L = 4
 # 417 -> 405, L = 8 394 -> 381, L = 16 391 -> 384 us; B = 300, L = 16: 235 -> 231). Longer
 # caches keep U = 2 (L = 32: 410 -> 441 us with U = 1, its non-flush step 358 -> 394), and
-# so do bf16 states and KDA (v24c, B = 512, L = 16: 272 -> 279 and 656 -> 661 us with U = 1).
+# so do bf16 states (v24c, B = 512, L = 16: 272 -> 279 us with U = 1; KDA's replay cycle
+# 656 -> 661, though KDA with a 4-byte state no longer replays: _KDA_REPLAY).
 SHORT_CACHE_MAX_LEN = 16
 _SHORT_CACHE_REBUILD_UNROLL = 1
 
@@ -130,17 +131,16 @@ def _table_rows(
     two_byte = jnp.dtype(state_dtype).itemsize < 4
     if kernel == "replay" and gate == "kda" and not two_byte:
         return _KDA_REPLAY, False
-    whole_rows = two_byte
     first = ()
     if kernel == "plain" and gate == "kda":
         first = _KDA_PLAIN_FIRST
     elif kernel == "replay" and two_byte:
         first = _TWO_BYTE_REPLAY_FIRST
     rows = first + _TILES[kernel]
-    if kernel == "replay" and not whole_rows and cache_len <= SHORT_CACHE_MAX_LEN:
+    if kernel == "replay" and not two_byte and cache_len <= SHORT_CACHE_MAX_LEN:
         max_batch, last = rows[-1]
         rows = rows[:-1] + ((max_batch, dataclasses.replace(last, rebuild_unroll=_SHORT_CACHE_REBUILD_UNROLL)),)
-    return rows, whole_rows
+    return rows, two_byte  # 2-byte states take every entry on whole rows
 
 
 def table_entries(
