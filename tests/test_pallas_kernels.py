@@ -23,7 +23,7 @@ from replayssm_jax import decode, replay
 from replayssm_jax.config import ReplayConfig
 from replayssm_jax.state import init_state
 
-from helpers import exposed_kernel_configs, random_checkpoint, random_tokens
+from helpers import exposed_kernel_configs, random_checkpoint, random_tokens, table_launches
 
 NUM_SLOTS, BATCH = 7, 4
 # fp32 through both backends: the same algebra summed in a different order, ~1e-7 apart.
@@ -126,15 +126,14 @@ def test_replay_kernel_layouts_match_spec(rng, gate, layout):
     _compare_backends(rng, _config(gate, 13), LAYOUTS[layout], FP32_BOUND)
 
 
-# Every launch the package's table makes (ops.table_entries), per kernel, gate and state
-# dtype. The table's column chunks are for d_k = 128; at the tests' d_k = 32 they are
+# Every launch the package's table makes (helpers.table_launches), per kernel, gate and
+# state dtype. The table's column chunks are for d_k = 128; at the tests' d_k = 32 they are
 # scaled by 32/128 so that the chunked entries run on chunks here too (W = 64 -> 16).
-TABLE_LAUNCHES = [
-    (jnp.dtype(dtype).name, kernel, gate,
-     dataclasses.replace(kc, column_chunk=kc.column_chunk * 32 // 128))
-    for dtype in (jnp.float32, jnp.bfloat16) for kernel in ("plain", "replay") for gate in ("gdn", "kda")
-    for *_, kc in ops.table_entries(kernel, gate, dtype)
-]
+TABLE_LAUNCHES = sorted(
+    ((dtype.name, kernel, gate, dataclasses.replace(kc, column_chunk=kc.column_chunk * 32 // 128))
+     for kc, kernel, gate, dtype in table_launches()),
+    key=repr,
+)
 
 
 @pytest.mark.parametrize("dtype,kernel,gate,kernel_config", TABLE_LAUNCHES, ids=str)
