@@ -270,9 +270,11 @@ def check_section(smoke: bool) -> list[dict]:
     package's configuration at small batch; "fold_two_byte" its bf16-state one; "fold_kda"
     KDA's at large batch: the plain kernel's tile, empty-cache branch) or "plain"
     (L = 1: the plain kernel with the package's large-batch configuration), under one of
-    three plans: "replay" (flush when the cache is full, or forced), "every_step" (every
-    live row flushes, as the package does with "fold") and "fold_natural" ("fold" under the
-    replay plan: appends, and folds of every cursor on the GPU).
+    four plans: "replay" (flush when the cache is full, or forced), "every_step" (every
+    live row flushes, as the package does with "fold"), "fold_natural" ("fold" under the
+    replay plan: appends, and folds of every cursor on the GPU) and "staggered" (the replay
+    plan with rows forced to flush at different steps, so steps mix flush and append rows
+    at different cursors: "*_launch_order" layouts launch them in the plan's order).
     """
     rows = []
     dims = (2, 4, 32, 32) if smoke else (4, 8, 128, 128)
@@ -292,14 +294,22 @@ def check_section(smoke: bool) -> list[dict]:
         ("gdn", 16, jnp.bfloat16, "ieee", False, "fold_two_byte", "every_step"),
         ("kda", 16, jnp.float32, "ieee", True, "fold_kda", "every_step"),
         ("kda", 13, jnp.float32, "ieee", False, "fold_kda", "fold_natural"),
+        ("gdn", 16, jnp.float32, "ieee", False, "grouped_launch_order", "staggered"),
+        ("gdn", 16, jnp.bfloat16, "ieee", False, "grouped_launch_order", "staggered"),
+        ("kda", 13, jnp.float32, "ieee", True, "per_tile_launch_order", "staggered"),
     ]
     layouts = {"grouped": default_kernel_config(512), "grouped_one_tile": default_kernel_config(8),
                "per_tile": CHECK_PER_TILE, "fold": default_kernel_config(1),
                "fold_two_byte": default_kernel_config(1, "replay", "gdn", jnp.bfloat16),
                "fold_kda": default_kernel_config(512, "replay", "kda"),
-               "plain": default_kernel_config(512, "plain")}
-    if smoke:  # two grouped and the two fp32 folding cases (fp32 tolerances in the smoke test)
-        cases = cases[:2] + cases[-5:-3]
+               "plain": default_kernel_config(512, "plain"),
+               "grouped_launch_order": dataclasses.replace(
+                   default_kernel_config(512), launch_order=True, rows_outermost=True),
+               "per_tile_launch_order": dataclasses.replace(
+                   CHECK_PER_TILE, launch_order=True, rows_outermost=True)}
+    if smoke:  # two grouped, the two fp32 folding cases and the fp32 launch-order case
+        cases = cases[:2] + [c for c in cases if c[5] == "fold" or c[5:] == ("grouped_launch_order", "staggered")
+                             and c[2] == jnp.float32]
     for gate, L, dtype, precision, raw, layout, plan_kind in cases:
         hk, hv, dk, dv = dims
         cfg = R.ReplayConfig(hk, hv, dk, dv, L, gate=gate, state_dtype=dtype, cache_dtype=dtype)
@@ -324,9 +334,9 @@ def check_section(smoke: bool) -> list[dict]:
         kc = layouts[layout].with_rebuild_precision(precision)
 
         @functools.partial(jax.jit, donate_argnums=0)
-        def step(state, q, k, v, g_or_a, beta_or_b, slots):
-            if plan_kind == "fold_natural":
-                plan = R.plan_step(state.write_pos, slots, None, cfg.cache_len)
+        def step(state, q, k, v, g_or_a, beta_or_b, slots, force):
+            if plan_kind in ("fold_natural", "staggered"):
+                plan = R.plan_step(state.write_pos, slots, force, cfg.cache_len)
             else:
                 plan, _ = step_plan(cfg, state.write_pos, slots, None, backend="pallas", kernel_config=kc)
             y, new = pallas_layer_step(
@@ -340,13 +350,15 @@ def check_section(smoke: bool) -> list[dict]:
         live = slots >= 0
         for t in range(steps):
             gin, bin_ = (a[:, t], b[:, t]) if raw else (g[:, t], beta[:, t])
-            y, state = step(state, q[:, t], k[:, t], v[:, t], gin, bin_, jnp.asarray(slots))
+            force = (t + 3 * np.arange(batch)) % 7 == 0 if plan_kind == "staggered" else None
+            y, state = step(state, q[:, t], k[:, t], v[:, t], gin, bin_, jnp.asarray(slots), force)
             y = np.asarray(y, np.float32)
             assert np.all(y[~live] == 0), "padding row output not zero"
             y_err = max(y_err, rel_err(y[live], y_ref[live, t]))
             s_live = np.asarray(R.materialize_state(state, jnp.asarray(slots)))
             s_err = max(s_err, rel_err(s_live[live], s_ref[live, t]))
-        hlo = step.lower(state, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], jnp.asarray(slots)).compile().as_text()
+        hlo = step.lower(state, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], jnp.asarray(slots),
+                         force).compile().as_text()
         pool_shape = "[" + ",".join(map(str, state.checkpoint.shape)) + "]"
         pool_copies = [ln.strip()[:120] for ln in hlo.splitlines() if pool_shape in ln and " copy(" in ln]
         row = dict(gate=gate, cache_len=L, dtype=jnp.dtype(dtype).name, precision=precision,
@@ -464,7 +476,8 @@ def sweep_row(timer, shape, cfg, batch, bandwidth, smoke, configs) -> list[dict]
             block_v=kc.block_v, num_warps=kc.num_warps, cache_chunk=kc.cache_chunk,
             tiles_per_program=kc.tiles_per_program, rebuild_unroll=kc.rebuild_unroll,
             rebuild_precision=kc.rebuild_precision, flush_every_step=kc.flush_every_step,
-            empty_cache_branch=kc.empty_cache_branch,
+            empty_cache_branch=kc.empty_cache_branch, column_chunk=kc.column_chunk,
+            rows_outermost=kc.rows_outermost, launch_order=kc.launch_order,
             plain_block_v=kc_plain.block_v, plain_num_warps=kc_plain.num_warps,
             plain_us=plain_us, plain_bytes=plain_bytes,
             replay_nonflush_us=nf, replay_flush_us=fl, replay_cycle_us=cyc,

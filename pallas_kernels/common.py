@@ -14,6 +14,7 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import fuser as _fuser  # noqa: F401  (see below)
 from jax.experimental.pallas import triton as plgpu
@@ -89,6 +90,12 @@ class KernelConfig:
         that neighbouring blocks read neighbouring tiles of one slot instead of the same
         tile of B scattered slots (H200: the plain kernel 5% faster at B = 512 and 10%
         slower at B = 8; v15).
+      launch_order: the replay kernels (per-tile and grouped) serve the grid's rows in the
+        plan's launch order (`StepPlan.launch_order`: flushing rows first, then appending
+        rows, padding rows last) instead of in row order; with `rows_outermost` the blocks
+        are then issued costliest rows first, so a step that mixes flush and append rows
+        (staggered cursors) does not end on flush programs issued late. The folding and
+        plain kernels launch in row order whatever this says.
     """
 
     block_v: int = 16
@@ -102,6 +109,7 @@ class KernelConfig:
     empty_cache_branch: bool = False
     column_chunk: int = 0
     rows_outermost: bool = False
+    launch_order: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_v", "cache_chunk"):
@@ -116,7 +124,7 @@ class KernelConfig:
             raise ValueError(
                 f"rebuild_unroll must be in 1..{MAX_REBUILD_UNROLL}, got {self.rebuild_unroll}"
             )
-        for name in ("flush_every_step", "empty_cache_branch", "rows_outermost"):
+        for name in ("flush_every_step", "empty_cache_branch", "rows_outermost", "launch_order"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.column_chunk < 0 or self.column_chunk & (self.column_chunk - 1):
@@ -376,9 +384,50 @@ def program_ids(rows_outermost: bool) -> tuple:
     return ids[::-1] if rows_outermost else ids
 
 
+def launch_row(row_ref, launch, launch_order: bool):
+    """The row served by the programs at row index `launch` of the grid: `launch` itself, or
+    with `launch_order` the row that `launch_rows` put there, read once per program.
+
+    The loaded row is held across the program where a block index is not, and the GPU
+    build's code moves with it: on the H200 it cost the grouped kernel's (32, 4, T = 4,
+    W = 32) flush 79 -> 140 us at B = 32 at the same 128 registers and no spills (v28,
+    v28f), and a bf16 state's T = 4 entry 96 -> 121 registers; reading it again in every
+    tile instead cost the T = 8 non-flush step 5% (v28b). Hence a switch per table entry,
+    and the previous kernel without it.
+    """
+    return row_ref[launch] if launch_order else launch
+
+
 def row_modes(valid, flush):
     """Per-row mode: MODE_PAD, MODE_APPEND or MODE_FLUSH (int32 `[B]`)."""
     return jnp.where(valid, jnp.where(flush, MODE_FLUSH, MODE_APPEND), MODE_PAD).astype(jnp.int32)
+
+
+def launch_rows(slot, pos, mode, row_order, config: KernelConfig):
+    """`(rows, slot, pos, mode)` in launch order: program row r serves row `rows[r]`, whose
+    slot, cursor and mode are `slot[r]`, `pos[r]`, `mode[r]` of the results.
+
+    `row_order` (`[B]` int, a permutation of the rows, e.g. `StepPlan.launch_order`) needs
+    `config.launch_order`; None keeps the rows in order. The per-row arrays are gathered
+    here, outside the kernel, so a program reads its slot at once instead of after its row.
+    """
+    batch = slot.shape[0]
+    if row_order is not None and not config.launch_order:
+        raise ValueError("row_order is only read with KernelConfig(launch_order=True)")
+    if row_order is None:
+        return jnp.arange(batch, dtype=jnp.int32), slot, pos, mode
+    if tuple(jnp.shape(row_order)) != (batch,):
+        raise ValueError(f"row_order must have shape ({batch},), got {tuple(jnp.shape(row_order))}")
+    if not jnp.issubdtype(jnp.result_type(row_order), jnp.integer):
+        raise ValueError(f"row_order must be an integer array, got dtype {jnp.result_type(row_order)}")
+    try:
+        values = np.asarray(row_order)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        values = None  # under jit: the caller's plan computed it
+    if values is not None and not np.array_equal(np.sort(values), np.arange(batch)):
+        raise ValueError(f"row_order must be a permutation of range({batch}), got {values.tolist()}")
+    rows = row_order.astype(jnp.int32)
+    return rows, slot[rows], pos[rows], mode[rows]
 
 
 def default_interpret() -> bool:

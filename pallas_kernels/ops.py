@@ -51,11 +51,22 @@ _TILES: dict[str, tuple[tuple[int, KernelConfig], ...]] = {
         (2, KernelConfig(block_v=4, num_warps=1, flush_every_step=True, empty_cache_branch=True)),
         (5, KernelConfig(block_v=8, num_warps=1, flush_every_step=True)),
         (16, KernelConfig(block_v=64, num_warps=4, tiles_per_program=1, rebuild_unroll=2, column_chunk=32)),
-        (64, KernelConfig(block_v=32, num_warps=4, tiles_per_program=4, rebuild_unroll=2, column_chunk=32)),
-        (256, KernelConfig(block_v=32, num_warps=4, tiles_per_program=4, rebuild_unroll=2, column_chunk=64)),
-        (1 << 30, KernelConfig(block_v=32, num_warps=4, tiles_per_program=8, rebuild_unroll=2, column_chunk=64)),
+        (64, KernelConfig(block_v=32, num_warps=4, tiles_per_program=4, rebuild_unroll=2, column_chunk=32,
+                          rows_outermost=True)),
+        (256, KernelConfig(block_v=32, num_warps=4, tiles_per_program=4, rebuild_unroll=2, column_chunk=64,
+                           rows_outermost=True, launch_order=True)),
+        (1 << 30, KernelConfig(block_v=32, num_warps=4, tiles_per_program=8, rebuild_unroll=2, column_chunk=64,
+                               rows_outermost=True, launch_order=True)),
     ),
 }
+# Launch order (v28, v28b; L = 16, synchronised / staggered cursors, us): from B = 65 the
+# grouped kernel runs rows outermost in the plan's launch order, flush rows' programs
+# issued first, so staggered steps (a serving engine's) cost what a synchronised cycle
+# does: B = 128 105.6 / 119.7 -> 107.4 / 106.0, B = 512 383.7 / 424.1 -> 384.2 / 383.0. At
+# B = 17-64 the loaded row costs the (T = 4, W = 32) flush 80% (`common.launch_row`), so
+# those rows only run rows outermost: B = 32 30.6 / 46.4 -> 29.6 / 44.3, B = 64 56.8 / 75.7
+# -> 55.0 / 67.9; at B = 6-16 neither gains in both (B = 16: 17.8 / 22.6; rows outermost
+# 18.5 / 21.9, with the order 18.6 / 20.7).
 # KDA (per-channel decay) puts the replay's key-side work per value head, so its replay
 # cycle costs more at small batch, and its plain kernel prefers BV 8 there. Measured at
 # B = 8, L = 16 (v11, v11c, v11d: KDA H_k = H_v = 32): plain BV 8 11.7-11.8 us vs BV 16
@@ -66,11 +77,21 @@ _KDA_PLAIN_FIRST = ((8, KernelConfig(block_v=8, num_warps=1, cache_chunk=8)),)
 # kernel at BV 4 at B = 1 (v23c: 2.66-2.69 us against 3.01 at BV 8, plain 2.62) and at BV 8
 # up to B = 8 (v22b: 7.5 us against 8.5 for the (32, 2, T = 2) grouped entry, plain 6.3; the
 # `[64, d_k]` entry measured 9.4 in v22), and at B = 9-16 the grouped entry measured before
-# v21 (the `[64, d_k]` tiles were measured for a GDN fp32 state only).
+# v21 (the `[64, d_k]` tiles were measured for a GDN fp32 state only). Launch order (v28,
+# v28b; sync / staggered us): B = 16 15.5 / 24.0 -> 15.6 / 19.1, B = 32 24.4 / 36.7 -> 24.1
+# / 26.3, B = 64 43.6 / 55.0 -> 46.2 / 47.2; at B = 128 rows outermost alone (79.7 / 91.2
+# -> 78.5 / 87.5; with the order 88.5 / 87.5); from B = 257 the 4-byte rows' T = 8 entry,
+# also rows outermost only: with the order H_v = 32 gained (B = 512 274.1 / 302.7 -> 272.8 /
+# 272.5) but H_v = 64 lost (v28d: 537.3 / 554.7 -> 621.0 / 617.4).
 _TWO_BYTE_REPLAY_FIRST = (
     (1, KernelConfig(block_v=4, num_warps=1, flush_every_step=True)),
     (8, KernelConfig(block_v=8, num_warps=1, flush_every_step=True)),
-    (16, KernelConfig(block_v=32, num_warps=2, tiles_per_program=2, rebuild_unroll=4)),
+    (16, KernelConfig(block_v=32, num_warps=2, tiles_per_program=2, rebuild_unroll=4,
+                      rows_outermost=True, launch_order=True)),
+    (64, KernelConfig(block_v=32, num_warps=4, tiles_per_program=4, rebuild_unroll=2,
+                      rows_outermost=True, launch_order=True)),
+    (256, KernelConfig(block_v=32, num_warps=4, tiles_per_program=4, rebuild_unroll=2, rows_outermost=True)),
+    (1 << 30, KernelConfig(block_v=32, num_warps=4, tiles_per_program=8, rebuild_unroll=2, rows_outermost=True)),
 )
 # KDA with a 4-byte state flushes every step at every batch: its replay cycle, whose grouped
 # kernel holds 168 registers per thread (3 programs per SM, v25f), measured 0.82-0.89x the
@@ -209,11 +230,11 @@ def pallas_layer_step(
         )
         return y, dataclasses.replace(state, checkpoint=checkpoint)
     if kernel_config.flush_every_step:
-        kernel = fold_decode
-    elif kernel_config.tiles_per_program:
-        kernel = replay_decode_grouped
+        kernel = fold_decode  # in row order: under its own plan every live row flushes
     else:
-        kernel = replay_decode
+        kernel = replay_decode_grouped if kernel_config.tiles_per_program else replay_decode
+        if kernel_config.launch_order:
+            options["row_order"] = plan.launch_order
     y, checkpoint, u_cache, k_cache, g_cache = kernel(
         state.checkpoint, state.u_cache, state.k_cache, state.g_cache,
         q, k, v, g, beta, plan.slot, plan.pos, common.row_modes(plan.valid, plan.flush),

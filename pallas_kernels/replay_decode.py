@@ -1,8 +1,8 @@
 """Fused ReplaySSM decode step (GDN and KDA): replay readout, append or flush, one launch.
 
-Grid `(B, H_v, d_v // BV)` (launched reversed with `rows_outermost`): one program per
-(row, value head, BV-row tile of the state), working on whole rows (`column_chunk` does not
-apply). Each program
+Grid `(B, H_v, d_v // BV)` (launched reversed with `rows_outermost`; the row axis in
+`row_order` with `launch_order`): one program per (row, value head, BV-row tile of the
+state), working on whole rows (`column_chunk` does not apply). Each program
 
 1. reads its row's slot, cursor `pos` and mode (padding / append / flush);
 2. loads the checkpoint tile `S_c [BV, d_k]` once;
@@ -199,15 +199,17 @@ def append_entry(spec, cache_refs, slot, h, tile, cols, slices, pos, u, g, ks):
 
 
 def _replay_kernel(
-    slot_ref, pos_ref, mode_ref, q_ref, k_ref, g_ref, beta_ref, v_ref, a_log_ref, dt_bias_ref,
+    row_ref, slot_ref, pos_ref, mode_ref, q_ref, k_ref, g_ref, beta_ref, v_ref, a_log_ref, dt_bias_ref,
     _ckpt_in, _u_in, _k_in, _g_in,
     y_ref, ckpt_ref, ucache_ref, kcache_ref, gcache_ref,
     *, spec: TokenSpec, block_v: int, chunk: int, precision: str, unroll: int, rows_outermost: bool,
+    launch_order: bool,
 ):
-    b, h, tile = common.program_ids(rows_outermost)
+    launch, h, tile = common.program_ids(rows_outermost)
+    b = common.launch_row(row_ref, launch, launch_order)  # slot, cursor, mode: in launch order
     cols = pl.ds(tile * block_v, block_v)
     whole = (pl.ds(0, q_ref.shape[2]),)  # this kernel works on whole rows: one column chunk
-    mode = mode_ref[b]
+    mode = mode_ref[launch]
     cache_refs = (ucache_ref, kcache_ref, gcache_ref)
 
     @pl.when(mode == common.MODE_PAD)
@@ -216,7 +218,7 @@ def _replay_kernel(
 
     @pl.when(mode != common.MODE_PAD)
     def _live_row():
-        slot, pos = slot_ref[b], pos_ref[b]
+        slot, pos = slot_ref[launch], pos_ref[launch]
         (q,), (k,), k_dot_q, g, beta = common.load_token(
             spec, (q_ref, k_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref), b, h, whole
         )
@@ -237,7 +239,7 @@ def _replay_kernel(
                 prev = rebuild_exact(spec, cache_refs, slot, h, cols, whole, pos, (s_c,), decay, unroll)
             else:
                 prev = (_rebuild_dot(spec, cache_refs, slot, h, cols, pos, s_c, chunk, precision),)
-            write_flushed_tile(ckpt_ref, slot_ref[b], h, cols, whole, prev, alpha, u, (k,))
+            write_flushed_tile(ckpt_ref, slot_ref[launch], h, cols, whole, prev, alpha, u, (k,))
 
         @pl.when(mode == common.MODE_APPEND)
         def _append():
@@ -258,6 +260,7 @@ def replay_decode(
     pos: Int[Array, " B"],
     mode: Int[Array, " B"],
     *,
+    row_order: Int[Array, " B"] | None = None,
     use_qk_l2norm: bool = False,
     scale: float | None = None,
     gate_params: tuple[Array, Array] | None = None,
@@ -276,6 +279,10 @@ def replay_decode(
       slot: `[B]` int32 slot of each row (any valid index on padding rows).
       pos: `[B]` int32 valid cache entries of the row's slot.
       mode: `[B]` int32, `common.MODE_PAD` / `MODE_APPEND` / `MODE_FLUSH`.
+      row_order: optional `[B]` int permutation of the rows (`StepPlan.launch_order`),
+        with `config.launch_order`: the grid's row axis serves the rows in this order, so
+        blocks are issued costliest rows first when it is the slowest axis
+        (`rows_outermost`). Default: in row order.
       use_qk_l2norm, scale: as in `decode_step`.
       gate_params: `(A_log [H_v], dt_bias [H_v] or [H_v, d_k])` to compute the gates in the
         kernel from raw `a`, `b`.
@@ -301,11 +308,12 @@ def replay_decode(
         precision=config.rebuild_precision,
         unroll=config.rebuild_unroll,
         rows_outermost=config.rows_outermost,
+        launch_order=config.launch_order,
     )
     return common.decode_call(
         kernel,
         grid=(batch, num_v_heads, head_v_dim // config.block_v),
-        inputs=(slot, pos, mode, q, k, g, beta, v, a_log, dt_bias),
+        inputs=(*common.launch_rows(slot, pos, mode, row_order, config), q, k, g, beta, v, a_log, dt_bias),
         state=(checkpoint, u_cache, k_cache, g_cache),
         y_like=v, config=config, interpret=interpret, name="replayssm_decode",
     )

@@ -1,6 +1,7 @@
 """Fused ReplaySSM decode step, key-head-grouped layout (GDN and KDA).
 
-Grid `(B, H_k, P / T)` (launched reversed with `rows_outermost`) with P = r * d_v / BV
+Grid `(B, H_k, P / T)` (launched reversed with `rows_outermost`; the row axis in
+`row_order` with `launch_order`, as in `replay_decode`) with P = r * d_v / BV
 (value-head tiles of one key-head group) and T = `tiles_per_program`: each program serves
 T (value head, BV-tile) pairs of one row and one key head. The key-side work of the replay
 is done once per program instead of once per tile: the program loads the key head's valid
@@ -45,14 +46,16 @@ def cache_block_len(cache_len: int) -> int:
 
 
 def _grouped_kernel(
-    slot_ref, pos_ref, mode_ref, q_ref, k_ref, g_ref, beta_ref, v_ref, a_log_ref, dt_bias_ref,
+    row_ref, slot_ref, pos_ref, mode_ref, q_ref, k_ref, g_ref, beta_ref, v_ref, a_log_ref, dt_bias_ref,
     _ckpt_in, _u_in, _k_in, _g_in,
     y_ref, ckpt_ref, ucache_ref, kcache_ref, gcache_ref,
     *, spec: TokenSpec, block_v: int, tiles_per_head: int, tiles_per_program: int,
     cache_block: int, precision: str, unroll: int, slices: tuple, rows_outermost: bool,
+    launch_order: bool,
 ):
-    b, hk, split = common.program_ids(rows_outermost)
-    mode, slot, pos = mode_ref[b], slot_ref[b], pos_ref[b]
+    launch, hk, split = common.program_ids(rows_outermost)
+    b = common.launch_row(row_ref, launch, launch_order)
+    mode, slot, pos = mode_ref[launch], slot_ref[launch], pos_ref[launch]  # in launch order
     first = split * tiles_per_program
 
     def tile_of(p):
@@ -156,7 +159,7 @@ def _grouped_kernel(
                     keys = w_keys if spec.per_channel_gate else tuple(x * weights[:, None] for x in k_c)
                     rebuilt = tuple(common.rebuild_dot(u_c.T, w, precision) for w in keys)
                     prev = tuple(s + r for s, r in zip(common.scale_columns(s_c, decay_c), rebuilt))
-                write_flushed_tile(ckpt_ref, slot_ref[b], vh, cols, slices, prev, alpha, u, ks)
+                write_flushed_tile(ckpt_ref, slot_ref[launch], vh, cols, slices, prev, alpha, u, ks)
 
             @pl.when(mode == common.MODE_APPEND)
             def _append():
@@ -189,13 +192,18 @@ def replay_decode_grouped(
     pos: Int[Array, " B"],
     mode: Int[Array, " B"],
     *,
+    row_order: Int[Array, " B"] | None = None,
     use_qk_l2norm: bool = False,
     scale: float | None = None,
     gate_params: tuple[Array, Array] | None = None,
     config: KernelConfig = KernelConfig(),
     interpret: bool | None = None,
 ):
-    """Same arguments and results as `replay_decode.replay_decode`; grouped layout."""
+    """Same arguments and results as `replay_decode.replay_decode`; grouped layout.
+
+    The grid's row axis runs in `row_order` (see `replay_decode`); with `rows_outermost` a
+    row's programs are also launched together, so the order is the order of the launch.
+    """
     batch, num_v_heads, head_v_dim = v.shape
     num_k_heads = q.shape[1]
     config = config.for_head_dim(head_v_dim)
@@ -214,11 +222,12 @@ def replay_decode_grouped(
         tiles_per_program=tiles_per_program, cache_block=cache_block_len(u_cache.shape[2]),
         precision=config.rebuild_precision, unroll=config.rebuild_unroll,
         slices=config.column_slices(q.shape[2]), rows_outermost=config.rows_outermost,
+        launch_order=config.launch_order,
     )
     return common.decode_call(
         kernel,
         grid=(batch, num_k_heads, pairs // tiles_per_program),
-        inputs=(slot, pos, mode, q, k, g, beta, v, a_log, dt_bias),
+        inputs=(*common.launch_rows(slot, pos, mode, row_order, config), q, k, g, beta, v, a_log, dt_bias),
         state=(checkpoint, u_cache, k_cache, g_cache),
         y_like=v, config=config, interpret=interpret, name="replayssm_decode",
     )

@@ -42,12 +42,19 @@ class StepPlan(NamedTuple):
       valid: `[B]` bool, False for padding rows (slot < 0 or slot >= N).
       pos: `[B]` int32, cached entries before this token (the write position).
       flush: `[B]` bool, the row writes its checkpoint this step (False on padding rows).
+      launch_order: `[B]` int32, a permutation of the rows, costliest step first: flushing
+        rows, then appending rows, each by descending `pos`, then padding rows. Pallas
+        replay kernels with `KernelConfig.launch_order` issue their programs in this order,
+        so that a step mixing flush and append rows starts the long flush programs first
+        instead of leaving some of them at the end of the launch; where nothing reads it
+        (the xla backend, the other kernels) jit drops the sort.
     """
 
     slot: Int[Array, " B"]
     valid: Bool[Array, " B"]
     pos: Int[Array, " B"]
     flush: Bool[Array, " B"]
+    launch_order: Int[Array, " B"]
 
 
 def plan_step(
@@ -67,7 +74,18 @@ def plan_step(
     flush = (pos >= cache_len - 1) | flush_every_step
     if force_flush is not None:
         flush = flush | force_flush.astype(bool)
-    return StepPlan(slot=slot, valid=valid, pos=pos, flush=flush & valid)
+    flush = flush & valid
+    return StepPlan(slot=slot, valid=valid, pos=pos, flush=flush,
+                    launch_order=launch_order(valid, pos, flush, cache_len))
+
+
+def launch_order(
+    valid: Bool[Array, " B"], pos: Int[Array, " B"], flush: Bool[Array, " B"], cache_len: int
+) -> Int[Array, " B"]:
+    """Rows by descending cost of their step (see `StepPlan.launch_order`); stable, so a
+    step whose rows all cost the same keeps the rows in order."""
+    cost = jnp.where(valid, jnp.where(flush, cache_len + pos, pos), -1)
+    return jnp.argsort(-cost, stable=True).astype(jnp.int32)
 
 
 def advance_write_pos(write_pos: Int[Array, " N"], plan: StepPlan) -> Int[Array, " N"]:

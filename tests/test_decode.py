@@ -25,7 +25,7 @@ from helpers import (
 )
 from pallas_kernels.common import KernelConfig
 from pallas_kernels.ops import default_kernel_config
-from replayssm_jax import decode_step, init_state, materialize_state, recurrent_reference
+from replayssm_jax import decode_step, init_state, materialize_state, recurrent_reference, replay
 from replayssm_jax.decode import step_plan
 
 # fp32: the issue's bound. Replay only reorders fp32 sums (products of decays in log space,
@@ -187,6 +187,28 @@ def test_step_plan_flushes_every_live_row_only_where_the_pallas_table_asks():
                          backend="pallas", kernel_config=replaying)
     assert kc is replaying
     np.testing.assert_array_equal(plan.flush, [False, True])
+
+
+def test_launch_order_puts_costliest_rows_first(rng):
+    """`StepPlan.launch_order`: flushing rows, then appending rows, each by descending
+    cursor, then padding rows; ties keep row order. Against a sort written out here."""
+    cache_len, num_slots = 6, 40
+    for batch in (1, 7, 33):
+        write_pos = jnp.asarray(rng.integers(0, cache_len, num_slots), jnp.int32)
+        slots = rng.permutation(num_slots)[:batch].astype(np.int32)
+        slots[rng.random(batch) < 0.2] = -1
+        force = rng.random(batch) < 0.2
+        plan = replay.plan_step(write_pos, jnp.asarray(slots), jnp.asarray(force), cache_len)
+        pos = np.asarray(write_pos)[np.maximum(slots, 0)]
+        flush = (slots >= 0) & ((pos == cache_len - 1) | force)
+
+        def rank(row):
+            if slots[row] < 0:
+                return (2, 0, row)
+            return (0 if flush[row] else 1, -pos[row], row)
+
+        np.testing.assert_array_equal(plan.launch_order, sorted(range(batch), key=rank))
+        assert plan.launch_order.dtype == jnp.int32
 
 
 def _one_step_inputs(rng, config, slots, force=None):

@@ -17,8 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import ops
+from pallas_kernels import common, ops
 from pallas_kernels.common import KernelConfig
+from pallas_kernels.replay_decode import replay_decode
+from pallas_kernels.replay_decode_grouped import replay_decode_grouped
 from replayssm_jax import decode, replay
 from replayssm_jax.config import ReplayConfig
 from replayssm_jax.state import init_state
@@ -116,6 +118,11 @@ LAYOUTS = {
                                        rows_outermost=True),
     "tile_bv8_w8_outer": KernelConfig(block_v=8, num_warps=1, cache_chunk=8, column_chunk=8,
                                       rows_outermost=True),
+    # rows served in the plan's launch order (flush rows first): the padding row and forced
+    # flushes make it a different permutation from step to step
+    "grouped_t2_w8_outer_launch_order": KernelConfig(block_v=8, num_warps=1, tiles_per_program=2,
+                                                     column_chunk=8, rows_outermost=True, launch_order=True),
+    "tile_bv16_launch_order": KernelConfig(block_v=16, num_warps=2, cache_chunk=8, launch_order=True),
 }
 
 
@@ -206,6 +213,7 @@ def test_plain_kernel_and_bf16_state(rng, gate):
         (dict(column_chunk=12), "column_chunk must be 0 or a power of two"),
         (dict(column_chunk=-2), "column_chunk must be 0 or a power of two"),
         (dict(rows_outermost=1), "rows_outermost must be a bool"),
+        (dict(launch_order=1), "launch_order must be a bool"),
         (dict(flush_every_step=True, empty_cache_branch=1), "empty_cache_branch must be a bool"),
         (dict(column_chunk=8, rebuild_precision="bf16"), "needs column_chunk 0 or >= 16"),
     ],
@@ -213,6 +221,41 @@ def test_plain_kernel_and_bf16_state(rng, gate):
 def test_kernel_config_rejects_bad_values(kwargs, match):
     with pytest.raises(ValueError, match=match):
         KernelConfig(**kwargs)
+
+
+@pytest.mark.parametrize("kernel,per_program", [("grouped", 2), ("tile", 0)])
+def test_any_row_order_gives_the_row_order_results(rng, kernel, per_program):
+    """The launch order only says which rows' programs the grid issues first: serving the
+    rows in any permutation writes the same bits as serving them in order."""
+    cfg = _config("gdn", 5)
+    batch, num_slots = 6, 9
+    state = init_state(cfg, num_slots, jnp.asarray(random_checkpoint(rng, cfg, num_slots)))
+    fill = lambda x, scale: jnp.asarray(scale * rng.normal(size=x.shape), x.dtype)
+    caches = (fill(state.u_cache, 0.1), fill(state.k_cache, 0.2), -jnp.abs(fill(state.g_cache, 0.1)))
+    tok = random_tokens(rng, cfg, (batch,))
+    slot = jnp.asarray(rng.permutation(num_slots)[:batch], jnp.int32)
+    pos = jnp.asarray(rng.integers(0, cfg.cache_len, batch), jnp.int32)
+    mode = jnp.asarray([common.MODE_FLUSH, common.MODE_APPEND, common.MODE_PAD] * 2, jnp.int32)
+    kernel_fn = replay_decode_grouped if per_program else replay_decode
+    base = KernelConfig(block_v=8, num_warps=1, cache_chunk=4, tiles_per_program=per_program,
+                        rows_outermost=True)
+    token = tuple(jnp.asarray(x) for x in (tok.q, tok.k, tok.v, tok.g, tok.beta))
+    run = lambda kc, order: kernel_fn(state.checkpoint, *caches, *token, slot, pos, mode,
+                                      row_order=order, use_qk_l2norm=True, config=kc)
+    want = run(base, None)
+    ordered = dataclasses.replace(base, launch_order=True)
+    for order in (rng.permutation(batch), np.arange(batch)[::-1]):
+        got = run(ordered, jnp.asarray(order, jnp.int32))
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    with pytest.raises(ValueError, match=r"row_order is only read with KernelConfig\(launch_order=True\)"):
+        run(base, jnp.arange(batch))
+    with pytest.raises(ValueError, match=r"row_order must have shape \(6,\), got \(5,\)"):
+        run(ordered, jnp.arange(5))
+    with pytest.raises(ValueError, match="row_order must be an integer array"):
+        run(ordered, jnp.arange(batch, dtype=jnp.float32))
+    with pytest.raises(ValueError, match=r"row_order must be a permutation of range\(6\), got \[0, 0, 1, 2, 3, 4\]"):
+        run(ordered, jnp.asarray([0, 0, 1, 2, 3, 4]))
 
 
 def test_with_rebuild_precision_raises_tiles_only_for_tensor_cores():
@@ -243,7 +286,7 @@ def test_kernel_shape_and_option_errors():
 
 def test_tile_tables_cover_every_batch():
     for kernel in ("plain", "replay"):
-        for batch in (1, 2, 3, 4, 5, 8, 9, 16, 17, 64, 512, 1 << 20):
+        for batch in (1, 2, 3, 4, 5, 8, 9, 16, 17, 64, 65, 256, 257, 512, 1 << 20):
             kc = ops.default_kernel_config(batch, kernel)
             assert isinstance(kc, KernelConfig)
             if kernel == "plain":
@@ -252,6 +295,12 @@ def test_tile_tables_cover_every_batch():
             # at batch <= 2 with the empty-cache branch (GDN with a 4-byte state only).
             assert kc.flush_every_step == (kernel == "replay" and batch <= 5)
             assert kc.empty_cache_branch == (kernel == "replay" and batch <= 2)
+            # The grouped replay entries run rows outermost from batch 17 and in the plan's
+            # launch order from batch 65 (measured with staggered cursors, ops._TILES).
+            if kernel == "replay":
+                assert (kc.rows_outermost, kc.launch_order) == (batch > 16, batch > 64)
+            else:
+                assert not kc.launch_order
             whole = lambda c: dataclasses.replace(c, column_chunk=0)
             long_cache = ops.default_kernel_config(batch, kernel, cache_len=ops.SHORT_CACHE_MAX_LEN + 1)
             # KDA (4-byte state): the plain kernel's BV 8 on whole rows up to batch 8, then the
@@ -271,7 +320,7 @@ def test_tile_tables_cover_every_batch():
             # bf16 state: whole rows everywhere; the replay kernel takes its own entries up to
             # batch 16 (the folding kernel at BV 4 at batch 1, without the empty-cache branch,
             # which measured slower for a bf16 state; BV 8 up to batch 8; (32, 2 warps, T = 2)
-            # at batch 9-16), the rest is as for fp32 with a long cache (from batch 257 GDN fp32
+            # at batch 9-16, T = 4 at 17-256), the rest is as for fp32 with a long cache (from batch 257 GDN fp32
             # rebuilds at U = 1 for L <= 16, bf16 states at U = 2 whatever L:
             # test_rebuild_unroll_follows_the_cache_length); KDA with a bf16 state alike.
             for gate in ("gdn", "kda"):
@@ -283,8 +332,12 @@ def test_tile_tables_cover_every_batch():
                     assert bf16.flush_every_step == (batch <= 8)
                     assert (bf16.block_v, bf16.tiles_per_program) == (
                         (4, 0) if batch == 1 else (8, 0) if batch <= 8 else (32, 2))
-                else:
-                    assert bf16 == whole(long_cache)
+                    assert bf16.rows_outermost == bf16.launch_order == (batch > 8)
+                elif batch <= 256:  # their own T = 4 entries: the launch order up to batch 64
+                    assert (bf16.tiles_per_program, bf16.rows_outermost, bf16.launch_order) == (
+                        4, True, batch <= 64)
+                else:  # the 4-byte entry without the launch order
+                    assert bf16 == dataclasses.replace(whole(long_cache), launch_order=False)
     with pytest.raises(ValueError, match="kernel must be 'plain' or 'replay', got 'fold'"):
         ops.default_kernel_config(1, "fold")
     with pytest.raises(ValueError, match="gate must be one of"):
