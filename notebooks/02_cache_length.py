@@ -466,6 +466,9 @@ if not other:
 #   for these shapes with bf16 caches and earlier with float32 caches or a KDA layer. The
 #   on-chip rebuild work per byte grows linearly with `L`.
 # * Synchronised cursors concentrate every checkpoint write on one step (the flush spike);
-#   staggered cursors move the cycle-average bytes on every step.
+#   staggered cursors move the cycle-average bytes on every step. Measured, a staggered step
+#   mixes long flush programs into a launch of short append programs; the Pallas backend
+#   issues the flush programs first (`StepPlan.launch_order`, from B = 65 for a GDN fp32
+#   state), so there the staggered step costs what the synchronised cycle does (panel b).
 # * The measured side (model floor vs time, flush spike, break-even batch) is printed above
 #   with its source file, or marked as missing when no benchmark file is committed.
