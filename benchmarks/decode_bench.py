@@ -308,8 +308,8 @@ def check_section(smoke: bool) -> list[dict]:
                "per_tile_launch_order": dataclasses.replace(
                    CHECK_PER_TILE, launch_order=True, rows_outermost=True)}
     if smoke:  # two grouped, the two fp32 folding cases and the fp32 launch-order case
-        cases = cases[:2] + [c for c in cases if c[5] == "fold" or c[5:] == ("grouped_launch_order", "staggered")
-                             and c[2] == jnp.float32]
+        launch_order_fp32 = lambda c: c[5:] == ("grouped_launch_order", "staggered") and c[2] == jnp.float32
+        cases = cases[:2] + [c for c in cases if c[5] == "fold" or launch_order_fp32(c)]
     for gate, L, dtype, precision, raw, layout, plan_kind in cases:
         hk, hv, dk, dv = dims
         cfg = R.ReplayConfig(hk, hv, dk, dv, L, gate=gate, state_dtype=dtype, cache_dtype=dtype)

@@ -317,10 +317,11 @@ def test_tile_tables_cover_every_batch():
                 assert (kda.block_v, kda.column_chunk, kda.rows_outermost, kda.empty_cache_branch) == (
                     (8, 0, False, False) if batch <= 8 else
                     (plain_tile.block_v, plain_tile.column_chunk, plain_tile.rows_outermost, True))
-            # bf16 state: whole rows everywhere; the replay kernel takes its own entries up to
-            # batch 16 (the folding kernel at BV 4 at batch 1, without the empty-cache branch,
-            # which measured slower for a bf16 state; BV 8 up to batch 8; (32, 2 warps, T = 2)
-            # at batch 9-16, T = 4 at 17-256), the rest is as for fp32 with a long cache (from batch 257 GDN fp32
+            # bf16 state: whole rows everywhere; the replay kernel takes its own entries (the
+            # folding kernel at BV 4 at batch 1, without the empty-cache branch, which measured
+            # slower for a bf16 state; BV 8 up to batch 8; (32, 2 warps, T = 2) at batch 9-16,
+            # T = 4 at 17-256, rows outermost from batch 9 and the launch order at 9-64); from
+            # batch 257 fp32's entry for a long cache without the launch order (GDN fp32
             # rebuilds at U = 1 for L <= 16, bf16 states at U = 2 whatever L:
             # test_rebuild_unroll_follows_the_cache_length); KDA with a bf16 state alike.
             for gate in ("gdn", "kda"):
