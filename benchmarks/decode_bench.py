@@ -265,7 +265,8 @@ def check_section(smoke: bool) -> list[dict]:
 
     Each case runs one kernel layout with the case's rebuild precision: "grouped" (the
     package's configuration at large batch), "grouped_one_tile" (its configuration at
-    B = 6-16: one `[64, d_k]` tile per program), "per_tile" (`replay_decode` walking the cache
+    B = 6-16: one `[64, d_k]` tile per program), "grouped_mid" (at B = 17-64: launch
+    order, the row read per tile), "per_tile" (`replay_decode` walking the cache
     in two chunks, the exact rebuild 8 entries per round trip), "fold" (`fold_decode`, the
     package's configuration at small batch; "fold_two_byte" its bf16-state one; "fold_kda"
     KDA's at large batch: the plain kernel's tile, empty-cache branch) or "plain"
@@ -295,10 +296,12 @@ def check_section(smoke: bool) -> list[dict]:
         ("kda", 16, jnp.float32, "ieee", True, "fold_kda", "every_step"),
         ("kda", 13, jnp.float32, "ieee", False, "fold_kda", "fold_natural"),
         ("gdn", 16, jnp.float32, "ieee", False, "grouped_launch_order", "staggered"),
+        ("gdn", 13, jnp.float32, "ieee", True, "grouped_mid", "staggered"),
         ("gdn", 16, jnp.bfloat16, "ieee", False, "grouped_launch_order", "staggered"),
         ("kda", 13, jnp.float32, "ieee", True, "per_tile_launch_order", "staggered"),
     ]
     layouts = {"grouped": default_kernel_config(512), "grouped_one_tile": default_kernel_config(8),
+               "grouped_mid": default_kernel_config(32),
                "per_tile": CHECK_PER_TILE, "fold": default_kernel_config(1),
                "fold_two_byte": default_kernel_config(1, "replay", "gdn", jnp.bfloat16),
                "fold_kda": default_kernel_config(512, "replay", "kda"),

@@ -96,6 +96,12 @@ class KernelConfig:
         are then issued costliest rows first, so a step that mixes flush and append rows
         (staggered cursors) does not end on flush programs issued late. The folding and
         plain kernels launch in row order whatever this says.
+      reload_row: with `launch_order`, the grouped kernel reads its row index again in
+        every tile instead of holding it across the program (`launch_row`): a different
+        schedule, which the GPU build rewards at some entries and punishes at others
+        (H200, v28h, L = 16, sync / staggered us: (32, 4, T = 4, W = 32) at B = 32 held
+        34.2 / 74.2, re-read 31.1 / 38.5; v28b: T = 8 at B = 512 held 384 / 383, re-read
+        400 / 399).
     """
 
     block_v: int = 16
@@ -110,6 +116,7 @@ class KernelConfig:
     column_chunk: int = 0
     rows_outermost: bool = False
     launch_order: bool = False
+    reload_row: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_v", "cache_chunk"):
@@ -124,9 +131,11 @@ class KernelConfig:
             raise ValueError(
                 f"rebuild_unroll must be in 1..{MAX_REBUILD_UNROLL}, got {self.rebuild_unroll}"
             )
-        for name in ("flush_every_step", "empty_cache_branch", "rows_outermost", "launch_order"):
+        for name in ("flush_every_step", "empty_cache_branch", "rows_outermost", "launch_order", "reload_row"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.reload_row and not self.launch_order:
+            raise ValueError("reload_row reads the row of the launch order: it needs launch_order=True")
         if self.column_chunk < 0 or self.column_chunk & (self.column_chunk - 1):
             raise ValueError(f"column_chunk must be 0 or a power of two, got {self.column_chunk}")
         if self.flush_every_step and self.tiles_per_program:
@@ -392,8 +401,8 @@ def launch_row(row_ref, launch, launch_order: bool):
     build's code moves with it: on the H200 it cost the grouped kernel's (32, 4, T = 4,
     W = 32) flush 79 -> 140 us at B = 32 at the same 128 registers and no spills (v28,
     v28f), and a bf16 state's T = 4 entry 96 -> 121 registers; reading it again in every
-    tile instead cost the T = 8 non-flush step 5% (v28b). Hence a switch per table entry,
-    and the previous kernel without it.
+    tile (`KernelConfig.reload_row`) fixed that flush but cost the T = 8 non-flush step 5%
+    (v28b, v28h). Hence switches per table entry, and the previous kernel without them.
     """
     return row_ref[launch] if launch_order else launch
 

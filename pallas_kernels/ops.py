@@ -52,7 +52,7 @@ _TILES: dict[str, tuple[tuple[int, KernelConfig], ...]] = {
         (5, KernelConfig(block_v=8, num_warps=1, flush_every_step=True)),
         (16, KernelConfig(block_v=64, num_warps=4, tiles_per_program=1, rebuild_unroll=2, column_chunk=32)),
         (64, KernelConfig(block_v=32, num_warps=4, tiles_per_program=4, rebuild_unroll=2, column_chunk=32,
-                          rows_outermost=True)),
+                          rows_outermost=True, launch_order=True, reload_row=True)),
         (256, KernelConfig(block_v=32, num_warps=4, tiles_per_program=4, rebuild_unroll=2, column_chunk=64,
                            rows_outermost=True, launch_order=True)),
         (1 << 30, KernelConfig(block_v=32, num_warps=4, tiles_per_program=8, rebuild_unroll=2, column_chunk=64,
@@ -63,10 +63,12 @@ _TILES: dict[str, tuple[tuple[int, KernelConfig], ...]] = {
 # grouped kernel runs rows outermost in the plan's launch order, flush rows' programs
 # issued first, so staggered steps (a serving engine's) cost what a synchronised cycle
 # does: B = 128 105.6 / 119.7 -> 107.4 / 106.0, B = 512 383.7 / 424.1 -> 384.2 / 383.0. At
-# B = 17-64 the loaded row costs the (T = 4, W = 32) flush 80% (`common.launch_row`), so
-# those rows only run rows outermost: B = 32 30.6 / 46.4 -> 29.6 / 44.3, B = 64 56.8 / 75.7
-# -> 55.0 / 67.9; at B = 6-16 neither gains in both (B = 16: 17.8 / 22.6; rows outermost
-# 18.5 / 21.9, with the order 18.6 / 20.7).
+# B = 17-64 the held row costs the (T = 4, W = 32) flush 80% (`common.launch_row`); read
+# again per tile (`reload_row`) it costs the sync cycle 5% and saves 13-16% staggered
+# (v28h: B = 32 29.5 / 44.2 -> 31.1 / 38.5, B = 48 42.3 / 56.3 -> 44.4 / 47.4, B = 64 55.2 /
+# 67.7 -> 57.7 / 59.1). At B = 6-16 the T = 1 entry keeps row order: the re-read row costs
+# B = 8 19% sync and staggered (9.9 / 9.7 -> 11.8 / 11.5) though it wins at B = 16 (17.9 /
+# 22.8 -> 18.9 / 18.2), and the crossover between was not measured.
 # KDA (per-channel decay) puts the replay's key-side work per value head, so its replay
 # cycle costs more at small batch, and its plain kernel prefers BV 8 there. Measured at
 # B = 8, L = 16 (v11, v11c, v11d: KDA H_k = H_v = 32): plain BV 8 11.7-11.8 us vs BV 16

@@ -51,10 +51,11 @@ def _grouped_kernel(
     y_ref, ckpt_ref, ucache_ref, kcache_ref, gcache_ref,
     *, spec: TokenSpec, block_v: int, tiles_per_head: int, tiles_per_program: int,
     cache_block: int, precision: str, unroll: int, slices: tuple, rows_outermost: bool,
-    launch_order: bool,
+    launch_order: bool, reload_row: bool,
 ):
     launch, hk, split = common.program_ids(rows_outermost)
     b = common.launch_row(row_ref, launch, launch_order)
+    tile_row = (lambda: common.launch_row(row_ref, launch, launch_order)) if reload_row else (lambda: b)
     mode, slot, pos = mode_ref[launch], slot_ref[launch], pos_ref[launch]  # in launch order
     first = split * tiles_per_program
 
@@ -68,7 +69,7 @@ def _grouped_kernel(
     def _padding_row():
         def body(p, carry):
             vh, _, cols = tile_of(p)
-            y_ref[b, vh, cols] = jnp.zeros((block_v,), y_ref.dtype)
+            y_ref[tile_row(), vh, cols] = jnp.zeros((block_v,), y_ref.dtype)
             return carry
 
         jax.lax.fori_loop(0, tiles_per_program, body, 0)
@@ -84,10 +85,10 @@ def _grouped_kernel(
         # its gates; KDA is ~7% faster the other way round.
         operands_first = not spec.per_channel_gate
 
-        def load_tile(p):
+        def load_tile(p, b):
             """Tile p's inputs in storage dtypes: `(g_c, u_c, s_c)` cache entries and
-            checkpoint tile chunks, v `[BV]`, and `(log_alpha, beta)`; in the gate type's
-            order."""
+            checkpoint tile chunks, v `[BV]`, and row b's `(log_alpha, beta)`; in the gate
+            type's order."""
             vh, _, cols = tile_of(p)
 
             def operands():
@@ -123,7 +124,8 @@ def _grouped_kernel(
 
         def body(p, carry):
             vh, tile, cols = tile_of(p)
-            (g_c, u_c, s_c), v, (g, beta) = load_tile(p)
+            b_tile = tile_row()
+            (g_c, u_c, s_c), v, (g, beta) = load_tile(p, b_tile)
             alpha = common.gate_map(jnp.exp, g)
             v = v.astype(jnp.float32)
             u_c = u_c.astype(jnp.float32)  # [Lb, BV]
@@ -148,7 +150,7 @@ def _grouped_kernel(
                 s_q = alpha * (decay_c * common.row_sum(s_c, qs)
                                + jnp.sum(u_c * (weights * kq)[:, None], axis=0))
             u = beta * (v - s_k)
-            y_ref[b, vh, cols] = (s_q + u * k_dot_q).astype(y_ref.dtype)
+            y_ref[b_tile, vh, cols] = (s_q + u * k_dot_q).astype(y_ref.dtype)
 
             @pl.when(mode == common.MODE_FLUSH)
             def _flush():
@@ -222,7 +224,7 @@ def replay_decode_grouped(
         tiles_per_program=tiles_per_program, cache_block=cache_block_len(u_cache.shape[2]),
         precision=config.rebuild_precision, unroll=config.rebuild_unroll,
         slices=config.column_slices(q.shape[2]), rows_outermost=config.rows_outermost,
-        launch_order=config.launch_order,
+        launch_order=config.launch_order, reload_row=config.reload_row,
     )
     return common.decode_call(
         kernel,

@@ -123,6 +123,8 @@ LAYOUTS = {
     "grouped_t2_w8_outer_launch_order": KernelConfig(block_v=8, num_warps=1, tiles_per_program=2,
                                                      column_chunk=8, rows_outermost=True, launch_order=True),
     "tile_bv16_launch_order": KernelConfig(block_v=16, num_warps=2, cache_chunk=8, launch_order=True),
+    "grouped_t2_outer_launch_order_reload_row": KernelConfig(
+        block_v=8, num_warps=1, tiles_per_program=2, rows_outermost=True, launch_order=True, reload_row=True),
 }
 
 
@@ -214,6 +216,8 @@ def test_plain_kernel_and_bf16_state(rng, gate):
         (dict(column_chunk=-2), "column_chunk must be 0 or a power of two"),
         (dict(rows_outermost=1), "rows_outermost must be a bool"),
         (dict(launch_order=1), "launch_order must be a bool"),
+        (dict(launch_order=True, reload_row=1), "reload_row must be a bool"),
+        (dict(reload_row=True), "reload_row reads the row of the launch order: it needs launch_order=True"),
         (dict(flush_every_step=True, empty_cache_branch=1), "empty_cache_branch must be a bool"),
         (dict(column_chunk=8, rebuild_precision="bf16"), "needs column_chunk 0 or >= 16"),
     ],
@@ -223,8 +227,9 @@ def test_kernel_config_rejects_bad_values(kwargs, match):
         KernelConfig(**kwargs)
 
 
-@pytest.mark.parametrize("kernel,per_program", [("grouped", 2), ("tile", 0)])
-def test_any_row_order_gives_the_row_order_results(rng, kernel, per_program):
+@pytest.mark.parametrize("kernel,per_program,reload_row", [("grouped", 2, False), ("grouped", 2, True),
+                                                          ("tile", 0, False)])
+def test_any_row_order_gives_the_row_order_results(rng, kernel, per_program, reload_row):
     """The launch order only says which rows' programs the grid issues first: serving the
     rows in any permutation writes the same bits as serving them in order."""
     cfg = _config("gdn", 5)
@@ -243,7 +248,7 @@ def test_any_row_order_gives_the_row_order_results(rng, kernel, per_program):
     run = lambda kc, order: kernel_fn(state.checkpoint, *caches, *token, slot, pos, mode,
                                       row_order=order, use_qk_l2norm=True, config=kc)
     want = run(base, None)
-    ordered = dataclasses.replace(base, launch_order=True)
+    ordered = dataclasses.replace(base, launch_order=True, reload_row=reload_row)
     for order in (rng.permutation(batch), np.arange(batch)[::-1]):
         got = run(ordered, jnp.asarray(order, jnp.int32))
         for g, w in zip(got, want):
@@ -295,10 +300,12 @@ def test_tile_tables_cover_every_batch():
             # at batch <= 2 with the empty-cache branch (GDN with a 4-byte state only).
             assert kc.flush_every_step == (kernel == "replay" and batch <= 5)
             assert kc.empty_cache_branch == (kernel == "replay" and batch <= 2)
-            # The grouped replay entries run rows outermost from batch 17 and in the plan's
-            # launch order from batch 65 (measured with staggered cursors, ops._TILES).
+            # The grouped replay entries run rows outermost in the plan's launch order from
+            # batch 17, reading the row again per tile up to batch 64 (measured with staggered
+            # cursors, ops._TILES).
             if kernel == "replay":
-                assert (kc.rows_outermost, kc.launch_order) == (batch > 16, batch > 64)
+                assert kc.rows_outermost == kc.launch_order == (batch > 16)
+                assert kc.reload_row == (16 < batch <= 64)
             else:
                 assert not kc.launch_order
             whole = lambda c: dataclasses.replace(c, column_chunk=0)
