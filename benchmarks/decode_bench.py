@@ -247,6 +247,32 @@ def time_replay(timer, cfg, batch, kernel_config, rng, iterations, smoke, stagge
     return nf, fl, ((L - 1) * nf + fl) / L
 
 
+def time_both_cursors(timer, cfg, batch, name, kernel_config, seed, smoke, iterations=5) -> dict:
+    """One replay configuration with synchronised and with staggered cursors, both on the
+    slots and cursors drawn from `np.random.default_rng(seed)` (so variants timed with one
+    seed see the same rows): `{name}_sync_us` (cycle-amortised), `{name}_sync_nf_us`,
+    `{name}_sync_flush_us` and `{name}_stag_us` (per step), µs. For the experiment scripts."""
+    out = {}
+    for staggered in (False, True):
+        nf, fl, cyc = time_replay(timer, cfg, batch, kernel_config, np.random.default_rng(seed), iterations,
+                                  smoke, staggered)
+        key = f"{name}_{'stag' if staggered else 'sync'}"
+        out[key + "_us"] = cyc
+        if not staggered:
+            out[key + "_nf_us"], out[key + "_flush_us"] = nf, fl
+    return out
+
+
+def record_row(result: dict, row: dict, out: str) -> None:
+    """Print `row` (floats rounded, its "entry" config left out), append it to
+    `result["rows"]` and rewrite `out`, so partial results survive a timeout."""
+    shown = {k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items() if k != "entry"}
+    print("row", json.dumps(shown), flush=True)
+    result["rows"].append(row)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+
+
 # ----------------------------------------------------------------------------- sections
 
 

@@ -110,16 +110,8 @@ def main(out):
                 outer, order = setting
                 kc = dataclasses.replace(entry, rows_outermost=outer)
                 use_order(order)
-            for staggered in (False, True):
-                nf, fl, cyc = DB.time_replay(timer, cfg, bb, kc, np.random.default_rng(b), 5, SMOKE, staggered)
-                key = f"{name}_{'stag' if staggered else 'sync'}"
-                row[key + "_us"] = cyc
-                if not staggered:
-                    row[key + "_nf_us"], row[key + "_flush_us"] = nf, fl
-        print("row", json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()
-                                 if k != "entry"}), flush=True)
-        res["rows"].append(row)
-        with open(out, "w") as f: json.dump(res, f, indent=1)
+            row.update(DB.time_both_cursors(timer, cfg, bb, name, kc, b, SMOKE))
+        DB.record_row(res, row, out)
     if not SMOKE and not OLD:
         use_order(True)
         for dt, b in ((F32, 16), (F32, 512)):

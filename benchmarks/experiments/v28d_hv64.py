@@ -16,7 +16,7 @@ the order 795.8 / 814.7, fastest 794.3 / 840.5. So 2-byte states take no launch 
 B = 257 (`ops._TWO_BYTE_REPLAY_FIRST`).
 """
 
-import dataclasses, json, os, sys, time, warnings
+import dataclasses, os, sys, time, warnings
 SMOKE = bool(os.environ.get("SMOKE"))
 import jax.numpy as jnp, numpy as np
 warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
@@ -39,17 +39,8 @@ def main(out):
                    plain_us=DB.time_plain(timer, cfg, bb, ops.default_kernel_config(b, "plain", "gdn", dt),
                                           np.random.default_rng(b), 5, SMOKE))
         for name, change in VARIANTS.items():
-            kc = dataclasses.replace(entry, **change)
-            for staggered in (False, True):
-                nf, fl, cyc = DB.time_replay(timer, cfg, bb, kc, np.random.default_rng(b), 5, SMOKE, staggered)
-                key = f"{name}_{'stag' if staggered else 'sync'}"
-                row[key + "_us"] = cyc
-                if not staggered:
-                    row[key + "_nf_us"], row[key + "_flush_us"] = nf, fl
-        print("row", json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()
-                                 if k != "entry"}), flush=True)
-        res["rows"].append(row)
-        with open(out, "w") as f: json.dump(res, f, indent=1)
+            row.update(DB.time_both_cursors(timer, cfg, bb, name, dataclasses.replace(entry, **change), b, SMOKE))
+        DB.record_row(res, row, out)
     print(f"total {time.time() - t0:.0f} s")
 
 

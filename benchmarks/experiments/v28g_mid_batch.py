@@ -24,7 +24,7 @@ vs 55.2 / 67.2, "t8" 61.0 / 91.5. B = 128 ("w64" is the entry): 107.3 / 106.1, "
 121.9. B = 256: "t8" 203.0 / 202.7 vs 204.4 / 205.3 (within 1.3%, not worth a row).
 """
 
-import dataclasses, json, os, sys, time, warnings
+import dataclasses, os, sys, time, warnings
 SMOKE = bool(os.environ.get("SMOKE"))
 import jax.numpy as jnp, numpy as np
 warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
@@ -51,16 +51,8 @@ def main(out):
         row = dict(batch=b, entry=dataclasses.asdict(entry), plain_us=DB.time_plain(
             timer, cfg, bb, ops.default_kernel_config(b, "plain"), np.random.default_rng(b), 5, SMOKE))
         for name, kc in {"table": entry, **VARIANTS}.items():
-            for staggered in (False, True):
-                nf, fl, cyc = DB.time_replay(timer, cfg, bb, kc, np.random.default_rng(b), 5, SMOKE, staggered)
-                key = f"{name}_{'stag' if staggered else 'sync'}"
-                row[key + "_us"] = cyc
-                if not staggered:
-                    row[key + "_nf_us"], row[key + "_flush_us"] = nf, fl
-        print("row", json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()
-                                 if k != "entry"}), flush=True)
-        res["rows"].append(row)
-        with open(out, "w") as f: json.dump(res, f, indent=1)
+            row.update(DB.time_both_cursors(timer, cfg, bb, name, kc, b, SMOKE))
+        DB.record_row(res, row, out)
     print(f"total {time.time() - t0:.0f} s")
 
 

@@ -25,7 +25,7 @@ but B = 8 9.9 / 9.7 -> 11.8 / 11.5. bf16: reload loses to the table's held row (
 with B = 8) keeps row order.
 """
 
-import dataclasses, json, os, sys, time, warnings
+import dataclasses, os, sys, time, warnings
 SMOKE = bool(os.environ.get("SMOKE"))
 import jax.numpy as jnp, numpy as np
 warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
@@ -51,17 +51,8 @@ def main(out):
         row = dict(dtype=dt.name, batch=b, entry=dataclasses.asdict(entry), plain_us=DB.time_plain(
             timer, cfg, bb, ops.default_kernel_config(b, "plain", "gdn", dt), np.random.default_rng(b), 5, SMOKE))
         for name, change in variants.items():
-            kc = dataclasses.replace(entry, **change)
-            for staggered in (False, True):
-                nf, fl, cyc = DB.time_replay(timer, cfg, bb, kc, np.random.default_rng(b), 5, SMOKE, staggered)
-                key = f"{name}_{'stag' if staggered else 'sync'}"
-                row[key + "_us"] = cyc
-                if not staggered:
-                    row[key + "_nf_us"], row[key + "_flush_us"] = nf, fl
-        print("row", json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()
-                                 if k != "entry"}), flush=True)
-        res["rows"].append(row)
-        with open(out, "w") as f: json.dump(res, f, indent=1)
+            row.update(DB.time_both_cursors(timer, cfg, bb, name, dataclasses.replace(entry, **change), b, SMOKE))
+        DB.record_row(res, row, out)
     print(f"total {time.time() - t0:.0f} s")
 
 
