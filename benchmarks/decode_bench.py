@@ -291,8 +291,9 @@ def check_section(smoke: bool) -> list[dict]:
 
     Each case runs one kernel layout with the case's rebuild precision: "grouped" (the
     package's configuration at large batch), "grouped_one_tile" (its configuration at
-    B = 6-16: one `[64, d_k]` tile per program), "grouped_mid" (at B = 17-64: launch
-    order, the row read per tile), "per_tile" (`replay_decode` walking the cache
+    B = 6-9: one `[64, d_k]` tile per program; "grouped_one_tile_ordered" the same at
+    B = 10-16, in launch order with the row read per tile), "grouped_mid" (at B = 17-64:
+    launch order, the row read per tile), "per_tile" (`replay_decode` walking the cache
     in two chunks, the exact rebuild 8 entries per round trip), "fold" (`fold_decode`, the
     package's configuration at small batch; "fold_two_byte" its bf16-state one; "fold_kda"
     KDA's at large batch: the plain kernel's tile, empty-cache branch) or "plain"
@@ -323,11 +324,13 @@ def check_section(smoke: bool) -> list[dict]:
         ("kda", 13, jnp.float32, "ieee", False, "fold_kda", "fold_natural"),
         ("gdn", 16, jnp.float32, "ieee", False, "grouped_launch_order", "staggered"),
         ("gdn", 13, jnp.float32, "ieee", True, "grouped_mid", "staggered"),
+        ("gdn", 16, jnp.float32, "ieee", False, "grouped_one_tile_ordered", "staggered"),
         ("gdn", 16, jnp.bfloat16, "ieee", False, "grouped_launch_order", "staggered"),
         ("kda", 13, jnp.float32, "ieee", True, "per_tile_launch_order", "staggered"),
     ]
     layouts = {"grouped": default_kernel_config(512), "grouped_one_tile": default_kernel_config(8),
                "grouped_mid": default_kernel_config(32),
+               "grouped_one_tile_ordered": default_kernel_config(16),
                "per_tile": CHECK_PER_TILE, "fold": default_kernel_config(1),
                "fold_two_byte": default_kernel_config(1, "replay", "gdn", jnp.bfloat16),
                "fold_kda": default_kernel_config(512, "replay", "kda"),
@@ -506,7 +509,7 @@ def sweep_row(timer, shape, cfg, batch, bandwidth, smoke, configs) -> list[dict]
             tiles_per_program=kc.tiles_per_program, rebuild_unroll=kc.rebuild_unroll,
             rebuild_precision=kc.rebuild_precision, flush_every_step=kc.flush_every_step,
             empty_cache_branch=kc.empty_cache_branch, column_chunk=kc.column_chunk,
-            rows_outermost=kc.rows_outermost, launch_order=kc.launch_order,
+            rows_outermost=kc.rows_outermost, launch_order=kc.launch_order, reload_row=kc.reload_row,
             plain_block_v=kc_plain.block_v, plain_num_warps=kc_plain.num_warps,
             plain_us=plain_us, plain_bytes=plain_bytes,
             replay_nonflush_us=nf, replay_flush_us=fl, replay_cycle_us=cyc,

@@ -50,7 +50,9 @@ _TILES: dict[str, tuple[tuple[int, KernelConfig], ...]] = {
     "replay": (
         (2, KernelConfig(block_v=4, num_warps=1, flush_every_step=True, empty_cache_branch=True)),
         (5, KernelConfig(block_v=8, num_warps=1, flush_every_step=True)),
-        (16, KernelConfig(block_v=64, num_warps=4, tiles_per_program=1, rebuild_unroll=2, column_chunk=32)),
+        (9, KernelConfig(block_v=64, num_warps=4, tiles_per_program=1, rebuild_unroll=2, column_chunk=32)),
+        (16, KernelConfig(block_v=64, num_warps=4, tiles_per_program=1, rebuild_unroll=2, column_chunk=32,
+                          rows_outermost=True, launch_order=True, reload_row=True)),
         (64, KernelConfig(block_v=32, num_warps=4, tiles_per_program=4, rebuild_unroll=2, column_chunk=32,
                           rows_outermost=True, launch_order=True, reload_row=True)),
         (256, KernelConfig(block_v=32, num_warps=4, tiles_per_program=4, rebuild_unroll=2, column_chunk=64,
@@ -66,9 +68,10 @@ _TILES: dict[str, tuple[tuple[int, KernelConfig], ...]] = {
 # B = 17-64 the held row costs the (T = 4, W = 32) flush 80% (`common.launch_row`); read
 # again per tile (`reload_row`) it costs the sync cycle 5% and saves 13-16% staggered
 # (v28h: B = 32 29.5 / 44.2 -> 31.1 / 38.5, B = 48 42.3 / 56.3 -> 44.4 / 47.4, B = 64 55.2 /
-# 67.7 -> 57.7 / 59.1). At B = 6-16 the T = 1 entry keeps row order: the re-read row costs
-# B = 8 19% sync and staggered (9.9 / 9.7 -> 11.8 / 11.5) though it wins at B = 16 (17.9 /
-# 22.8 -> 18.9 / 18.2), and the crossover between was not measured.
+# 67.7 -> 57.7 / 59.1). The T = 1 entry takes it from B = 10 (v28j: B = 10 14.0 / 13.9 ->
+# 13.2 / 12.9, B = 12 15.6 / 19.9 -> 14.3 / 15.3, B = 16 17.9 / 22.9 -> 19.1 / 18.4) and keeps
+# row order up to B = 9: the re-read row costs B = 8 19% sync and staggered (v28h: 9.9 / 9.7
+# -> 11.8 / 11.5); B = 9 was not measured.
 # KDA (per-channel decay) puts the replay's key-side work per value head, so its replay
 # cycle costs more at small batch, and its plain kernel prefers BV 8 there. Measured at
 # B = 8, L = 16 (v11, v11c, v11d: KDA H_k = H_v = 32): plain BV 8 11.7-11.8 us vs BV 16

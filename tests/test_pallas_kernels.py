@@ -291,7 +291,7 @@ def test_kernel_shape_and_option_errors():
 
 def test_tile_tables_cover_every_batch():
     for kernel in ("plain", "replay"):
-        for batch in (1, 2, 3, 4, 5, 8, 9, 16, 17, 64, 65, 256, 257, 512, 1 << 20):
+        for batch in (1, 2, 3, 4, 5, 8, 9, 10, 16, 17, 64, 65, 256, 257, 512, 1 << 20):
             kc = ops.default_kernel_config(batch, kernel)
             assert isinstance(kc, KernelConfig)
             if kernel == "plain":
@@ -301,11 +301,11 @@ def test_tile_tables_cover_every_batch():
             assert kc.flush_every_step == (kernel == "replay" and batch <= 5)
             assert kc.empty_cache_branch == (kernel == "replay" and batch <= 2)
             # The grouped replay entries run rows outermost in the plan's launch order from
-            # batch 17, reading the row again per tile up to batch 64 (measured with staggered
+            # batch 10, reading the row again per tile up to batch 64 (measured with staggered
             # cursors, ops._TILES).
             if kernel == "replay":
-                assert kc.rows_outermost == kc.launch_order == (batch > 16)
-                assert kc.reload_row == (16 < batch <= 64)
+                assert kc.rows_outermost == kc.launch_order == (batch > 9)
+                assert kc.reload_row == (9 < batch <= 64)
             else:
                 assert not kc.launch_order
             whole = lambda c: dataclasses.replace(c, column_chunk=0)
