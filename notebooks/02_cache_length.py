@@ -468,7 +468,7 @@ if not other:
 # * Synchronised cursors concentrate every checkpoint write on one step (the flush spike);
 #   staggered cursors move the cycle-average bytes on every step. Measured, a staggered step
 #   mixes long flush programs into a launch of short append programs; the Pallas backend
-#   issues the flush programs first (`StepPlan.launch_order`, from B = 17 for a GDN fp32
+#   issues the flush programs first (`StepPlan.launch_order`, from B = 10 for a GDN fp32
 #   state), so from B = 128 the staggered step costs what the synchronised cycle does
 #   (panel b); below, the flush program's own length still shows.
 # * The measured side (model floor vs time, flush spike, break-even batch) is printed above
