@@ -412,6 +412,16 @@ def row_modes(valid, flush):
     return jnp.where(valid, jnp.where(flush, MODE_FLUSH, MODE_APPEND), MODE_PAD).astype(jnp.int32)
 
 
+def concrete_or_none(x) -> np.ndarray | None:
+    """The value of `x` when it is known at trace time, else None (a jit tracer). Shared
+    with the package's argument checks (`replayssm_jax.decode`, `replayssm_jax.model`),
+    which import it from here: this module cannot import theirs."""
+    try:
+        return np.asarray(x)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return None
+
+
 def launch_rows(slot, pos, mode, row_order, config: KernelConfig):
     """`(rows, slot, pos, mode)` in launch order: program row r serves row `rows[r]`, whose
     slot, cursor and mode are `slot[r]`, `pos[r]`, `mode[r]` of the results.
@@ -429,10 +439,7 @@ def launch_rows(slot, pos, mode, row_order, config: KernelConfig):
         raise ValueError(f"row_order must have shape ({batch},), got {tuple(jnp.shape(row_order))}")
     if not jnp.issubdtype(jnp.result_type(row_order), jnp.integer):
         raise ValueError(f"row_order must be an integer array, got dtype {jnp.result_type(row_order)}")
-    try:
-        values = np.asarray(row_order)
-    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        values = None  # under jit: the caller's plan computed it
+    values = concrete_or_none(row_order)  # None under jit: the caller's plan computed it
     if values is not None and not np.array_equal(np.sort(values), np.arange(batch)):
         raise ValueError(f"row_order must be a permutation of range({batch}), got {values.tolist()}")
     rows = row_order.astype(jnp.int32)

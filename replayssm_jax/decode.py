@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
@@ -13,7 +12,7 @@ from jaxtyping import Array, Bool, Float, Int
 # Imported eagerly, not on first use: importing Pallas registers jax config options, and a
 # first import during a trace would change the tracing context and cost one recompile.
 from pallas_kernels import ops as pallas_ops
-from pallas_kernels.common import KernelConfig
+from pallas_kernels.common import KernelConfig, concrete_or_none
 from replayssm_jax import gating, replay
 from replayssm_jax.config import ReplayConfig
 from replayssm_jax.state import ReplayState, check_state
@@ -31,14 +30,6 @@ def _check_float(name: str, x: Array, want: tuple[int, ...]) -> None:
         raise _shape_error(name, want, x)
     if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
         raise ValueError(f"{name} must be a floating array, got dtype {jnp.result_type(x)}")
-
-
-def concrete_or_none(x: Array) -> np.ndarray | None:
-    """The value of `x` when it is known at trace time, else None (a jit tracer)."""
-    try:
-        return np.asarray(x)
-    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        return None
 
 
 def check_slots(name: str, slots: Array, batch: int, num_slots: int) -> None:

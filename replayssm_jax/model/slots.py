@@ -26,7 +26,7 @@ from jax.experimental import checkify
 from jaxtyping import Array, Bool, Float, Int
 
 from replayssm_jax import replay
-from replayssm_jax.decode import concrete_or_none
+from pallas_kernels.common import concrete_or_none
 from replayssm_jax.model.state import ModelState, Snapshot, check_model_state
 from replayssm_jax.state import ReplayState
 
