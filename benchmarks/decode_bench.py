@@ -263,6 +263,16 @@ def time_both_cursors(timer, cfg, batch, name, kernel_config, seed, smoke, itera
     return out
 
 
+def pool_after_cycle(cfg, batch, kernel_config, smoke) -> list:
+    """The leaves of a random pool (cursors at 0, `batch` shuffled slots of 2 * batch) after one
+    synchronised cycle of `kernel_config` (L - 1 appends and a flush): what the experiment
+    scripts compare between variants of a kernel."""
+    sets, num_slots = slot_sets(batch, cfg.state_bytes_per_slot(), np.random.default_rng(0), True)
+    pool = random_pool(cfg, num_slots, jax.random.key(1), np.zeros(num_slots))
+    token = random_token(cfg, batch, jax.random.key(2))
+    return jax.tree.leaves(replay_cycle_fn(cfg, kernel_config, smoke)(pool, jnp.asarray(sets), token))
+
+
 def record_row(result: dict, row: dict, out: str) -> None:
     """Print `row` (floats rounded, its "entry" config left out), append it to
     `result["rows"]` and rewrite `out`, so partial results survive a timeout."""
