@@ -302,8 +302,10 @@ def check_section(smoke: bool) -> list[dict]:
     Each case runs one kernel layout with the case's rebuild precision: "grouped" (the
     package's configuration at large batch), "grouped_one_tile" (its configuration at
     B = 6-9: one `[64, d_k]` tile per program; "grouped_one_tile_ordered" the same at
-    B = 10-16, in launch order with the row read per tile), "grouped_mid" (at B = 17-64:
-    launch order, the row read per tile), "per_tile" (`replay_decode` walking the cache
+    B = 10-28, in launch order with the row read per tile), "grouped_mid" (at B = 29-64:
+    launch order, the row read per tile), "grouped_two_byte_mid" (a 2-byte state's at
+    B = 9-64: T = 2 in launch order), "grouped_long_cache" (a 2-byte state's at B = 9-64
+    for L > 16: the one-tile entry on whole rows), "per_tile" (`replay_decode` walking the cache
     in two chunks, the exact rebuild 8 entries per round trip), "fold" (`fold_decode`, the
     package's configuration at small batch; "fold_two_byte" its bf16-state one; "fold_kda"
     KDA's at large batch: the plain kernel's tile, empty-cache branch) or "plain"
@@ -337,6 +339,8 @@ def check_section(smoke: bool) -> list[dict]:
         ("gdn", 16, jnp.float32, "ieee", False, "grouped_one_tile_ordered", "staggered"),
         ("gdn", 16, jnp.bfloat16, "ieee", False, "grouped_launch_order", "staggered"),
         ("kda", 13, jnp.float32, "ieee", True, "per_tile_launch_order", "staggered"),
+        ("gdn", 16, jnp.bfloat16, "ieee", False, "grouped_two_byte_mid", "staggered"),
+        ("gdn", 17, jnp.bfloat16, "ieee", True, "grouped_long_cache", "staggered"),
     ]
     layouts = {"grouped": default_kernel_config(512), "grouped_one_tile": default_kernel_config(8),
                "grouped_mid": default_kernel_config(32),
@@ -345,6 +349,8 @@ def check_section(smoke: bool) -> list[dict]:
                "fold_two_byte": default_kernel_config(1, "replay", "gdn", jnp.bfloat16),
                "fold_kda": default_kernel_config(512, "replay", "kda"),
                "plain": default_kernel_config(512, "plain"),
+               "grouped_two_byte_mid": default_kernel_config(32, "replay", "gdn", jnp.bfloat16),
+               "grouped_long_cache": default_kernel_config(32, "replay", "gdn", jnp.bfloat16, 17),
                "grouped_launch_order": dataclasses.replace(
                    default_kernel_config(512), launch_order=True, rows_outermost=True),
                "per_tile_launch_order": dataclasses.replace(

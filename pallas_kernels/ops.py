@@ -32,14 +32,18 @@ from replayssm_jax.state import ReplayState
 # Replay: at B <= 5 flushing every step through the folding kernel beat the replay cycle
 # (v11, v21b, v23b); at B <= 2 with BV 4 and its empty-cache branch (v25: B = 1 3.17 ->
 # 3.01 us, level with the plain kernel; B = 2 4.29 -> 4.07, 1.02x; the branch costs B = 5
-# 7.26 -> 8.5). From B = 6 the grouped kernel: at B <= 16 one `[64, d_k]`
+# 7.26 -> 8.5). From B = 6 the grouped kernel: at B <= 28 one `[64, d_k]`
 # tile per program (v21b: the two tiles of a (32, 2 warps, T = 2) program side by side, half
-# the flush's dependent round trips: B = 8 cycle 10.5 -> 9.7 us, B = 16 20.1 -> 17.6); W = 32
+# the flush's dependent round trips: B = 8 cycle 10.5 -> 9.7 us, B = 16 20.1 -> 17.6; v29b,
+# v29c at B = 17-28: below), T = 4 with W = 32
 # chunks up to B = 64, W = 64 above (v21, v21b: B = 512 cycle 409 -> 390 us, B = 128 108.9
 # -> 105.3, but B = 32 30.2 -> 32.2), one program per (row, key head) from B = 257 (its
 # rebuild unroll depends on L: SHORT_CACHE_MAX_LEN below). Unrolling the exact rebuild
 # costs registers (v8: U = 4 -> 2 in the grouped kernel, 146 -> 128 registers at T = 4 by
 # kernel_registers.py, whose counts differ from the GPU build's: v24c).
+# One `[64, d_k]` tile per program, rows outermost in launch order, the row read per tile.
+_ONE_TILE_ORDERED = KernelConfig(block_v=64, num_warps=4, tiles_per_program=1, rebuild_unroll=2, column_chunk=32,
+                                 rows_outermost=True, launch_order=True, reload_row=True)
 _TILES: dict[str, tuple[tuple[int, KernelConfig], ...]] = {
     "plain": (
         (2, KernelConfig(block_v=4, num_warps=1, column_chunk=32)),
@@ -51,8 +55,7 @@ _TILES: dict[str, tuple[tuple[int, KernelConfig], ...]] = {
         (2, KernelConfig(block_v=4, num_warps=1, flush_every_step=True, empty_cache_branch=True)),
         (5, KernelConfig(block_v=8, num_warps=1, flush_every_step=True)),
         (9, KernelConfig(block_v=64, num_warps=4, tiles_per_program=1, rebuild_unroll=2, column_chunk=32)),
-        (16, KernelConfig(block_v=64, num_warps=4, tiles_per_program=1, rebuild_unroll=2, column_chunk=32,
-                          rows_outermost=True, launch_order=True, reload_row=True)),
+        (28, _ONE_TILE_ORDERED),
         (64, KernelConfig(block_v=32, num_warps=4, tiles_per_program=4, rebuild_unroll=2, column_chunk=32,
                           rows_outermost=True, launch_order=True, reload_row=True)),
         (256, KernelConfig(block_v=32, num_warps=4, tiles_per_program=4, rebuild_unroll=2, column_chunk=64,
@@ -71,7 +74,20 @@ _TILES: dict[str, tuple[tuple[int, KernelConfig], ...]] = {
 # 67.7 -> 57.7 / 59.1). The T = 1 entry takes it from B = 10 (v28j: B = 10 14.0 / 13.9 ->
 # 13.2 / 12.9, B = 12 15.6 / 19.9 -> 14.3 / 15.3, B = 16 17.9 / 22.9 -> 19.1 / 18.4) and keeps
 # row order up to B = 9: the re-read row costs B = 8 19% sync and staggered (v28h: 9.9 / 9.7
-# -> 11.8 / 11.5); B = 9 was not measured.
+# -> 11.8 / 11.5); B = 9 was not measured. With staggered cursors ~B/L rows flush in every
+# step and the step ends on a flush program, which at T = 4 runs ~3x an append program, so
+# the T = 1 entry (a quarter of it) serves up to B = 28 (v29b, v29c, L = 16, T = 1 against
+# T = 4: B = 17 19.7 / 19.2 against 23.0 / 33.0, B = 20 23.6 / 22.6 against 25.2 / 33.5,
+# B = 24 26.3 / 25.5 against 27.5 / 34.7, B = 28 30.6 / 29.6 against 29.3 / 36.7; at B = 32
+# 34.1 / 33.5 against 31.1 / 38.5, and slower in both from B = 48). Long caches flush
+# longer programs (L - 1 entries): for L > SHORT_CACHE_MAX_LEN the T = 1 entry serves up to
+# LONG_CACHE_ONE_TILE_MAX_BATCH (v29e, L = 32, sync / staggered: B = 32 35.5 / 33.8 against
+# 31.6 / 57.4, B = 48 50.0 / 48.1 against 45.3 / 66.3, B = 64 64.6 / 62.9 against 58.9 /
+# 74.9, plain 36.1 / 53.1 / 70.2: staggered 0.63-0.94x -> 1.07-1.12x plain, sync 1.15-1.19x
+# -> 1.02-1.09x), for a 2-byte state too (whole rows; bf16, L = 32: B = 24 22.9 / 23.6
+# against 25.6 / 42.2, B = 32 30.9 / 29.9 against 28.9 / 44.2, B = 64 57.4 / 55.4 against
+# 54.9 / 56.2; at B = 16 all entries within 2%).
+LONG_CACHE_ONE_TILE_MAX_BATCH = 64
 # KDA (per-channel decay) puts the replay's key-side work per value head, so its replay
 # cycle costs more at small batch, and its plain kernel prefers BV 8 there. Measured at
 # B = 8, L = 16 (v11, v11c, v11d: KDA H_k = H_v = 32): plain BV 8 11.7-11.8 us vs BV 16
@@ -87,17 +103,29 @@ _KDA_PLAIN_FIRST = ((8, KernelConfig(block_v=8, num_warps=1, cache_chunk=8)),)
 # / 26.3, B = 64 43.6 / 55.0 -> 46.2 / 47.2; at B = 128 rows outermost alone (79.7 / 91.2
 # -> 78.5 / 87.5; with the order 88.5 / 87.5); from B = 257 the 4-byte rows' T = 8 entry,
 # also rows outermost only: with the order H_v = 32 gained (B = 512 274.1 / 302.7 -> 272.8 /
-# 272.5) but H_v = 64 lost (v28d: 537.3 / 554.7 -> 621.0 / 617.4).
-_TWO_BYTE_REPLAY_FIRST = (
+# 272.5) but H_v = 64 lost (v28d: 537.3 / 554.7 -> 621.0 / 617.4). KDA keeps these rows;
+# GDN takes (32, 4 warps, T = 2) in launch order at B = 9-64 (v29e, L = 16, sync /
+# staggered us, against the rows above: B = 16 14.8 / 16.3 against 15.7 / 19.4, B = 24
+# 19.8 / 19.7 against 22.0 / 24.3, B = 32 25.4 / 24.7 against 24.2 / 26.5, B = 64 46.0 /
+# 45.4 against 46.5 / 47.6; B = 9-15 not measured).
+_TWO_BYTE_TAIL = (
+    (256, KernelConfig(block_v=32, num_warps=4, tiles_per_program=4, rebuild_unroll=2, rows_outermost=True)),
+    (1 << 30, KernelConfig(block_v=32, num_warps=4, tiles_per_program=8, rebuild_unroll=2, rows_outermost=True)),
+)
+_TWO_BYTE_FOLD = (
     (1, KernelConfig(block_v=4, num_warps=1, flush_every_step=True)),
     (8, KernelConfig(block_v=8, num_warps=1, flush_every_step=True)),
+)
+_KDA_TWO_BYTE_REPLAY_FIRST = _TWO_BYTE_FOLD + (
     (16, KernelConfig(block_v=32, num_warps=2, tiles_per_program=2, rebuild_unroll=4,
                       rows_outermost=True, launch_order=True)),
     (64, KernelConfig(block_v=32, num_warps=4, tiles_per_program=4, rebuild_unroll=2,
                       rows_outermost=True, launch_order=True)),
-    (256, KernelConfig(block_v=32, num_warps=4, tiles_per_program=4, rebuild_unroll=2, rows_outermost=True)),
-    (1 << 30, KernelConfig(block_v=32, num_warps=4, tiles_per_program=8, rebuild_unroll=2, rows_outermost=True)),
-)
+) + _TWO_BYTE_TAIL
+_TWO_BYTE_REPLAY_FIRST = _TWO_BYTE_FOLD + (
+    (64, KernelConfig(block_v=32, num_warps=4, tiles_per_program=2, rebuild_unroll=2,
+                      rows_outermost=True, launch_order=True)),
+) + _TWO_BYTE_TAIL
 # KDA with a 4-byte state flushes every step at every batch: its replay cycle, whose grouped
 # kernel holds 168 registers per thread (3 programs per SM, v25f), measured 0.82-0.89x the
 # plain kernel at B = 32-512 (v27: 50.2 / 172.4 / 656.5 us against 41.0 / 150.3 / 585.9),
@@ -131,11 +159,12 @@ def default_kernel_config(
     slower (v14, v15: plain kernel at B = 512 296 -> 332 us; ptxas: 117 -> 167 registers
     in the grouped kernel). KDA's grouped kernel keeps whole rows too: chunked, its
     per-channel weights and keys take it from 164 to 228 registers per thread (2 programs
-    per SM instead of 3). 2-byte states take their own replay entries up to B = 16 (the
-    folding kernel up to B = 8); KDA with a 4-byte state flushes every step through the
-    folding kernel at every batch (`_KDA_REPLAY`), and takes its own plain entry up to
-    B = 8. `cache_len` (the layer's L) picks the rebuild unroll of the B > 256 entry
-    (above)."""
+    per SM instead of 3). 2-byte states take their own replay entries (the folding kernel
+    up to B = 8; GDN's and KDA's differ at B = 9-64); KDA with a 4-byte state flushes every
+    step through the folding kernel at every batch (`_KDA_REPLAY`), and takes its own plain
+    entry up to B = 8. `cache_len` (the layer's L) picks, for GDN, the rebuild unroll of the
+    B > 256 entry and, above SHORT_CACHE_MAX_LEN, the one-tile entry up to
+    LONG_CACHE_ONE_TILE_MAX_BATCH (above)."""
     rows, whole_rows = _table_rows(kernel, gate, state_dtype, cache_len)
     config = next(config for max_batch, config in rows if batch <= max_batch)
     if whole_rows:
@@ -161,12 +190,21 @@ def _table_rows(
     if kernel == "plain" and gate == "kda":
         first = _KDA_PLAIN_FIRST
     elif kernel == "replay" and two_byte:
-        first = _TWO_BYTE_REPLAY_FIRST
+        first = _KDA_TWO_BYTE_REPLAY_FIRST if gate == "kda" else _TWO_BYTE_REPLAY_FIRST
     rows = first + _TILES[kernel]
+    if kernel == "replay" and gate == "gdn" and cache_len > SHORT_CACHE_MAX_LEN:
+        rows = _long_cache_rows(rows)
     if kernel == "replay" and not two_byte and cache_len <= SHORT_CACHE_MAX_LEN:
         max_batch, last = rows[-1]
         rows = rows[:-1] + ((max_batch, dataclasses.replace(last, rebuild_unroll=_SHORT_CACHE_REBUILD_UNROLL)),)
     return rows, two_byte  # 2-byte states take every entry on whole rows
+
+
+def _long_cache_rows(rows):
+    """GDN rows for L > SHORT_CACHE_MAX_LEN: the one-tile entry in launch order serves every
+    batch from the first launch-order row's to LONG_CACHE_ONE_TILE_MAX_BATCH (above)."""
+    first_ordered = next(i for i, (_, config) in enumerate(rows) if config.launch_order)
+    return rows[:first_ordered] + ((LONG_CACHE_ONE_TILE_MAX_BATCH, _ONE_TILE_ORDERED),) + rows[first_ordered:]
 
 
 def table_entries(

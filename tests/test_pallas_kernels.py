@@ -291,7 +291,7 @@ def test_kernel_shape_and_option_errors():
 
 def test_tile_tables_cover_every_batch():
     for kernel in ("plain", "replay"):
-        for batch in (1, 2, 3, 4, 5, 8, 9, 10, 16, 17, 64, 65, 256, 257, 512, 1 << 20):
+        for batch in (1, 2, 3, 4, 5, 8, 9, 10, 16, 17, 28, 29, 64, 65, 256, 257, 512, 1 << 20):
             kc = ops.default_kernel_config(batch, kernel)
             assert isinstance(kc, KernelConfig)
             if kernel == "plain":
@@ -302,10 +302,12 @@ def test_tile_tables_cover_every_batch():
             assert kc.empty_cache_branch == (kernel == "replay" and batch <= 2)
             # The grouped replay entries run rows outermost in the plan's launch order from
             # batch 10, reading the row again per tile up to batch 64 (measured with staggered
-            # cursors, ops._TILES).
+            # cursors, ops._TILES); one `[64, d_k]` tile per program from batch 6 to 28.
             if kernel == "replay":
                 assert kc.rows_outermost == kc.launch_order == (batch > 9)
                 assert kc.reload_row == (9 < batch <= 64)
+                if 6 <= batch <= 64:
+                    assert (kc.block_v, kc.tiles_per_program) == ((64, 1) if batch <= 28 else (32, 4))
             else:
                 assert not kc.launch_order
             whole = lambda c: dataclasses.replace(c, column_chunk=0)
@@ -326,24 +328,25 @@ def test_tile_tables_cover_every_batch():
                     (plain_tile.block_v, plain_tile.column_chunk, plain_tile.rows_outermost, True))
             # bf16 state: whole rows everywhere; the replay kernel takes its own entries (the
             # folding kernel at BV 4 at batch 1, without the empty-cache branch, which measured
-            # slower for a bf16 state; BV 8 up to batch 8; (32, 2 warps, T = 2) at batch 9-16,
-            # T = 4 at 17-256, rows outermost from batch 9 and the launch order at 9-64); from
-            # batch 257 fp32's entry for a long cache without the launch order (GDN fp32
-            # rebuilds at U = 1 for L <= 16, bf16 states at U = 2 whatever L:
-            # test_rebuild_unroll_follows_the_cache_length); KDA with a bf16 state alike.
+            # slower for a bf16 state; BV 8 up to batch 8; rows outermost in launch order at
+            # 9-64: GDN (32, 4 warps, T = 2), KDA (32, 2 warps, T = 2) to 16 and T = 4 above;
+            # T = 4, rows outermost alone, at 65-256); from batch 257 fp32's entry for a long
+            # cache without the launch order (GDN fp32 rebuilds at U = 1 for L <= 16, bf16
+            # states at U = 2 whatever L: test_rebuild_unroll_follows_the_cache_length).
             for gate in ("gdn", "kda"):
                 bf16 = ops.default_kernel_config(batch, kernel, gate, jnp.bfloat16)
                 assert bf16.column_chunk == 0 and not bf16.empty_cache_branch
                 if kernel == "plain":
                     assert whole(bf16) == whole(kda if gate == "kda" else kc)
-                elif batch <= 16:
-                    assert bf16.flush_every_step == (batch <= 8)
-                    assert (bf16.block_v, bf16.tiles_per_program) == (
-                        (4, 0) if batch == 1 else (8, 0) if batch <= 8 else (32, 2))
-                    assert bf16.rows_outermost == bf16.launch_order == (batch > 8)
-                elif batch <= 256:  # their own T = 4 entries: the launch order up to batch 64
-                    assert (bf16.tiles_per_program, bf16.rows_outermost, bf16.launch_order) == (
-                        4, True, batch <= 64)
+                elif batch <= 8:
+                    assert bf16.flush_every_step and not bf16.launch_order and not bf16.rows_outermost
+                    assert (bf16.block_v, bf16.tiles_per_program) == ((4, 0) if batch == 1 else (8, 0))
+                elif batch <= 64:
+                    assert bf16.rows_outermost and bf16.launch_order and not bf16.flush_every_step
+                    assert (bf16.block_v, bf16.num_warps, bf16.tiles_per_program) == (
+                        (32, 4, 2) if gate == "gdn" else (32, 2, 2) if batch <= 16 else (32, 4, 4))
+                elif batch <= 256:  # their own T = 4 entries, rows outermost alone
+                    assert (bf16.tiles_per_program, bf16.rows_outermost, bf16.launch_order) == (4, True, False)
                 else:  # the 4-byte entry without the launch order
                     assert bf16 == dataclasses.replace(whole(long_cache), launch_order=False)
     with pytest.raises(ValueError, match="kernel must be 'plain' or 'replay', got 'fold'"):
@@ -384,7 +387,7 @@ def test_rebuild_unroll_follows_the_cache_length():
             assert config(batch, "replay", gate, dtype, short) == config(batch, "replay", gate, dtype, long)
             kc = config(batch, "replay", gate, dtype, short)
             assert kc.flush_every_step if dtype == jnp.float32 else kc.rebuild_unroll == 2
-    for batch in (1, 6, 8, 64, 256):
+    for batch in (1, 6, 8, 9, 65, 256):
         assert config(batch, cache_len=short) == config(batch, cache_len=long)
     for batch in (1, 512):
         assert config(batch, "plain", cache_len=1) == config(batch, "plain", cache_len=long)
@@ -394,6 +397,32 @@ def test_rebuild_unroll_follows_the_cache_length():
     for bad in (0, -1, 2.0, True, None):
         with pytest.raises(ValueError, match="cache_len must be an int >= 1"):
             config(8, cache_len=bad)
+
+
+def test_long_caches_take_the_one_tile_entry_up_to_batch_64():
+    # GDN with L > 16 flushes programs that replay up to L - 1 entries, which a staggered step
+    # ends on (v29e): the one-`[64, d_k]`-tile entry in launch order serves every batch from
+    # the first launch-order row (10 for a 4-byte state, 9 for a 2-byte one, on whole rows)
+    # to ops.LONG_CACHE_ONE_TILE_MAX_BATCH; L <= 16 takes it only up to batch 28 (4-byte) or
+    # not at all (2-byte). KDA's rows do not depend on L below batch 257.
+    short, long = ops.SHORT_CACHE_MAX_LEN, ops.SHORT_CACHE_MAX_LEN + 1
+    config = ops.default_kernel_config
+    one_tile = config(10)
+    assert (one_tile.block_v, one_tile.tiles_per_program, one_tile.launch_order, one_tile.reload_row) == (
+        64, 1, True, True)
+    assert ops.LONG_CACHE_ONE_TILE_MAX_BATCH == 64
+    for batch in (9, 10, 28, 29, 48, 64, 65):
+        for dtype, first in ((jnp.float32, 10), (jnp.bfloat16, 9)):
+            whole = jnp.dtype(dtype).itemsize < 4
+            expected = dataclasses.replace(one_tile, column_chunk=0) if whole else one_tile
+            long_kc = config(batch, "replay", "gdn", dtype, long)
+            assert (long_kc == expected) == (first <= batch <= 64), (batch, dtype)
+            short_kc = config(batch, "replay", "gdn", dtype, short)
+            assert (short_kc == expected) == (not whole and first <= batch <= 28), (batch, dtype)
+            if batch > 64:
+                assert long_kc == short_kc
+        assert config(batch, "replay", "kda", jnp.bfloat16, long) == config(batch, "replay", "kda", jnp.bfloat16, short)
+    assert config(64, "replay", "gdn", jnp.float32, 64) == one_tile  # any L > 16
 
 
 def test_layer_kernel_config_rejects_other_types():
