@@ -41,7 +41,8 @@ from replayssm_jax.state import ReplayState
 # rebuild unroll depends on L: SHORT_CACHE_MAX_LEN below). Unrolling the exact rebuild
 # costs registers (v8: U = 4 -> 2 in the grouped kernel, 146 -> 128 registers at T = 4 by
 # kernel_registers.py, whose counts differ from the GPU build's: v24c).
-# One `[64, d_k]` tile per program, rows outermost in launch order, the row read per tile.
+# One `[64, d_k]` tile per program, rows outermost in launch order, the row read per tile
+# (B = 6-9 run the same tile in row order).
 _ONE_TILE_ORDERED = KernelConfig(block_v=64, num_warps=4, tiles_per_program=1, rebuild_unroll=2, column_chunk=32,
                                  rows_outermost=True, launch_order=True, reload_row=True)
 _TILES: dict[str, tuple[tuple[int, KernelConfig], ...]] = {
@@ -54,7 +55,7 @@ _TILES: dict[str, tuple[tuple[int, KernelConfig], ...]] = {
     "replay": (
         (2, KernelConfig(block_v=4, num_warps=1, flush_every_step=True, empty_cache_branch=True)),
         (5, KernelConfig(block_v=8, num_warps=1, flush_every_step=True)),
-        (9, KernelConfig(block_v=64, num_warps=4, tiles_per_program=1, rebuild_unroll=2, column_chunk=32)),
+        (9, dataclasses.replace(_ONE_TILE_ORDERED, rows_outermost=False, launch_order=False, reload_row=False)),
         (28, _ONE_TILE_ORDERED),
         (64, KernelConfig(block_v=32, num_warps=4, tiles_per_program=4, rebuild_unroll=2, column_chunk=32,
                           rows_outermost=True, launch_order=True, reload_row=True)),
