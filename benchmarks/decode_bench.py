@@ -40,15 +40,30 @@ import numpy as np
 warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
 
 import replayssm_jax as R  # noqa: E402
-from pallas_kernels.common import KernelConfig  # noqa: E402
-from pallas_kernels.ops import default_kernel_config, pallas_layer_step  # noqa: E402
-from pallas_kernels.plain_decode import plain_decode  # noqa: E402
+from pallas_kernels import common  # noqa: E402
+from pallas_kernels.common import GridOrder  # noqa: E402
+from pallas_kernels.plain_decode import PlainParams, plain_decode  # noqa: E402
+from pallas_kernels.replay_decode import ReplayTileParams  # noqa: E402
+from pallas_kernels.replay_decode_grouped import ReplayGroupedParams  # noqa: E402
 from replayssm_jax import cost  # noqa: E402
-from replayssm_jax.decode import step_plan  # noqa: E402
+from replayssm_jax.backends import pallas_triton  # noqa: E402
+from replayssm_jax.plan import FlushPolicy  # noqa: E402
 from replayssm_jax.state import state_shapes  # noqa: E402
 
 L2_BYTES = 60 * 2**20  # H200 L2 (50 MiB usable; 60 MiB rounds up)
-REPLAY_KERNEL, PLAIN_KERNEL = "replayssm_decode", "plain_decode"
+# Kernel rows picked by name: every replay-side kernel's pallas_call name starts with
+# "replayssm_" (fold, per-tile and grouped replay); the plain kernel is "plain_decode".
+REPLAY_KERNEL, PLAIN_KERNEL = "replayssm_", "plain_decode"
+
+
+def table_params(cfg: R.ReplayConfig, batch: int, policy: FlushPolicy):
+    """The launch table's parameters for this layer, batch and policy."""
+    return pallas_triton.launch_params(cfg, batch, policy)
+
+
+def plain_params(cfg: R.ReplayConfig, batch: int) -> PlainParams:
+    """The launch table's plain-kernel parameters (the L = 1 step) for this layer's state."""
+    return table_params(dataclasses.replace(cfg, cache_len=1), batch, FlushPolicy.NATURAL)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,11 +140,11 @@ def random_pool(cfg: R.ReplayConfig, num_slots: int, key, write_pos) -> R.Replay
     )
 
 
-def random_token(cfg: R.ReplayConfig, batch: int, key):
+def random_token(cfg: R.ReplayConfig, batch: int, key) -> R.Tokens:
     ks = jax.random.split(key, 5)
     hk, hv, dk, dv = cfg.num_k_heads, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim
     bf = jnp.bfloat16
-    return (
+    return R.Tokens(
         jax.random.normal(ks[0], (batch, hk, dk), bf),
         jax.random.normal(ks[1], (batch, hk, dk), bf),
         jax.random.normal(ks[2], (batch, hv, dv), bf),
@@ -156,14 +171,13 @@ def slot_sets(batch: int, slot_bytes: int, rng: np.random.Generator, smoke: bool
 
 
 @functools.lru_cache(maxsize=None)
-def replay_cycle_fn(cfg: R.ReplayConfig, kernel_config: KernelConfig, interpret: bool):
+def replay_cycle_fn(cfg: R.ReplayConfig, params, policy: FlushPolicy, interpret: bool):
     """jit: L steps, each over every slot set in turn; returns the state."""
 
     def one_step(token, state, slots):
-        plan, _ = step_plan(cfg, state.write_pos, slots, None, backend="pallas", kernel_config=kernel_config)
-        y, state = pallas_layer_step(
-            state, *token, plan, use_qk_l2norm=True, scale=None,
-            kernel_config=kernel_config, interpret=interpret,
+        plan = R.plan_step(state.write_pos, slots, None, cfg.cache_len, policy)
+        y, state = pallas_triton.layer_step(
+            state, token, plan, use_qk_l2norm=True, scale=None, kernel_params=params, interpret=interpret,
         )
         state = dataclasses.replace(state, write_pos=R.advance_write_pos(state.write_pos, plan))
         return state, y[0, 0, 0]
@@ -177,11 +191,11 @@ def replay_cycle_fn(cfg: R.ReplayConfig, kernel_config: KernelConfig, interpret:
 
 
 @functools.lru_cache(maxsize=None)
-def plain_steps_fn(kernel_config: KernelConfig, steps: int, interpret: bool):
+def plain_steps_fn(params: PlainParams, steps: int, interpret: bool):
     def one_step(token, state, slots):
         y, state = plain_decode(
-            state, *token, slots, slots >= 0, use_qk_l2norm=True,
-            config=kernel_config, interpret=interpret,
+            state, token.q, token.k, token.v, token.g, token.beta, slots, slots >= 0, use_qk_l2norm=True,
+            params=params, interpret=interpret,
         )
         return state, y[0, 0, 0]
 
@@ -194,16 +208,16 @@ def plain_steps_fn(kernel_config: KernelConfig, steps: int, interpret: bool):
 
 
 @functools.lru_cache(maxsize=None)
-def time_plain_cached(timer, cfg_without_len, batch, kernel_config, iterations, smoke) -> float:
+def time_plain_cached(timer, cfg_without_len, batch, params, iterations, smoke) -> float:
     """Plain-kernel µs, measured once per (state config, batch, tiles): L plays no part."""
-    return time_plain(timer, cfg_without_len, batch, kernel_config, np.random.default_rng(batch), iterations, smoke)
+    return time_plain(timer, cfg_without_len, batch, params, np.random.default_rng(batch), iterations, smoke)
 
 
-def time_plain(timer, cfg, batch, kernel_config, rng, iterations, smoke) -> float:
+def time_plain(timer, cfg, batch, params, rng, iterations, smoke) -> float:
     sets, num_slots = slot_sets(batch, cfg.state_bytes_per_slot(), rng, smoke)
     pool = random_pool(cfg, num_slots, jax.random.key(1), np.zeros(num_slots)).checkpoint
     token = random_token(cfg, batch, jax.random.key(2))
-    fn = plain_steps_fn(kernel_config, 4, interpret=smoke)
+    fn = plain_steps_fn(params, 4, interpret=smoke)
     times = timer.kernel_times(fn, (pool, jnp.asarray(sets), token), PLAIN_KERNEL, iterations)
     return statistics.median(times)
 
@@ -216,24 +230,24 @@ def step_medians(times: list[float], rotations: int, cache_len: int) -> list[flo
     return [statistics.median(ts) for ts in by_step]
 
 
-def replay_kernel_times(timer, cfg, batch, kernel_config, rng, iterations, smoke, staggered: bool):
+def replay_kernel_times(timer, cfg, batch, params, policy, rng, iterations, smoke, staggered: bool):
     """All replay-kernel µs of `iterations` cycles (launch order) and the rotation count R."""
     sets, num_slots = slot_sets(batch, cfg.state_bytes_per_slot(), rng, smoke)
     cursors = rng.integers(0, cfg.cache_len, num_slots) if staggered else np.zeros(num_slots)
     pool = random_pool(cfg, num_slots, jax.random.key(1), cursors)
     token = random_token(cfg, batch, jax.random.key(2))
-    fn = replay_cycle_fn(cfg, kernel_config, interpret=smoke)
+    fn = replay_cycle_fn(cfg, params, policy, interpret=smoke)
     name = PLAIN_KERNEL if cfg.cache_len == 1 else REPLAY_KERNEL  # L = 1 runs the plain kernel
     return timer.kernel_times(fn, (pool, jnp.asarray(sets), token), name, iterations), len(sets)
 
 
-def time_replay(timer, cfg, batch, kernel_config, rng, iterations, smoke, staggered: bool):
+def time_replay(timer, cfg, batch, params, policy, rng, iterations, smoke, staggered: bool):
     """Median kernel µs: (non-flush, flush, cycle-amortised) for sync cursors, or
-    (None, None, per-step) for staggered cursors. A config that flushes every step gives
+    (None, None, per-step) for staggered cursors. A fold-every-step policy gives
     (None, per-step, per-step) for both."""
     L = cfg.cache_len
-    times, rotations = replay_kernel_times(timer, cfg, batch, kernel_config, rng, iterations, smoke, staggered)
-    if kernel_config.flush_every_step:
+    times, rotations = replay_kernel_times(timer, cfg, batch, params, policy, rng, iterations, smoke, staggered)
+    if policy is FlushPolicy.EVERY_STEP:
         return None, statistics.median(times), statistics.median(times)
     if staggered or timer.smoke:
         return None, None, statistics.median(times)
@@ -247,42 +261,6 @@ def time_replay(timer, cfg, batch, kernel_config, rng, iterations, smoke, stagge
     return nf, fl, ((L - 1) * nf + fl) / L
 
 
-def time_both_cursors(timer, cfg, batch, name, kernel_config, seed, smoke, iterations=5) -> dict:
-    """One replay configuration with synchronised and with staggered cursors, both on the
-    slots and cursors drawn from `np.random.default_rng(seed)` (so variants timed with one
-    seed see the same rows): `{name}_sync_us` (cycle-amortised), `{name}_sync_nf_us`,
-    `{name}_sync_flush_us` and `{name}_stag_us` (per step), µs. For the experiment scripts."""
-    out = {}
-    for staggered in (False, True):
-        nf, fl, cyc = time_replay(timer, cfg, batch, kernel_config, np.random.default_rng(seed), iterations,
-                                  smoke, staggered)
-        key = f"{name}_{'stag' if staggered else 'sync'}"
-        out[key + "_us"] = cyc
-        if not staggered:
-            out[key + "_nf_us"], out[key + "_flush_us"] = nf, fl
-    return out
-
-
-def pool_after_cycle(cfg, batch, kernel_config, smoke) -> list:
-    """The leaves of a random pool (cursors at 0, `batch` shuffled slots of 2 * batch) after one
-    synchronised cycle of `kernel_config` (L - 1 appends and a flush): what the experiment
-    scripts compare between variants of a kernel."""
-    sets, num_slots = slot_sets(batch, cfg.state_bytes_per_slot(), np.random.default_rng(0), True)
-    pool = random_pool(cfg, num_slots, jax.random.key(1), np.zeros(num_slots))
-    token = random_token(cfg, batch, jax.random.key(2))
-    return jax.tree.leaves(replay_cycle_fn(cfg, kernel_config, smoke)(pool, jnp.asarray(sets), token))
-
-
-def record_row(result: dict, row: dict, out: str) -> None:
-    """Print `row` (floats rounded, its "entry" config left out), append it to
-    `result["rows"]` and rewrite `out`, so partial results survive a timeout."""
-    shown = {k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items() if k != "entry"}
-    print("row", json.dumps(shown), flush=True)
-    result["rows"].append(row)
-    with open(out, "w") as f:
-        json.dump(result, f, indent=1)
-
-
 # ----------------------------------------------------------------------------- sections
 
 
@@ -293,7 +271,32 @@ def rel_err(x, ref) -> float:
 
 # The per-tile replay kernel as the GPU check runs it: two cache chunks at L = 13 or 16,
 # the exact rebuild 8 entries per round trip (a partial last load at L = 13).
-CHECK_PER_TILE = KernelConfig(block_v=8, num_warps=1, cache_chunk=8, rebuild_unroll=8)
+CHECK_PER_TILE = ReplayTileParams(block_v=8, num_warps=1, cache_chunk=8, rebuild_unroll=8)
+
+
+def check_layouts() -> dict:
+    """The check section's kernel launches by name: the launch table's rows at the batches
+    and layers named (GDN H_v = 32 fp32 unless said), and two launch-order variants."""
+    gdn = lambda L=16, dtype=jnp.float32, gate="gdn": R.ReplayConfig(
+        16, 32, 128, 128, L, gate=gate, state_dtype=dtype, cache_dtype=dtype)
+    natural, every = FlushPolicy.NATURAL, FlushPolicy.EVERY_STEP
+    return {
+        "grouped": table_params(gdn(), 512, natural),
+        "grouped_one_tile": table_params(gdn(), 8, natural),
+        "grouped_mid": table_params(gdn(), 32, natural),
+        "grouped_one_tile_ordered": table_params(gdn(), 16, natural),
+        "per_tile": CHECK_PER_TILE,
+        "fold": table_params(gdn(), 1, every),
+        "fold_two_byte": table_params(gdn(dtype=jnp.bfloat16), 1, every),
+        "fold_kda": table_params(gdn(gate="kda"), 512, every),
+        "kda_replay": table_params(gdn(gate="kda"), 512, natural),
+        "plain": plain_params(gdn(), 512),
+        "grouped_two_byte_mid": table_params(gdn(dtype=jnp.bfloat16), 32, natural),
+        "grouped_long_cache": table_params(gdn(17, jnp.bfloat16), 32, natural),
+        "grouped_launch_order": dataclasses.replace(table_params(gdn(), 512, natural),
+                                                    grid_order=GridOrder.LAUNCH_ORDER),
+        "per_tile_launch_order": dataclasses.replace(CHECK_PER_TILE, grid_order=GridOrder.LAUNCH_ORDER),
+    }
 
 
 def check_section(smoke: bool) -> list[dict]:
@@ -311,7 +314,7 @@ def check_section(smoke: bool) -> list[dict]:
     KDA's at large batch: the plain kernel's tile, empty-cache branch) or "plain"
     (L = 1: the plain kernel with the package's large-batch configuration), under one of
     four plans: "replay" (flush when the cache is full, or forced), "every_step" (every
-    live row flushes, as the package does with "fold"), "fold_natural" ("fold" under the
+    live row flushes: the fold-every-step policy), "fold_natural" ("fold" under the
     replay plan: appends, and folds of every cursor on the GPU) and "staggered" (the replay
     plan with rows forced to flush at different steps, so steps mix flush and append rows
     at different cursors: "*_launch_order" layouts launch them in the plan's order).
@@ -341,20 +344,9 @@ def check_section(smoke: bool) -> list[dict]:
         ("kda", 13, jnp.float32, "ieee", True, "per_tile_launch_order", "staggered"),
         ("gdn", 16, jnp.bfloat16, "ieee", False, "grouped_two_byte_mid", "staggered"),
         ("gdn", 17, jnp.bfloat16, "ieee", True, "grouped_long_cache", "staggered"),
+        ("kda", 16, jnp.float32, "ieee", True, "kda_replay", "staggered"),
     ]
-    layouts = {"grouped": default_kernel_config(512), "grouped_one_tile": default_kernel_config(8),
-               "grouped_mid": default_kernel_config(32),
-               "grouped_one_tile_ordered": default_kernel_config(16),
-               "per_tile": CHECK_PER_TILE, "fold": default_kernel_config(1),
-               "fold_two_byte": default_kernel_config(1, "replay", "gdn", jnp.bfloat16),
-               "fold_kda": default_kernel_config(512, "replay", "kda"),
-               "plain": default_kernel_config(512, "plain"),
-               "grouped_two_byte_mid": default_kernel_config(32, "replay", "gdn", jnp.bfloat16),
-               "grouped_long_cache": default_kernel_config(32, "replay", "gdn", jnp.bfloat16, 17),
-               "grouped_launch_order": dataclasses.replace(
-                   default_kernel_config(512), launch_order=True, rows_outermost=True),
-               "per_tile_launch_order": dataclasses.replace(
-                   CHECK_PER_TILE, launch_order=True, rows_outermost=True)}
+    layouts = check_layouts()
     if smoke:  # two grouped, the two fp32 folding cases and the fp32 launch-order case
         launch_order_fp32 = lambda c: c[5:] == ("grouped_launch_order", "staggered") and c[2] == jnp.float32
         cases = cases[:2] + [c for c in cases if c[5] == "fold" or launch_order_fp32(c)]
@@ -378,19 +370,20 @@ def check_section(smoke: bool) -> list[dict]:
         g = np.asarray(gate_fn(jnp.asarray(a), jnp.asarray(a_log), jnp.asarray(dt_bias)))
         beta = np.asarray(R.beta_gate(jnp.asarray(b)))
         init = np.where(slots[:, None, None, None] >= 0, np.asarray(jnp.asarray(s0, dtype), np.float32)[np.maximum(slots, 0)], 0)
-        y_ref, _, s_ref = R.recurrent_reference(q, k, v, g, beta, init, use_qk_l2norm=True, return_all_states=True)
-        kc = layouts[layout].with_rebuild_precision(precision)
+        y_ref, _, s_ref = R.recurrent_reference(R.Tokens(q, k, v, g, beta), init, use_qk_l2norm=True,
+                                                return_all_states=True)
+        params = layouts[layout]
+        if hasattr(params, "rebuild_precision"):
+            params = common.with_rebuild_precision(params, precision)
+        policy = FlushPolicy.EVERY_STEP if plan_kind == "every_step" else FlushPolicy.NATURAL
 
         @functools.partial(jax.jit, donate_argnums=0)
         def step(state, q, k, v, g_or_a, beta_or_b, slots, force):
-            if plan_kind in ("fold_natural", "staggered"):
-                plan = R.plan_step(state.write_pos, slots, force, cfg.cache_len)
-            else:
-                plan, _ = step_plan(cfg, state.write_pos, slots, None, backend="pallas", kernel_config=kc)
-            y, new = pallas_layer_step(
-                state, q, k, v, g_or_a, beta_or_b, plan, use_qk_l2norm=True, scale=None,
+            plan = R.plan_step(state.write_pos, slots, force, cfg.cache_len, policy)
+            y, new = pallas_triton.layer_step(
+                state, R.Tokens(q, k, v, g_or_a, beta_or_b), plan, use_qk_l2norm=True, scale=None,
                 gate_params=(jnp.asarray(a_log), jnp.asarray(dt_bias)) if raw else None,
-                kernel_config=kc, interpret=smoke,
+                kernel_params=params, interpret=smoke,
             )
             return y, dataclasses.replace(new, write_pos=R.advance_write_pos(state.write_pos, plan))
 
@@ -411,122 +404,114 @@ def check_section(smoke: bool) -> list[dict]:
         pool_copies = [ln.strip()[:120] for ln in hlo.splitlines() if pool_shape in ln and " copy(" in ln]
         row = dict(gate=gate, cache_len=L, dtype=jnp.dtype(dtype).name, precision=precision,
                    layout=layout, plan=plan_kind,
-                   raw_gates=raw, kernel_config=dataclasses.asdict(kc), y_rel_err=y_err, state_rel_err=s_err, pool_copies=len(pool_copies))
+                   raw_gates=raw, kernel_params=repr(params), y_rel_err=y_err, state_rel_err=s_err,
+                   pool_copies=len(pool_copies))
         print(f"check {row}", flush=True)
         rows.append(row)
     return rows
 
 
-TUNE_VARIANTS = (  # (block_v, num_warps, cache_chunk, tiles_per_program, rebuild_unroll)
-    (8, 1, 8, 0, 8), (32, 2, 16, 0, 4), (64, 4, 16, 0, 4),  # tiles_per_program 0: per-tile kernel
-    (16, 1, 16, 1, 4), (16, 2, 16, 2, 4), (32, 2, 16, 2, 4), (16, 4, 16, 4, 4), (32, 4, 16, 4, 4),
-    (32, 4, 16, 8, 4), (64, 8, 16, 4, 4),
+TUNE_VARIANTS = (  # per-tile (ReplayTileParams) and grouped (ReplayGroupedParams) replay kernels
+    ReplayTileParams(8, 1, cache_chunk=8, rebuild_unroll=8), ReplayTileParams(32, 2, rebuild_unroll=4),
+    ReplayTileParams(64, 4, rebuild_unroll=4),
+    ReplayGroupedParams(16, 1, 1, rebuild_unroll=4), ReplayGroupedParams(16, 2, 2, rebuild_unroll=4),
+    ReplayGroupedParams(32, 2, 2, rebuild_unroll=4), ReplayGroupedParams(16, 4, 4, rebuild_unroll=4),
+    ReplayGroupedParams(32, 4, 4, rebuild_unroll=4), ReplayGroupedParams(32, 4, 8, rebuild_unroll=4),
+    ReplayGroupedParams(64, 8, 4, rebuild_unroll=4),
 )
 
 
-def tune_section(timer, shape, batches, smoke, deadline, tune_plain) -> tuple[list[dict], dict]:
-    """Time every variant of the replay kernels (GDN, fp32 state, L = 16, sync cursors), and
-    of the plain kernel when `tune_plain` (else the plain kernel keeps its table entry).
+def tune_section(timer, shape, batches, smoke, deadline) -> tuple[list[dict], dict]:
+    """Time every variant of the replay kernels (GDN, fp32 state, L = 16, sync cursors,
+    natural policy) beside the plain kernel's table entry, then the best variant of the
+    last batch with the tensor-core rebuilds.
 
-    Returns the rows and `{batch: (best plain KernelConfig, best replay KernelConfig)}`.
+    Returns the rows and `{batch: best replay parameters}`.
     """
     rows, best = [], {}
     variants = TUNE_VARIANTS[:2] if smoke else TUNE_VARIANTS
     cfg = shape.config(16, jnp.float32)
+    natural = FlushPolicy.NATURAL
     for batch in batches:
-        plain_times, replay_times = {}, {}
-        plain_default = default_kernel_config(batch, "plain")
-        for bv, warps, chunk, per_program, unroll in variants:
+        replay_times = {}
+        plain_us = time_plain_cached(timer, dataclasses.replace(cfg, cache_len=1), batch,
+                                     plain_params(cfg, batch), 3, smoke)
+        for params in variants:
             if time.time() > deadline:
                 break
-            kc = KernelConfig(block_v=bv, num_warps=warps, cache_chunk=chunk,
-                              tiles_per_program=per_program, rebuild_unroll=unroll)
-            rng = np.random.default_rng(0)
             try:
-                if tune_plain:
-                    plain_us = time_plain(timer, cfg, batch, kc, rng, 3, smoke)
-                else:
-                    kc_plain = dataclasses.replace(plain_default, tiles_per_program=0)
-                    plain_us = time_plain_cached(timer, dataclasses.replace(cfg, cache_len=1), batch, kc_plain, 3, smoke)
-                nf, fl, replay_us = time_replay(timer, cfg, batch, kc, rng, 3, smoke, staggered=False)
+                nf, fl, replay_us = time_replay(timer, cfg, batch, params, natural, np.random.default_rng(0),
+                                                3, smoke, staggered=False)
             except Exception as err:  # a variant that does not compile is skipped, not fatal
-                print(f"FAILED tune B={batch} {kc}: {err!r}"[:2000], flush=True)
+                print(f"FAILED tune B={batch} {params}: {err!r}"[:2000], flush=True)
                 continue
-            plain_times[kc if tune_plain else kc_plain], replay_times[kc] = plain_us, replay_us
-            row = dict(batch=batch, block_v=bv, num_warps=warps, cache_chunk=chunk,
-                       tiles_per_program=per_program, rebuild_unroll=unroll,
-                       plain_us=plain_us, replay_nonflush_us=nf, replay_flush_us=fl,
-                       replay_cycle_us=replay_times[kc])
+            replay_times[params] = replay_us
+            row = dict(batch=batch, params=repr(params), plain_us=plain_us, replay_nonflush_us=nf,
+                       replay_flush_us=fl, replay_cycle_us=replay_us)
             print(f"tune {row}", flush=True)
             rows.append(row)
-        if plain_times:
-            best[batch] = (min(plain_times, key=plain_times.get), min(replay_times, key=replay_times.get))
-            print(f"tune best B={batch}: plain {best[batch][0]}, replay {best[batch][1]}", flush=True)
+        if replay_times:
+            best[batch] = min(replay_times, key=replay_times.get)
+            print(f"tune best B={batch}: {best[batch]}", flush=True)
     for batch in batches[-1:]:
-        base = best.get(batch, (None, default_kernel_config(batch)))[1]
+        base = best.get(batch, table_params(cfg, batch, natural))
         for precision in ("tf32", "bf16"):
-            kc = base.with_rebuild_precision(precision)
+            params = common.with_rebuild_precision(base, precision)
             try:
-                nf, fl, rep = time_replay(timer, cfg, batch, kc, np.random.default_rng(0), 3, smoke, staggered=False)
+                nf, fl, rep = time_replay(timer, cfg, batch, params, natural, np.random.default_rng(0), 3, smoke,
+                                          staggered=False)
             except Exception as err:
-                print(f"FAILED tune B={batch} {kc}: {err!r}"[:2000], flush=True)
+                print(f"FAILED tune B={batch} {params}: {err!r}"[:2000], flush=True)
                 continue
-            row = dict(batch=batch, block_v=kc.block_v, num_warps=kc.num_warps, cache_chunk=kc.cache_chunk,
-                       tiles_per_program=kc.tiles_per_program, precision=precision, replay_nonflush_us=nf, replay_flush_us=fl, replay_cycle_us=rep)
+            row = dict(batch=batch, params=repr(params), precision=precision, replay_nonflush_us=nf,
+                       replay_flush_us=fl, replay_cycle_us=rep)
             print(f"tune {row}", flush=True)
             rows.append(row)
     return rows, best
 
 
-def choose_configs(best: dict, batch: int, gate: str = "gdn", state_dtype=jnp.float32,
-                   cache_len: int = 16) -> tuple[KernelConfig, KernelConfig]:
-    """(plain, replay) configs: for GDN the tuned ones of the nearest tuned batch (log
-    scale; the tune section runs GDN at L = 16), else the package defaults for the gate,
-    state and cache length."""
-    if not best or gate != "gdn":
-        return tuple(default_kernel_config(batch, kernel, gate, state_dtype, cache_len)
-                     for kernel in ("plain", "replay"))
-    nearest = min(best, key=lambda b: (abs(math.log2(b) - math.log2(batch)), b))
-    return best[nearest]
+def choose_params(best: dict, cfg: R.ReplayConfig, batch: int, policy: FlushPolicy):
+    """The replay-side parameters for a sweep cell: for GDN under the natural policy at
+    L > 1 the tuned ones of the nearest tuned batch (log scale) when the tune section ran,
+    else the launch table's."""
+    if best and cfg.gate == "gdn" and policy is FlushPolicy.NATURAL and cfg.cache_len > 1:
+        nearest = min(best, key=lambda b: (abs(math.log2(b) - math.log2(batch)), b))
+        return best[nearest]
+    return table_params(cfg, batch, policy)
 
 
-def sweep_row(timer, shape, cfg, batch, bandwidth, smoke, configs) -> list[dict]:
-    kc_plain, kc_replay = configs
-    if cfg.cache_len == 1:  # L = 1 runs the plain kernel (every step flushes)
-        kc_replay = kc_plain
+def sweep_row(timer, shape, cfg, batch, bandwidth, smoke, params, policy: FlushPolicy) -> list[dict]:
+    """Plain kernel and the replay cycle (sync and staggered cursors) of one grid cell."""
+    kc_plain = plain_params(cfg, batch)
     rng = np.random.default_rng(batch * 1000 + cfg.cache_len)
     iters = 3
     plain_us = time_plain_cached(timer, dataclasses.replace(cfg, cache_len=1), batch, kc_plain, iters, smoke)
     plain_bytes = cost.plain_step_bytes(cfg, batch).total
     L = cfg.cache_len
+    every_step = policy is FlushPolicy.EVERY_STEP or L == 1
     out = []
     for staggered in (False, True):
         if staggered and L == 1:
             continue
-        nf, fl, cyc = time_replay(timer, cfg, batch, kc_replay, rng, iters, smoke, staggered)
-        if kc_replay.flush_every_step:  # every step: a flush of an empty cache
+        nf, fl, cyc = time_replay(timer, cfg, batch, params, policy, rng, iters, smoke, staggered)
+        if every_step:  # every step: a flush of an empty cache
             cycle_bytes = fl_bytes = batch * cost.replay_row_bytes(cfg, 0, force_flush=True).total
             nf_bytes = None
         else:
             cycle_bytes = cost.replay_cycle_bytes(cfg, batch).total
-            nf_bytes = None if staggered or L == 1 else statistics.mean(
+            nf_bytes = None if staggered else statistics.mean(
                 cost.replay_step_bytes(cfg, [p] * batch).total for p in range(L - 1))
             fl_bytes = None if staggered else cost.replay_step_bytes(cfg, [L - 1] * batch).total
         floor = cost.floor_us(cycle_bytes, bandwidth)
         plain_floor = cost.floor_us(plain_bytes, bandwidth)
-        kc = kc_replay.for_head_dim(cfg.head_v_dim)
+        launched = common.for_head_dim(params, cfg.head_v_dim)
         row = dict(
             gate=shape.gate, num_k_heads=cfg.num_k_heads, num_v_heads=cfg.num_v_heads,
             head_k_dim=cfg.head_k_dim, head_v_dim=cfg.head_v_dim,
             state_dtype=cfg.state_dtype.name, cache_dtype=cfg.cache_dtype.name, cache_len=L,
             batch=batch, num_slots=pool_layout(batch, cfg.state_bytes_per_slot(), smoke)[1],
-            cursors="staggered" if staggered else "sync",
-            block_v=kc.block_v, num_warps=kc.num_warps, cache_chunk=kc.cache_chunk,
-            tiles_per_program=kc.tiles_per_program, rebuild_unroll=kc.rebuild_unroll,
-            rebuild_precision=kc.rebuild_precision, flush_every_step=kc.flush_every_step,
-            empty_cache_branch=kc.empty_cache_branch, column_chunk=kc.column_chunk,
-            rows_outermost=kc.rows_outermost, launch_order=kc.launch_order, reload_row=kc.reload_row,
-            plain_block_v=kc_plain.block_v, plain_num_warps=kc_plain.num_warps,
+            cursors="staggered" if staggered else "sync", policy=policy.value,
+            kernel=type(launched).__name__, params=repr(launched), plain_params=repr(kc_plain),
             plain_us=plain_us, plain_bytes=plain_bytes,
             replay_nonflush_us=nf, replay_flush_us=fl, replay_cycle_us=cyc,
             replay_nonflush_bytes=nf_bytes, replay_flush_bytes=fl_bytes, replay_cycle_bytes=cycle_bytes,
@@ -544,13 +529,13 @@ def steps_section(timer, shape, cases, smoke, best, bandwidth_GBps: float) -> li
     rows = []
     for batch, L in cases:
         cfg = shape.config(L, jnp.float32)
-        kc_plain, kc = choose_configs(best, batch)
+        params = choose_params(best, cfg, batch, FlushPolicy.NATURAL)
         rng = np.random.default_rng(7)
-        times, rotations = replay_kernel_times(timer, cfg, batch, kc, rng, 3, smoke, staggered=False)
+        times, rotations = replay_kernel_times(timer, cfg, batch, params, FlushPolicy.NATURAL, rng, 3, smoke,
+                                               staggered=False)
         per_step = [times[0]] * L if smoke else step_medians(times, rotations, L)
-        plain = time_plain(timer, cfg, batch, kc_plain, rng, 3, smoke)
-        row = dict(batch=batch, cache_len=L, block_v=kc.block_v, num_warps=kc.num_warps,
-                   tiles_per_program=kc.tiles_per_program, rebuild_unroll=kc.rebuild_unroll,
+        plain = time_plain(timer, cfg, batch, plain_params(cfg, batch), rng, 3, smoke)
+        row = dict(batch=batch, cache_len=L, params=repr(params),
                    plain_us=plain, replay_step_us=per_step,
                    checkpoint_read_floor_us=cost.floor_us(batch * cfg.state_bytes_per_slot(),
                                                           bandwidth_GBps))
@@ -560,11 +545,12 @@ def steps_section(timer, shape, cases, smoke, best, bandwidth_GBps: float) -> li
 
 
 def print_table(rows: list[dict]) -> None:
-    head = f"{'gate':4} {'Hv':>3} {'state':8} {'L':>3} {'B':>4} {'cur':5} {'plain':>8} {'nonfl':>8} {'flush':>8} {'cycle':>8} {'floor':>8} {'roof':>5} {'x':>5}"
+    head = f"{'gate':4} {'Hv':>3} {'state':8} {'L':>3} {'B':>4} {'policy':10} {'cur':5} {'plain':>8} {'nonfl':>8} {'flush':>8} {'cycle':>8} {'floor':>8} {'roof':>5} {'x':>5}"
     print(head)
     for r in rows:
         f = lambda x: "-" if x is None else f"{x:8.1f}"
         print(f"{r['gate']:4} {r['num_v_heads']:>3} {r['state_dtype'][:8]:8} {r['cache_len']:>3} {r['batch']:>4} "
+              f"{r['policy'][:10]:10} "
               f"{r['cursors'][:5]:5} {r['plain_us']:8.1f} {f(r['replay_nonflush_us'])} {f(r['replay_flush_us'])} "
               f"{r['replay_cycle_us']:8.1f} {r['replay_floor_us']:8.1f} {r['replay_roofline_fraction']:5.2f} "
               f"{r['speedup_vs_plain']:5.2f}")
@@ -593,7 +579,10 @@ def parse_args(argv):
     p.add_argument("--cache-lens", default="1,4,8,16,32")
     p.add_argument("--tune-batches", default="1,8,32,128,512")
     p.add_argument("--extra", default="hv64,kda", help="extra grids: hv64 (H_v=64, L=16), kda (L=16)")
-    p.add_argument("--tune-plain", type=int, default=1, help="0: keep the plain kernel's table entry")
+    p.add_argument("--policies", default="default",
+                   help="flush policies per sweep cell: 'default' (default_flush_policy), and with "
+                        "'default,natural' also the natural (replay) policy where the default differs")
+    p.add_argument("--kda-batches", default="1,8,128,512", help="batches of the kda extra grid")
     p.add_argument("--steps-cases", default="512:16,512:32,128:16,8:16")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode, wall clock (CPU)")
     return p.parse_args(argv)
@@ -617,9 +606,8 @@ def main(argv=None) -> dict:
     if "check" in sections:
         result["checks"] = check_section(args.smoke)
     if "tune" in sections:
-        result["tune"], best = tune_section(timer, shape, ints(args.tune_batches), args.smoke, deadline,
-                                            args.tune_plain)
-        result["chosen"] = {b: [dataclasses.asdict(c) for c in cs] for b, cs in best.items()}
+        result["tune"], best = tune_section(timer, shape, ints(args.tune_batches), args.smoke, deadline)
+        result["chosen"] = {b: repr(params) for b, params in best.items()}
     if "steps" in sections:
         cases = [(2, 4)] if args.smoke else [tuple(map(int, c.split(":"))) for c in args.steps_cases.split(",")]
         result["steps"] = steps_section(timer, shape, cases, args.smoke, best,
@@ -633,17 +621,25 @@ def main(argv=None) -> dict:
             grid += [(hv64, dt, 16, b) for dt in (jnp.float32, jnp.bfloat16) for b in ints(args.batches)]
         if "kda" in extras:
             kda = Shape(4, 4, 32, "kda") if args.smoke else Shape(32, 32, 128, "kda")
-            grid += [(kda, jnp.float32, 16, b) for b in ints(args.batches) if b in (1, 8, 128, 512) or args.smoke]
+            kda_batches = ints(args.batches) if args.smoke else ints(args.kda_batches)
+            grid += [(kda, jnp.float32, 16, b) for b in kda_batches]
+        policies = args.policies.split(",")
         for shp, dt, L, b in grid:
             if time.time() > deadline:
                 print(f"budget reached: {len(result['rows'])} rows done", flush=True)
                 break
-            try:
-                rows = sweep_row(timer, shp, shp.config(L, dt), b, meta["copy_bandwidth_GBps"],
-                                 args.smoke, choose_configs(best, b, shp.gate, dt, L))
-            except Exception as err:  # keep the rest of the sweep; the error is in the log
-                print(f"FAILED sweep row {shp} {jnp.dtype(dt).name} L={L} B={b}: {err!r}"[:2000], flush=True)
-                continue
+            cfg = shp.config(L, dt)
+            default = R.default_flush_policy(cfg, b)
+            cell = [default] + ([FlushPolicy.NATURAL] if "natural" in policies and default is not
+                                FlushPolicy.NATURAL and L > 1 else [])
+            rows = []
+            for policy in cell:
+                try:
+                    rows += sweep_row(timer, shp, cfg, b, meta["copy_bandwidth_GBps"], args.smoke,
+                                      choose_params(best, cfg, b, policy), policy)
+                except Exception as err:  # keep the rest of the sweep; the error is in the log
+                    print(f"FAILED sweep row {shp} {jnp.dtype(dt).name} L={L} B={b} {policy}: {err!r}"[:2000],
+                          flush=True)
             for row in rows:
                 print(f"row {json.dumps(row)}", flush=True)
                 result["rows"].append(row)

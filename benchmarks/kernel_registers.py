@@ -1,30 +1,24 @@
-"""Registers per thread (and PTX shuffle / barrier counts) of each decode kernel
-configuration on an H200, without a GPU.
+"""Registers per thread (and PTX shuffle / barrier counts) of each decode kernel launch
+on an H200, without a GPU.
 
-Occupancy decides these kernels' bandwidth (benchmarks/NOTES.md, v6): a kernel whose
-programs hold more registers keeps fewer of them, and fewer bytes, in flight per SM. This
-tool lowers a decode step for an abstract H200 (as `tests/test_pallas_kernels.py` does),
-takes the Triton IR that Pallas hands to XLA, compiles it with the `triton` package for
-sm_90a (the same Triton release as the GPU image, 3.6.0) and prints what `ptxas -v` reports.
+Occupancy decides these kernels' bandwidth (benchmarks/NOTES.md): a kernel whose programs
+hold more registers keeps fewer of them, and fewer bytes, in flight per SM. This tool lowers
+a decode step for an abstract H200 (as the tests do), takes the Triton IR that Pallas hands
+to XLA, compiles it with the `triton` package for sm_90a (the same Triton release as the GPU
+image, 3.6.0) and prints what `ptxas -v` reports.
 
-The GPU build runs XLA's own Triton pipeline and CUDA's ptxas, and its counts can differ
-by more than the occupancy steps (Nsight Compute's launch__registers_per_thread on the
-H200, v24c/v24d, against this tool): the B > 256 grouped entry 96 vs 128 (5 programs per SM,
-not 4), the B = 6-16 entry 128 vs 163, the folding kernel 62 vs 61 (BV 4) and 96 vs 89
-(BV 8); v24's two-loop rebuild moved the GPU build from 96 to 128 while this tool saw 128
-for both; benchmarks/NOTES.md (Occupancy) lists both counts for every table entry (v25f:
-off by -45 to +34). Read the counts here as a static view of one kernel's variants, not as
-the occupancy the GPU runs at; for that, on the GPU, every table launch at once:
-`ncu --kernel-name regex:'replayssm|plain_decode' --metrics launch__registers_per_thread
-python benchmarks/experiments/v25f_registers.py`.
+The GPU build runs XLA's own Triton pipeline and CUDA's ptxas, and its counts can differ by
+more than the occupancy steps (benchmarks/NOTES.md, Occupancy, lists both for the table's
+rows). Read the counts here as a static view of one kernel's variants, not as the occupancy
+the GPU runs at; for that, on the GPU: `ncu --kernel-name regex:'replayssm|plain_decode'
+--metrics launch__registers_per_thread`.
 
 Needs the `triton` extra (`pip install -e ".[triton]"`); runs on a CPU:
 
-  python benchmarks/kernel_registers.py                     # the package's tile table
+  python benchmarks/kernel_registers.py                     # every row of the launch table
   python benchmarks/kernel_registers.py --gate kda --cache-len 32 --state-dtype bfloat16
-  python benchmarks/kernel_registers.py --config 32,4,16,8,4 --config 16,4,16,4,1
-  python benchmarks/kernel_registers.py --config 16,1,16,0,1,1   # the folding kernel
-  python benchmarks/kernel_registers.py --config 32,4,16,8,2,0,32  # W = 32 column chunks
+  python benchmarks/kernel_registers.py --params grouped:block_v=32,tiles_per_program=8
+  python benchmarks/kernel_registers.py --params fold:block_v=16,empty_cache_branch=1
 """
 
 from __future__ import annotations
@@ -44,11 +38,18 @@ warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecat
 
 from jax._src.pallas.triton import pallas_call_registration  # noqa: E402
 
-from pallas_kernels import ops  # noqa: E402
-from pallas_kernels.common import KernelConfig  # noqa: E402
-from replayssm_jax import replay  # noqa: E402
+from pallas_kernels.common import GridOrder  # noqa: E402
+from pallas_kernels.fold_decode import FoldParams  # noqa: E402
+from pallas_kernels.plain_decode import PlainParams  # noqa: E402
+from pallas_kernels.replay_decode import ReplayTileParams  # noqa: E402
+from pallas_kernels.replay_decode_grouped import ReplayGroupedParams  # noqa: E402
+from replayssm_jax.backends import pallas_triton  # noqa: E402
 from replayssm_jax.config import ReplayConfig  # noqa: E402
+from replayssm_jax.plan import FlushPolicy, plan_step  # noqa: E402
 from replayssm_jax.state import init_state  # noqa: E402
+from replayssm_jax.tokens import Tokens  # noqa: E402
+
+PARAM_KINDS = {"plain": PlainParams, "fold": FoldParams, "tile": ReplayTileParams, "grouped": ReplayGroupedParams}
 
 _H200 = jax.sharding.AbstractMesh(
     (1,), ("x",),
@@ -78,22 +79,28 @@ def captured_triton_ir():
         lowering.lower_jaxpr_to_triton_module = original
 
 
-def kernel_ir(cfg: ReplayConfig, kernel_config: KernelConfig, batch: int) -> str:
-    """Triton IR of the decode kernel of one `pallas_layer_step` (lowered for an H200)."""
+def params_policy(params) -> FlushPolicy:
+    """The plan a launch with `params` runs under: the folding kernel's is fold-every-step."""
+    return FlushPolicy.EVERY_STEP if isinstance(params, FoldParams) else FlushPolicy.NATURAL
+
+
+def kernel_ir(cfg: ReplayConfig, params, batch: int) -> str:
+    """Triton IR of the decode kernel of one pallas_triton layer step (lowered for an H200).
+    `cfg.cache_len` must be 1 for `PlainParams` and above 1 for the other kernels."""
     state = jax.eval_shape(lambda: init_state(cfg, 2 * batch))
     sds = jax.ShapeDtypeStruct
     hk, hv, dk, dv = cfg.num_k_heads, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim
-    token = (sds((batch, hk, dk), jnp.bfloat16), sds((batch, hk, dk), jnp.bfloat16),
-             sds((batch, hv, dv), jnp.bfloat16), sds(cfg.g_shape(batch), jnp.float32),
-             sds((batch, hv), jnp.float32))
+    tokens = Tokens(sds((batch, hk, dk), jnp.bfloat16), sds((batch, hk, dk), jnp.bfloat16),
+                    sds((batch, hv, dv), jnp.bfloat16), sds(cfg.g_shape(batch), jnp.float32),
+                    sds((batch, hv), jnp.float32))
 
-    def step(state, q, k, v, g, beta, slots):
-        plan = replay.plan_step(state.write_pos, slots, None, cfg.cache_len)
-        return ops.pallas_layer_step(state, q, k, v, g, beta, plan, use_qk_l2norm=True, scale=None,
-                                     kernel_config=kernel_config, interpret=False)
+    def step(state, tokens, slots):
+        plan = plan_step(state.write_pos, slots, None, cfg.cache_len, params_policy(params))
+        return pallas_triton.layer_step(state, tokens, plan, use_qk_l2norm=True, scale=None,
+                                        kernel_params=params, interpret=False)
 
     with captured_triton_ir() as modules, jax.sharding.use_abstract_mesh(_H200):
-        jax.jit(step, donate_argnums=0).trace(state, *token, sds((batch,), jnp.int32)).lower(
+        jax.jit(step, donate_argnums=0).trace(state, tokens, sds((batch,), jnp.int32)).lower(
             lowering_platforms=("cuda",))
     (module,) = modules
     return module
@@ -101,12 +108,12 @@ def kernel_ir(cfg: ReplayConfig, kernel_config: KernelConfig, batch: int) -> str
 
 # Static PTX instruction counts (each instruction once, loops not unrolled): the row sums'
 # warp shuffles and the layout conversions' barriers and shared-memory stores are what
-# bind the kernels' load/store pipe (benchmarks/NOTES.md, v8, v14).
+# bind the kernels' load/store pipe (benchmarks/NOTES.md).
 PTX_COUNTS = {"shuffles": r"shfl\.sync", "barriers": r"bar\.sync", "shared_stores": r"st\.shared",
               "global_loads": r"ld\.global", "instructions": r";"}
 
 
-def ptxas_report(ir_text: str, kernel_config: KernelConfig) -> dict:
+def ptxas_report(ir_text: str, params) -> dict:
     """Compile Triton IR for sm_90a; return registers, spill bytes, shared memory and the
     `PTX_COUNTS` of the PTX."""
     import triton
@@ -116,7 +123,7 @@ def ptxas_report(ir_text: str, kernel_config: KernelConfig) -> dict:
         ir_path = os.path.join(tmp, "kernel.ttir")
         with open(ir_path, "w") as f:
             f.write(ir_text)
-        options = dict(num_warps=kernel_config.num_warps, num_stages=kernel_config.num_stages)
+        options = dict(num_warps=params.num_warps, num_stages=getattr(params, "num_stages", 1))
         compiled = triton.compile(ir_path, target=GPUTarget("cuda", 90, 32), options=options)
         ptx_path = os.path.join(tmp, "kernel.ptx")
         with open(ptx_path, "w") as f:
@@ -138,24 +145,36 @@ def programs_per_sm(registers: int, num_warps: int) -> int:
     return min(65536 // (per_warp * num_warps), 64 // num_warps, 32)
 
 
-CONFIG_FIELDS = "BV,warps,chunk,tiles_per_program,unroll[,flush_every_step[,column_chunk[,rows_outermost]]]"
-
-
-def parse_config(text: str) -> KernelConfig:
-    """`BV,warps,chunk,tiles_per_program,unroll[,flush_every_step[,column_chunk[,rows_outermost]]]`
-    (the flags 0/1) -> KernelConfig."""
+def parse_params(text: str):
+    """`KIND:field=value,...` (KIND one of plain, fold, tile, grouped; ints, `grid_order`
+    by name, flags 0/1) -> that kernel's parameter class."""
+    kind, _, fields = text.partition(":")
     try:
-        fields = [int(x) for x in text.split(",")]
-        bv, warps, chunk, per_program, unroll = fields[:5]
-        every_step, column_chunk, outermost = (fields[5:] + [0, 0, 0])[:3]
-        if len(fields) > 8:
-            raise ValueError
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected {CONFIG_FIELDS}, got {text!r}")
-    return KernelConfig(block_v=bv, num_warps=warps, cache_chunk=chunk,
-                        tiles_per_program=per_program, rebuild_unroll=unroll,
-                        flush_every_step=bool(every_step), column_chunk=column_chunk,
-                        rows_outermost=bool(outermost))
+        cls = PARAM_KINDS[kind]
+        values = {}
+        for item in filter(None, fields.split(",")):
+            name, value = item.split("=")
+            default = getattr(cls(), name)
+            values[name] = (GridOrder[value.upper()] if isinstance(default, GridOrder) else
+                            bool(int(value)) if isinstance(default, bool) else
+                            value if isinstance(default, str) else int(value))
+        return cls(**values)
+    except (KeyError, ValueError, AttributeError, TypeError) as err:
+        raise argparse.ArgumentTypeError(f"expected KIND:field=value,... with KIND in {tuple(PARAM_KINDS)}, "
+                                         f"got {text!r} ({err})") from err
+
+
+def table_cases(gate: str, state_dtype, cache_len: int) -> list[tuple[int, object, int]]:
+    """`(batch, params, cache length)` of every launch-table row that this gate and state
+    dtype reach at `cache_len` (plain rows at L = 1), at the row's smallest batch."""
+    state_bytes = jnp.dtype(state_dtype).itemsize
+    cases = []
+    for row in pallas_triton.LAUNCH_TABLE:
+        length = 1 if row.step == "plain" else cache_len
+        if (row.matches(row.step, gate, state_bytes, row.batch[0], length)
+                and pallas_triton.launch_row(row.step, gate, state_bytes, row.batch[0], length) is row):
+            cases.append((row.batch[0], row.params, length))
+    return cases
 
 
 def main(argv=None) -> list[dict]:
@@ -166,31 +185,25 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--cache-len", type=int, default=16)
     p.add_argument("--state-dtype", choices=("float32", "bfloat16"), default="float32")
-    p.add_argument("--config", type=parse_config, action="append",
-                   help=f"{CONFIG_FIELDS} (repeatable); default: the tile table")
+    p.add_argument("--params", type=parse_params, action="append",
+                   help="KIND:field=value,... (repeatable); default: every launch-table row")
     args = p.parse_args(argv)
     num_k_heads = args.num_k_heads or (32 if args.gate == "kda" else 16)
     dtype = jnp.dtype(args.state_dtype)
-    if args.config:
-        cases = [(512, kc, "replay") for kc in args.config]
+    if args.params:
+        cases = [(512, params, 1 if isinstance(params, PlainParams) else args.cache_len) for params in args.params]
     else:
-        cases = [(batch, kc, kernel) for kernel in ("replay", "plain")
-                 for batch, _, kc in ops.table_entries(kernel, args.gate, dtype)]
+        cases = table_cases(args.gate, dtype, args.cache_len)
     rows = []
-    print(f"{'kernel':7} {'B':>4} {'BV':>3} {'warps':>5} {'T':>2} {'U':>2} {'W':>3} {'regs':>5} {'spill B':>8} "
-          f"{'shared B':>8} {'programs/SM':>11} {'shfl':>5} {'bar':>4} {'instr':>6}")
-    for batch, kc, kernel in cases:
-        cache_len = 1 if kernel == "plain" else args.cache_len
-        kernel = "fold" if kc.flush_every_step and kernel == "replay" else kernel
+    print(f"{'params':60} {'B':>4} {'regs':>5} {'spill B':>8} {'shared B':>8} {'programs/SM':>11} "
+          f"{'shfl':>5} {'bar':>4} {'instr':>6}")
+    for batch, params, cache_len in cases:
         cfg = ReplayConfig(num_k_heads, args.num_v_heads, args.head_dim, args.head_dim, cache_len,
                            gate=args.gate, state_dtype=dtype, cache_dtype=dtype)
-        report = ptxas_report(kernel_ir(cfg, kc, batch), kc)
-        row = dict(kernel=kernel, batch=batch, **{k: getattr(kc, k) for k in (
-            "block_v", "num_warps", "tiles_per_program", "rebuild_unroll", "column_chunk",
-            "rows_outermost")}, **report,
-            programs_per_sm=programs_per_sm(report["registers"], kc.num_warps))
-        print(f"{kernel:7} {batch:>4} {kc.block_v:>3} {kc.num_warps:>5} {kc.tiles_per_program:>2} "
-              f"{kc.rebuild_unroll:>2} {kc.column_chunk:>3} {report['registers']:>5} "
+        report = ptxas_report(kernel_ir(cfg, params, batch), params)
+        row = dict(params=repr(params), batch=batch, **report,
+                   programs_per_sm=programs_per_sm(report["registers"], params.num_warps))
+        print(f"{repr(params)[:60]:60} {batch:>4} {report['registers']:>5} "
               f"{report['spill_store_bytes'] + report['spill_load_bytes']:>8} {report['shared_bytes']:>8} "
               f"{row['programs_per_sm']:>11} {report['shuffles']:>5} {report['barriers']:>4} "
               f"{report['instructions']:>6}")

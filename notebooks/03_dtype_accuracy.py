@@ -23,6 +23,10 @@
 # against a **float64** plain scan (`recurrent_reference` with float64 inputs), for several
 # cache lengths `L` and each (state dtype, cache dtype) pair.
 #
+# The default sizes are small (one or two heads of `d = 32`, two rows) so the notebook runs
+# on a CPU in a minute or two; the figures say so in their titles. Override them from the
+# environment (`RS_HEAD_DIM=128 RS_NUM_V_HEADS=32 ...`) for a layer of real size.
+#
 # A bf16 checkpoint is rounded only when it is written, once per window of `L` steps, not once
 # per step. To see what that buys, the baseline is a plain recurrence whose state is stored in
 # bf16 and so rounded **every** step (written below with `lax.scan`); replay with `L = 1` is
@@ -83,16 +87,17 @@ def pair_label(state_dtype, cache_dtype):
 #
 # Inputs are drawn in float32 and passed unchanged to replay; the reference gets the same
 # values cast to float64, so every difference is rounding inside the decode. q and k are
-# L2-normalised in the step (`use_qk_l2norm=True`), as in Qwen3-Next.
+# L2-normalised in the step (`use_qk_l2norm=True`), as in Qwen3-Next. The inputs are one
+# `rs.Tokens` pytree with leading axes `[B, T]`; `jax.tree.map` casts or slices all fields.
 
 # %%
-def make_inputs(key, batch, steps):
+def make_inputs(key, batch, steps) -> rs.Tokens:
     """float32 decode inputs with a time axis (GDN gates)."""
     kq, kk, kv, ka, kb, kd = jax.random.split(key, 6)
     hk, hv, d = NUM_K_HEADS, NUM_V_HEADS, HEAD_DIM
     A_log = jnp.full((hv,), np.log(DECAY_PERMILLE / 1000), jnp.float32)
     dt_bias = 0.1 * jax.random.normal(kd, (hv,), jnp.float32)
-    return dict(
+    return rs.Tokens(
         q=jax.random.normal(kq, (batch, steps, hk, d), jnp.float32),
         k=jax.random.normal(kk, (batch, steps, hk, d), jnp.float32),
         v=jax.random.normal(kv, (batch, steps, hv, d), jnp.float32),
@@ -102,16 +107,16 @@ def make_inputs(key, batch, steps):
 
 
 inputs = make_inputs(jax.random.key(SEED), BATCH, STEPS)
-inputs64 = {name: x.astype(jnp.float64) for name, x in inputs.items()}
+inputs64 = jax.tree.map(lambda x: x.astype(jnp.float64), inputs)
 zero64 = jnp.zeros((BATCH, NUM_V_HEADS, HEAD_DIM, HEAD_DIM), jnp.float64)
 
 start = time.perf_counter()
 y_ref, _, states_ref = rs.recurrent_reference(
-    **inputs64, initial_state=zero64, use_qk_l2norm=True, return_all_states=True
+    inputs64, zero64, use_qk_l2norm=True, return_all_states=True
 )
 print(f"float64 reference: {STEPS} steps in {time.perf_counter() - start:.1f} s, dtype {y_ref.dtype}")
-print(f"mean alpha = {float(jnp.mean(jnp.exp(inputs['g']))):.4f} "
-      f"(memory ~ {1 / float(-jnp.mean(inputs['g'])):.0f} steps)")
+print(f"mean alpha = {float(jnp.mean(jnp.exp(inputs.g))):.4f} "
+      f"(memory ~ {1 / float(-jnp.mean(inputs.g)):.0f} steps)")
 
 
 # %%
@@ -128,16 +133,29 @@ def rel_err_per_step(x, ref):
 #
 # One `lax.scan` over the steps of `decode_step`, reading the live state after each step with
 # `materialize_state`. Rows use slots `0..B-1`.
+#
+# **Flush policy.** Left to itself, `decode_step` uses `rs.default_flush_policy(config, B)`,
+# which at this small batch is `FlushPolicy.EVERY_STEP` (fold every step: the plain
+# recurrence on the checkpoint, faster than the replay cycle at small batches on the H200),
+# and then `L` would not matter. To measure the replay cycle we ask for
+# `FlushPolicy.NATURAL` (flush when a slot holds `L - 1` entries) explicitly; the cell after
+# the summary table checks that `EVERY_STEP` gives the `L = 1` errors.
 
 # %%
-def run_replay(cfg: rs.ReplayConfig, inputs):
+POLICY = rs.FlushPolicy.NATURAL
+print(f"default_flush_policy at B={BATCH}:",
+      {sd: rs.default_flush_policy(rs.ReplayConfig(NUM_K_HEADS, NUM_V_HEADS, HEAD_DIM, HEAD_DIM, 16,
+                                                   "gdn", sd, sd), BATCH).name
+       for sd in ("float32", "bfloat16")}, "| used here:", POLICY.name)
+
+
+def run_replay(cfg: rs.ReplayConfig, inputs: rs.Tokens, policy=POLICY):
     """Decode every step with ReplaySSM; return outputs and live states `[B, T, ...]`."""
     slots = jnp.arange(BATCH, dtype=jnp.int32)
-    xs = {name: jnp.moveaxis(x, 1, 0) for name, x in inputs.items()}
+    xs = jax.tree.map(lambda x: jnp.moveaxis(x, 1, 0), inputs)  # scan over T
 
     def step(state, x):
-        y, state = rs.decode_step(state, x["q"], x["k"], x["v"], x["g"], x["beta"], slots,
-                                  use_qk_l2norm=True)
+        y, state = rs.decode_step(state, x, slots, policy=policy, use_qk_l2norm=True)
         return state, (y, rs.materialize_state(state, slots))
 
     _, (ys, live) = jax.lax.scan(step, rs.init_state(cfg, BATCH), xs)
@@ -172,9 +190,9 @@ def rounded_recurrence(inputs, state_dtype):
     Returns outputs `[B, T, H_v, d_v]` and the stored states `[B, T, H_v, d_v, d_k]`.
     """
     group = NUM_V_HEADS // NUM_K_HEADS
-    q, k = prepare_qk(inputs["q"], inputs["k"], use_qk_l2norm=True, scale=None)
+    q, k = prepare_qk(inputs.q, inputs.k, use_qk_l2norm=True, scale=None)
     q, k = jnp.repeat(q, group, axis=2), jnp.repeat(k, group, axis=2)
-    xs = tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, inputs["v"], inputs["g"], inputs["beta"]))
+    xs = tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, inputs.v, inputs.g, inputs.beta))
     hi = jax.lax.Precision.HIGHEST
 
     def step(stored, x):
@@ -227,6 +245,20 @@ for quantity in ("state", "y"):
         print(f"{'plain, ' + SHORT[sd] + ' state every step':36s}{late(baselines[sd][quantity]):20.2e}")
 
 # %% [markdown]
+# Under `FlushPolicy.EVERY_STEP` (the default at small batches) every step writes the
+# checkpoint, so whatever `L` the accuracy is that of `L = 1`: the plain recurrence with
+# its state stored in the state dtype.
+
+# %%
+every_step = {}  # state dtype -> live-state error [T] under EVERY_STEP
+for sd in ("float32", "bfloat16"):
+    _, live = jax.jit(run_replay, static_argnums=(0, 2))(
+        layer(MAIN_CACHE_LEN, sd, sd), inputs, rs.FlushPolicy.EVERY_STEP)
+    every_step[sd] = rel_err_per_step(live, states_ref)
+    print(f"EVERY_STEP at L={MAIN_CACHE_LEN}, {pair_label(sd, sd)}: live-state error "
+          f"{late(every_step[sd]):.2e}; plain {SHORT[sd]} state every step: {late(baselines[sd]['state']):.2e}")
+
+# %% [markdown]
 # ## Error growth with steps
 #
 # At `L = MAIN_CACHE_LEN`, for every dtype pair, against the two plain baselines. Thin lines
@@ -253,9 +285,9 @@ for ax, quantity, what in zip(axes, ("state", "y"), ("live state S_t", "output y
                 label=f"plain, {SHORT[sd]} state rounded every step")
     ax.set(xscale="log", yscale="log", xlabel="decode step",
            ylabel="relative error vs float64 (Frobenius)", title=f"{what}")
-    ax.legend(fontsize=7)
-fig.suptitle(f"Error growth over {STEPS} decode steps, GDN B={BATCH} H_k={NUM_K_HEADS} "
-             f"H_v={NUM_V_HEADS} d={HEAD_DIM}\ncomputed on {DEVICE}", y=1.02)
+    ax.legend(fontsize=8)
+fig.suptitle(f"Error growth over {STEPS} decode steps (FlushPolicy.NATURAL), small sizes: GDN B={BATCH} "
+             f"H_k={NUM_K_HEADS} H_v={NUM_V_HEADS} d={HEAD_DIM}\ncomputed on {DEVICE}", y=1.02)
 save_figure(fig, "03_error_vs_step")
 plt.show()
 
@@ -271,12 +303,13 @@ zoom = slice(STEPS // 2, STEPS // 2 + 4 * max(CACHE_LENS))
 fig, ax = plt.subplots(figsize=(11, 4.2))
 for i, L in enumerate(CACHE_LENS):
     ax.plot(steps[zoom], errors[L, "bfloat16", "float32"]["state"][zoom], lw=1.2, color=f"C{i}",
-            label=f"replay, bf16 checkpoint, fp32 caches, L={L}")
+            label=f"replay, L={L}")
 ax.plot(steps[zoom], baselines["bfloat16"]["state"][zoom], "k--", lw=1,
         label="plain, bf16 state rounded every step")
 ax.set(yscale="log", xlabel="decode step", ylabel="live-state relative error vs float64",
-       title=f"bf16 checkpoint: one rounding per window of L steps (computed on {DEVICE})")
-ax.legend(fontsize=8, loc="lower right")
+       title=f"bf16 checkpoint, fp32 caches: one rounding per window of L steps\nsmall sizes: GDN "
+             f"B={BATCH} H_k={NUM_K_HEADS} H_v={NUM_V_HEADS} d={HEAD_DIM}, computed on {DEVICE}")
+ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.01, 1.0))
 save_figure(fig, "03_bf16_window_closeup")
 plt.show()
 
@@ -296,9 +329,9 @@ for ax, quantity, what in zip(axes, ("state", "y"), ("live state", "outputs")):
     ax.set(xscale="log", yscale="log", xlabel="cache length L (steps)",
            ylabel=f"median relative error, steps {STEPS // 2}..{STEPS}", title=what)
     ax.set_xticks(Ls, [str(L) for L in Ls])
-    ax.legend(fontsize=7)
-fig.suptitle(f"Error vs cache length L after {STEPS} steps, GDN B={BATCH} H_k={NUM_K_HEADS} "
-             f"H_v={NUM_V_HEADS} d={HEAD_DIM}\ncomputed on {DEVICE}", y=1.02)
+    ax.legend(fontsize=8)
+fig.suptitle(f"Error vs cache length L after {STEPS} steps (FlushPolicy.NATURAL), small sizes: GDN "
+             f"B={BATCH} H_k={NUM_K_HEADS} H_v={NUM_V_HEADS} d={HEAD_DIM}\ncomputed on {DEVICE}", y=1.02)
 save_figure(fig, "03_error_vs_L")
 plt.show()
 
@@ -306,7 +339,7 @@ plt.show()
 # ## Reading the figures
 #
 # (The numbers are in the table above; these notes describe the committed CPU run at the
-# default sizes.)
+# small default sizes, under `FlushPolicy.NATURAL`.)
 #
 # * **fp32 checkpoint, fp32 caches** stays at the float32 rounding level (~1e-7) for every
 #   `L`, like the plain fp32 recurrence: replay is exact algebra.

@@ -1,5 +1,5 @@
-"""Pieces shared by the decode kernels: kernel configuration, per-token input loading
-and gating inside a kernel, row modes, and the Pallas call plumbing.
+"""Pieces shared by the decode kernels: grid order and parameter checks, per-token input
+loading and gating inside a kernel, row modes, and the Pallas call plumbing.
 
 All kernels use the Triton lowering of `pl.pallas_call` and whole-array refs
 (`memory_space=pl.ANY`) indexed with the row's slot, so one compiled kernel serves any
@@ -9,6 +9,7 @@ mix of slots, cursors and flushes.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import warnings
 from typing import Literal
 
@@ -43,145 +44,95 @@ MIN_DOT_DIM = 16  # tensor-core dots need M, N, K >= 16
 MAX_REBUILD_UNROLL = 16
 
 
-@dataclasses.dataclass(frozen=True)
-class KernelConfig:
-    """Launch parameters of one decode kernel.
+class GridOrder(enum.Enum):
+    """How a decode kernel launches its grid `(rows, heads, tiles)`.
 
-    Attributes:
-      block_v: BV, value rows of the state per program (a power of two dividing d_v; >= 16
-        for the tensor-core rebuild precisions).
-      num_warps: warps per program.
-      num_stages: Triton software-pipelining depth of the cache loops.
-      cache_chunk: C, cache entries loaded per iteration of the per-tile kernel's replay
-        loops (a power of two; >= 16 for the tensor-core rebuild precisions), so its
-        registers stay bounded for any L. The grouped kernel loads the valid entries at once.
-      rebuild_precision: how a flush rebuilds the live state tile:
-        "ieee": fp32 on CUDA cores, `S_c diag(e^G) + sum_j u_j (W_j * k_j)^T` one cached
-          entry at a time, newest first (one fused multiply-add per tile element and entry);
-        "tf32": `[BV, C] x [C, d_k]` products on tensor cores in tf32 (~1e-3 relative on
-          the rebuilt part);
-        "bf16": the same products with operands rounded to bf16 (~1e-2).
-      tiles_per_program: 0 runs the per-tile replay kernel (one program per value-head
-        tile); T >= 1 the key-head-grouped kernel with T tiles per program.
-      rebuild_unroll: U, cache entries the "ieee" rebuild loads per memory round trip (it
-        then applies them in order, so the result is the same for every U); a flush waits
-        on ceil(pos / U) round trips instead of pos. Larger U costs registers.
-      flush_every_step: the step flushes every live row (the plan says so, through
-        `decode.step_plan`, used by `decode_step`, the model decoder and the check job) and
-        runs `fold_decode`, which folds a row's cached entries into its checkpoint tile on its
-        first such step; from then on the row's cache stays empty and each step is the plain
-        recurrence on the checkpoint. Only `block_v` and `num_warps` apply then (the fold is
-        exact fp32); `tiles_per_program` must be 0. The package's table sets it at small
-        batch, where it measured faster than the replay cycle (H200, benchmarks/NOTES.md).
-      empty_cache_branch: the folding kernel (`flush_every_step`) gives rows whose
-        cache is empty (cursor 0: every step of a row after its first under such a plan)
-        a branch of their own without the fold loop, so their step compiles like the plain
-        kernel's. H200, fp32 state (v25): 3.17 -> 3.01 us at B = 1, 4.29 -> 4.07 at B = 2
-        (BV 4); slower at B = 5 (7.26 -> 8.5) and for a bf16 state at B = 1 (2.64 -> 2.75).
-      column_chunk: W, the d_k columns of a state tile are handled as `[BV, W]` chunks
-        (a power of two dividing d_k; 0: whole rows, one `[BV, d_k]` block). Triton lays
-        a `[BV, 128]` fp32 block out with the 32 lanes of a warp along d_k, so each row
-        sum (`S k`, `S q`) costs 5 shuffle steps per row a thread holds; a `[BV, 16]`
-        chunk gets 4 lanes along d_k and 8 along rows, and products summed chunk by chunk
-        in registers leave one 2-step row sum (H200: the plain kernel 5-8% faster at
-        B >= 32, the grouped kernel 3-9%; benchmarks/NOTES.md, v14-v16). The per-tile
-        replay kernel works on whole rows.
-      rows_outermost: launch the grid with the row index slowest instead of fastest, so
-        that neighbouring blocks read neighbouring tiles of one slot instead of the same
-        tile of B scattered slots (H200: the plain kernel 5% faster at B = 512 and 10%
-        slower at B = 8; v15).
-      launch_order: the replay kernels (per-tile and grouped) serve the grid's rows in the
-        plan's launch order (`StepPlan.launch_order`: flushing rows first, then appending
-        rows, padding rows last) instead of in row order; with `rows_outermost` the blocks
-        are then issued costliest rows first, so a step that mixes flush and append rows
-        (staggered cursors) does not end on flush programs issued late. The folding and
-        plain kernels launch in row order whatever this says.
-      reload_row: with `launch_order`, the grouped kernel reads its row index again in
-        every tile instead of holding it across the program (`launch_row`): a different
-        schedule, which the GPU build rewards at some entries and punishes at others
-        (H200, v28h, L = 16, sync / staggered us: (32, 4, T = 4, W = 32) at B = 32 held
-        34.2 / 74.2, re-read 31.1 / 38.5; v28b: T = 8 at B = 512 held 384 / 383, re-read
-        400 / 399).
+    Pallas-Triton launches grid axis 0 as CUDA's fastest block index, so the order decides
+    which blocks run side by side.
+
+    ROW_FASTEST: the grid as given: blocks running together read the same (head, tile) of
+      scattered slots.
+    ROW_SLOWEST: reversed: a row's blocks are issued together and read neighbouring tiles
+      of one slot.
+    LAUNCH_ORDER: row slowest, and program row r serves row `row_order[r]` (the caller's
+      permutation, e.g. flushing rows first), the row index read once per program.
+    LAUNCH_ORDER_RELOAD: as LAUNCH_ORDER, the row index read again in every tile (the
+      grouped kernel only; a different schedule of the same work).
     """
 
-    block_v: int = 16
-    num_warps: int = 2
-    num_stages: int = 1
-    cache_chunk: int = 16
-    rebuild_precision: Precision = "ieee"
-    tiles_per_program: int = 0
-    rebuild_unroll: int = 1
-    flush_every_step: bool = False
-    empty_cache_branch: bool = False
-    column_chunk: int = 0
-    rows_outermost: bool = False
-    launch_order: bool = False
-    reload_row: bool = False
+    ROW_FASTEST = "row_fastest"
+    ROW_SLOWEST = "row_slowest"
+    LAUNCH_ORDER = "launch_order"
+    LAUNCH_ORDER_RELOAD = "launch_order_reload"
 
-    def __post_init__(self) -> None:
-        for name in ("block_v", "cache_chunk"):
-            value = getattr(self, name)
-            if value < 1 or value & (value - 1):
-                raise ValueError(f"{name} must be a power of two, got {value}")
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
-        if self.tiles_per_program < 0:
-            raise ValueError(f"tiles_per_program must be >= 0, got {self.tiles_per_program}")
-        if not 1 <= self.rebuild_unroll <= MAX_REBUILD_UNROLL:
+    @property
+    def row_slowest(self) -> bool:
+        return self is not GridOrder.ROW_FASTEST
+
+    @property
+    def reorders(self) -> bool:
+        """The kernel serves its rows in a caller-given order."""
+        return self in (GridOrder.LAUNCH_ORDER, GridOrder.LAUNCH_ORDER_RELOAD)
+
+
+def check_power_of_two(name: str, value: object, *, zero_ok: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0 or (value == 0 and not zero_ok) \
+            or value & (value - 1):
+        allowed = "0 or a power of two" if zero_ok else "a power of two"
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+def check_launch(params, allowed_orders: tuple[GridOrder, ...]) -> None:
+    """Shared checks of a kernel's parameters: `block_v`, `num_warps`, `grid_order`, and
+    `column_chunk` where the kernel has one."""
+    check_power_of_two("block_v", params.block_v)
+    if params.num_warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {params.num_warps!r}")
+    if params.grid_order not in allowed_orders:
+        names = ", ".join(o.name for o in allowed_orders)
+        raise ValueError(f"grid_order must be one of {names} for {type(params).__name__}, "
+                         f"got {params.grid_order!r}")
+    if hasattr(params, "column_chunk"):
+        check_power_of_two("column_chunk", params.column_chunk, zero_ok=True)
+
+
+def check_rebuild(params, dot_dims: dict[str, int]) -> None:
+    """A replay kernel's rebuild options: precision, unroll, and tensor-core dot sizes."""
+    if params.rebuild_precision not in PRECISIONS:
+        raise ValueError(f"rebuild_precision must be one of {PRECISIONS}, got {params.rebuild_precision!r}")
+    if isinstance(params.rebuild_unroll, bool) or not 1 <= params.rebuild_unroll <= MAX_REBUILD_UNROLL:
+        raise ValueError(f"rebuild_unroll must be in 1..{MAX_REBUILD_UNROLL}, got {params.rebuild_unroll!r}")
+    if params.rebuild_precision == "ieee":
+        return
+    for name, value in dot_dims.items():
+        if 0 < value < MIN_DOT_DIM:
             raise ValueError(
-                f"rebuild_unroll must be in 1..{MAX_REBUILD_UNROLL}, got {self.rebuild_unroll}"
-            )
-        for name in ("flush_every_step", "empty_cache_branch", "rows_outermost", "launch_order", "reload_row"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if self.reload_row and not self.launch_order:
-            raise ValueError("reload_row reads the row of the launch order: it needs launch_order=True")
-        if self.column_chunk < 0 or self.column_chunk & (self.column_chunk - 1):
-            raise ValueError(f"column_chunk must be 0 or a power of two, got {self.column_chunk}")
-        if self.flush_every_step and self.tiles_per_program:
-            raise ValueError(
-                "flush_every_step runs the per-tile folding kernel: tiles_per_program must be 0, "
-                f"got {self.tiles_per_program}"
-            )
-        if self.num_stages < 1:
-            raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
-        if self.rebuild_precision not in PRECISIONS:
-            raise ValueError(
-                f"rebuild_precision must be one of {PRECISIONS}, got {self.rebuild_precision!r}"
-            )
-        if self.rebuild_precision != "ieee" and min(self.block_v, self.cache_chunk) < MIN_DOT_DIM:
-            raise ValueError(
-                f"rebuild_precision={self.rebuild_precision!r} runs tensor-core dots and needs "
-                f"block_v and cache_chunk >= {MIN_DOT_DIM}, got {self.block_v}, {self.cache_chunk}"
-            )
-        if self.rebuild_precision != "ieee" and 0 < self.column_chunk < MIN_DOT_DIM:
-            raise ValueError(
-                f"rebuild_precision={self.rebuild_precision!r} runs one tensor-core dot per column "
-                f"chunk and needs column_chunk 0 or >= {MIN_DOT_DIM}, got {self.column_chunk}"
+                f"rebuild_precision={params.rebuild_precision!r} runs tensor-core dots and needs "
+                f"{name} >= {MIN_DOT_DIM}, got {value}"
             )
 
-    def with_rebuild_precision(self, precision: Precision) -> "KernelConfig":
-        """This config with `precision`; BV, C and a nonzero W raised to 16 where it runs
-        tensor-core dots."""
-        if precision == "ieee":
-            return dataclasses.replace(self, rebuild_precision=precision)
-        return dataclasses.replace(
-            self, rebuild_precision=precision, block_v=max(self.block_v, MIN_DOT_DIM),
-            cache_chunk=max(self.cache_chunk, MIN_DOT_DIM),
-            column_chunk=self.column_chunk and max(self.column_chunk, MIN_DOT_DIM),
-        )
 
-    def for_head_dim(self, head_v_dim: int) -> "KernelConfig":
-        """This config with BV capped at d_v."""
-        return dataclasses.replace(self, block_v=min(self.block_v, head_v_dim))
+def with_rebuild_precision(params, precision: Precision):
+    """`params` with `precision`; its dot sizes (block_v, and cache_chunk or a nonzero
+    column_chunk where it has them) raised to 16 where that runs tensor-core dots."""
+    if precision == "ieee":
+        return dataclasses.replace(params, rebuild_precision=precision)
+    raised = {name: max(getattr(params, name), MIN_DOT_DIM) for name in ("block_v", "cache_chunk")
+              if hasattr(params, name)}
+    if getattr(params, "column_chunk", 0):
+        raised["column_chunk"] = max(params.column_chunk, MIN_DOT_DIM)
+    return dataclasses.replace(params, rebuild_precision=precision, **raised)
 
-    def column_slices(self, head_k_dim: int) -> tuple[pl.Slice, ...]:
-        """The d_k columns in chunks of `column_chunk` (one chunk when 0 or >= d_k)."""
-        width = self.column_chunk if 0 < self.column_chunk < head_k_dim else head_k_dim
-        return tuple(pl.ds(c * width, width) for c in range(head_k_dim // width))
 
-    def compiler_params(self) -> plgpu.CompilerParams:
-        return plgpu.CompilerParams(num_warps=self.num_warps, num_stages=self.num_stages)
+def for_head_dim(params, head_v_dim: int):
+    """`params` with BV capped at d_v."""
+    return dataclasses.replace(params, block_v=min(params.block_v, head_v_dim))
+
+
+def column_slices(column_chunk: int, head_k_dim: int) -> tuple[pl.Slice, ...]:
+    """The d_k columns in chunks of `column_chunk` (one chunk when 0 or >= d_k)."""
+    width = column_chunk if 0 < column_chunk < head_k_dim else head_k_dim
+    return tuple(pl.ds(c * width, width) for c in range(head_k_dim // width))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,7 +178,7 @@ def _softplus(x):
 
 
 # A row's d_k-sized vectors and the `[rows, d_k]` tiles of the state and caches are held as
-# tuples of column chunks (`KernelConfig.column_slices`): `[W]` vectors, `[rows, W]` tiles.
+# tuples of column chunks (`column_slices`): `[W]` vectors, `[rows, W]` tiles.
 # A per-head gate (GDN) is one scalar for every chunk; a per-channel gate (KDA) is a tuple.
 Chunks = tuple
 
@@ -248,7 +199,7 @@ def load_qk(spec: TokenSpec, q_ref, k_ref, b, hk, slices) -> tuple[Chunks, Chunk
     (if asked), q scaled, as the recurrence uses them; and `k . q`.
 
     The norms come from whole-row loads, one reduction each: summing per-chunk partial
-    norms instead measured 4% slower in the plain kernel (v19 vs v15, B = 512)."""
+    norms instead measured slower in the plain kernel (benchmarks/NOTES.md)."""
     q_fac, k_fac = spec.scale, 1.0
     if spec.use_qk_l2norm:
         inv_norm = lambda ref: jax.lax.rsqrt(
@@ -361,11 +312,12 @@ def any_spec() -> pl.BlockSpec:
     return pl.BlockSpec(memory_space=pl.ANY)
 
 
-def decode_call(kernel, *, grid, inputs, state, y_like, config: KernelConfig, interpret, name):
+def decode_call(kernel, *, grid, inputs, state, y_like, num_warps: int, grid_order: GridOrder,
+                interpret, name, num_stages: int = 1):
     """`pallas_call` of a decode kernel: whole-array refs, `state` arrays aliased in place.
 
     The kernel sees `(*inputs, *state)` then `(y, *state)` refs; returns `(y, *new_state)`.
-    `grid` starts with the row axis; with `config.rows_outermost` it is launched reversed
+    `grid` starts with the row axis; with a row-slowest `grid_order` it is launched reversed
     and the kernel reads its indices through `program_ids`.
     """
     operands = (*inputs, *state)
@@ -376,35 +328,32 @@ def decode_call(kernel, *, grid, inputs, state, y_like, config: KernelConfig, in
     return pl.pallas_call(
         kernel,
         out_shape=out_shape,
-        grid=tuple(reversed(grid)) if config.rows_outermost else grid,
+        grid=tuple(reversed(grid)) if grid_order.row_slowest else grid,
         in_specs=[any_spec()] * len(operands),
         out_specs=[any_spec()] * len(out_shape),
         input_output_aliases={len(inputs) + i: 1 + i for i in range(len(state))},
-        compiler_params=config.compiler_params(),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=default_interpret() if interpret is None else interpret,
         name=name,
     )(*operands)
 
 
-def program_ids(rows_outermost: bool) -> tuple:
+def program_ids(grid_order: GridOrder) -> tuple:
     """The program's indices `(row, ..., ...)` in the order of the grid given to
     `decode_call`, however it was launched."""
     ids = tuple(pl.program_id(axis) for axis in range(3))
-    return ids[::-1] if rows_outermost else ids
+    return ids[::-1] if grid_order.row_slowest else ids
 
 
-def launch_row(row_ref, launch, launch_order: bool):
+def launch_row(row_ref, launch, grid_order: GridOrder):
     """The row served by the programs at row index `launch` of the grid: `launch` itself, or
-    with `launch_order` the row that `launch_rows` put there, read once per program.
+    in a launch order the row that `launch_rows` put there.
 
     The loaded row is held across the program where a block index is not, and the GPU
-    build's code moves with it: on the H200 it cost the grouped kernel's (32, 4, T = 4,
-    W = 32) flush 79 -> 140 us at B = 32 at the same 128 registers and no spills (v28,
-    v28f), and a bf16 state's T = 4 entry 96 -> 121 registers; reading it again in every
-    tile (`KernelConfig.reload_row`) fixed that flush but cost the T = 8 non-flush step 5%
-    (v28b, v28h). Hence switches per table entry, and the previous kernel without them.
+    build's code moves with it (registers and schedule differ per tile shape), hence
+    `GridOrder.LAUNCH_ORDER_RELOAD` beside `LAUNCH_ORDER` (benchmarks/NOTES.md).
     """
-    return row_ref[launch] if launch_order else launch
+    return row_ref[launch] if grid_order.reorders else launch
 
 
 def row_modes(valid, flush):
@@ -412,36 +361,28 @@ def row_modes(valid, flush):
     return jnp.where(valid, jnp.where(flush, MODE_FLUSH, MODE_APPEND), MODE_PAD).astype(jnp.int32)
 
 
-def concrete_or_none(x) -> np.ndarray | None:
-    """The value of `x` when it is known at trace time, else None (a jit tracer). Shared
-    with the package's argument checks (`replayssm_jax.decode`, `replayssm_jax.model`),
-    which import it from here: this module cannot import theirs."""
-    try:
-        return np.asarray(x)
-    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        return None
-
-
-def launch_rows(slot, pos, mode, row_order, config: KernelConfig):
+def launch_rows(slot, pos, mode, row_order, grid_order: GridOrder):
     """`(rows, slot, pos, mode)` in launch order: program row r serves row `rows[r]`, whose
     slot, cursor and mode are `slot[r]`, `pos[r]`, `mode[r]` of the results.
 
-    `row_order` (`[B]` int, a permutation of the rows, e.g. `StepPlan.launch_order`) needs
-    `config.launch_order`; None keeps the rows in order. The per-row arrays are gathered
-    here, outside the kernel, so a program reads its slot at once instead of after its row.
+    `row_order` (`[B]` int, a permutation of the rows) is required by a reordering
+    `grid_order` and refused by the others. The per-row arrays are gathered here, outside
+    the kernel, so a program reads its slot at once instead of after its row.
     """
     batch = slot.shape[0]
-    if row_order is not None and not config.launch_order:
-        raise ValueError("row_order is only read with KernelConfig(launch_order=True)")
     if row_order is None:
+        if grid_order.reorders:
+            raise ValueError(f"grid_order {grid_order.name} needs a row_order")
         return jnp.arange(batch, dtype=jnp.int32), slot, pos, mode
+    if not grid_order.reorders:
+        raise ValueError(f"row_order is only read with a launch-order grid, not {grid_order.name}")
     if tuple(jnp.shape(row_order)) != (batch,):
         raise ValueError(f"row_order must have shape ({batch},), got {tuple(jnp.shape(row_order))}")
     if not jnp.issubdtype(jnp.result_type(row_order), jnp.integer):
         raise ValueError(f"row_order must be an integer array, got dtype {jnp.result_type(row_order)}")
-    values = concrete_or_none(row_order)  # None under jit: the caller's plan computed it
-    if values is not None and not np.array_equal(np.sort(values), np.arange(batch)):
-        raise ValueError(f"row_order must be a permutation of range({batch}), got {values.tolist()}")
+    if not isinstance(row_order, jax.core.Tracer) and not np.array_equal(
+            np.sort(np.asarray(row_order)), np.arange(batch)):
+        raise ValueError(f"row_order must be a permutation of range({batch}), got {np.asarray(row_order).tolist()}")
     rows = row_order.astype(jnp.int32)
     return rows, slot[rows], pos[rows], mode[rows]
 

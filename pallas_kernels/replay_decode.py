@@ -1,8 +1,8 @@
 """Fused ReplaySSM decode step (GDN and KDA): replay readout, append or flush, one launch.
 
-Grid `(B, H_v, d_v // BV)` (launched reversed with `rows_outermost`; the row axis in
-`row_order` with `launch_order`): one program per (row, value head, BV-row tile of the
-state), working on whole rows (`column_chunk` does not apply). Each program
+Grid `(B, H_v, d_v // BV)` (launched reversed with a row-slowest `grid_order`; the row
+axis in `row_order` with `GridOrder.LAUNCH_ORDER`): one program per (row, value head,
+BV-row tile of the state), working on whole rows. Each program
 
 1. reads its row's slot, cursor `pos` and mode (padding / append / flush);
 2. loads the checkpoint tile `S_c [BV, d_k]` once;
@@ -27,6 +27,7 @@ Reads and writes of the state go through the aliased output refs only (in place)
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -36,7 +37,46 @@ from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels import common
-from pallas_kernels.common import KernelConfig, TokenSpec
+from pallas_kernels.common import GridOrder, TokenSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplayTileParams:
+    """Launch parameters of `replay_decode` (one program per value-head tile, whole rows).
+
+    Attributes:
+      block_v: BV, value rows of the state per program (a power of two; capped at d_v;
+        >= 16 for the tensor-core rebuild precisions).
+      num_warps: warps per program.
+      num_stages: Triton software-pipelining depth of the cache loops.
+      cache_chunk: C, cache entries loaded per iteration of the replay loops (a power of
+        two; >= 16 for the tensor-core rebuild precisions), so registers stay bounded for
+        any L.
+      rebuild_precision: how a flush rebuilds the live state tile:
+        "ieee": fp32 on CUDA cores, `S_c diag(e^G) + sum_j u_j (W_j * k_j)^T` one cached
+          entry at a time, newest first (one fused multiply-add per tile element and entry);
+        "tf32": `[BV, C] x [C, d_k]` products on tensor cores in tf32 (~1e-3 relative on
+          the rebuilt part);
+        "bf16": the same products with operands rounded to bf16 (~1e-2).
+      rebuild_unroll: U, cache entries the "ieee" rebuild loads per memory round trip (then
+        applied in order, so the result is the same for every U); larger U costs registers.
+      grid_order: ROW_FASTEST, ROW_SLOWEST or LAUNCH_ORDER.
+    """
+
+    block_v: int = 16
+    num_warps: int = 2
+    num_stages: int = 1
+    cache_chunk: int = 16
+    rebuild_precision: common.Precision = "ieee"
+    rebuild_unroll: int = 1
+    grid_order: GridOrder = GridOrder.ROW_FASTEST
+
+    def __post_init__(self) -> None:
+        common.check_launch(self, (GridOrder.ROW_FASTEST, GridOrder.ROW_SLOWEST, GridOrder.LAUNCH_ORDER))
+        common.check_power_of_two("cache_chunk", self.cache_chunk)
+        if isinstance(self.num_stages, bool) or not isinstance(self.num_stages, int) or self.num_stages < 1:
+            raise ValueError(f"num_stages must be an int >= 1, got {self.num_stages!r}")
+        common.check_rebuild(self, {"block_v": self.block_v, "cache_chunk": self.cache_chunk})
 
 
 def _load_chunk(spec, refs, slot, h, cols, start, chunk, pos):
@@ -202,11 +242,10 @@ def _replay_kernel(
     row_ref, slot_ref, pos_ref, mode_ref, q_ref, k_ref, g_ref, beta_ref, v_ref, a_log_ref, dt_bias_ref,
     _ckpt_in, _u_in, _k_in, _g_in,
     y_ref, ckpt_ref, ucache_ref, kcache_ref, gcache_ref,
-    *, spec: TokenSpec, block_v: int, chunk: int, precision: str, unroll: int, rows_outermost: bool,
-    launch_order: bool,
+    *, spec: TokenSpec, block_v: int, chunk: int, precision: str, unroll: int, grid_order: GridOrder,
 ):
-    launch, h, tile = common.program_ids(rows_outermost)
-    b = common.launch_row(row_ref, launch, launch_order)  # slot, cursor, mode: in launch order
+    launch, h, tile = common.program_ids(grid_order)
+    b = common.launch_row(row_ref, launch, grid_order)  # slot, cursor, mode: in launch order
     cols = pl.ds(tile * block_v, block_v)
     whole = (pl.ds(0, q_ref.shape[2]),)  # this kernel works on whole rows: one column chunk
     mode = mode_ref[launch]
@@ -264,7 +303,7 @@ def replay_decode(
     use_qk_l2norm: bool = False,
     scale: float | None = None,
     gate_params: tuple[Array, Array] | None = None,
-    config: KernelConfig = KernelConfig(),
+    params: ReplayTileParams = ReplayTileParams(),
     interpret: bool | None = None,
 ):
     """One fused ReplaySSM decode step of one layer.
@@ -279,14 +318,13 @@ def replay_decode(
       slot: `[B]` int32 slot of each row (any valid index on padding rows).
       pos: `[B]` int32 valid cache entries of the row's slot.
       mode: `[B]` int32, `common.MODE_PAD` / `MODE_APPEND` / `MODE_FLUSH`.
-      row_order: optional `[B]` int permutation of the rows (`StepPlan.launch_order`),
-        with `config.launch_order`: the grid's row axis serves the rows in this order, so
-        blocks are issued costliest rows first when it is the slowest axis
-        (`rows_outermost`). Default: in row order.
+      row_order: `[B]` int permutation of the rows, required with
+        `GridOrder.LAUNCH_ORDER` (and refused otherwise): the grid's row axis, launched
+        slowest, serves the rows in this order, e.g. costliest first.
       use_qk_l2norm, scale: as in `decode_step`.
       gate_params: `(A_log [H_v], dt_bias [H_v] or [H_v, d_k])` to compute the gates in the
         kernel from raw `a`, `b`.
-      config: tile, warps, stages and rebuild precision.
+      params: tile, warps, stages, cache chunk, rebuild precision and grid order.
       interpret: run the kernel in the Pallas interpreter (default: off GPU).
 
     Returns:
@@ -294,7 +332,7 @@ def replay_decode(
     """
     batch, num_v_heads, head_v_dim = v.shape
     per_channel = g_cache.ndim == 4
-    config = config.for_head_dim(head_v_dim)
+    params = common.for_head_dim(params, head_v_dim)
     spec = common.token_spec(
         q, v, per_channel_gate=per_channel, gate_params=gate_params,
         use_qk_l2norm=use_qk_l2norm, scale=scale,
@@ -303,17 +341,18 @@ def replay_decode(
     kernel = functools.partial(
         _replay_kernel,
         spec=spec,
-        block_v=config.block_v,
-        chunk=config.cache_chunk,
-        precision=config.rebuild_precision,
-        unroll=config.rebuild_unroll,
-        rows_outermost=config.rows_outermost,
-        launch_order=config.launch_order,
+        block_v=params.block_v,
+        chunk=params.cache_chunk,
+        precision=params.rebuild_precision,
+        unroll=params.rebuild_unroll,
+        grid_order=params.grid_order,
     )
     return common.decode_call(
         kernel,
-        grid=(batch, num_v_heads, head_v_dim // config.block_v),
-        inputs=(*common.launch_rows(slot, pos, mode, row_order, config), q, k, g, beta, v, a_log, dt_bias),
+        grid=(batch, num_v_heads, head_v_dim // params.block_v),
+        inputs=(*common.launch_rows(slot, pos, mode, row_order, params.grid_order),
+                q, k, g, beta, v, a_log, dt_bias),
         state=(checkpoint, u_cache, k_cache, g_cache),
-        y_like=v, config=config, interpret=interpret, name="replayssm_decode",
+        y_like=v, num_warps=params.num_warps, num_stages=params.num_stages,
+        grid_order=params.grid_order, interpret=interpret, name="replayssm_replay_decode",
     )

@@ -1,7 +1,7 @@
 """Fused ReplaySSM decode step, key-head-grouped layout (GDN and KDA).
 
-Grid `(B, H_k, P / T)` (launched reversed with `rows_outermost`; the row axis in
-`row_order` with `launch_order`, as in `replay_decode`) with P = r * d_v / BV
+Grid `(B, H_k, P / T)` (launched reversed with a row-slowest `grid_order`; the row axis in
+`row_order` with the launch-order grids, as in `replay_decode`) with P = r * d_v / BV
 (value-head tiles of one key-head group) and T = `tiles_per_program`: each program serves
 T (value head, BV-tile) pairs of one row and one key head. The key-side work of the replay
 is done once per program instead of once per tile: the program loads the key head's valid
@@ -19,6 +19,7 @@ k once per key head). The checkpoint is read from memory once per step.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -28,13 +29,46 @@ from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels import common
-from pallas_kernels.common import KernelConfig, TokenSpec
+from pallas_kernels.common import GridOrder, TokenSpec
 from pallas_kernels.replay_decode import (
     append_gate,
     append_key,
     rebuild_exact,
     write_flushed_tile,
 )
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplayGroupedParams:
+    """Launch parameters of `replay_decode_grouped`.
+
+    Attributes:
+      block_v: BV, value rows per tile (a power of two; capped at d_v; >= 16 for the
+        tensor-core rebuild precisions).
+      num_warps: warps per program.
+      tiles_per_program: T >= 1 (value head, BV-tile) pairs of one key-head group per
+        program (lowered to a divisor of the group's pairs).
+      rebuild_precision: "ieee", "tf32" or "bf16", as in `ReplayTileParams`.
+      rebuild_unroll: U, cache entries the exact rebuild loads per memory round trip.
+      column_chunk: W, every `[., d_k]` operand as `[., W]` column chunks (0: whole rows);
+        see `PlainParams`.
+      grid_order: any `GridOrder`.
+    """
+
+    block_v: int = 32
+    num_warps: int = 4
+    tiles_per_program: int = 4
+    rebuild_precision: common.Precision = "ieee"
+    rebuild_unroll: int = 2
+    column_chunk: int = 0
+    grid_order: GridOrder = GridOrder.ROW_FASTEST
+
+    def __post_init__(self) -> None:
+        common.check_launch(self, tuple(GridOrder))
+        if isinstance(self.tiles_per_program, bool) or not isinstance(self.tiles_per_program, int) \
+                or self.tiles_per_program < 1:
+            raise ValueError(f"tiles_per_program must be an int >= 1, got {self.tiles_per_program!r}")
+        common.check_rebuild(self, {"block_v": self.block_v, "column_chunk": self.column_chunk})
 
 
 def cache_block_len(cache_len: int) -> int:
@@ -50,12 +84,12 @@ def _grouped_kernel(
     _ckpt_in, _u_in, _k_in, _g_in,
     y_ref, ckpt_ref, ucache_ref, kcache_ref, gcache_ref,
     *, spec: TokenSpec, block_v: int, tiles_per_head: int, tiles_per_program: int,
-    cache_block: int, precision: str, unroll: int, slices: tuple, rows_outermost: bool,
-    launch_order: bool, reload_row: bool,
+    cache_block: int, precision: str, unroll: int, slices: tuple, grid_order: GridOrder,
 ):
-    launch, hk, split = common.program_ids(rows_outermost)
-    b = common.launch_row(row_ref, launch, launch_order)
-    tile_row = (lambda: common.launch_row(row_ref, launch, launch_order)) if reload_row else (lambda: b)
+    launch, hk, split = common.program_ids(grid_order)
+    b = common.launch_row(row_ref, launch, grid_order)
+    reload_row = grid_order is GridOrder.LAUNCH_ORDER_RELOAD
+    tile_row = (lambda: common.launch_row(row_ref, launch, grid_order)) if reload_row else (lambda: b)
     mode, slot, pos = mode_ref[launch], slot_ref[launch], pos_ref[launch]  # in launch order
     first = split * tiles_per_program
 
@@ -80,9 +114,9 @@ def _grouped_kernel(
         live2 = live[:, None]
         entries = pl.ds(0, cache_block)
 
-        # Load order, measured on the H200 (benchmarks/NOTES.md, v6 and v7): GDN is ~9%
-        # faster with the key cache before q, k and each tile's cache and checkpoint before
-        # its gates; KDA is ~7% faster the other way round.
+        # Load order, measured on the H200 (benchmarks/NOTES.md): GDN is faster with the
+        # key cache before q, k and each tile's cache and checkpoint before its gates; KDA
+        # the other way round.
         operands_first = not spec.per_channel_gate
 
         def load_tile(p, b):
@@ -198,38 +232,36 @@ def replay_decode_grouped(
     use_qk_l2norm: bool = False,
     scale: float | None = None,
     gate_params: tuple[Array, Array] | None = None,
-    config: KernelConfig = KernelConfig(),
+    params: ReplayGroupedParams = ReplayGroupedParams(),
     interpret: bool | None = None,
 ):
-    """Same arguments and results as `replay_decode.replay_decode`; grouped layout.
-
-    The grid's row axis runs in `row_order` (see `replay_decode`); with `rows_outermost` a
-    row's programs are also launched together, so the order is the order of the launch.
-    """
+    """Same arguments and results as `replay_decode.replay_decode`; grouped layout, with
+    `params` a `ReplayGroupedParams` (`row_order` with the launch-order grids)."""
     batch, num_v_heads, head_v_dim = v.shape
     num_k_heads = q.shape[1]
-    config = config.for_head_dim(head_v_dim)
+    params = common.for_head_dim(params, head_v_dim)
     spec = common.token_spec(
         q, v, per_channel_gate=g_cache.ndim == 4, gate_params=gate_params,
         use_qk_l2norm=use_qk_l2norm, scale=scale,
     )
-    tiles_per_head = head_v_dim // config.block_v
+    tiles_per_head = head_v_dim // params.block_v
     pairs = spec.group_size * tiles_per_head
-    tiles_per_program = max(1, min(config.tiles_per_program, pairs))
+    tiles_per_program = min(params.tiles_per_program, pairs)
     while pairs % tiles_per_program:
         tiles_per_program //= 2
     a_log, dt_bias = common.gate_param_inputs(gate_params)
     kernel = functools.partial(
-        _grouped_kernel, spec=spec, block_v=config.block_v, tiles_per_head=tiles_per_head,
+        _grouped_kernel, spec=spec, block_v=params.block_v, tiles_per_head=tiles_per_head,
         tiles_per_program=tiles_per_program, cache_block=cache_block_len(u_cache.shape[2]),
-        precision=config.rebuild_precision, unroll=config.rebuild_unroll,
-        slices=config.column_slices(q.shape[2]), rows_outermost=config.rows_outermost,
-        launch_order=config.launch_order, reload_row=config.reload_row,
+        precision=params.rebuild_precision, unroll=params.rebuild_unroll,
+        slices=common.column_slices(params.column_chunk, q.shape[2]), grid_order=params.grid_order,
     )
     return common.decode_call(
         kernel,
         grid=(batch, num_k_heads, pairs // tiles_per_program),
-        inputs=(*common.launch_rows(slot, pos, mode, row_order, config), q, k, g, beta, v, a_log, dt_bias),
+        inputs=(*common.launch_rows(slot, pos, mode, row_order, params.grid_order),
+                q, k, g, beta, v, a_log, dt_bias),
         state=(checkpoint, u_cache, k_cache, g_cache),
-        y_like=v, config=config, interpret=interpret, name="replayssm_decode",
+        y_like=v, num_warps=params.num_warps, grid_order=params.grid_order, interpret=interpret,
+        name="replayssm_replay_decode_grouped",
     )

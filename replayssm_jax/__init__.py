@@ -2,18 +2,25 @@
 
 from replayssm_jax.config import ReplayConfig
 from replayssm_jax.decode import decode_step, layer_step, materialize_state
+from replayssm_jax.gates import GATES, GateKind
 from replayssm_jax.gating import beta_gate, gdn_gate, kda_gate, l2norm
+from replayssm_jax.plan import FlushPolicy, StepPlan, advance_write_pos, default_flush_policy, plan_step
 from replayssm_jax.reference import recurrent_reference
-from replayssm_jax.replay import StepPlan, advance_write_pos, plan_step
 from replayssm_jax.state import ReplayState, init_state
+from replayssm_jax.tokens import Tokens
 
 __all__ = [
+    "GATES",
+    "FlushPolicy",
+    "GateKind",
     "ReplayConfig",
     "ReplayState",
     "StepPlan",
+    "Tokens",
     "advance_write_pos",
     "beta_gate",
     "decode_step",
+    "default_flush_policy",
     "gdn_gate",
     "init_state",
     "kda_gate",

@@ -17,10 +17,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from replayssm_jax.config import GATES, ReplayConfig
-from replayssm_jax.decode import BACKENDS, decode_step, materialize_state, step_plan
+from replayssm_jax.backends import BACKENDS
+from replayssm_jax.config import ReplayConfig
+from replayssm_jax.decode import decode_step, materialize_state
+from replayssm_jax.gates import GATES
+from replayssm_jax.plan import default_flush_policy, plan_step
 from replayssm_jax.reference import recurrent_reference
 from replayssm_jax.state import init_state
+from replayssm_jax.tokens import Tokens
 
 # Built-in config: GQA 2:1, d_k = d_v = 64, fp32 state and caches.
 NUM_K_HEADS, NUM_V_HEADS, HEAD_DIM = 4, 8, 64
@@ -36,7 +40,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--steps", type=int, default=300, help="decode steps (default 300)")
     parser.add_argument("--cache-len", type=int, default=16, help="L, the replay window (default 16)")
-    parser.add_argument("--gate", choices=GATES, default="gdn", help="gdn (per head) or kda (per channel)")
+    parser.add_argument("--gate", choices=tuple(GATES), default="gdn", help="gdn (per head) or kda (per channel)")
     parser.add_argument("--batch", type=int, default=8, help="rows per step; the slot pool is twice this")
     parser.add_argument("--backend", choices=BACKENDS, default="xla")
     parser.add_argument("--seed", type=int, default=0)
@@ -80,20 +84,20 @@ def normwise_rel_err(got: jax.Array, want: jax.Array) -> float:
     return float(np.sqrt(np.sum((got - want) ** 2, axis=axes) / np.sum(want**2, axis=axes)).max())
 
 
-def random_step_inputs(rng: np.random.Generator, config: ReplayConfig, batch: int) -> tuple:
+def random_step_inputs(rng: np.random.Generator, config: ReplayConfig, batch: int) -> Tokens:
     """One token per row: normal q, k, v; g = -softplus(N(-1.5, 1)); beta in (0.05, 0.95)."""
     hk, hv, dk, dv = config.num_k_heads, config.num_v_heads, config.head_k_dim, config.head_v_dim
     normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
     g = -np.logaddexp(0.0, rng.normal(-1.5, 1.0, config.g_shape(batch)))
     beta = rng.uniform(0.05, 0.95, (batch, hv))
-    return (normal(batch, hk, dk), normal(batch, hk, dk), normal(batch, hv, dv),
-            jnp.asarray(g, jnp.float32), jnp.asarray(beta, jnp.float32))
+    return Tokens(normal(batch, hk, dk), normal(batch, hk, dk), normal(batch, hv, dv),
+                  jnp.asarray(g, jnp.float32), jnp.asarray(beta, jnp.float32))
 
 
-def reference_step(state: jax.Array, q, k, v, g, beta) -> tuple[jax.Array, jax.Array]:
+def reference_step(state: jax.Array, tokens: Tokens) -> tuple[jax.Array, jax.Array]:
     """The scan reference over a single token: `(y [B,H_v,d_v], next state)`."""
-    one = lambda x: x[:, None]
-    y, final = recurrent_reference(*map(one, (q, k, v, g, beta)), state, use_qk_l2norm=True)
+    one_step = jax.tree.map(lambda x: x[:, None], tokens)
+    y, final = recurrent_reference(one_step, state, use_qk_l2norm=True)
     return y[:, 0], final
 
 
@@ -103,7 +107,7 @@ class CheckResult:
     state_err: float
     natural_flushes: int
     forced_flushes: int
-    every_step_flushes: int  # the pallas table's small-batch plan: every live row flushes
+    every_step_flushes: int  # under the fold-every-step policy (the default at small batch)
     replay_bytes: Traffic  # summed over rows and steps
     plain_bytes: Traffic
     row_steps: int
@@ -123,8 +127,10 @@ def run_check(args: argparse.Namespace) -> CheckResult:
     ref_state = checkpoint0[slots].astype(jnp.float32)
     state = init_state(config, num_slots, checkpoint0)
 
+    policy = default_flush_policy(config, args.batch)
     step = jax.jit(
-        functools.partial(decode_step, backend=args.backend, use_qk_l2norm=True), donate_argnums=0
+        functools.partial(decode_step, backend=args.backend, policy=policy, use_qk_l2norm=True),
+        donate_argnums=0,
     )
     ref_step, materialize = jax.jit(reference_step), jax.jit(materialize_state)
     y_err = state_err = 0.0
@@ -132,7 +138,7 @@ def run_check(args: argparse.Namespace) -> CheckResult:
     for _ in range(args.steps):
         inputs = random_step_inputs(rng, config, args.batch)
         force = jnp.asarray(rng.random(args.batch) < FORCE_FLUSH_PROB)
-        plan, _ = step_plan(config, state.write_pos, slots, force, backend=args.backend)
+        plan = plan_step(state.write_pos, slots, force, config.cache_len, policy)
         pos, flush = np.asarray(plan.pos), np.asarray(plan.flush)
         is_natural = pos == config.cache_len - 1
         natural += int(is_natural.sum())
@@ -143,8 +149,8 @@ def run_check(args: argparse.Namespace) -> CheckResult:
             traffic = replay_traffic(config, int(p), bool(f))
             read, written = read + traffic.read, written + traffic.written
 
-        y, state = step(state, *inputs, slots, force)
-        ref_y, ref_state = ref_step(ref_state, *inputs)
+        y, state = step(state, inputs, slots, force)
+        ref_y, ref_state = ref_step(ref_state, inputs)
         y_err = max(y_err, normwise_rel_err(y, ref_y))
         state_err = max(state_err, normwise_rel_err(materialize(state, slots), ref_state))
 
@@ -172,8 +178,8 @@ def report(args: argparse.Namespace, result: CheckResult) -> str:
         f"slots, {args.steps} steps, backend={args.backend}, seed={args.seed}",
         f"  flushes: {result.natural_flushes} natural, {result.forced_flushes} forced "
         f"(p={FORCE_FLUSH_PROB} per row per step)"
-        + (f", {result.every_step_flushes} of the pallas table's flush-every-step plan "
-           f"(small batch)" if result.every_step_flushes else ""),
+        + (f", {result.every_step_flushes} under the fold-every-step policy (the default "
+           f"at this batch)" if result.every_step_flushes else ""),
         f"  max normwise relative error vs recurrent_reference: outputs {result.y_err:.2e}, "
         f"live state {result.state_err:.2e} (tolerance {TOLERANCE:.0e})",
         f"  state KiB per row per step: replay read {per(result.replay_bytes.read):.1f} + "

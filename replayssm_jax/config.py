@@ -3,20 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
 
 import jax.numpy as jnp
 import numpy as np
 
-Gate = Literal["gdn", "kda"]
-GATES: tuple[str, ...] = ("gdn", "kda")
+from replayssm_jax.gates import GATES, GateKind, gate_kind
+from replayssm_jax.validation import check_positive_int
+
 _STATE_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
-
-
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
 
 
 def _float_dtype(name: str, value: object) -> np.dtype:
@@ -43,7 +37,8 @@ class ReplayConfig:
       cache_len: L, the replay window. A slot flushes its state into the checkpoint on
         the step where it already holds L - 1 cached entries; L = 1 flushes every step
         (the plain recurrence).
-      gate: "gdn" (one log-decay per value head) or "kda" (one per key channel).
+      gate: the name of a registered gate kind (`replayssm_jax.gates.GATES`): "gdn" (one
+        log-decay per value head) or "kda" (one per key channel).
       state_dtype: dtype of the checkpoint.
       cache_dtype: dtype of the u and k caches (the g cache is always float32).
     """
@@ -53,20 +48,19 @@ class ReplayConfig:
     head_k_dim: int
     head_v_dim: int
     cache_len: int
-    gate: Gate = "gdn"
+    gate: str = "gdn"
     state_dtype: np.dtype = np.dtype(jnp.float32)
     cache_dtype: np.dtype = np.dtype(jnp.float32)
 
     def __post_init__(self) -> None:
         for name in ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim", "cache_len"):
-            object.__setattr__(self, name, _positive_int(name, getattr(self, name)))
+            object.__setattr__(self, name, check_positive_int(name, getattr(self, name)))
         if self.num_v_heads % self.num_k_heads:
             raise ValueError(
                 f"num_v_heads ({self.num_v_heads}) must be a multiple of num_k_heads "
                 f"({self.num_k_heads})"
             )
-        if self.gate not in GATES:
-            raise ValueError(f"gate must be one of {GATES}, got {self.gate!r}")
+        gate_kind(self.gate)
         object.__setattr__(self, "state_dtype", _float_dtype("state_dtype", self.state_dtype))
         object.__setattr__(self, "cache_dtype", _float_dtype("cache_dtype", self.cache_dtype))
 
@@ -76,14 +70,16 @@ class ReplayConfig:
         return self.num_v_heads // self.num_k_heads
 
     @property
+    def gate_kind(self) -> GateKind:
+        return GATES[self.gate]
+
+    @property
     def per_channel_gate(self) -> bool:
-        return self.gate == "kda"
+        return self.gate_kind.per_channel
 
     def g_shape(self, batch: int) -> tuple[int, ...]:
         """Shape of one step's log-decay input for `batch` rows."""
-        if self.per_channel_gate:
-            return (batch, self.num_v_heads, self.head_k_dim)
-        return (batch, self.num_v_heads)
+        return self.gate_kind.token_shapes(self, batch)["g"]
 
     def state_bytes_per_slot(self) -> int:
         """Checkpoint bytes of one slot (all value heads)."""

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from replayssm_jax import gating
+from replayssm_jax.tokens import Tokens
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -52,11 +53,7 @@ def recurrent_step(
 
 
 def recurrent_reference(
-    q: Float[Array, "B T Hk Dk"],
-    k: Float[Array, "B T Hk Dk"],
-    v: Float[Array, "B T Hv Dv"],
-    g: Float[Array, "B T Hv *Dk"],
-    beta: Float[Array, "B T Hv"],
+    tokens: Tokens,
     initial_state: Float[Array, "B Hv Dv Dk"],
     *,
     use_qk_l2norm: bool = False,
@@ -66,10 +63,9 @@ def recurrent_reference(
     """Run the plain recurrence over a time axis.
 
     Args:
-      q, k: `[B, T, H_k, d_k]`.
-      v: `[B, T, H_v, d_v]`.
-      g: log-decay, `[B, T, H_v]` (GDN) or `[B, T, H_v, d_k]` (KDA).
-      beta: `[B, T, H_v]`.
+      tokens: `Tokens` with leading axes `[B, T]`: q, k `[B, T, H_k, d_k]`, v
+        `[B, T, H_v, d_v]`, g `[B, T, H_v]` (per-head decay, GDN) or `[B, T, H_v, d_k]`
+        (per-channel decay, KDA), beta `[B, T, H_v]`.
       initial_state: `[B, H_v, d_v, d_k]`.
       use_qk_l2norm: L2-normalise q and k (eps 1e-6) before use.
       scale: multiplies q after the norm; default `d_k ** -0.5`.
@@ -79,6 +75,7 @@ def recurrent_reference(
       `(y [B,T,H_v,d_v], final_state [B,H_v,d_v,d_k])`, plus `states [B,T,H_v,d_v,d_k]`
       when `return_all_states`; in float64 if any input is float64, else float32.
     """
+    q, k, v, g, beta = tokens.q, tokens.k, tokens.v, tokens.g, tokens.beta
     dtype = _compute_dtype(q, k, v, g, beta, initial_state)
     hk, hv = q.shape[2], v.shape[2]
     if hv % hk:

@@ -1,6 +1,7 @@
 """The ReplaySSM state of one layer: a checkpoint and a circular cache per slot.
 
-Layout (N physical slots, L = cache_len):
+Layout (N physical slots, L = cache_len; the caches are the gate kind's schema,
+`replayssm_jax.gates.GateKind.cache_shapes`):
 
   checkpoint  [N, H_v, d_v, d_k]   state_dtype   S at the slot's last flush
   u_cache     [N, H_v, L, d_v]     cache_dtype   corrected values u_j since then
@@ -18,10 +19,10 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jaxtyping import Array, Float, Int
 
 from replayssm_jax.config import ReplayConfig
+from replayssm_jax.validation import check_positive_int
 
 
 @jax.tree_util.register_dataclass
@@ -43,15 +44,11 @@ class ReplayState:
 
 def state_shapes(config: ReplayConfig, num_slots: int) -> dict[str, jax.ShapeDtypeStruct]:
     """Shapes and dtypes of every array field of a state with `num_slots` slots."""
-    n, hk, hv = num_slots, config.num_k_heads, config.num_v_heads
-    dk, dv, L = config.head_k_dim, config.head_v_dim, config.cache_len
-    g_tail = (dk,) if config.per_channel_gate else ()
+    checkpoint = (num_slots, config.num_v_heads, config.head_v_dim, config.head_k_dim)
     return dict(
-        checkpoint=jax.ShapeDtypeStruct((n, hv, dv, dk), config.state_dtype),
-        u_cache=jax.ShapeDtypeStruct((n, hv, L, dv), config.cache_dtype),
-        k_cache=jax.ShapeDtypeStruct((n, hk, L, dk), config.cache_dtype),
-        g_cache=jax.ShapeDtypeStruct((n, hv, L, *g_tail), jnp.float32),
-        write_pos=jax.ShapeDtypeStruct((n,), jnp.int32),
+        checkpoint=jax.ShapeDtypeStruct(checkpoint, config.state_dtype),
+        **config.gate_kind.cache_shapes(config, num_slots),
+        write_pos=jax.ShapeDtypeStruct((num_slots,), jnp.int32),
     )
 
 
@@ -70,9 +67,7 @@ def init_state(
     Raises:
       ValueError: if `num_slots` is not positive or `checkpoint` has the wrong shape/dtype.
     """
-    if isinstance(num_slots, bool) or not isinstance(num_slots, (int, np.integer)) or num_slots < 1:
-        raise ValueError(f"num_slots must be a positive integer, got {num_slots!r}")
-    shapes = state_shapes(config, int(num_slots))
+    shapes = state_shapes(config, check_positive_int("num_slots", num_slots))
     if checkpoint is None:
         checkpoint = jnp.zeros(shapes["checkpoint"].shape, config.state_dtype)
     else:

@@ -1,11 +1,9 @@
-"""The benchmark scripts on a CPU: decode_bench's smoke mode end to end, the register
-tool's lowering and occupancy arithmetic, and every exposed kernel configuration compiled
-by Triton and ptxas for sm_90a (needs the `triton` extra, which CI installs; skipped
-without it)."""
+"""The benchmark scripts on a CPU: decode_bench's smoke mode end to end, and the register
+tool's parameter parsing, table listing and occupancy arithmetic (the launch table's rows
+compiled for sm_90a are tested in test_launch_table.py)."""
 
 from __future__ import annotations
 
-import itertools
 import json
 import pathlib
 import sys
@@ -17,17 +15,17 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks
 
 import decode_bench  # noqa: E402
 import kernel_registers  # noqa: E402
-from pallas_kernels import ops  # noqa: E402
-from replayssm_jax.config import ReplayConfig  # noqa: E402
-
-from helpers import exposed_kernel_configs, table_launches  # noqa: E402
+from pallas_kernels.common import GridOrder  # noqa: E402
+from pallas_kernels.fold_decode import FoldParams  # noqa: E402
+from pallas_kernels.replay_decode_grouped import ReplayGroupedParams  # noqa: E402
+from replayssm_jax.backends import pallas_triton  # noqa: E402
 
 
 def test_decode_bench_smoke_writes_every_section(tmp_path):
     out = tmp_path / "bench.json"
     result = decode_bench.main([
         "--smoke", "--sections", "check,steps,sweep", "--batches", "2", "--cache-lens", "1,4",
-        "--extra", "kda", "--out", str(out),
+        "--extra", "kda", "--policies", "default,natural", "--out", str(out),
     ])
     saved = json.loads(out.read_text())
     assert saved["rows"] == json.loads(json.dumps(result["rows"]))
@@ -38,6 +36,11 @@ def test_decode_bench_smoke_writes_every_section(tmp_path):
     kinds = {(r["gate"], r["state_dtype"], r["cache_len"], r["cursors"]) for r in saved["rows"]}
     assert ("gdn", "float32", 1, "sync") in kinds and ("gdn", "bfloat16", 4, "staggered") in kinds
     assert ("kda", "float32", 16, "sync") in kinds
+    # KDA with a 4-byte state folds every step by default; the natural policy's replay is timed beside it
+    kda = {r["policy"] for r in saved["rows"] if r["gate"] == "kda"}
+    assert kda == {"every_step", "natural"}
+    assert {r["kernel"] for r in saved["rows"] if r["gate"] == "kda" and r["policy"] == "natural"} == {
+        "ReplayGroupedParams"}
     assert len(saved["steps"][0]["replay_step_us"]) == 4
 
 
@@ -50,53 +53,25 @@ def test_programs_per_sm(registers, warps, programs):
     assert kernel_registers.programs_per_sm(registers, warps) == programs
 
 
-def test_parse_config_round_trip_and_errors():
-    kc = kernel_registers.parse_config("32,4,16,8,4")
-    assert (kc.block_v, kc.num_warps, kc.cache_chunk, kc.tiles_per_program, kc.rebuild_unroll) == (32, 4, 16, 8, 4)
-    assert not kc.flush_every_step
-    assert kernel_registers.parse_config("16,1,16,0,1,1").flush_every_step
-    chunked = kernel_registers.parse_config("16,1,16,0,1,0,16,1")
-    assert (chunked.column_chunk, chunked.rows_outermost, chunked.flush_every_step) == (16, True, False)
-    for bad in ("32,4", "16,1,16,0,1,0,16,1,7"):
-        with pytest.raises(Exception, match="expected BV,warps,chunk,tiles_per_program,unroll"):
-            kernel_registers.parse_config(bad)
-    with pytest.raises(ValueError, match="rebuild_unroll"):
-        kernel_registers.parse_config("32,4,16,8,0")
+def test_parse_params_round_trip_and_errors():
+    params = kernel_registers.parse_params("grouped:block_v=32,tiles_per_program=8,grid_order=launch_order")
+    assert params == ReplayGroupedParams(32, 4, 8, grid_order=GridOrder.LAUNCH_ORDER)
+    assert kernel_registers.parse_params("fold:block_v=16,empty_cache_branch=1") == FoldParams(
+        16, empty_cache_branch=True)
+    for bad in ("nokind:block_v=8", "grouped:block_v", "grouped:colour=3"):
+        with pytest.raises(Exception, match="expected KIND:field=value"):
+            kernel_registers.parse_params(bad)
+    with pytest.raises(Exception, match="rebuild_unroll must be in"):  # the class's own check
+        kernel_registers.parse_params("grouped:rebuild_unroll=0")
 
 
-def _cfg(gate="gdn", cache_len=16, dtype=jnp.float32):
-    return ReplayConfig(16 if gate == "gdn" else 32, 32, 128, 128, cache_len, gate=gate,
-                        state_dtype=dtype, cache_dtype=dtype)
-
-
-def test_kernel_ir_is_the_replay_kernel_for_an_h200():
-    ir = kernel_registers.kernel_ir(_cfg(), ops.default_kernel_config(512), 512)
-    assert "tt.func" in ir and "replayssm_decode" in ir
-
-
-# What the package launches by default for each gate: each replay table entry at L > 1,
-# each plain table entry at L = 1. These must not spill (a spilling kernel measured 2-6x
-# slower).
-PACKAGE_LAUNCHES = {(kc, kernel == "plain", gate, dtype) for kc, kernel, gate, dtype in table_launches()}
-
-
-@pytest.mark.parametrize("kernel_config", exposed_kernel_configs(), ids=repr)
-@pytest.mark.parametrize("gate", ["gdn", "kda"])
-def test_every_exposed_config_compiles_for_sm90(kernel_config, gate):
-    """Triton 3.6 (the GPU image's) runs its own passes on each exposed configuration's IR
-    and ptxas builds it for sm_90a, fp32 and bf16 state, L = 13; the plain table's entries
-    also at L = 1 (the plain kernel). Lowering alone (test_pallas_kernels) does not run
-    Triton's passes, which can fail (NOTES, v11c). The package's own launches (for their
-    gate and state dtype) must not spill; other rebuild precisions may (KDA at T = 2 with
-    tensor-core rebuilds does), and so may a launch with a state dtype the table does not
-    give it (KDA's large-batch folding tile with a bf16 state does)."""
-    pytest.importorskip("triton", reason="compiling needs the `triton` extra")
-    dtypes = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-    plain_launch = any((kernel_config, True, gate, dtype) in PACKAGE_LAUNCHES for dtype in dtypes)
-    cache_lens = (1, 13) if plain_launch else (13,)
-    for cache_len, dtype in itertools.product(cache_lens, dtypes):
-        cfg = _cfg(gate, cache_len, dtype)
-        report = kernel_registers.ptxas_report(kernel_registers.kernel_ir(cfg, kernel_config, 8), kernel_config)
-        assert 0 < report["registers"] <= 255
-        if (kernel_config, cache_len == 1, gate, dtype) in PACKAGE_LAUNCHES:
-            assert report["spill_store_bytes"] == report["spill_load_bytes"] == 0, (cache_len, dtype)
+def test_table_cases_list_each_reachable_row_once():
+    cases = kernel_registers.table_cases("gdn", jnp.float32, 16)
+    params = [p for _, p, _ in cases]
+    assert len(params) == len(set(params)), "a row listed twice"
+    for batch, p, length in cases:
+        step = {"PlainParams": "plain", "FoldParams": "fold"}.get(type(p).__name__, "replay")
+        assert pallas_triton.launch_row(step, "gdn", 4, batch, length).params == p
+    gdn_fp32_rows = {row.params for row in pallas_triton.LAUNCH_TABLE
+                     if row.gate in (None, "gdn") and row.state_bytes in (None, 4)}
+    assert set(params) <= gdn_fp32_rows

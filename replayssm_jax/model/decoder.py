@@ -22,9 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from replayssm_jax import replay
 from replayssm_jax.config import ReplayConfig
-from replayssm_jax.decode import Backend, check_slots, step_plan
+from replayssm_jax.decode import check_backend
+from replayssm_jax.plan import FlushPolicy, StepPlan, advance_write_pos, as_policy, default_flush_policy, plan_step
+from replayssm_jax.validation import check_slots
 from replayssm_jax.model import slots as slot_ops
 from replayssm_jax.model.layer import (
     GDNDims,
@@ -203,14 +204,17 @@ def decode_step(
     slots: Int[Array, " B"],
     force_flush: Bool[Array, " B"] | None = None,
     *,
-    backend: Backend = "xla",
-) -> tuple[Float[Array, "B V"], ModelState, replay.StepPlan]:
+    backend: str = "xla",
+    policy: FlushPolicy | str | None = None,
+) -> tuple[Float[Array, "B V"], ModelState, StepPlan]:
     """One token per row through every layer with ReplaySSM.
 
     Args:
       tokens: `[B]` input token of each row (ignored on padding rows).
       slots: `[B]` slot of each row; negative = padding row (writes nothing).
       force_flush: optional `[B]` bool, e.g. `slots.track_flush(seq_lens, interval)`.
+      backend: the layer steps' backend ("xla" or "pallas_triton").
+      policy: the step's `FlushPolicy`; default `default_flush_policy(config, B)`.
 
     Returns:
       `(logits [B, V], new_state, plan)`; `plan` says which rows flushed and their cursor
@@ -219,7 +223,10 @@ def decode_step(
     check_model_state(state)
     _check_tokens("tokens", tokens, 1)
     check_slots("slots", slots, jnp.shape(tokens)[0], state.num_slots)
-    plan, _ = step_plan(state.config, state.write_pos, slots, force_flush, backend=backend)
+    check_backend(backend)
+    batch = jnp.shape(tokens)[0]
+    policy = default_flush_policy(state.config, batch) if policy is None else as_policy(policy)
+    plan = plan_step(state.write_pos, slots, force_flush, state.config.cache_len, policy)
     dims = _dims(params, state.config)
     view, conv_pool = flat_view(state)
 
@@ -237,11 +244,11 @@ def decode_step(
     (x, view, conv_pool), _ = jax.lax.scan(
         layer, init, (params.blocks, jnp.arange(state.num_layers))
     )
-    write_pos = replay.advance_write_pos(state.write_pos, plan)
+    write_pos = advance_write_pos(state.write_pos, plan)
     return _logits(params, x), from_flat_view(state, view, conv_pool, write_pos), plan
 
 
-jitted_decode_step = jax.jit(decode_step, static_argnames=("backend",), donate_argnames=("state",))
+jitted_decode_step = jax.jit(decode_step, static_argnames=("backend", "policy"), donate_argnames=("state",))
 
 
 def plain_forward(

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from replayssm_jax.backends import BACKENDS
 from replayssm_jax.model import decoder, serving
 
 
@@ -35,7 +36,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--track-interval", type=int, default=8, help="prefix-cache snapshot every this many tokens"
     )
-    parser.add_argument("--backend", choices=("xla", "pallas"), default="xla")
+    parser.add_argument("--backend", choices=BACKENDS, default="xla")
+    parser.add_argument(
+        "--policy", choices=("natural", "every_step", "default"), default="natural",
+        help="flush policy: natural (replay, flush every L steps), every_step (fold every step), "
+             "default (default_flush_policy: folds at small batch, where that measured faster on the H200)",
+    )
     parser.add_argument(
         "--dtype", choices=("float32", "bfloat16"), default="float32", help="state and cache dtype"
     )
@@ -141,6 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         params, config, max_batch=args.batch, num_slots=2 * args.batch,
         cache_len=args.cache_len, track_interval=args.track_interval,
         state_dtype=state_dtype, backend=args.backend,
+        policy=None if args.policy == "default" else args.policy,
     )
     rng = np.random.default_rng(args.seed)
     workload = Workload(rng, config.vocab_size, args.track_interval, args.cache_len)
@@ -149,7 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"({decoder.num_params(params):,} params, H_k={config.num_k_heads} H_v={config.num_v_heads} "
         f"d_k=d_v={config.head_k_dim}), batch {args.batch}, {2 * args.batch} slots, "
         f"L={args.cache_len}, track every {args.track_interval} tokens, {args.dtype} state, "
-        f"backend {args.backend}",
+        f"backend {args.backend}, policy {args.policy}",
         flush=True,
     )
     engine.warm_up()

@@ -24,10 +24,11 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from replayssm_jax import gating
-from replayssm_jax.decode import Backend, layer_step
+from replayssm_jax.decode import layer_step
+from replayssm_jax.plan import StepPlan
 from replayssm_jax.reference import recurrent_reference
-from replayssm_jax.replay import StepPlan
 from replayssm_jax.state import ReplayState
+from replayssm_jax.tokens import Tokens
 
 RMS_EPS = 1e-6
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -161,7 +162,7 @@ def gdn_plain(
     if lengths is not None:
         live = jnp.arange(x.shape[1])[None, :, None] < lengths[:, None, None]
         g, beta = jnp.where(live, g, 0.0), jnp.where(live, beta, 0.0)
-    y, ssm = recurrent_reference(q, k, v, g, beta, ssm, use_qk_l2norm=True)
+    y, ssm = recurrent_reference(Tokens(q, k, v, g, beta), ssm, use_qk_l2norm=True)
     return _output(params, y, z), ssm, conv_state
 
 
@@ -173,7 +174,7 @@ def gdn_replay(
     conv_pool: Float[Array, "N Km1 C"],
     plan: StepPlan,
     *,
-    backend: Backend = "xla",
+    backend: str = "xla",
 ) -> tuple[Float[Array, "B D"], ReplayState, Float[Array, "N Km1 C"]]:
     """One token per row through the ReplaySSM state under `plan` (cursor left to the caller).
 
@@ -183,7 +184,7 @@ def gdn_replay(
     conv_rows = conv_pool[plan.slot]
     q, k, v, g, beta, z, conv_rows = _project(params, dims, x[:, None], conv_rows, None)
     y, state = layer_step(
-        state, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], plan,
+        state, Tokens(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0]), plan,
         backend=backend, use_qk_l2norm=True,
     )
     target = jnp.where(plan.valid, plan.slot, conv_pool.shape[0])

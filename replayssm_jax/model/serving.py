@@ -27,6 +27,7 @@ from jaxtyping import Array, Float, Int
 
 from replayssm_jax.model import decoder, slots as slot_ops
 from replayssm_jax.model.state import ModelState, Snapshot
+from replayssm_jax.plan import FlushPolicy, as_policy
 
 
 @dataclasses.dataclass
@@ -103,12 +104,13 @@ def step_traces() -> int:
     return _traces["step"]
 
 
-@functools.partial(jax.jit, static_argnames=("track_interval", "backend"), donate_argnums=1)
-def _serve_step(params, state, tokens, slots, seq_lens, *, track_interval: int, backend: str):
+@functools.partial(jax.jit, static_argnames=("track_interval", "backend", "policy"), donate_argnums=1)
+def _serve_step(params, state, tokens, slots, seq_lens, *, track_interval: int, backend: str, policy):
     """Decode step with track-position forced flushes and greedy next tokens (state donated)."""
     _traces["step"] += 1  # runs only while tracing
     force = slot_ops.track_flush(seq_lens, track_interval)
-    logits, state, plan = decoder.decode_step(params, state, tokens, slots, force, backend=backend)
+    logits, state, plan = decoder.decode_step(params, state, tokens, slots, force, backend=backend,
+                                              policy=policy)
     return jnp.argmax(logits, axis=-1), logits, state, plan.pos, plan.flush
 
 
@@ -130,6 +132,7 @@ class Engine:
         track_interval: int,
         state_dtype=jnp.float32,
         backend: str = "xla",
+        policy: FlushPolicy | str | None = None,
     ):
         if num_slots < max_batch:
             raise ValueError(f"num_slots ({num_slots}) must be >= max_batch ({max_batch})")
@@ -143,6 +146,7 @@ class Engine:
         self.free_slots = list(range(num_slots))
         self.prefix_cache: dict[tuple[int, ...], Snapshot] = {}
         self._backend = backend
+        self._policy = None if policy is None else as_policy(policy)
 
     @property
     def active(self) -> list[Request]:
@@ -213,7 +217,7 @@ class Engine:
         zeros = jnp.zeros((self.max_batch,), jnp.int32)
         _, _, self.state, _, _ = _serve_step(
             self.params, self.state, zeros, padding, zeros,
-            track_interval=self.track_interval, backend=self._backend,
+            track_interval=self.track_interval, backend=self._backend, policy=self._policy,
         )
 
     def step(self) -> float:
@@ -230,7 +234,7 @@ class Engine:
         start = time.perf_counter()
         next_tokens, logits, self.state, pos, flush = _serve_step(
             self.params, self.state, jnp.asarray(tokens), jnp.asarray(slots),
-            jnp.asarray(seq_lens), track_interval=self.track_interval, backend=self._backend,
+            jnp.asarray(seq_lens), track_interval=self.track_interval, backend=self._backend, policy=self._policy,
         )
         next_tokens, logits, pos, flush = jax.device_get((next_tokens, logits, pos, flush))
         seconds = time.perf_counter() - start

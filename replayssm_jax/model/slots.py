@@ -25,10 +25,11 @@ import jax.numpy as jnp
 from jax.experimental import checkify
 from jaxtyping import Array, Bool, Float, Int
 
-from replayssm_jax import replay
-from pallas_kernels.common import concrete_or_none
+from replayssm_jax.backends.xla import replay_state
 from replayssm_jax.model.state import ModelState, Snapshot, check_model_state
+from replayssm_jax.plan import plan_step
 from replayssm_jax.state import ReplayState
+from replayssm_jax.validation import concrete_or_none
 
 
 def check_slots_arg(name: str, slots: Array, num_slots: int, *, unique: bool) -> Int[Array, " B"]:
@@ -77,13 +78,13 @@ def live_states(state: ModelState, slots: Int[Array, " B"]) -> Float[Array, "Y B
 
     Padding entries give zeros. Slots are not validated here (see the public ops).
     """
-    plan = replay.plan_step(state.write_pos, slots, None, state.config.cache_len)
+    plan = plan_step(state.write_pos, slots, None, state.config.cache_len)
 
     def one_layer(checkpoint, u_cache, k_cache, g_cache):
         layer = ReplayState(
             checkpoint, u_cache, k_cache, g_cache, state.write_pos, config=state.config
         )
-        return replay.replay_state(layer, plan)
+        return replay_state(layer, plan)
 
     return jax.vmap(one_layer)(state.checkpoint, state.u_cache, state.k_cache, state.g_cache)
 

@@ -9,8 +9,8 @@ Layout (Y layers, N physical slots, L = cache_len, C = conv channels, K = conv k
   conv_state  [Y, N, K - 1, C]        conv_dtype    last K - 1 inputs of the causal conv
   write_pos   [N]                     int32         ONE cursor per slot, shared by all layers
 
-Per forward pass the flush plan is computed once (`replay.plan_step` on `write_pos`), every
-layer applies it, and the cursor advances once (`replay.advance_write_pos`).
+Per forward pass the flush plan is computed once (`plan.plan_step` on `write_pos`), every
+layer applies it, and the cursor advances once (`plan.advance_write_pos`).
 
 Two per-layer views of the same arrays:
 
@@ -32,7 +32,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from replayssm_jax.config import ReplayConfig
-from replayssm_jax.replay import StepPlan
+from replayssm_jax.plan import StepPlan
 from replayssm_jax.state import ReplayState, state_shapes
 
 _REPLAY_FIELDS = ("checkpoint", "u_cache", "k_cache", "g_cache")
@@ -174,7 +174,7 @@ def from_flat_view(
 
 def layer_plan(plan: StepPlan, layer: Int[Array, ""] | int, num_slots: int) -> StepPlan:
     """`plan` addressed to layer `layer` of a flat view (slot s -> layer * N + s)."""
-    return plan._replace(slot=plan.slot + layer * num_slots)
+    return dataclasses.replace(plan, slot=plan.slot + layer * num_slots)
 
 
 def _merge(x: Array) -> Array:

@@ -1,0 +1,9 @@
+"""Backends of the decode step: each adapts a `ReplayState` and a `StepPlan` to its way of
+computing one layer's step, with the same arguments and results.
+
+  xla            `backends.xla`: plain jax.numpy / lax, the readable specification.
+  pallas_triton  `backends.pallas_triton`: the Pallas (Triton lowering) kernels of
+                 `pallas_kernels`, with the launch table.
+"""
+
+BACKENDS: tuple[str, ...] = ("xla", "pallas_triton")

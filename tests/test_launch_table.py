@@ -1,0 +1,190 @@
+"""Properties of the pallas_triton backend's launch table (not its rows restated).
+
+Every (step, gate, state bytes, batch, cache length) finds a row; every row is reached by
+some layer and batch; each row names the results file behind it; each row's kernel matches
+the xla backend in interpret mode, lowers for an abstract H200 under its own
+`pallas_call` name, and (with the `triton` extra) compiles for sm_90a without spills.
+"""
+
+from __future__ import annotations
+
+import itertools
+import pathlib
+import re
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import replayssm_jax as R
+from pallas_kernels.fold_decode import FoldParams
+from pallas_kernels.plain_decode import PlainParams
+from pallas_kernels.replay_decode import ReplayTileParams
+from pallas_kernels.replay_decode_grouped import ReplayGroupedParams
+from replayssm_jax.backends import pallas_triton
+from replayssm_jax.backends.pallas_triton import LAUNCH_TABLE, launch_row
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+RAW = ROOT / "benchmarks" / "results" / "raw"
+GATES, STATE_BYTES = ("gdn", "kda"), (4, 2)
+BATCHES = [*range(1, 300), 511, 512, 513, 1024, 4096]
+STEP_TYPES = {"plain": (PlainParams,), "fold": (FoldParams,), "replay": (ReplayGroupedParams, ReplayTileParams)}
+# fp32 through both backends: the same algebra summed in a different order, ~1e-7 apart.
+FP32_BOUND = 1e-5
+# bf16 state and caches: a different summation order can round to the neighbouring bf16
+# value, 2^-8 relative.
+BF16_BOUND = 1e-2
+
+
+def _cache_lens(step: str) -> tuple[int, ...]:
+    return (1,) if step == "plain" else (2, 3, 8, 13, 16, 17, 32, 64)
+
+
+def reachable_cases(row) -> list[tuple[str, int, int, int]]:
+    """The `(gate, state bytes, batch, cache length)` sampled here at which `row` is chosen."""
+    return [(gate, nbytes, batch, length)
+            for gate, nbytes, length in itertools.product(GATES, STATE_BYTES, _cache_lens(row.step))
+            for batch in BATCHES
+            if row.matches(row.step, gate, nbytes, batch, length)
+            and launch_row(row.step, gate, nbytes, batch, length) is row]
+
+
+ROW_IDS = [f"{i}-{row.step}-{row.gate}-{row.state_bytes}-B{row.batch[0]}-L{row.cache_len[0]}"
+           for i, row in enumerate(LAUNCH_TABLE)]
+
+
+@pytest.mark.parametrize("step", ["plain", "fold", "replay"])
+def test_every_layer_and_batch_finds_a_row_of_its_step(step):
+    for gate, nbytes, length, batch in itertools.product(GATES, STATE_BYTES, _cache_lens(step), BATCHES):
+        row = launch_row(step, gate, nbytes, batch, length)
+        assert row.step == step and isinstance(row.params, STEP_TYPES[step]), row
+
+
+@pytest.mark.parametrize("index", range(len(LAUNCH_TABLE)), ids=ROW_IDS)
+def test_every_row_is_reachable_and_cites_its_results(index):
+    row = LAUNCH_TABLE[index]
+    assert reachable_cases(row), f"row {index} is shadowed by the rows before it: {row}"
+    assert isinstance(row.params, STEP_TYPES[row.step]), row
+    if not row.source.startswith("untuned"):
+        assert (RAW / row.source).is_file(), f"row {index} cites a missing results file {row.source}"
+
+
+def test_lookup_is_the_first_matching_row():
+    for gate, nbytes, batch, length in [("gdn", 4, 1, 16), ("kda", 2, 100, 32), ("gdn", 2, 600, 3)]:
+        for step in ("plain", "fold", "replay"):
+            first = next(r for r in LAUNCH_TABLE if r.matches(step, gate, nbytes, batch, length))
+            assert launch_row(step, gate, nbytes, batch, length) is first
+
+
+def test_policy_and_cache_length_pick_the_step():
+    cfg = R.ReplayConfig(2, 4, 32, 32, 16)
+    assert pallas_triton.step_kind(cfg, R.FlushPolicy.NATURAL) == "replay"
+    assert pallas_triton.step_kind(cfg, R.FlushPolicy.EVERY_STEP) == "fold"
+    one = R.ReplayConfig(2, 4, 32, 32, 1)
+    assert {pallas_triton.step_kind(one, p) for p in R.FlushPolicy} == {"plain"}
+    with pytest.raises(ValueError, match="kernel_params must be FoldParams"):
+        pallas_triton.launch_params(cfg, 4, R.FlushPolicy.EVERY_STEP, ReplayGroupedParams())
+    with pytest.raises(ValueError, match="kernel_params must be PlainParams"):
+        pallas_triton.launch_params(one, 4, R.FlushPolicy.NATURAL, FoldParams())
+
+
+# ---------------------------------------------------------------- each row's kernel
+
+
+def _small_config(gate: str, nbytes: int, cache_len: int) -> R.ReplayConfig:
+    """d_v = 32 (BV up to 64 is capped at d_v), GQA r = 2, d_k = 32."""
+    dtype = jnp.float32 if nbytes == 4 else jnp.bfloat16
+    return R.ReplayConfig(2, 4, 32, 32, cache_len, gate=gate, state_dtype=dtype, cache_dtype=dtype)
+
+
+def _policy(row) -> R.FlushPolicy:
+    return R.FlushPolicy.EVERY_STEP if row.step == "fold" else R.FlushPolicy.NATURAL
+
+
+def _row_cases(row) -> list[tuple[str, int, int]]:
+    """One `(gate, state bytes, cache length)` per gate and state size that reach `row`, at a
+    cache length that reaches it (the smallest above 1, kept short for interpret mode)."""
+    cases = {}
+    for gate, nbytes, _, length in reachable_cases(row):
+        cases.setdefault((gate, nbytes), length)
+    return [(gate, nbytes, min(length, 5) if row.cache_len[0] <= 5 else length)
+            for (gate, nbytes), length in cases.items()]
+
+
+def _tokens(rng, cfg, batch) -> R.Tokens:
+    normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+    return R.Tokens(q=normal(batch, 2, 32), k=normal(batch, 2, 32), v=normal(batch, 4, 32),
+                    g=jnp.asarray(-np.logaddexp(0, rng.normal(-1.5, 1, cfg.g_shape(batch))), jnp.float32),
+                    beta=jnp.asarray(rng.uniform(0.05, 0.95, (batch, 4)), jnp.float32))
+
+
+@pytest.mark.parametrize("index", range(len(LAUNCH_TABLE)), ids=ROW_IDS)
+def test_every_row_matches_the_xla_backend(index, rng):
+    row = LAUNCH_TABLE[index]
+    batch, num_slots = 4, 6
+    for gate, nbytes, cache_len in _row_cases(row):
+        cfg = _small_config(gate, nbytes, cache_len)
+        bound = FP32_BOUND if nbytes == 4 else BF16_BOUND
+        shape = (num_slots, 4, 32, 32)
+        state = R.init_state(cfg, num_slots, jnp.asarray(0.3 * rng.normal(size=shape), cfg.state_dtype))
+
+        @jax.jit
+        def both(state, tokens, slots, force):
+            plan = R.plan_step(state.write_pos, slots, force, cfg.cache_len, _policy(row))
+            y_p, new_p = pallas_triton.layer_step(state, tokens, plan, use_qk_l2norm=True, scale=None,
+                                                  kernel_params=row.params)
+            y_x, new_x = R.layer_step(state, tokens, plan, backend="xla", use_qk_l2norm=True)
+            return y_p, new_p, y_x, new_x, R.advance_write_pos(state.write_pos, plan)
+
+        for _ in range(cache_len + 2):  # through a natural flush
+            slots = rng.permutation(num_slots)[:batch].astype(np.int32)
+            slots[rng.integers(batch)] = -1
+            y_p, new_p, y_x, new_x, write_pos = both(state, _tokens(rng, cfg, batch), jnp.asarray(slots),
+                                                      jnp.asarray(rng.random(batch) < 0.2))
+            assert np.all(np.asarray(y_p)[slots < 0] == 0)
+            pairs = [(y_p, y_x)] + [(getattr(new_p, n), getattr(new_x, n))
+                                    for n in ("checkpoint", "u_cache", "k_cache", "g_cache")]
+            for got, want in pairs:
+                got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+                err = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
+                assert err <= bound, (gate, nbytes, cache_len, err)
+            state = R.ReplayState(new_p.checkpoint, new_p.u_cache, new_p.k_cache, new_p.g_cache, write_pos, cfg)
+
+
+# ---------------------------------------------------------------- lowering and compiling for an H200
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import kernel_registers  # noqa: E402
+
+KERNEL_NAMES = {PlainParams: "plain_decode", FoldParams: "replayssm_fold_decode",
+                ReplayTileParams: "replayssm_replay_decode", ReplayGroupedParams: "replayssm_replay_decode_grouped"}
+
+
+def _h200_config(gate: str, nbytes: int, cache_len: int) -> R.ReplayConfig:
+    dtype = jnp.float32 if nbytes == 4 else jnp.bfloat16
+    return R.ReplayConfig(16 if gate == "gdn" else 32, 32, 128, 128, cache_len, gate=gate,
+                          state_dtype=dtype, cache_dtype=dtype)
+
+
+@pytest.mark.parametrize("params", [PlainParams(), FoldParams(), ReplayTileParams(), ReplayGroupedParams()], ids=repr)
+def test_each_kernel_lowers_under_its_own_name(params):
+    # A profile tells the kernels apart by their pallas_call names.
+    cfg = _h200_config("gdn", 4, 1 if isinstance(params, PlainParams) else 13)
+    ir = kernel_registers.kernel_ir(cfg, params, 8)
+    assert re.findall(r"tt\.func \w* ?@(\w+)", ir) == [KERNEL_NAMES[type(params)]]
+
+
+@pytest.mark.parametrize("index", range(len(LAUNCH_TABLE)), ids=ROW_IDS)
+def test_every_row_compiles_for_sm90_without_spills(index):
+    """Triton 3.6 (the GPU image's) runs its passes on the row's IR and ptxas builds it for
+    sm_90a, for each gate and state size that reaches the row, at H200 shapes. A spilling
+    kernel measured 2-6x slower, so the table's launches must not spill."""
+    pytest.importorskip("triton", reason="compiling needs the `triton` extra")
+    row = LAUNCH_TABLE[index]
+    for gate, nbytes in {(gate, nbytes) for gate, nbytes, *_ in reachable_cases(row)}:
+        cfg = _h200_config(gate, nbytes, 1 if row.step == "plain" else 13)
+        report = kernel_registers.ptxas_report(kernel_registers.kernel_ir(cfg, row.params, 8), row.params)
+        assert 0 < report["registers"] <= 255
+        assert report["spill_store_bytes"] == report["spill_load_bytes"] == 0, (gate, nbytes, report)
