@@ -86,7 +86,7 @@ def check_launch(params, allowed_orders: tuple[GridOrder, ...]) -> None:
     """Shared checks of a kernel's parameters: `block_v`, `num_warps`, `grid_order`, and
     `column_chunk` where the kernel has one."""
     check_power_of_two("block_v", params.block_v)
-    if params.num_warps not in (1, 2, 4, 8, 16):
+    if isinstance(params.num_warps, bool) or params.num_warps not in (1, 2, 4, 8, 16):
         raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {params.num_warps!r}")
     if params.grid_order not in allowed_orders:
         names = ", ".join(o.name for o in allowed_orders)
@@ -100,7 +100,8 @@ def check_rebuild(params, dot_dims: dict[str, int]) -> None:
     """A replay kernel's rebuild options: precision, unroll, and tensor-core dot sizes."""
     if params.rebuild_precision not in PRECISIONS:
         raise ValueError(f"rebuild_precision must be one of {PRECISIONS}, got {params.rebuild_precision!r}")
-    if isinstance(params.rebuild_unroll, bool) or not 1 <= params.rebuild_unroll <= MAX_REBUILD_UNROLL:
+    unroll = params.rebuild_unroll
+    if isinstance(unroll, bool) or not isinstance(unroll, int) or not 1 <= unroll <= MAX_REBUILD_UNROLL:
         raise ValueError(f"rebuild_unroll must be in 1..{MAX_REBUILD_UNROLL}, got {params.rebuild_unroll!r}")
     if params.rebuild_precision == "ieee":
         return

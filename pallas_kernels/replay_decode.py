@@ -142,7 +142,6 @@ def rebuild_exact(spec, refs, slot, h, cols, slices, pos, s_c, decay_total, unro
     """
     ucache_ref, kcache_ref, gcache_ref = refs
     hk = h // spec.group_size
-    block_v = s_c[0].shape[0]
 
     def masked(ref, live):
         return plgpu.load(ref, mask=jnp.full(ref.shape, live), other=0.0).astype(jnp.float32)

@@ -10,43 +10,40 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import common
+from pallas_kernels.replay_decode import ReplayTileParams
 from replayssm_jax import (
+    FlushPolicy,
     ReplayConfig,
     ReplayState,
+    Tokens,
     decode_step,
+    default_flush_policy,
     init_state,
     materialize_state,
     recurrent_reference,
 )
-from replayssm_jax.decode import step_plan
+from replayssm_jax.backends import pallas_triton
+from replayssm_jax.plan import as_policy
 
 STATE_FIELDS = ("checkpoint", "u_cache", "k_cache", "g_cache", "write_pos")
 
 
-def table_launches() -> set:
-    """`(KernelConfig, kernel, gate, state dtype)` of every entry of the pallas backend's
-    launch tables (`ops.table_entries`; fp32 and bf16 states)."""
-    from pallas_kernels import ops
-
-    return {(kc, kernel, gate, jnp.dtype(dtype)) for kernel in ("plain", "replay") for gate in ("gdn", "kda")
-            for dtype in (jnp.float32, jnp.bfloat16) for *_, kc in ops.table_entries(kernel, gate, dtype)}
-
-
-def exposed_kernel_configs() -> list:
-    """Every launch configuration of the pallas backend's tables, each with every rebuild
-    precision it admits (what a user reaches from `default_kernel_config`)."""
-    table = {kc for kc, *_ in table_launches()}
-    out = set()
-    for kc, precision in itertools.product(table, ("ieee", "tf32", "bf16")):
-        if precision == "ieee" or min(kc.block_v, kc.cache_chunk) >= 16:
-            out.add(dataclasses.replace(kc, rebuild_precision=precision))
+def exposed_kernel_params() -> list:
+    """Every launch parameter set the pallas_triton backend reaches: each row of its launch
+    table, each replay row under every rebuild precision (`common.with_rebuild_precision`,
+    which raises its dot sizes where the tensor cores need it), and the per-tile replay
+    kernel's defaults."""
+    out = {row.params for row in pallas_triton.LAUNCH_TABLE} | {ReplayTileParams()}
+    for row in pallas_triton.LAUNCH_TABLE:
+        if row.step == "replay" and hasattr(row.params, "rebuild_precision"):
+            out |= {common.with_rebuild_precision(row.params, p) for p in common.PRECISIONS}
     return sorted(out, key=repr)
 
 
@@ -68,23 +65,23 @@ def random_log_decay(rng: np.random.Generator, shape: tuple[int, ...]) -> np.nda
     return (-softplus(rng.normal(-1.5, 1.0, shape))).astype(np.float32)
 
 
-@dataclasses.dataclass(frozen=True)
-class Tokens:
-    """Decode inputs with any leading axes: q, k `[..., H_k, d_k]`, v `[..., H_v, d_v]`,
-    g `[..., H_v]` (GDN) or `[..., H_v, d_k]` (KDA), beta `[..., H_v]`; float32 numpy."""
+# The tests hold inputs as `replayssm_jax.Tokens` with float32 numpy leaves (any leading
+# axes: `[B]` for one step, `[S, T]` for runs); these act on every field at once.
 
-    q: np.ndarray
-    k: np.ndarray
-    v: np.ndarray
-    g: np.ndarray
-    beta: np.ndarray
 
-    def astuple(self) -> tuple[np.ndarray, ...]:
-        return (self.q, self.k, self.v, self.g, self.beta)
+def astuple(tokens: Tokens) -> tuple:
+    """`(q, k, v, g, beta)`."""
+    return (tokens.q, tokens.k, tokens.v, tokens.g, tokens.beta)
 
-    def take(self, index: tuple) -> Tokens:
-        """The same numpy index applied to every field."""
-        return Tokens(*(x[index] for x in self.astuple()))
+
+def take(tokens: Tokens, index) -> Tokens:
+    """The same (numpy) index applied to every field."""
+    return jax.tree.map(lambda x: x[index], tokens)
+
+
+def to_device(tokens: Tokens) -> Tokens:
+    """Every field as a jax array."""
+    return jax.tree.map(jnp.asarray, tokens)
 
 
 def random_tokens(
@@ -198,7 +195,7 @@ class RunReport:
     natural_flushes: int = 0
     forced_flushes: int = 0
     tokens: int = 0
-    flush_every_step: bool = False  # the step's plan flushed every live row (pallas table)
+    flush_every_step: bool = False  # the run's policy was EVERY_STEP: every live row flushed
 
 
 def _row_inputs(
@@ -209,9 +206,9 @@ def _row_inputs(
     garbage = random_tokens(rng, config, (rows.size,), v_scale=50.0)
     active = rows >= 0
     seqs = np.where(active, rows, 0)
-    picked = tokens.take((seqs, done[seqs]))
+    picked = take(tokens, (seqs, done[seqs]))
     pick = lambda a, b: np.where(active.reshape(-1, *([1] * (a.ndim - 1))), a, b)
-    return Tokens(*map(pick, picked.astuple(), garbage.astuple()))
+    return jax.tree.map(pick, picked, garbage)
 
 
 def _check_writes(
@@ -249,35 +246,39 @@ def run_schedule(
     rng: np.random.Generator,
     *,
     backend: str,
+    policy: FlushPolicy | str | None = None,
     use_qk_l2norm: bool = True,
     scale: float | None = None,
-    kernel_config=None,
+    kernel_params=None,
 ) -> RunReport:
     """Drive `decode_step` (jitted, state donated) through `schedule`, checking every step.
 
+    `policy` goes to `decode_step` as given; None there means
+    `default_flush_policy(config, B)`, which the host model below uses then.
+
     Exact invariants are asserted here: padding rows output exactly 0; `write_pos` follows
-    the host model (flush when the cursor is L-1 or forced, or at every step where the
-    pallas backend's launch configuration flushes every live row, then 0, else +1); slots no row
-    names are unchanged bit for bit; non-flushing rows keep their checkpoint and valid cache
-    entries. Errors against `recurrent_reference` (run per sequence on `tokens [S, T, ...]`
-    from `checkpoint0[seq_slots]`) are returned for the caller to bound: each active row's
+    the host model (flush when the cursor is L-1 or forced, or at every step under the
+    EVERY_STEP policy, then 0, else +1); slots no row names are unchanged bit for bit;
+    non-flushing rows keep their checkpoint and valid cache entries. Errors against
+    `recurrent_reference` (run per sequence on `tokens [S, T, ...]` from
+    `checkpoint0[seq_slots]`) are returned for the caller to bound: each active row's
     output, each flushed checkpoint against the state right after that token, and
     `materialize_state` of every sequence against its reference state after every step.
     """
     ref_y, _, ref_states = reference(
-        *map(jnp.asarray, tokens.astuple()), jnp.asarray(checkpoint0[schedule.seq_slots]),
+        to_device(tokens), jnp.asarray(checkpoint0[schedule.seq_slots]),
         use_qk_l2norm=use_qk_l2norm, scale=scale, return_all_states=True,
     )
     ref_y, ref_states = np.asarray(ref_y), np.asarray(ref_states)
     init = checkpoint0[schedule.seq_slots].astype(np.float32)
-    step = donated_step(backend, use_qk_l2norm=use_qk_l2norm, scale=scale, kernel_config=kernel_config)
+    step = donated_step(backend, policy=policy, use_qk_l2norm=use_qk_l2norm, scale=scale,
+                        kernel_params=kernel_params)
     state = init_state(config, schedule.num_slots, jnp.asarray(checkpoint0))
     num_seqs, length = schedule.seq_slots.size, config.cache_len
     done = np.zeros(num_seqs, int)
     write_pos = np.zeros(schedule.num_slots, int)
-    _, launch = step_plan(config, state.write_pos, jnp.zeros(schedule.rows.shape[1], jnp.int32), None,
-                          backend=backend, kernel_config=kernel_config)
-    report = RunReport(flush_every_step=launch is not None and launch.flush_every_step)
+    host_policy = default_flush_policy(config, schedule.rows.shape[1]) if policy is None else as_policy(policy)
+    report = RunReport(flush_every_step=host_policy is FlushPolicy.EVERY_STEP)
     for t in range(schedule.steps):
         rows, force = schedule.rows[t], schedule.force[t]
         active = rows >= 0
@@ -288,8 +289,7 @@ def run_schedule(
         natural = pos == length - 1
         flush = natural | force[active] | report.flush_every_step
         before = snapshot(state)
-        y, state = step(state, *map(jnp.asarray, inputs.astuple()),
-                        jnp.asarray(slots, jnp.int32), jnp.asarray(force))
+        y, state = step(state, to_device(inputs), jnp.asarray(slots, jnp.int32), jnp.asarray(force))
         after, y = snapshot(state), np.asarray(y, np.float32)
 
         assert np.all(y[~active] == 0), f"step {t}: padding rows output {y[~active]}"

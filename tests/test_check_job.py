@@ -6,11 +6,11 @@ import re
 
 import pytest
 
-from replayssm_jax import ReplayConfig, check_job
+from replayssm_jax import FlushPolicy, ReplayConfig, check_job, default_flush_policy
 from replayssm_jax.__main__ import main as cli_main
 
 
-@pytest.mark.parametrize("batch", [3, 9])  # the pallas table for GDN: flush every step / replay
+@pytest.mark.parametrize("batch", [3, 9])  # the default policy for GDN: fold every step / replay
 @pytest.mark.parametrize("gate", ["gdn", "kda"])
 def test_check_job_reports_agreement(gate, batch, backend, capsys):
     argv = ["--steps", "12", "--cache-len", "4", "--batch", str(batch), "--gate", gate]
@@ -20,15 +20,19 @@ def test_check_job_reports_agreement(gate, batch, backend, capsys):
     assert "agreement: OK" in out
     errors = re.search(r"outputs (\S+), live state (\S+) \(tolerance", out)
     assert errors and max(map(float, errors.groups())) <= check_job.TOLERANCE, out
-    # The table flushes every live row at every step at small batch, and for KDA with a
-    # 4-byte state at every batch.
-    if backend == "pallas" and (batch == 3 or gate == "kda"):
-        counts = re.search(r"flushes: 0 natural, (\d+) forced .*, (\d+) of the pallas table's "
-                           r"flush-every-step plan", out)
+    # The default policy (on every backend) flushes every live row at every step at small
+    # batch, and for KDA with a 4-byte state at every batch.
+    config = ReplayConfig(check_job.NUM_K_HEADS, check_job.NUM_V_HEADS, check_job.HEAD_DIM,
+                          check_job.HEAD_DIM, 4, gate=gate)
+    every_step = batch == 3 or gate == "kda"
+    assert (default_flush_policy(config, batch) is FlushPolicy.EVERY_STEP) == every_step
+    if every_step:
+        counts = re.search(r"flushes: 0 natural, (\d+) forced .*, (\d+) under the fold-every-step "
+                           r"policy", out)
         assert counts and sum(map(int, counts.groups())) == 12 * batch, out
     else:
         assert re.search(r"flushes: [1-9]\d* natural", out), out
-        assert "flush-every-step" not in out, out
+        assert "fold-every-step" not in out, out
 
 
 def test_replay_traffic_counts_checkpoint_entries_and_flushes():

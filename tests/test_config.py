@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from replayssm_jax import ReplayConfig
+from replayssm_jax import ReplayConfig, gates
 
 VALID = dict(num_k_heads=2, num_v_heads=4, head_k_dim=32, head_v_dim=16, cache_len=4)
 
@@ -60,3 +60,31 @@ def test_invalid_config_raises(change, match):
 def test_numpy_integers_are_accepted():
     config = ReplayConfig(**{**VALID, "cache_len": np.int64(16)})
     assert config.cache_len == 16 and type(config.cache_len) is int
+
+
+@pytest.mark.parametrize("gate", ["gdn", "kda"])
+def test_gate_kind_gives_the_decay_and_the_schemas(gate):
+    """`ReplayConfig.gate_kind`: the registered kind, its decay and update rule, and the
+    cache, token and gate-parameter shapes (written out here for VALID's sizes)."""
+    config = ReplayConfig(**VALID, gate=gate, cache_dtype=jnp.bfloat16)
+    kind = config.gate_kind
+    assert kind is gates.GATES[gate] is gates.gate_kind(gate)
+    assert kind.decay is (gates.Decay.PER_CHANNEL if gate == "kda" else gates.Decay.PER_HEAD)
+    assert kind.update is gates.UpdateRule.DELTA
+    assert config.per_channel_gate == (gate == "kda")
+    tail = (32,) if gate == "kda" else ()
+    caches = {name: (x.shape, x.dtype) for name, x in kind.cache_shapes(config, 3).items()}
+    assert caches == dict(
+        u_cache=((3, 4, 4, 16), jnp.bfloat16), k_cache=((3, 2, 4, 32), jnp.bfloat16),
+        g_cache=((3, 4, 4, *tail), jnp.float32),
+    )
+    assert kind.token_shapes(config, 5) == dict(
+        q=(5, 2, 32), k=(5, 2, 32), v=(5, 4, 16), g=(5, 4, *tail), beta=(5, 4))
+    assert kind.gate_param_shapes(config) == ((4,), (4, *tail))
+
+
+def test_gate_registry():
+    assert tuple(gates.GATES) == ("gdn", "kda")
+    for bad in ("mamba", None, ["gdn"]):
+        with pytest.raises(ValueError, match=r"gate must be one of \('gdn', 'kda'\)"):
+            gates.gate_kind(bad)

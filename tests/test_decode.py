@@ -4,6 +4,7 @@ compilation and donation, and input validation. Every decode test runs per `back
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 
 import jax
@@ -22,11 +23,20 @@ from helpers import (
     run_schedule,
     small_config,
     snapshot,
+    take,
+    to_device,
 )
-from pallas_kernels.common import KernelConfig
-from pallas_kernels.ops import default_kernel_config
-from replayssm_jax import decode_step, init_state, materialize_state, recurrent_reference, replay
-from replayssm_jax.decode import step_plan
+from pallas_kernels.replay_decode import ReplayTileParams
+from replayssm_jax import (
+    FlushPolicy,
+    ReplayConfig,
+    decode_step,
+    default_flush_policy,
+    init_state,
+    materialize_state,
+    plan_step,
+    recurrent_reference,
+)
 
 # fp32: the issue's bound. Replay only reorders fp32 sums (products of decays in log space,
 # the rebuild as one contraction); measured worst normwise error over these runs is < 5e-7,
@@ -41,8 +51,9 @@ FP32_TOL = 1e-5
 BF16_TOL = 4 * 2.0**-8
 TOLERANCE = {"fp32": FP32_TOL, "bf16": BF16_TOL}
 DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
-# BATCH = 9: the pallas table replays from batch 5 for GDN and from 9 for KDA (it flushes
-# every step below).
+# BATCH = 9: the default flush policy replays (NATURAL) from batch 6 for GDN with a 4-byte
+# state and from 9 for 2-byte states, and folds every step (EVERY_STEP) below; KDA with a
+# 4-byte state folds at every batch (test_default_flush_policy_by_gate_dtype_and_batch).
 NUM_SLOTS, BATCH, NUM_SEQS = 12, 9, 3
 
 
@@ -71,11 +82,11 @@ def test_replay_matches_reference_every_step(gate, cache_len, dtype, backend, rn
     assert report.y_err <= tol, report
     assert report.state_err <= tol, report
     assert report.checkpoint_err <= tol, report
-    # The pallas table flushes every live row at every step for KDA with a 4-byte state
-    # (the folding kernel; test_kda_replay_kernel_matches_reference_every_step replays it).
-    folds = backend == "pallas" and gate == "kda" and dtype == "fp32" and cache_len > 1
+    # The default policy flushes every live row at every step for KDA with a 4-byte state,
+    # on every backend (test_kda_replay_kernel_matches_reference_every_step replays it).
+    folds = gate == "kda" and dtype == "fp32"
     assert report.flush_every_step == folds, report
-    if folds:
+    if folds and cache_len > 1:  # (at L = 1 every flush is natural)
         assert report.natural_flushes == 0, report
         return
     assert report.natural_flushes > 0, report
@@ -84,14 +95,16 @@ def test_replay_matches_reference_every_step(gate, cache_len, dtype, backend, rn
 
 
 @pytest.mark.parametrize("cache_len", [2, 13])
-def test_kda_replay_kernel_matches_reference_every_step(cache_len, rng):
-    """KDA through the replay kernels with the replay plan (the table folds KDA with a
-    4-byte state; an explicit config replays): the grouped kernel, and the per-tile kernel
-    walking the cache in chunks, under the same invariants as above."""
+def test_kda_replay_kernel_matches_reference_every_step(cache_len, backend, rng):
+    """KDA with a 4-byte state under the NATURAL policy (the default folds it every step):
+    the xla backend's replay and, on pallas_triton, the launch table's replay kernel (the
+    grouped one) and the per-tile kernel walking the cache in chunks, under the same
+    invariants as above."""
     config = small_config("kda", cache_len)
-    for kernel_config in (KernelConfig(block_v=16, num_warps=2, tiles_per_program=2, rebuild_unroll=4),
-                          KernelConfig(block_v=8, num_warps=1, cache_chunk=4, rebuild_unroll=3)):
-        report = run_random_schedule(rng, config, "pallas", steps=4 * cache_len + 2, kernel_config=kernel_config)
+    kernels = (None, ReplayTileParams(block_v=8, num_warps=1, cache_chunk=4, rebuild_unroll=3))
+    for kernel_params in kernels if backend == "pallas_triton" else (None,):
+        report = run_random_schedule(rng, config, backend, steps=4 * cache_len + 2, policy="natural",
+                                     kernel_params=kernel_params)
         assert not report.flush_every_step, report
         assert max(report.y_err, report.state_err, report.checkpoint_err) <= FP32_TOL, report
         assert report.natural_flushes > 0 and report.forced_flushes > 0, report
@@ -103,7 +116,7 @@ def test_l2norm_off_and_custom_scale(backend, rng):
     tokens = random_tokens(rng, config, (NUM_SEQS, 14))
     # Unit-norm keys keep the un-normalised delta rule stable (beta ||k||^2 < 2).
     k = tokens.k / np.linalg.norm(tokens.k, axis=-1, keepdims=True)
-    tokens = type(tokens)(tokens.q, k.astype(np.float32), tokens.v, tokens.g, tokens.beta)
+    tokens = tokens.replace(k=k.astype(np.float32))
     report = run_random_schedule(
         rng, config, backend, steps=14, tokens=tokens, use_qk_l2norm=False, scale=0.7
     )
@@ -119,74 +132,94 @@ def test_cache_len_one_is_plain_recurrence(gate, backend, rng):
     tokens = random_tokens(rng, config, (BATCH, steps))
     checkpoint0 = random_checkpoint(rng, config, NUM_SLOTS)
     ref_y, _, ref_states = recurrent_reference(
-        *map(jnp.asarray, tokens.astuple()), jnp.asarray(checkpoint0[slots]),
-        use_qk_l2norm=True, return_all_states=True,
+        to_device(tokens), jnp.asarray(checkpoint0[slots]), use_qk_l2norm=True, return_all_states=True,
     )
     step = donated_step(backend, use_qk_l2norm=True)
     state = init_state(config, NUM_SLOTS, jnp.asarray(checkpoint0))
     for t in range(steps):
-        inputs = map(jnp.asarray, tokens.take((slice(None), t)).astuple())
-        y, state = step(state, *inputs, jnp.asarray(slots, jnp.int32))
+        inputs = to_device(take(tokens, (slice(None), t)))
+        y, state = step(state, inputs, jnp.asarray(slots, jnp.int32))
         assert rel_err(y, ref_y[:, t]).max() <= FP32_TOL
         assert rel_err(state.checkpoint[slots], ref_states[:, t]).max() <= FP32_TOL
         np.testing.assert_array_equal(state.write_pos, 0)
 
 
 @pytest.mark.parametrize("gate", ["gdn", "kda"])
-def test_pallas_flushes_every_step_at_small_batch(gate, rng):
-    """The package's table flushes every live row at batch <= 5 (the folding kernel): the
-    first such step folds the row's cached entries into the checkpoint, then every step
-    writes the recurrent state, the cursor stays 0 and the caches are not written. An
-    explicit config with `flush_every_step=False` replays as usual at the same batch."""
-    config, steps, warm, batch = small_config(gate, 4), 5, 2, 3
-    assert default_kernel_config(batch).flush_every_step
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_default_flush_policy_by_gate_dtype_and_batch(gate, dtype):
+    """EVERY_STEP where it measured faster on the H200 than the replay cycle (GDN with a
+    4-byte state up to batch 5, any 2-byte state up to batch 8, KDA with a 4-byte state at
+    every batch), NATURAL elsewhere; L plays no part (L = 1 runs the plain kernel anyway)."""
+    itemsize = jnp.dtype(dtype).itemsize
+    for cache_len in (1, 4, 32):
+        config = ReplayConfig(2, 4, 32, 16, cache_len, gate=gate, state_dtype=dtype)
+        for batch in (1, 2, 5, 6, 8, 9, 16, 64, 512, 1 << 20):
+            if itemsize == 4:
+                every = gate == "kda" or batch <= 5
+            else:
+                every = batch <= 8
+            want = FlushPolicy.EVERY_STEP if every else FlushPolicy.NATURAL
+            assert default_flush_policy(config, batch) is want, (cache_len, batch)
+
+
+@pytest.mark.parametrize("gate", ["gdn", "kda"])
+def test_default_policy_flushes_every_step_at_small_batch(gate, backend, rng):
+    """At batch 4 (one padding row) the default policy (policy=None) flushes every live row
+    on every backend: the first such step folds the row's cached entries (from two NATURAL
+    steps before) into the checkpoint, then every step writes the recurrent state, the
+    cursor stays 0 and the caches are not written; outputs and checkpoints equal the
+    reference, the padding row outputs 0."""
+    config, steps, warm, batch = small_config(gate, 4), 5, 2, 4
+    assert default_flush_policy(config, batch) is FlushPolicy.EVERY_STEP
     slots = rng.choice(NUM_SLOTS, batch, replace=False)
+    slots[rng.integers(batch)] = -1
+    live = slots >= 0
     tokens = random_tokens(rng, config, (batch, warm + steps))
     checkpoint0 = random_checkpoint(rng, config, NUM_SLOTS)
     ref_y, _, ref_states = recurrent_reference(
-        *map(jnp.asarray, tokens.astuple()), jnp.asarray(checkpoint0[slots]),
-        use_qk_l2norm=True, return_all_states=True,
+        to_device(take(tokens, live)), jnp.asarray(checkpoint0[slots[live]]), use_qk_l2norm=True,
+        return_all_states=True,
     )
-    replaying = donated_step(
-        "pallas", use_qk_l2norm=True,
-        kernel_config=dataclasses.replace(default_kernel_config(batch), flush_every_step=False),
-    )
-    table = donated_step("pallas", use_qk_l2norm=True)
+    replaying = donated_step(backend, use_qk_l2norm=True, policy="natural")
+    default = donated_step(backend, use_qk_l2norm=True)
     state = init_state(config, NUM_SLOTS, jnp.asarray(checkpoint0))
     for t in range(warm + steps):
-        inputs = map(jnp.asarray, tokens.take((slice(None), t)).astuple())
+        inputs = to_device(take(tokens, (slice(None), t)))
         caches = snapshot(state)
-        y, state = (replaying if t < warm else table)(state, *inputs, jnp.asarray(slots, jnp.int32))
-        assert rel_err(y, ref_y[:, t]).max() <= FP32_TOL
+        y, state = (replaying if t < warm else default)(state, inputs, jnp.asarray(slots, jnp.int32))
+        assert rel_err(y[live], ref_y[:, t]).max() <= FP32_TOL
+        np.testing.assert_array_equal(np.asarray(y[~live]), 0.0)
         if t < warm:  # replay: the checkpoint waits, the cursor advances
-            np.testing.assert_array_equal(state.write_pos[slots], t + 1)
+            np.testing.assert_array_equal(state.write_pos[slots[live]], t + 1)
             continue
-        assert rel_err(state.checkpoint[slots], ref_states[:, t]).max() <= FP32_TOL
+        assert rel_err(state.checkpoint[slots[live]], ref_states[:, t]).max() <= FP32_TOL
         np.testing.assert_array_equal(state.write_pos, 0)
         for name in ("u_cache", "k_cache", "g_cache"):
             np.testing.assert_array_equal(bits(np.asarray(getattr(state, name))), bits(caches[name]))
 
 
-def test_step_plan_flushes_every_live_row_only_where_the_pallas_table_asks():
-    """`step_plan`: the pallas table's batch <= 5 entries flush every live row (padding rows
-    never flush); a config passed in, the xla backend and larger batches keep natural
-    flushes only."""
-    config = small_config("gdn", 4)
+def test_plan_step_flushes_every_live_row_only_under_every_step():
+    """`plan_step`: EVERY_STEP flushes every live row (padding rows never flush), NATURAL
+    flushes at cursor L-1 or where forced; the plan records its policy, and the policy can
+    be given by value."""
     write_pos = jnp.asarray([0, 1, 2, 3, 0, 1, 2, 3], jnp.int32)
     natural = lambda slots: np.asarray([s >= 0 and int(write_pos[s]) == 3 for s in slots])
-    for slots, every in (([5, -1], True), ([1, 3, 6, 2, 0], True), ([0, 1, 3, 5, 6, 7], False)):
-        plan, kc = step_plan(config, write_pos, jnp.asarray(slots, jnp.int32), None, backend="pallas")
-        assert kc == default_kernel_config(len(slots))
-        want = np.asarray(slots) >= 0 if every else natural(slots)
-        np.testing.assert_array_equal(plan.flush, want)
-        plan, kc = step_plan(config, write_pos, jnp.asarray(slots, jnp.int32), None, backend="xla")
-        assert kc is None
-        np.testing.assert_array_equal(plan.flush, natural(slots))
-    replaying = dataclasses.replace(default_kernel_config(2), flush_every_step=False)
-    plan, kc = step_plan(config, write_pos, jnp.asarray([1, 3], jnp.int32), None,
-                         backend="pallas", kernel_config=replaying)
-    assert kc is replaying
-    np.testing.assert_array_equal(plan.flush, [False, True])
+    for slots in ([5, -1], [1, 3, 6, 2, 0], [0, 1, 3, 5, -1, 6, 7]):
+        slots_arr = jnp.asarray(slots, jnp.int32)
+        for policy in (FlushPolicy.EVERY_STEP, "every_step"):
+            plan = plan_step(write_pos, slots_arr, None, 4, policy)
+            assert plan.policy is FlushPolicy.EVERY_STEP and plan.batch == len(slots)
+            np.testing.assert_array_equal(plan.flush, np.asarray(slots) >= 0)
+        for policy in (FlushPolicy.NATURAL, "natural"):
+            plan = plan_step(write_pos, slots_arr, None, 4, policy)
+            assert plan.policy is FlushPolicy.NATURAL
+            np.testing.assert_array_equal(plan.flush, natural(slots))
+        np.testing.assert_array_equal(plan_step(write_pos, slots_arr, None, 4).flush, natural(slots))
+    force = jnp.asarray([True, True, False])
+    plan = plan_step(write_pos, jnp.asarray([0, -1, 3], jnp.int32), force, 4)
+    np.testing.assert_array_equal(plan.flush, [True, False, True])  # forced, padding, natural
+    with pytest.raises(ValueError, match=r"policy must be a FlushPolicy or one of \('natural', 'every_step'\)"):
+        plan_step(write_pos, jnp.asarray([0], jnp.int32), None, 4, "sometimes")
 
 
 def test_launch_order_puts_costliest_rows_first(rng):
@@ -198,23 +231,26 @@ def test_launch_order_puts_costliest_rows_first(rng):
         slots = rng.permutation(num_slots)[:batch].astype(np.int32)
         slots[rng.random(batch) < 0.2] = -1
         force = rng.random(batch) < 0.2
-        plan = replay.plan_step(write_pos, jnp.asarray(slots), jnp.asarray(force), cache_len)
-        pos = np.asarray(write_pos)[np.maximum(slots, 0)]
-        flush = (slots >= 0) & ((pos == cache_len - 1) | force)
+        for policy in FlushPolicy:
+            plan = plan_step(write_pos, jnp.asarray(slots), jnp.asarray(force), cache_len, policy)
+            pos = np.asarray(write_pos)[np.maximum(slots, 0)]
+            every = policy is FlushPolicy.EVERY_STEP
+            flush = (slots >= 0) & ((pos == cache_len - 1) | force | every)
 
-        def rank(row):
-            if slots[row] < 0:
-                return (2, 0, row)
-            return (0 if flush[row] else 1, -pos[row], row)
+            def rank(row):
+                if slots[row] < 0:
+                    return (2, 0, row)
+                return (0 if flush[row] else 1, -pos[row], row)
 
-        np.testing.assert_array_equal(plan.launch_order, sorted(range(batch), key=rank))
-        assert plan.launch_order.dtype == jnp.int32
+            np.testing.assert_array_equal(plan.launch_order, sorted(range(batch), key=rank))
+            assert plan.launch_order.dtype == jnp.int32
 
 
 def _one_step_inputs(rng, config, slots, force=None):
-    tokens = random_tokens(rng, config, (len(slots),))
+    """`(tokens, slots, force_flush)` of one step."""
+    tokens = to_device(random_tokens(rng, config, (len(slots),)))
     force = None if force is None else jnp.asarray(force)
-    return (*map(jnp.asarray, tokens.astuple()), jnp.asarray(slots, jnp.int32), force)
+    return tokens, jnp.asarray(slots, jnp.int32), force
 
 
 def test_padding_rows_are_isolated(backend, rng):
@@ -222,21 +258,20 @@ def test_padding_rows_are_isolated(backend, rng):
     nothing, and do not change the other rows' results."""
     config = small_config("gdn", 4)
     state = init_state(config, NUM_SLOTS, jnp.asarray(random_checkpoint(rng, config, NUM_SLOTS)))
-    # One replaying launch configuration for the 2-row and the 4-row call (the package's
-    # table flushes every step at batch <= 5, which would keep the cursors at 0).
-    options = dict(kernel_config=default_kernel_config(8)) if backend == "pallas" else {}
-    step = donated_step(backend, use_qk_l2norm=True, **options)
+    # The NATURAL policy for the 2-row and the 4-row call (the default flushes every step
+    # at batch <= 5, which would keep the cursors at 0).
+    step = donated_step(backend, use_qk_l2norm=True, policy="natural")
     state, _ = _warm_up(step, state, rng, config, steps=2)  # nonzero cursors and caches
     live = np.array([5, 1])
-    q, k, v, g, beta, _, _ = _one_step_inputs(rng, config, live)
+    tokens, _, _ = _one_step_inputs(rng, config, live)
     pad = lambda x: jnp.concatenate([x[:1], jnp.full_like(x[:2], jnp.nan), x[1:]])
-    padded = tuple(map(pad, (q, k, v, g, beta)))
+    padded = jax.tree.map(pad, tokens)
     slots = jnp.asarray([5, -1, -7, 1], jnp.int32)
     force = jnp.asarray([False, True, True, False])
 
-    want_y, want_state = step(jax.tree.map(jnp.copy, state), q, k, v, g, beta, jnp.asarray(live, jnp.int32))
+    want_y, want_state = step(jax.tree.map(jnp.copy, state), tokens, jnp.asarray(live, jnp.int32))
     before = snapshot(state)
-    y, state = step(state, *padded, slots, force)
+    y, state = step(state, padded, slots, force)
     after = snapshot(state)
     np.testing.assert_array_equal(np.asarray(y[1:3]), 0.0)
     np.testing.assert_allclose(y[jnp.array([0, 3])], want_y, rtol=1e-6, atol=1e-7)
@@ -247,6 +282,55 @@ def test_padding_rows_are_isolated(backend, rng):
         )
         others = np.setdiff1d(np.arange(NUM_SLOTS), live)
         np.testing.assert_array_equal(bits(after[name][others]), bits(before[name][others]))
+
+
+@pytest.mark.parametrize("gate", ["gdn", "kda"])
+def test_stale_cache_entries_never_reach_the_step(gate, backend, rng):
+    """Entries at positions >= write_pos are stale and not zeroed (a reused slot keeps its
+    last occupant's): NaN, +Inf and -Inf planted there in u_cache, k_cache and g_cache give
+    bit for bit the step of clean caches (y, checkpoint, cursors, and every cache entry
+    valid after the step), under both policies: natural rows that append, flush at L-1 and
+    are forced to flush, and fold-every-step rows."""
+    config = small_config(gate, 4)
+    state = init_state(config, NUM_SLOTS, jnp.asarray(random_checkpoint(rng, config, NUM_SLOTS)))
+    cursors = np.arange(NUM_SLOTS) % config.cache_len  # cursors 0 .. L-1, cleanly made:
+    for t in range(config.cache_len - 1):  # slot s gets s % L entries
+        live = np.where(cursors > t, np.arange(NUM_SLOTS), -1)
+        _, state = decode_step(state, *_one_step_inputs(rng, config, live), policy="natural")
+    np.testing.assert_array_equal(state.write_pos, cursors)
+    stale = np.arange(config.cache_len)[None, :] >= cursors[:, None]  # [N, L]
+    poison = np.resize(np.asarray([np.nan, np.inf, -np.inf], np.float32), stale.shape)
+
+    def plant(cache):
+        mask = stale.reshape(*stale.shape[:1], 1, stale.shape[1], *([1] * (cache.ndim - 3)))
+        poisoned = np.broadcast_to(poison.reshape(mask.shape), mask.shape)
+        return jnp.asarray(np.where(mask, poisoned, np.asarray(cache)), cache.dtype)
+
+    dirty = dataclasses.replace(state, u_cache=plant(state.u_cache), k_cache=plant(state.k_cache),
+                                g_cache=plant(state.g_cache))
+    assert all(np.isnan(np.asarray(getattr(dirty, name))).any() for name in ("u_cache", "k_cache", "g_cache"))
+    # Rows: a slot at every cursor, others at random, a padding row; forced flushes at
+    # cursors 1 and 2 (and on the padding row, where they are ignored).
+    first = [rng.choice(np.flatnonzero(cursors == c)) for c in range(config.cache_len)]
+    others = rng.permutation(np.setdiff1d(np.arange(NUM_SLOTS), first))[: BATCH - config.cache_len - 1]
+    slots = rng.permutation(np.concatenate([first, others, [-1]]))
+    force = (slots < 0) | np.isin(cursors[np.maximum(slots, 0)], [1, 2])
+    tokens, slots, force = _one_step_inputs(rng, config, slots, force)
+    for policy in ("natural", "every_step"):
+        step = jax.jit(functools.partial(decode_step, backend=backend, policy=policy, use_qk_l2norm=True))
+        want_y, want = step(state, tokens, slots, force)
+        got_y, got = step(dirty, tokens, slots, force)
+        np.testing.assert_array_equal(bits(np.asarray(got_y)), bits(np.asarray(want_y)))
+        for name in ("checkpoint", "write_pos"):
+            np.testing.assert_array_equal(bits(np.asarray(getattr(got, name))),
+                                          bits(np.asarray(getattr(want, name))), err_msg=name)
+        valid = np.arange(config.cache_len)[None, :] < np.asarray(want.write_pos)[:, None]
+        for name in ("u_cache", "k_cache", "g_cache"):
+            g, w = np.asarray(getattr(got, name)), np.asarray(getattr(want, name))
+            for slot in range(NUM_SLOTS):
+                np.testing.assert_array_equal(bits(g[slot][:, valid[slot]]), bits(w[slot][:, valid[slot]]),
+                                              err_msg=f"{name} slot {slot} ({policy})")
+        assert np.all(np.isfinite(np.asarray(got_y))) and np.all(np.isfinite(np.asarray(got.checkpoint)))
 
 
 def _warm_up(step, state, rng, config, *, steps):
@@ -289,9 +373,10 @@ def test_output_dtype_follows_v(backend, rng):
     """bf16 inputs give a bf16 y of shape [B, H_v, d_v]."""
     config = small_config("gdn", 4)
     state = init_state(config, NUM_SLOTS)
-    q, k, v, g, beta, slots, _ = _one_step_inputs(rng, config, [0, 4, 2])
+    tokens, slots, _ = _one_step_inputs(rng, config, [0, 4, 2])
     bf16 = lambda x: x.astype(jnp.bfloat16)
-    y, _ = decode_step(state, bf16(q), bf16(k), bf16(v), g, beta, slots, backend=backend)
+    tokens = tokens.replace(q=bf16(tokens.q), k=bf16(tokens.k), v=bf16(tokens.v))
+    y, _ = decode_step(state, tokens, slots, backend=backend)
     assert y.dtype == jnp.bfloat16 and y.shape == (3, config.num_v_heads, config.head_v_dim)
 
 
@@ -343,11 +428,20 @@ def test_one_compilation_and_donated_state(backend, rng):
         assert not _state_sized_copies(hlo_text, state), "the step copies a state buffer"
 
 
+TOKEN_FIELDS = ("q", "k", "v", "g", "beta")
+
+
 def _valid_inputs(rng, gate="gdn"):
     config = small_config(gate, 4)
-    q, k, v, g, beta, slots, force = _one_step_inputs(rng, config, [6, -1, 0, 3], [False] * 4)
-    return init_state(config, NUM_SLOTS), dict(q=q, k=k, v=v, g=g, beta=beta, slots=slots,
-                                               force_flush=force)
+    tokens, slots, force = _one_step_inputs(rng, config, [6, -1, 0, 3], [False] * 4)
+    return init_state(config, NUM_SLOTS), dict(tokens=tokens, slots=slots, force_flush=force)
+
+
+def _with(inputs, name, bad):
+    """`inputs` with the token field or argument `name` replaced by `bad`."""
+    if name in TOKEN_FIELDS:
+        return {**inputs, "tokens": inputs["tokens"].replace(**{name: bad})}
+    return {**inputs, name: bad}
 
 
 def _shape_message(name, want, got):
@@ -357,17 +451,17 @@ def _shape_message(name, want, got):
 @pytest.mark.parametrize(
     "name, bad, match",
     [
-        ("q", np.zeros((4, 2, 31), np.float32), _shape_message("q", (4, 2, 32), (4, 2, 31))),
-        ("q", np.zeros((4, 64), np.float32), r"q must be \[B, H_k, d_k\].*\(4, 64\)"),
-        ("k", np.zeros((3, 2, 32), np.float32), _shape_message("k", (4, 2, 32), (3, 2, 32))),
-        ("k", np.zeros((4, 4, 32), np.float32), _shape_message("k", (4, 2, 32), (4, 4, 32))),
-        ("v", np.zeros((4, 2, 16), np.float32), _shape_message("v", (4, 4, 16), (4, 2, 16))),
-        ("g", np.zeros((4, 4, 32), np.float32), _shape_message("g", (4, 4), (4, 4, 32))),
-        ("beta", np.zeros((4, 4, 1), np.float32), _shape_message("beta", (4, 4), (4, 4, 1))),
-        ("q", np.zeros((4, 2, 32), np.int32), r"q must be a floating array.*int32"),
-        ("v", np.zeros((4, 4, 16), np.int32), r"v must be a floating array.*int32"),
-        ("g", np.zeros((4, 4), np.int32), r"g must be a floating array.*int32"),
-        ("beta", np.zeros((4, 4), bool), r"beta must be a floating array.*bool"),
+        ("q", np.zeros((4, 2, 31), np.float32), _shape_message("tokens.q", (4, 2, 32), (4, 2, 31))),
+        ("q", np.zeros((4, 64), np.float32), r"tokens.q must be \[B, H_k, d_k\].*\(4, 64\)"),
+        ("k", np.zeros((3, 2, 32), np.float32), _shape_message("tokens.k", (4, 2, 32), (3, 2, 32))),
+        ("k", np.zeros((4, 4, 32), np.float32), _shape_message("tokens.k", (4, 2, 32), (4, 4, 32))),
+        ("v", np.zeros((4, 2, 16), np.float32), _shape_message("tokens.v", (4, 4, 16), (4, 2, 16))),
+        ("g", np.zeros((4, 4, 32), np.float32), _shape_message("tokens.g", (4, 4), (4, 4, 32))),
+        ("beta", np.zeros((4, 4, 1), np.float32), _shape_message("tokens.beta", (4, 4), (4, 4, 1))),
+        ("q", np.zeros((4, 2, 32), np.int32), r"tokens.q must be a floating array.*int32"),
+        ("v", np.zeros((4, 4, 16), np.int32), r"tokens.v must be a floating array.*int32"),
+        ("g", np.zeros((4, 4), np.int32), r"tokens.g must be a floating array.*int32"),
+        ("beta", np.zeros((4, 4), bool), r"tokens.beta must be a floating array.*bool"),
         ("slots", np.zeros(3, np.int32), r"slots must have shape \(4,\).*\(3,\)"),
         ("slots", np.zeros((4, 1), np.int32), r"slots must have shape \(4,\).*\(4, 1\)"),
         ("slots", np.arange(4, dtype=np.float32), r"slots must be an integer array.*float32"),
@@ -387,20 +481,26 @@ def test_decode_step_rejects_bad_input(name, bad, match, rng):
     state, inputs = _valid_inputs(rng)
     decode_step(state, **inputs)  # the valid inputs pass
     with pytest.raises(ValueError, match=match):
-        decode_step(state, **{**inputs, name: jnp.asarray(bad)})
+        decode_step(state, **_with(inputs, name, jnp.asarray(bad)))
 
 
 def test_kda_gate_shape_is_checked(rng):
     state, inputs = _valid_inputs(rng, gate="kda")
     decode_step(state, **inputs)
-    with pytest.raises(ValueError, match=_shape_message("g", (4, 4, 32), (4, 4))):
-        decode_step(state, **{**inputs, "g": jnp.zeros((4, 4))})
+    with pytest.raises(ValueError, match=_shape_message("tokens.g", (4, 4, 32), (4, 4))):
+        decode_step(state, **_with(inputs, "g", jnp.zeros((4, 4))))
 
 
 def test_bad_backend_and_state_are_rejected(rng):
     state, inputs = _valid_inputs(rng)
-    with pytest.raises(ValueError, match=r"backend must be one of.*'cuda'"):
-        decode_step(state, **inputs, backend="cuda")
+    for bad in ("cuda", "pallas"):  # "pallas" is now "pallas_triton"
+        with pytest.raises(ValueError, match=rf"backend must be one of \('xla', 'pallas_triton'\), got '{bad}'"):
+            decode_step(state, **inputs, backend=bad)
+    with pytest.raises(ValueError, match=r"policy must be a FlushPolicy or one of"):
+        decode_step(state, **inputs, policy="always")
+    with pytest.raises(ValueError, match=r"tokens must be a Tokens, got tuple"):
+        tok = inputs["tokens"]
+        decode_step(state, (tok.q, tok.k, tok.v, tok.g, tok.beta), inputs["slots"])
     with pytest.raises(ValueError, match=r"state must be a ReplayState"):
         decode_step(state.checkpoint, **inputs)
     other = init_state(small_config("kda", 4), NUM_SLOTS)

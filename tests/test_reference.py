@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import random_tokens, rel_err, small_config
-from replayssm_jax import recurrent_reference
+from helpers import astuple, random_tokens, rel_err, small_config, to_device
+from replayssm_jax import Tokens, recurrent_reference
 
 # The scan runs in float32 over T steps; the numpy loop in float64. Per-step rounding is
 # ~1e-7 relative and the recurrence is contractive (alpha < 1, l2-normalised keys), so the
@@ -46,14 +46,13 @@ def test_reference_matches_numpy_loop(gate, use_qk_l2norm, scale, rng):
     batch, steps = 2, 9
     tokens = random_tokens(rng, config, (batch, steps))
     if not use_qk_l2norm:  # keep the delta rule stable: beta ||k||^2 < 2
-        tokens = type(tokens)(tokens.q, tokens.k / np.float32(np.sqrt(config.head_k_dim)),
-                              tokens.v, tokens.g, tokens.beta)
+        tokens = tokens.replace(k=tokens.k / np.float32(np.sqrt(config.head_k_dim)))
     state0 = 0.3 * rng.normal(size=(batch, 4, 16, 32)).astype(np.float32)
     want_y, want_states = numpy_recurrence(
-        *tokens.astuple(), state0, use_qk_l2norm=use_qk_l2norm, scale=scale
+        *astuple(tokens), state0, use_qk_l2norm=use_qk_l2norm, scale=scale
     )
     y, final, states = recurrent_reference(
-        *map(jnp.asarray, tokens.astuple()), jnp.asarray(state0),
+        to_device(tokens), jnp.asarray(state0),
         use_qk_l2norm=use_qk_l2norm, scale=scale, return_all_states=True,
     )
     assert y.shape == (batch, steps, 4, 16) and states.shape == (batch, steps, 4, 16, 32)
@@ -63,7 +62,7 @@ def test_reference_matches_numpy_loop(gate, use_qk_l2norm, scale, rng):
         assert rel_err(states[:, t], want_states[:, t]).max() <= TOL, t
     np.testing.assert_array_equal(final, states[:, -1])
     y_only, final_only = recurrent_reference(
-        *map(jnp.asarray, tokens.astuple()), jnp.asarray(state0),
+        to_device(tokens), jnp.asarray(state0),
         use_qk_l2norm=use_qk_l2norm, scale=scale,
     )
     np.testing.assert_array_equal(y_only, y)
@@ -74,5 +73,5 @@ def test_reference_rejects_ungrouped_heads(rng):
     q = jnp.zeros((1, 2, 3, 8))
     v = jnp.zeros((1, 2, 4, 8))
     with pytest.raises(ValueError, match=r"v heads \(4\) must be a multiple of q/k heads \(3\)"):
-        recurrent_reference(q, q, v, jnp.zeros((1, 2, 4)), jnp.zeros((1, 2, 4)),
+        recurrent_reference(Tokens(q, q, v, jnp.zeros((1, 2, 4)), jnp.zeros((1, 2, 4))),
                             jnp.zeros((1, 4, 8, 8)))

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from pallas_kernels import common

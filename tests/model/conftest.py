@@ -46,18 +46,20 @@ def run_plain(params, prompts: list[list[int]], num_new: int):
     return tokens, logits
 
 
-def decode_both(params, state, plain, slots, tokens, force=None):
+def decode_both(params, state, plain, slots, tokens, force=None, policy="natural"):
     """Feed `tokens [T, B]` (teacher forcing) to the ReplaySSM model and the plain one.
 
     Row b uses slot `slots[b]` in `state` and row b of `plain`. Returns (state, plain,
     replay logits [T, B, V], plain logits [T, B, V]); `force` is an optional [T, B] bool.
+    `policy` defaults to NATURAL, so the model replays its caches (the default policy
+    folds every step at these small batches).
     """
     slots = jnp.asarray(slots, jnp.int32)
     replay_logits, plain_logits = [], []
     for t, row_tokens in enumerate(np.asarray(tokens)):
         row_tokens = jnp.asarray(row_tokens, jnp.int32)
         flush = None if force is None else jnp.asarray(force[t])
-        lg, state, _ = decoder.jitted_decode_step(params, state, row_tokens, slots, flush)
+        lg, state, _ = decoder.jitted_decode_step(params, state, row_tokens, slots, flush, policy=policy)
         lp, plain = decoder.plain_step(params, row_tokens[:, None], plain)
         replay_logits.append(np.asarray(lg))
         plain_logits.append(np.asarray(lp[:, 0]))

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from replayssm_jax import FlushPolicy
 from replayssm_jax.model import decoder
 from replayssm_jax.model.slots import track_flush
 
@@ -31,7 +32,8 @@ def test_replay_model_matches_plain_model(params, rng):
     """Greedy tokens identical and logits within LOGIT_ATOL over 3L+1 (>= 8) decode steps.
 
     Three rows on permuted slots plus a padding row, prompts of different lengths (so the
-    rows' cursors differ), track-position forced flushes on top of the natural ones.
+    rows' cursors differ), track-position forced flushes on top of the natural ones (the
+    NATURAL policy: the default folds every step at batch 4).
     (L = 1, the plain recurrence, is covered by the single-layer foundation tests.)
     """
     cache_len = 3
@@ -52,7 +54,8 @@ def test_replay_model_matches_plain_model(params, rng):
             feed[row] = tokens[i][-1]
             seq_lens[row] = len(prompts[i]) + len(tokens[i])
         out, state, _ = decoder.jitted_decode_step(
-            params, state, jnp.asarray(feed), jnp.asarray(slots), track_flush(jnp.asarray(seq_lens), 3)
+            params, state, jnp.asarray(feed), jnp.asarray(slots), track_flush(jnp.asarray(seq_lens), 3),
+            policy="natural",
         )
         out = np.asarray(out)
         for i, row in enumerate(rows):
@@ -63,28 +66,31 @@ def test_replay_model_matches_plain_model(params, rng):
     np.testing.assert_allclose(np.stack(logits), np.stack(ref_logits), atol=LOGIT_ATOL, rtol=0)
 
 
-def test_pallas_decoder_at_batch_one_flushes_every_step(rng):
-    """At batch 1 the pallas backend's table flushes every step (the plain recurrence in the
-    replay kernel, interpret mode here): cursors stay 0 and the logits equal the xla
-    backend's, which replays the cache."""
+def test_decoder_at_batch_one_folds_every_step_by_default(rng):
+    """At batch 1 the default policy flushes every step on both backends (on pallas_triton
+    the folding kernel, interpret mode here): cursors stay 0 and the logits equal the xla
+    backend's under the NATURAL policy, which replays the cache."""
     cache_len, steps = 3, 5
     model = dataclasses.replace(TINY, head_k_dim=16, head_v_dim=16)  # the kernels' smallest dims
     params = decoder.init_params(model, seed=2)
     prompt = rng.integers(0, model.vocab_size, 3).tolist()
     slots = jnp.array([2], jnp.int32)
-    states = {}
-    for backend in ("xla", "pallas"):
+    runs = {}
+    for backend, policy in (("xla", "natural"), ("xla", None), ("pallas_triton", None)):
         _, state = _prefill(params, model.init_state(num_slots=4, cache_len=cache_len), prompt, 2)
         token, outs = jnp.asarray([prompt[-1]], jnp.int32), []
         for _ in range(steps):
-            out, state, plan = decoder.jitted_decode_step(params, state, token, slots, backend=backend)
+            out, state, plan = decoder.jitted_decode_step(params, state, token, slots, backend=backend,
+                                                          policy=policy)
             outs.append(np.asarray(out[0]))
             token = jnp.argmax(out, axis=-1).astype(jnp.int32)
-            if backend == "pallas":
+            if policy is None:
+                assert plan.policy is FlushPolicy.EVERY_STEP
                 assert bool(plan.flush[0]) and int(state.write_pos[2]) == 0
-        states[backend] = (np.stack(outs), state)
-    assert int(states["xla"][1].write_pos[2]) != 0  # the xla backend did replay
-    np.testing.assert_allclose(states["pallas"][0], states["xla"][0], atol=LOGIT_ATOL, rtol=0)
+        runs[backend, policy] = (np.stack(outs), state)
+    assert int(runs["xla", "natural"][1].write_pos[2]) != 0  # the natural policy did replay
+    for backend in ("xla", "pallas_triton"):
+        np.testing.assert_allclose(runs[backend, None][0], runs["xla", "natural"][0], atol=LOGIT_ATOL, rtol=0)
 
 
 def test_one_compilation_as_cursors_joins_and_leaves_change(params, rng):
@@ -92,7 +98,7 @@ def test_one_compilation_as_cursors_joins_and_leaves_change(params, rng):
 
     def counted(*args, **kwargs):
         traces.append(1)
-        return decoder.decode_step(*args, **kwargs)
+        return decoder.decode_step(*args, **kwargs, policy="natural")
 
     step = jax.jit(counted, donate_argnames=("state",))
     state = TINY.init_state(num_slots=4, cache_len=3)
@@ -117,7 +123,7 @@ def test_decode_step_updates_the_donated_state_in_place(params):
     tokens = jnp.zeros(3, jnp.int32)
     slots = jnp.array([1, -1, 3], jnp.int32)
     force = jnp.zeros(3, bool)
-    hlo = decoder.jitted_decode_step.lower(params, state, tokens, slots, force).compile().as_text()
+    hlo = decoder.jitted_decode_step.lower(params, state, tokens, slots, force, policy="natural").compile().as_text()
     header = hlo.splitlines()[0]
     aliases = dict(re.findall(r"\{(\d+)\}: \((\d+), \{\}, may-alias\)", header))
     num_params = len(jax.tree.leaves(params))
@@ -143,5 +149,9 @@ def test_bad_decode_inputs_raise(params):
         decoder.decode_step(params, state, jnp.zeros(2, jnp.int32), jnp.array([0, 2], jnp.int32))
     with pytest.raises(ValueError, match="tokens must be an integer"):
         decoder.decode_step(params, state, jnp.zeros(2), jnp.array([0, 1], jnp.int32))
+    with pytest.raises(ValueError, match=r"backend must be one of \('xla', 'pallas_triton'\), got 'pallas'"):
+        decoder.decode_step(params, state, jnp.zeros(2, jnp.int32), jnp.array([0, 1], jnp.int32), backend="pallas")
+    with pytest.raises(ValueError, match="policy must be a FlushPolicy or one of"):
+        decoder.decode_step(params, state, jnp.zeros(2, jnp.int32), jnp.array([0, 1], jnp.int32), policy="often")
     with pytest.raises(ValueError, match="lengths must have shape"):
         decoder.prefill(params, state, jnp.zeros((1, 4), jnp.int32), jnp.array([1, 2]), jnp.array([0]))

@@ -6,9 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from replayssm_jax import materialize_state, plan_step
+from replayssm_jax import advance_write_pos, materialize_state, plan_step
 from replayssm_jax.model.layer import causal_conv, gdn_plain, gdn_replay
-from replayssm_jax.replay import advance_write_pos
 from replayssm_jax.state import init_state
 
 from .conftest import LOGIT_ATOL, STATE_ATOL, TINY

@@ -13,9 +13,10 @@ INTERVAL = 4
 
 
 def _engine(params):
+    # NATURAL: the engine replays its caches (the default policy folds every step at batch 2)
     return Engine(
         params, TINY, max_batch=2, num_slots=3, cache_len=3,
-        track_interval=INTERVAL,
+        track_interval=INTERVAL, policy="natural",
     )
 
 

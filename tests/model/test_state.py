@@ -7,9 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from replayssm_jax import decode_step, materialize_state, plan_step
-from replayssm_jax.decode import layer_step
-from replayssm_jax.replay import advance_write_pos
+from replayssm_jax import Tokens, advance_write_pos, decode_step, layer_step, materialize_state, plan_step
 from replayssm_jax.model import decoder
 from replayssm_jax.model.state import (
     check_model_state,
@@ -82,16 +80,17 @@ def test_flat_view_step_equals_single_layer_decode_step(rng):
     v = jnp.asarray(rng.standard_normal((batch, cfg.num_v_heads, cfg.head_v_dim)), jnp.float32)
     g = -jnp.asarray(rng.uniform(0.01, 1.0, (batch, cfg.num_v_heads)), jnp.float32)
     beta = jnp.asarray(rng.uniform(0.1, 0.9, (batch, cfg.num_v_heads)), jnp.float32)
+    tokens = Tokens(q, k, v, g, beta)
 
-    plan = plan_step(state.write_pos, slots, force, cfg.cache_len)
+    plan = plan_step(state.write_pos, slots, force, cfg.cache_len)  # NATURAL
     view, conv = flat_view(state)
     ys = []
     for i in range(state.num_layers):
-        y, view = layer_step(view, q, k, v, g, beta, layer_plan(plan, i, state.num_slots))
+        y, view = layer_step(view, tokens, layer_plan(plan, i, state.num_slots))
         ys.append(y)
     stepped = from_flat_view(state, view, conv, advance_write_pos(state.write_pos, plan))
     for i in range(state.num_layers):
-        y_ref, ref = decode_step(layer_state(state, i), q, k, v, g, beta, slots, force)
+        y_ref, ref = decode_step(layer_state(state, i), tokens, slots, force, policy="natural")
         np.testing.assert_array_equal(ys[i], y_ref)
         for name in ("checkpoint", "u_cache", "k_cache", "g_cache"):
             np.testing.assert_array_equal(getattr(stepped, name)[i], getattr(ref, name))
@@ -106,5 +105,5 @@ def test_cursor_advances_once_per_forward_pass(params, rng):
     slots = jnp.array([3, -1, 1], jnp.int32)
     tokens = jnp.asarray(rng.integers(0, TINY.vocab_size, 3), jnp.int32)
     for step in range(1, 3):
-        _, state, _ = decoder.jitted_decode_step(params, state, tokens, slots)
+        _, state, _ = decoder.jitted_decode_step(params, state, tokens, slots, policy="natural")
         np.testing.assert_array_equal(state.write_pos, [0, step, 0, step])
