@@ -256,15 +256,18 @@ def plain_forward(
     tokens: Int[Array, "B T"],
     plain: PlainState,
     lengths: Int[Array, " B"] | None = None,
+    *,
+    chunked: bool = False,
 ) -> tuple[Float[Array, "B T V"], PlainState]:
-    """T tokens per row with the plain recurrence from `plain`; positions >= lengths are padding."""
+    """T tokens per row with the plain recurrence from `plain` (the token scan, or chunks of
+    64 with `chunked`); positions >= lengths are padding."""
     _check_tokens("tokens", tokens, 2)
     dims = _plain_dims(params, plain)
 
     def layer(x, xs):
         block, ssm, conv = xs
         mixed, ssm, conv = gdn_plain(
-            block.gdn, dims, rms_norm(x, block.attn_norm), ssm, conv, lengths
+            block.gdn, dims, rms_norm(x, block.attn_norm), ssm, conv, lengths, chunked=chunked
         )
         x = x + mixed
         return x + _mlp(block, x), (ssm, conv)
@@ -287,7 +290,8 @@ def prefill(
     lengths: Int[Array, " B"],
     slots: Int[Array, " B"],
 ) -> tuple[Float[Array, "B V"], ModelState]:
-    """Continue each row's slot by `lengths[b]` tokens (right-padded to T) with the plain recurrence.
+    """Continue each row's slot by `lengths[b]` tokens (right-padded to T) with the chunked
+    form of the plain recurrence (`replayssm_jax.chunked`).
 
     Starts from the slot's live state and conv state (a fresh `reset_slots` slot, or a
     restored prefix snapshot), runs the recurrence over the chunk, and leaves the final state
@@ -306,7 +310,7 @@ def prefill(
     valid = slots >= 0
     slot = jnp.where(valid, slots, 0)
     start = PlainState(ssm=slot_ops.live_states(state, slots), conv=state.conv_state[:, slot])
-    logits, end = plain_forward(params, tokens, start, lengths)
+    logits, end = plain_forward(params, tokens, start, lengths, chunked=True)
     target = jnp.where(valid, slots, state.num_slots)
     state = dataclasses.replace(
         state,

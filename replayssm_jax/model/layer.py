@@ -24,6 +24,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from replayssm_jax import gating
+from replayssm_jax.chunked import chunked_gated_delta_rule
 from replayssm_jax.decode import layer_step
 from replayssm_jax.plan import StepPlan
 from replayssm_jax.reference import recurrent_reference
@@ -149,8 +150,11 @@ def gdn_plain(
     ssm: Float[Array, "B Hv Dv Dk"],
     conv_state: Float[Array, "B Km1 C"],
     lengths: Int[Array, " B"] | None = None,
+    *,
+    chunked: bool = False,
 ) -> tuple[Float[Array, "B T D"], Float[Array, "B Hv Dv Dk"], Float[Array, "B Km1 C"]]:
-    """The layer over T tokens with the plain recurrence, from an explicit state.
+    """The layer over T tokens with the plain recurrence, from an explicit state: the token
+    scan, or with `chunked` the chunked form (`replayssm_jax.chunked`, for prefill).
 
     Positions `t >= lengths[b]` are padding: their decay is 1 and their write strength 0,
     so they leave the state exactly unchanged (and the conv state stops at `lengths`).
@@ -162,7 +166,11 @@ def gdn_plain(
     if lengths is not None:
         live = jnp.arange(x.shape[1])[None, :, None] < lengths[:, None, None]
         g, beta = jnp.where(live, g, 0.0), jnp.where(live, beta, 0.0)
-    y, ssm = recurrent_reference(Tokens(q, k, v, g, beta), ssm, use_qk_l2norm=True)
+    tokens = Tokens(q, k, v, g, beta)
+    if chunked:
+        y, ssm = chunked_gated_delta_rule(tokens, ssm, use_qk_l2norm=True)
+    else:
+        y, ssm = recurrent_reference(tokens, ssm, use_qk_l2norm=True)
     return _output(params, y, z), ssm, conv_state
 
 
