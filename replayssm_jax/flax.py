@@ -1,0 +1,130 @@
+"""Flax NNX modules whose ReplaySSM state lives in NNX variables (needs the `flax` extra).
+
+`GDNDecodeLayer` is the package's Qwen3-Next-style GDN layer (`model.layer`) with its replay
+state (`ReplayState`) and causal-conv state held in `ReplayCache` variables, so a model
+built of them carries its decode state the NNX way and `nnx.jit(..., donate_argnums=...)`
+updates it in place. `Decoder` stacks them into the package's small decoder (same weights
+and numerics as `model.decoder`): `prefill` continues slots by a prompt chunk (chunked
+recurrence, leaves a flushed checkpoint), `decode_step` runs one token per row with one
+flush plan for every layer.
+
+The cache variables are not parameters: filter them out of optimizers and gradients with
+`nnx.Param` (e.g. `nnx.state(model, nnx.Param)`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from replayssm_jax.backends import xla
+from replayssm_jax.config import ReplayConfig
+from replayssm_jax.decode import check_backend
+from replayssm_jax.model import decoder as decoder_lib
+from replayssm_jax.model.layer import GDNDims, GDNParams, gdn_plain, gdn_replay, rms_norm
+from replayssm_jax.plan import FlushPolicy, StepPlan, advance_write_pos, as_policy, default_flush_policy, plan_step
+from replayssm_jax.state import init_state
+from replayssm_jax.validation import check_slots
+
+
+class ReplayCache(nnx.Variable):
+    """Decode state of a layer (replay state, conv state): carried, not trained."""
+
+
+class GDNDecodeLayer(nnx.Module):
+    """One GDN layer over `num_slots` slots with its decode state in NNX variables.
+
+    Args:
+      params: the layer's weights (`model.layer.GDNParams`), held as one `nnx.Param`.
+      dims: its sizes (`model.layer.GDNDims`).
+      config: the `ReplayConfig` of its replay state (heads and head dims match `dims`).
+      num_slots: N, the slot pool.
+      backend: the decode step's backend ("xla" or "pallas_triton").
+    """
+
+    def __init__(self, params: GDNParams, dims: GDNDims, config: ReplayConfig, num_slots: int, *,
+                 backend: str = "xla"):
+        check_backend(backend)
+        heads = (dims.num_k_heads, dims.num_v_heads, dims.head_k_dim, dims.head_v_dim)
+        if heads != (config.num_k_heads, config.num_v_heads, config.head_k_dim, config.head_v_dim):
+            raise ValueError(f"config heads {config} do not match the layer's dims {dims}")
+        self.weights = nnx.Param(params)
+        self.replay = ReplayCache(init_state(config, num_slots))
+        self.conv = ReplayCache(jnp.zeros((num_slots, dims.conv_kernel - 1, dims.conv_channels), jnp.float32))
+        self.dims, self.backend = dims, backend
+
+    def decode(self, x: Float[Array, "B D"], plan: StepPlan) -> Float[Array, "B D"]:
+        """One token per row under `plan` (from `plan_step` on this layer's cursors); the
+        layer's cursors advance with the plan."""
+        out, state, conv = gdn_replay(self.weights.get_value(), self.dims, x, self.replay.get_value(),
+                                      self.conv.get_value(), plan, backend=self.backend)
+        self.replay.set_value(dataclasses.replace(state, write_pos=advance_write_pos(state.write_pos, plan)))
+        self.conv.set_value(conv)
+        return out
+
+    def prefill(self, x: Float[Array, "B T D"], lengths: Int[Array, " B"], slots: Int[Array, " B"]
+                ) -> Float[Array, "B T D"]:
+        """Continue each row's slot by `lengths[b]` tokens from its live state; the slot then
+        holds the result as a flushed checkpoint (cursor 0). Negative slots write nothing."""
+        state, conv_pool = self.replay.get_value(), self.conv.get_value()
+        plan = plan_step(state.write_pos, slots, None, state.config.cache_len)
+        out, ssm, conv = gdn_plain(self.weights.get_value(), self.dims, x, xla.replay_state(state, plan),
+                                   conv_pool[plan.slot], lengths, chunked=True)
+        target = jnp.where(plan.valid, plan.slot, state.num_slots)
+        self.replay.set_value(dataclasses.replace(
+            state, checkpoint=state.checkpoint.at[target].set(ssm.astype(state.checkpoint.dtype), mode="drop"),
+            write_pos=state.write_pos.at[target].set(0, mode="drop")))
+        self.conv.set_value(conv_pool.at[target].set(conv, mode="drop"))
+        return out
+
+
+class Decoder(nnx.Module):
+    """The package's small decoder (`model.decoder`) with `GDNDecodeLayer`s.
+
+    Args:
+      params: `model.decoder.DecoderParams` (blocks stacked over layers).
+      config: `model.decoder.DecoderConfig`.
+      num_slots, cache_len, state_dtype: the decode state of every layer.
+      backend: the layers' decode backend.
+    """
+
+    def __init__(self, params: decoder_lib.DecoderParams, config: decoder_lib.DecoderConfig, *,
+                 num_slots: int, cache_len: int, state_dtype=jnp.float32, backend: str = "xla"):
+        replay_config = config.replay_config(cache_len, state_dtype)
+        blocks = [jax.tree.map(lambda a, i=i: a[i], params.blocks) for i in range(config.num_layers)]
+        self.layers = nnx.List([GDNDecodeLayer(b.gdn, config.gdn, replay_config, num_slots, backend=backend)
+                                for b in blocks])
+        self.blocks = nnx.Param([dataclasses.replace(b, gdn=None) for b in blocks])
+        self.head = nnx.Param(dataclasses.replace(params, blocks=None))
+
+    def _blocks(self, x, run_layer):
+        for layer, block in zip(self.layers, self.blocks.get_value()):
+            x = x + run_layer(layer, rms_norm(x, block.attn_norm))
+            x = x + decoder_lib._mlp(block, x)
+        return x
+
+    def prefill(self, tokens: Int[Array, "B T"], lengths: Int[Array, " B"], slots: Int[Array, " B"]
+                ) -> Float[Array, "B V"]:
+        """Logits of each row's last prompt token `[B, V]`; every layer's slot continued."""
+        check_slots("slots", slots, jnp.shape(tokens)[0], self.layers[0].replay.get_value().num_slots)
+        head = self.head.get_value()
+        x = self._blocks(decoder_lib._embed(head, tokens), lambda layer, h: layer.prefill(h, lengths, slots))
+        logits = decoder_lib._logits(head, x)
+        last = jnp.take_along_axis(logits, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)
+        return last[:, 0]
+
+    def decode_step(self, tokens: Int[Array, " B"], slots: Int[Array, " B"],
+                    force_flush: jax.Array | None = None, *, policy: FlushPolicy | str | None = None
+                    ) -> Float[Array, "B V"]:
+        """One token per row through every layer under one flush plan: logits `[B, V]`."""
+        state = self.layers[0].replay.get_value()
+        check_slots("slots", slots, jnp.shape(tokens)[0], state.num_slots)
+        policy = default_flush_policy(state.config, jnp.shape(tokens)[0]) if policy is None else as_policy(policy)
+        plan = plan_step(state.write_pos, slots, force_flush, state.config.cache_len, policy)
+        head = self.head.get_value()
+        x = self._blocks(decoder_lib._embed(head, tokens), lambda layer, h: layer.decode(h, plan))
+        return decoder_lib._logits(head, x)

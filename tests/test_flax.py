@@ -1,0 +1,72 @@
+"""The Flax NNX decoder (replay state in NNX variables) against the package's own decoder."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+nnx = pytest.importorskip("flax.nnx", reason="needs the `flax` extra")
+
+from replayssm_jax import flax as rflax  # noqa: E402
+from replayssm_jax.model import decoder  # noqa: E402
+
+# Both sides run the same fp32 operations on the same weights; only XLA's fusion of the
+# per-layer loop (NNX: unrolled, decoder: lax.scan) differs: ~1e-6 relative.
+LOGIT_BOUND = 1e-5
+
+
+def _err(got, want) -> float:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+def test_two_layer_nnx_model_prefills_and_decodes_like_the_decoder(rng):
+    config = decoder.DecoderConfig(num_layers=2)
+    params = decoder.init_params(config, int(rng.integers(1 << 30)))
+    num_slots, cache_len = 5, 3
+    # the NNX model owns copies: its jitted step donates them
+    model = rflax.Decoder(jax.tree.map(jnp.copy, params), config, num_slots=num_slots, cache_len=cache_len)
+    state = config.init_state(num_slots, cache_len)
+    slots = jnp.asarray(rng.permutation(num_slots)[:3], jnp.int32).at[1].set(-1)  # row 1: padding
+    prompt = jnp.asarray(rng.integers(0, config.vocab_size, (3, 6)), jnp.int32)
+    lengths = jnp.asarray([6, 2, 4])
+    got = model.prefill(prompt, lengths, slots)
+    want, state = decoder.prefill(params, state, prompt, lengths, slots)
+    live = np.asarray(slots) >= 0
+    assert _err(np.asarray(got)[live], np.asarray(want)[live]) < LOGIT_BOUND
+
+    traces = []
+
+    def step(model, tokens, slots):
+        traces.append(1)
+        return model.decode_step(tokens, slots, policy="natural")
+
+    step = nnx.jit(step, donate_argnums=0)
+    for t in range(2 * cache_len + 1):  # through two natural flushes
+        tokens = jnp.asarray(rng.integers(0, config.vocab_size, 3), jnp.int32)
+        got = step(model, tokens, slots)
+        want, state, _ = decoder.decode_step(params, state, tokens, slots, policy="natural")
+        assert _err(np.asarray(got)[live], np.asarray(want)[live]) < LOGIT_BOUND, t
+        np.testing.assert_array_equal(model.layers[1].replay.get_value().write_pos, state.write_pos)
+    assert len(traces) == 1, "one compilation for every step"
+
+
+def test_decode_state_is_not_a_parameter():
+    config = decoder.DecoderConfig(num_layers=2)
+    model = rflax.Decoder(decoder.init_params(config, 0), config, num_slots=2, cache_len=4)
+    params = jax.tree.leaves(nnx.state(model, nnx.Param))
+    caches = jax.tree.leaves(nnx.state(model, rflax.ReplayCache))
+    assert params and caches
+    assert not {id(x) for x in params} & {id(x) for x in caches}
+    assert sum(x.size for x in params) == decoder.num_params(decoder.init_params(config, 0))
+
+
+def test_layer_checks_its_config():
+    config = decoder.DecoderConfig()
+    params = decoder.init_params(config, 0)
+    gdn = jax.tree.map(lambda a: a[0], params.blocks.gdn)
+    wrong = decoder.DecoderConfig(head_v_dim=16).replay_config(4)
+    with pytest.raises(ValueError, match="do not match"):
+        rflax.GDNDecodeLayer(gdn, config.gdn, wrong, 2)
