@@ -154,9 +154,10 @@ def _local_slots(slots: Int[Array, " b"], num_local: int) -> Int[Array, " b"]:
 
 
 def _global_plan(plan: StepPlan, num_local: int) -> StepPlan:
-    """A local plan with global slot ids and rows (launch order: costliest first per shard)."""
+    """A local plan with global slot ids (0 on padding rows) and rows (launch order:
+    costliest first within each dp shard's rows)."""
     shard = jax.lax.axis_index(DP)
-    return dataclasses.replace(plan, slot=plan.slot + shard * num_local,
+    return dataclasses.replace(plan, slot=jnp.where(plan.valid, plan.slot + shard * num_local, 0),
                                launch_order=plan.launch_order + shard * plan.batch)
 
 
