@@ -166,12 +166,12 @@ def _plan_specs(policy: FlushPolicy) -> StepPlan:
     return StepPlan(slot=rows, valid=rows, pos=rows, flush=rows, launch_order=rows, policy=policy)
 
 
-def _prepare(state_config, num_slots: int, mesh: Mesh, batch: int, slots, policy):
-    tp, dp = axis_sizes(mesh)
+def _sharded_policy(state_config, num_slots: int, mesh: Mesh, batch: int, slots, policy) -> FlushPolicy:
+    """The mesh checks of a sharded step; its policy (default: that of the per-device batch)."""
+    _, dp = axis_sizes(mesh)
     check_fits(state_config, num_slots, mesh, batch)
     check_row_slots("slots", slots, num_slots, dp)
-    local_batch = batch // dp
-    return default_flush_policy(state_config, local_batch) if policy is None else as_policy(policy)
+    return default_flush_policy(state_config, batch // dp) if policy is None else as_policy(policy)
 
 
 def decode_step(
@@ -200,7 +200,7 @@ def decode_step(
     check_slots("slots", slots, batch, state.num_slots)
     check_flags("force_flush", force_flush, batch)
     check_backend(backend)
-    policy = _prepare(state.config, state.num_slots, mesh, batch, slots, policy)
+    policy = _sharded_policy(state.config, state.num_slots, mesh, batch, slots, policy)
     tp, _ = axis_sizes(mesh)
     config = state.config
     token_specs = Tokens(q=P(DP, TP), k=P(DP, TP), v=P(DP, TP), g=P(DP, TP), beta=P(DP, TP))
@@ -213,6 +213,8 @@ def decode_step(
         return y, dataclasses.replace(new, write_pos=advance_write_pos(state.write_pos, plan), config=config)
 
     specs = replay_state_specs(config)
+    # check_vma off: write_pos is declared replicated over tp, and every tp shard computes
+    # it from the same (replicated) cursors and slots.
     step = jax.shard_map(local, mesh=mesh, in_specs=(specs, token_specs, P(DP), P(DP)),
                          out_specs=(P(DP, TP), specs), check_vma=False)
     return step(state, tokens, jnp.asarray(slots, jnp.int32), force)
@@ -241,7 +243,7 @@ def model_decode_step(
     check_slots("slots", slots, batch, state.num_slots)
     check_flags("force_flush", force_flush, batch)
     check_backend(backend)
-    policy = _prepare(state.config, state.num_slots, mesh, batch, slots, policy)
+    policy = _sharded_policy(state.config, state.num_slots, mesh, batch, slots, policy)
     force = jnp.zeros((batch,), bool) if force_flush is None else force_flush
 
     def local(params, state, tokens, slots, force):
@@ -253,6 +255,8 @@ def model_decode_step(
         return logits, state, _global_plan(plan, num_local)
 
     specs = model_state_specs(state.config)
+    # check_vma off: logits, conv state, cursors and plan are declared replicated over tp;
+    # every tp shard computes them from the same inputs and the all-gathered y.
     step = jax.shard_map(
         local, mesh=mesh, in_specs=(P(), specs, P(DP), P(DP), P(DP)),
         out_specs=(P(DP), specs, _plan_specs(policy)), check_vma=False,

@@ -163,6 +163,18 @@ def test_decode_equals_single_device_bit_for_bit(rng, gate, policy):
 
 
 @child_only
+def test_under_jit_a_row_naming_another_shards_slot_is_padding(rng):
+    config, mesh = _config(), _mesh()
+    state = sharding.place_state(init_state(config, N, jnp.asarray(random_checkpoint(rng, config, N))), mesh)
+    slots = np.array([2, 1, -1, 3, 4, 5, 6, 7], np.int32)  # row 0 (dp shard 0) names shard 1's slot 2
+    step = jax.jit(lambda s, t, sl: sharding.decode_step(s, t, sl, mesh=mesh, policy="every_step"))
+    y, new = step(state, to_device(random_tokens(rng, config, (B,))), jnp.asarray(slots))
+    assert not np.asarray(y[0]).any() and np.asarray(y[1]).any()
+    np.testing.assert_array_equal(new.checkpoint[2], state.checkpoint[2])  # slot 2's own row is padding
+    assert (np.asarray(new.checkpoint[1]) != np.asarray(state.checkpoint[1])).any()
+
+
+@child_only
 def test_the_replay_step_has_no_collectives(rng):
     config, mesh = _config(), _mesh()
     state = sharding.place_state(init_state(config, N), mesh)
