@@ -131,7 +131,9 @@ class Engine:
     With a `mesh` (`replayssm_jax.sharding`) the pool is sharded (heads over tp, slots over
     dp), the decode step runs under `shard_map`, and a request in row r gets a slot of row
     r's dp shard. Prefill and the slot operations run under `jit` on the sharded arrays
-    (the compiler partitions them); their results are put back on the pool's layout.
+    (the compiler partitions them); their results are put back on the pool's layout. The
+    decode step is bit-identical to one device; the partitioned prefill is not with tp > 1
+    (its output projection sums partial products over tp: another summation order).
     """
 
     def __init__(
