@@ -143,7 +143,14 @@ def launch_row(step: Step, gate: str, state_bytes: int, batch: int, cache_len: i
 
 def launch_params(config: ReplayConfig, batch: int, policy: FlushPolicy,
                   kernel_params: KernelParams | None = None) -> KernelParams:
-    """`kernel_params`, checked against the step the plan needs, or the table's choice."""
+    """`kernel_params`, checked against the step the plan needs, or the table's choice.
+
+    `config` and `batch` are one device's: under `replayssm_jax.sharding` the step runs in
+    `shard_map`, so `batch` is the plan's B/dp rows and `config` has H/tp heads. Heads do not
+    enter the key: the rows were measured at H_v = 32 and 64 per device, where one entry
+    (bf16, B = 512, benchmarks/NOTES.md v28d) changed with the head count; fewer heads per
+    device (H_v / tp < 32) are unmeasured.
+    """
     step = step_kind(config, policy)
     if kernel_params is None:
         return launch_row(step, config.gate, config.state_dtype.itemsize, batch, config.cache_len).params

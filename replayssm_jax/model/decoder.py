@@ -189,7 +189,7 @@ def _dims(params: DecoderParams, state_config: ReplayConfig) -> GDNDims:
     )
 
 
-def _check_tokens(name: str, tokens: Array, ndim: int) -> None:
+def check_token_ids(name: str, tokens: Array, ndim: int) -> None:
     if jnp.ndim(tokens) != ndim or not jnp.issubdtype(jnp.result_type(tokens), jnp.integer):
         raise ValueError(
             f"{name} must be an integer array with {ndim} dims, got "
@@ -221,9 +221,26 @@ def decode_step(
       before the step (for statistics).
     """
     check_model_state(state)
-    _check_tokens("tokens", tokens, 1)
+    check_token_ids("tokens", tokens, 1)
     check_slots("slots", slots, jnp.shape(tokens)[0], state.num_slots)
     check_backend(backend)
+    return decode_core(params, state, tokens, slots, force_flush, backend=backend, policy=policy)
+
+
+def decode_core(
+    params: DecoderParams,
+    state: ModelState,
+    tokens: Int[Array, " B"],
+    slots: Int[Array, " B"],
+    force_flush: Bool[Array, " B"] | None = None,
+    *,
+    backend: str = "xla",
+    policy: FlushPolicy | str | None = None,
+    tp_axis: str | None = None,
+) -> tuple[Float[Array, "B V"], ModelState, StepPlan]:
+    """`decode_step` without the argument checks. With `tp_axis` (inside `shard_map`, see
+    `replayssm_jax.sharding`) the state's arrays hold this device's heads only and its
+    config stays the global one."""
     batch = jnp.shape(tokens)[0]
     policy = default_flush_policy(state.config, batch) if policy is None else as_policy(policy)
     plan = plan_step(state.write_pos, slots, force_flush, state.config.cache_len, policy)
@@ -235,7 +252,7 @@ def decode_step(
         block, index = xs
         mixed, view, conv_pool = gdn_replay(
             block.gdn, dims, rms_norm(x, block.attn_norm), view, conv_pool,
-            layer_plan(plan, index, state.num_slots), backend=backend,
+            layer_plan(plan, index, state.num_slots), backend=backend, tp_axis=tp_axis,
         )
         x = x + mixed
         return (x + _mlp(block, x), view, conv_pool), None
@@ -261,7 +278,7 @@ def plain_forward(
 ) -> tuple[Float[Array, "B T V"], PlainState]:
     """T tokens per row with the plain recurrence from `plain` (the token scan, or chunks of
     64 with `chunked`); positions >= lengths are padding."""
-    _check_tokens("tokens", tokens, 2)
+    check_token_ids("tokens", tokens, 2)
     dims = _plain_dims(params, plain)
 
     def layer(x, xs):
@@ -301,7 +318,7 @@ def prefill(
       `(logits of each row's last token [B, V], new_state)`.
     """
     check_model_state(state)
-    _check_tokens("tokens", tokens, 2)
+    check_token_ids("tokens", tokens, 2)
     if jnp.shape(lengths) != jnp.shape(tokens)[:1]:
         raise ValueError(
             f"lengths must have shape {jnp.shape(tokens)[:1]} (one per row), got {jnp.shape(lengths)}"

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from replayssm_jax import sharding
 from replayssm_jax.backends import BACKENDS
 from replayssm_jax.model import decoder, serving
 
@@ -46,6 +47,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--dtype", choices=("float32", "bfloat16"), default="float32", help="state and cache dtype"
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--mesh", type=sharding.parse_mesh, default=None,
+        help="shard over a device mesh, e.g. tp=2,dp=2: heads over tp, slots and rows over dp "
+             "(CPU: XLA_FLAGS=--xla_force_host_platform_device_count=4)",
+    )
     args = parser.parse_args(argv)
     for name in ("batch", "steps", "cache_len", "track_interval"):
         if getattr(args, name) < 1:
@@ -148,6 +154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cache_len=args.cache_len, track_interval=args.track_interval,
         state_dtype=state_dtype, backend=args.backend,
         policy=None if args.policy == "default" else args.policy,
+        mesh=args.mesh,
     )
     rng = np.random.default_rng(args.seed)
     workload = Workload(rng, config.vocab_size, args.track_interval, args.cache_len)
@@ -156,7 +163,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"({decoder.num_params(params):,} params, H_k={config.num_k_heads} H_v={config.num_v_heads} "
         f"d_k=d_v={config.head_k_dim}), batch {args.batch}, {2 * args.batch} slots, "
         f"L={args.cache_len}, track every {args.track_interval} tokens, {args.dtype} state, "
-        f"backend {args.backend}, policy {args.policy}",
+        f"backend {args.backend}, policy {args.policy}"
+        + ("" if engine.mesh is None else f", mesh {dict(engine.mesh.shape)} over {engine.mesh.size} devices"),
         flush=True,
     )
     engine.warm_up()

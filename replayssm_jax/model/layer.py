@@ -183,18 +183,38 @@ def gdn_replay(
     plan: StepPlan,
     *,
     backend: str = "xla",
+    tp_axis: str | None = None,
 ) -> tuple[Float[Array, "B D"], ReplayState, Float[Array, "N Km1 C"]]:
     """One token per row through the ReplaySSM state under `plan` (cursor left to the caller).
 
     `state` and `conv_pool` are indexed by `plan.slot` (a model passes its flat view and a
-    per-layer plan); padding rows write nothing.
+    per-layer plan); padding rows write nothing. With `tp_axis` (inside `shard_map`) the
+    state holds this device's contiguous block of key heads and of value heads: the
+    projections run for every head, the step on the local ones, and y is all-gathered over
+    `tp_axis` before the output projection.
     """
     conv_rows = conv_pool[plan.slot]
     q, k, v, g, beta, z, conv_rows = _project(params, dims, x[:, None], conv_rows, None)
-    y, state = layer_step(
-        state, Tokens(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0]), plan,
-        backend=backend, use_qk_l2norm=True,
-    )
+    tokens = Tokens(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0])
+    if tp_axis is None:
+        y, state = layer_step(state, tokens, plan, backend=backend, use_qk_l2norm=True)
+    else:
+        y, state = _local_heads_step(state, tokens, plan, backend, tp_axis)
     target = jnp.where(plan.valid, plan.slot, conv_pool.shape[0])
     conv_pool = conv_pool.at[target].set(conv_rows.astype(conv_pool.dtype), mode="drop")
     return _output(params, y, z[:, 0]), state, conv_pool
+
+
+def _local_heads_step(state: ReplayState, tokens: Tokens, plan: StepPlan, backend: str, tp_axis: str):
+    """`layer_step` on this device's heads (the state's); y all-gathered to every head."""
+    hk, hv = state.k_cache.shape[1], state.checkpoint.shape[1]
+    shard = jax.lax.axis_index(tp_axis)
+    take = lambda x, n: jax.lax.dynamic_slice_in_dim(x, shard * n, n, axis=1)
+    local = Tokens(take(tokens.q, hk), take(tokens.k, hk), take(tokens.v, hv), take(tokens.g, hv),
+                   take(tokens.beta, hv))
+    config = state.config
+    y, state = layer_step(
+        dataclasses.replace(state, config=dataclasses.replace(config, num_k_heads=hk, num_v_heads=hv)),
+        local, plan, backend=backend, use_qk_l2norm=True,
+    )
+    return jax.lax.all_gather(y, tp_axis, axis=1, tiled=True), dataclasses.replace(state, config=config)

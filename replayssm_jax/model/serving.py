@@ -23,8 +23,10 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int
 
+from replayssm_jax import sharding
 from replayssm_jax.model import decoder, slots as slot_ops
 from replayssm_jax.model.state import ModelState, Snapshot
 from replayssm_jax.plan import FlushPolicy, as_policy
@@ -104,13 +106,18 @@ def step_traces() -> int:
     return _traces["step"]
 
 
-@functools.partial(jax.jit, static_argnames=("track_interval", "backend", "policy"), donate_argnums=1)
-def _serve_step(params, state, tokens, slots, seq_lens, *, track_interval: int, backend: str, policy):
-    """Decode step with track-position forced flushes and greedy next tokens (state donated)."""
+@functools.partial(jax.jit, static_argnames=("track_interval", "backend", "policy", "mesh"), donate_argnums=1)
+def _serve_step(params, state, tokens, slots, seq_lens, *, track_interval: int, backend: str, policy, mesh):
+    """Decode step with track-position forced flushes and greedy next tokens (state donated);
+    sharded over `mesh` when one is given."""
     _traces["step"] += 1  # runs only while tracing
     force = slot_ops.track_flush(seq_lens, track_interval)
-    logits, state, plan = decoder.decode_step(params, state, tokens, slots, force, backend=backend,
-                                              policy=policy)
+    if mesh is None:
+        logits, state, plan = decoder.decode_step(params, state, tokens, slots, force, backend=backend,
+                                                  policy=policy)
+    else:
+        logits, state, plan = sharding.model_decode_step(params, state, tokens, slots, force, mesh=mesh,
+                                                         backend=backend, policy=policy)
     return jnp.argmax(logits, axis=-1), logits, state, plan.pos, plan.flush
 
 
@@ -119,7 +126,15 @@ _snapshot = jax.jit(slot_ops.snapshot)
 
 
 class Engine:
-    """Continuous-batching server over one `ModelState` pool (see the module docstring)."""
+    """Continuous-batching server over one `ModelState` pool (see the module docstring).
+
+    With a `mesh` (`replayssm_jax.sharding`) the pool is sharded (heads over tp, slots over
+    dp), the decode step runs under `shard_map`, and a request in row r gets a slot of row
+    r's dp shard. Prefill and the slot operations run under `jit` on the sharded arrays
+    (the compiler partitions them); their results are put back on the pool's layout. The
+    decode step is bit-identical to one device; the partitioned prefill is not with tp > 1
+    (its output projection sums partial products over tp: another summation order).
+    """
 
     def __init__(
         self,
@@ -133,6 +148,7 @@ class Engine:
         state_dtype=jnp.float32,
         backend: str = "xla",
         policy: FlushPolicy | str | None = None,
+        mesh: Mesh | None = None,
     ):
         if num_slots < max_batch:
             raise ValueError(f"num_slots ({num_slots}) must be >= max_batch ({max_batch})")
@@ -140,13 +156,28 @@ class Engine:
             raise ValueError(f"track_interval must be positive, got {track_interval}")
         self.params, self.config = params, config
         self.max_batch, self.track_interval = max_batch, track_interval
-        self.state = config.init_state(num_slots, cache_len, state_dtype)
+        self.mesh = mesh
+        state = config.init_state(num_slots, cache_len, state_dtype)
+        if mesh is not None:
+            sharding.check_fits(state.config, num_slots, mesh, max_batch)
+        self.state = self._placed(state)
         self.traffic = StateTraffic.of(self.state)
         self.rows: list[Request | None] = [None] * max_batch
         self.free_slots = list(range(num_slots))
         self.prefix_cache: dict[tuple[int, ...], Snapshot] = {}
         self._backend = backend
         self._policy = None if policy is None else as_policy(policy)
+
+    def _placed(self, state: ModelState) -> ModelState:
+        return state if self.mesh is None else sharding.place_state(state, self.mesh)
+
+    def _free_slot(self, row: int) -> int:
+        """The most recently freed slot (LIFO) that row `row` may use: one of its dp shard's."""
+        dp = 1 if self.mesh is None else sharding.axis_sizes(self.mesh)[1]
+        shard = row // (self.max_batch // dp)
+        per_shard = self.state.num_slots // dp
+        index = max(i for i, s in enumerate(self.free_slots) if s // per_shard == shard)
+        return self.free_slots.pop(index)
 
     @property
     def active(self) -> list[Request]:
@@ -166,14 +197,14 @@ class Engine:
     def admit(self, request: Request) -> None:
         """Give `request` a free row and slot, restore its longest cached prefix, prefill the rest."""
         row = self.rows.index(None)
-        request.slot = self.free_slots.pop()  # LIFO: the most recently freed slot is reused first
+        request.slot = self._free_slot(row)
         slots = jnp.array([request.slot], jnp.int32)
         request.restored = self.longest_prefix(request.prompt)
         if request.restored:
             snap = self.prefix_cache[tuple(request.prompt[: request.restored])]
-            self.state = _reset(self.state, slots, snap.checkpoint, snap.conv_state)
+            self.state = self._placed(_reset(self.state, slots, snap.checkpoint, snap.conv_state))
         else:
-            self.state = _reset(self.state, slots)
+            self.state = self._placed(_reset(self.state, slots))
         logits = self._prefill(request, slots)
         request.generated.append(int(np.argmax(logits)))
         request.logits.append(logits)
@@ -195,6 +226,7 @@ class Engine:
                 self.params, self.state, jnp.asarray(chunk),
                 jnp.array([stop - start], jnp.int32), slots,
             )
+            self.state = self._placed(self.state)
             if stop % interval == 0:
                 self._remember(request.prompt[:stop], slots)
             start = stop
@@ -218,6 +250,7 @@ class Engine:
         _, _, self.state, _, _ = _serve_step(
             self.params, self.state, zeros, padding, zeros,
             track_interval=self.track_interval, backend=self._backend, policy=self._policy,
+            mesh=self.mesh,
         )
 
     def step(self) -> float:
@@ -235,6 +268,7 @@ class Engine:
         next_tokens, logits, self.state, pos, flush = _serve_step(
             self.params, self.state, jnp.asarray(tokens), jnp.asarray(slots),
             jnp.asarray(seq_lens), track_interval=self.track_interval, backend=self._backend, policy=self._policy,
+            mesh=self.mesh,
         )
         next_tokens, logits, pos, flush = jax.device_get((next_tokens, logits, pos, flush))
         seconds = time.perf_counter() - start

@@ -1,0 +1,269 @@
+"""Sharding over a `jax.sharding.Mesh`: heads over the `tp` axis, slots and rows over `dp`.
+
+Layout (every array of a `ReplayState` / `ModelState`):
+
+  checkpoint, u_cache, g_cache   slots over dp, value heads over tp
+  k_cache                        slots over dp, key heads over tp
+  conv_state                     slots over dp, replicated over tp (the projections are)
+  write_pos                      slots over dp, replicated over tp
+
+Device (dp = i, tp = j) holds slots [i N/dp, (i+1) N/dp), key heads [j H_k/tp, ...) and value
+heads [j H_v/tp, ...): value head h uses key head h // (H_v/H_k), so a GQA group's key head and
+its value heads are on the same device and a step needs no head from another device.
+
+Rows: the B rows of a step are split over dp in blocks of B/dp, and row block i may only name
+slots of dp shard i (global slot ids; negative = padding). Eager calls check this
+(`ValueError`); under `jit` a row naming another shard's slot is a padding row of its shard
+(y = 0, nothing written). Inside `shard_map` each device runs the single-device step on its
+local rows, slots and heads, so the step has no collective on the state; the model's step
+all-gathers only the layer outputs y `[B/dp, H_v, d_v]` over tp before its output projection
+(the projections run replicated over tp: the simplest correct split).
+
+Several hosts: call `jax.distributed.initialize()` first; `make_mesh` then spans every
+host's devices and the same code runs on each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jaxtyping import Array, Bool, Float, Int
+
+from replayssm_jax.config import ReplayConfig
+from replayssm_jax.decode import check_backend, layer_step
+from replayssm_jax.model import decoder
+from replayssm_jax.model.state import ModelState, check_model_state
+from replayssm_jax.plan import (
+    FlushPolicy,
+    StepPlan,
+    advance_write_pos,
+    as_policy,
+    default_flush_policy,
+    plan_step,
+)
+from replayssm_jax.state import ReplayState, check_state
+from replayssm_jax.tokens import Tokens, check_tokens
+from replayssm_jax.validation import check_flags, check_positive_int, check_slots, concrete_or_none
+
+TP, DP = "tp", "dp"
+AXES = (DP, TP)
+
+
+def make_mesh(tp: int = 1, dp: int = 1, devices=None) -> Mesh:
+    """A `(dp, tp)` mesh over the first dp * tp devices (default: `jax.devices()`, every host's)."""
+    tp, dp = check_positive_int("tp", tp), check_positive_int("dp", dp)
+    devices = jax.devices() if devices is None else list(devices)
+    if len(devices) < tp * dp:
+        raise ValueError(f"a tp={tp}, dp={dp} mesh needs {tp * dp} devices, {len(devices)} available")
+    return Mesh(np.array(devices[: tp * dp]).reshape(dp, tp), AXES)
+
+
+def parse_mesh(text: str) -> Mesh:
+    """`"tp=2,dp=2"` (either axis may be left out: size 1) -> `make_mesh(tp=2, dp=2)`."""
+    sizes = {}
+    for part in filter(None, text.replace(" ", "").split(",")):
+        name, _, value = part.partition("=")
+        if name not in AXES or name in sizes or not value.isdigit():
+            raise ValueError(f"mesh must look like 'tp=2,dp=2' (axes {AXES}, each once), got {text!r}")
+        sizes[name] = int(value)
+    return make_mesh(**sizes)
+
+
+def axis_sizes(mesh: Mesh) -> tuple[int, int]:
+    """(tp, dp) of a mesh made by `make_mesh`."""
+    if tuple(mesh.axis_names) != AXES:
+        raise ValueError(f"mesh axes must be {AXES}, got {tuple(mesh.axis_names)}")
+    return mesh.shape[TP], mesh.shape[DP]
+
+
+def check_fits(config: ReplayConfig, num_slots: int, mesh: Mesh, batch: int | None = None) -> None:
+    """ValueError unless the heads divide over tp and the slots (and rows) over dp."""
+    tp, dp = axis_sizes(mesh)
+    if config.num_k_heads % tp:
+        raise ValueError(f"num_k_heads ({config.num_k_heads}) must be a multiple of the tp axis ({tp}): "
+                         "a key head and its value heads stay on one device")
+    if num_slots % dp:
+        raise ValueError(f"num_slots ({num_slots}) must be a multiple of the dp axis ({dp})")
+    if batch is not None and batch % dp:
+        raise ValueError(f"the batch ({batch}) must be a multiple of the dp axis ({dp}): rows split over dp")
+
+
+def local_config(config: ReplayConfig, tp: int) -> ReplayConfig:
+    """The config of one tp shard: H_k / tp key heads, H_v / tp value heads."""
+    return dataclasses.replace(config, num_k_heads=config.num_k_heads // tp,
+                               num_v_heads=config.num_v_heads // tp)
+
+
+def replay_state_specs(config: ReplayConfig) -> ReplayState:
+    """`PartitionSpec`s of a `ReplayState` (a ReplayState whose leaves are specs)."""
+    heads = P(DP, TP)
+    return ReplayState(checkpoint=heads, u_cache=heads, k_cache=heads, g_cache=heads,
+                       write_pos=P(DP), config=config)
+
+
+def model_state_specs(config: ReplayConfig) -> ModelState:
+    """`PartitionSpec`s of a `ModelState`: the replay arrays' layer axis is not sharded."""
+    heads = P(None, DP, TP)
+    return ModelState(checkpoint=heads, u_cache=heads, k_cache=heads, g_cache=heads,
+                      conv_state=P(None, DP), write_pos=P(DP), config=config)
+
+
+def _specs(state: ReplayState | ModelState):
+    return (model_state_specs if isinstance(state, ModelState) else replay_state_specs)(state.config)
+
+
+def state_sharding(state: ReplayState | ModelState, mesh: Mesh):
+    """The state's pytree of `NamedSharding`s on `mesh`."""
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), _specs(state))
+
+
+def place_state(state: ReplayState | ModelState, mesh: Mesh):
+    """`state` on `mesh` (a copy, or the same arrays where they are placed so already).
+
+    Raises:
+      ValueError: if the heads do not divide over tp or the slots over dp.
+    """
+    (check_model_state if isinstance(state, ModelState) else check_state)(state)
+    check_fits(state.config, state.num_slots, mesh)
+    return jax.device_put(state, state_sharding(state, mesh))
+
+
+def check_row_slots(name: str, slots: Array, num_slots: int, dp: int) -> None:
+    """When concrete: each row block i (B/dp rows) names only slots of dp shard i (or padding)."""
+    values = concrete_or_none(slots)
+    if values is None:
+        return
+    per_shard, rows = num_slots // dp, values.shape[0] // dp
+    shard = np.where(values >= 0, values // per_shard, np.arange(values.shape[0]) // rows)
+    wrong = np.flatnonzero(shard != np.arange(values.shape[0]) // rows)
+    if wrong.size:
+        row = int(wrong[0])
+        raise ValueError(f"{name}[{row}] = {int(values[row])} lies in dp shard {int(shard[row])}, but row {row} "
+                         f"is in dp shard {row // rows} (rows split over dp in blocks of {rows}, slots in "
+                         f"blocks of {per_shard})")
+
+
+def _local_slots(slots: Int[Array, " b"], num_local: int) -> Int[Array, " b"]:
+    """Global slot ids -> this dp shard's slot indices; another shard's slot becomes padding."""
+    local = slots - jax.lax.axis_index(DP) * num_local
+    return jnp.where((slots >= 0) & (local >= 0) & (local < num_local), local, -1)
+
+
+def _global_plan(plan: StepPlan, num_local: int) -> StepPlan:
+    """A local plan with global slot ids (0 on padding rows) and rows (launch order:
+    costliest first within each dp shard's rows)."""
+    shard = jax.lax.axis_index(DP)
+    return dataclasses.replace(plan, slot=jnp.where(plan.valid, plan.slot + shard * num_local, 0),
+                               launch_order=plan.launch_order + shard * plan.batch)
+
+
+def _plan_specs(policy: FlushPolicy) -> StepPlan:
+    rows = P(DP)
+    return StepPlan(slot=rows, valid=rows, pos=rows, flush=rows, launch_order=rows, policy=policy)
+
+
+def _sharded_policy(state_config, num_slots: int, mesh: Mesh, batch: int, slots, policy) -> FlushPolicy:
+    """The mesh checks of a sharded step; its policy (default: that of the per-device batch)."""
+    _, dp = axis_sizes(mesh)
+    check_fits(state_config, num_slots, mesh, batch)
+    check_row_slots("slots", slots, num_slots, dp)
+    return default_flush_policy(state_config, batch // dp) if policy is None else as_policy(policy)
+
+
+def decode_step(
+    state: ReplayState,
+    tokens: Tokens,
+    slots: Int[Array, " B"],
+    force_flush: Bool[Array, " B"] | None = None,
+    *,
+    mesh: Mesh,
+    backend: str = "xla",
+    policy: FlushPolicy | str | None = None,
+    use_qk_l2norm: bool = False,
+    scale: float | None = None,
+) -> tuple[Float[Array, "B Hv Dv"], ReplayState]:
+    """`replayssm_jax.decode_step` sharded over `mesh` (rows and slots as in the module docstring).
+
+    Each device runs the single-device step on its B/dp rows, N/dp slots and H/tp heads;
+    the default policy is `default_flush_policy` of the per-device batch B/dp, and the
+    pallas_triton backend's launch table is looked up with the per-device shapes.
+
+    Returns:
+      `(y [B, H_v, d_v], new_state)`, y split over dp (rows) and tp (heads).
+    """
+    check_state(state)
+    batch = check_tokens(state.config, tokens)
+    check_slots("slots", slots, batch, state.num_slots)
+    check_flags("force_flush", force_flush, batch)
+    check_backend(backend)
+    policy = _sharded_policy(state.config, state.num_slots, mesh, batch, slots, policy)
+    tp, _ = axis_sizes(mesh)
+    config = state.config
+    token_specs = Tokens(q=P(DP, TP), k=P(DP, TP), v=P(DP, TP), g=P(DP, TP), beta=P(DP, TP))
+    force = jnp.zeros((batch,), bool) if force_flush is None else force_flush
+
+    def local(state, tokens, slots, force):
+        state = dataclasses.replace(state, config=local_config(config, tp))
+        plan = plan_step(state.write_pos, _local_slots(slots, state.num_slots), force, config.cache_len, policy)
+        y, new = layer_step(state, tokens, plan, backend=backend, use_qk_l2norm=use_qk_l2norm, scale=scale)
+        return y, dataclasses.replace(new, write_pos=advance_write_pos(state.write_pos, plan), config=config)
+
+    specs = replay_state_specs(config)
+    # check_vma off: write_pos is declared replicated over tp, and every tp shard computes
+    # it from the same (replicated) cursors and slots.
+    step = jax.shard_map(local, mesh=mesh, in_specs=(specs, token_specs, P(DP), P(DP)),
+                         out_specs=(P(DP, TP), specs), check_vma=False)
+    return step(state, tokens, jnp.asarray(slots, jnp.int32), force)
+
+
+def model_decode_step(
+    params: decoder.DecoderParams,
+    state: ModelState,
+    tokens: Int[Array, " B"],
+    slots: Int[Array, " B"],
+    force_flush: Bool[Array, " B"] | None = None,
+    *,
+    mesh: Mesh,
+    backend: str = "xla",
+    policy: FlushPolicy | str | None = None,
+) -> tuple[Float[Array, "B V"], ModelState, StepPlan]:
+    """`model.decoder.decode_step` sharded over `mesh`: returns `(logits, new_state, plan)`.
+
+    Weights are replicated; each device projects its rows for every head, steps its own
+    heads' state, and all-gathers the layer outputs y over tp for the output projection.
+    The plan holds global rows and slot ids.
+    """
+    check_model_state(state)
+    decoder.check_token_ids("tokens", tokens, 1)
+    batch = jnp.shape(tokens)[0]
+    check_slots("slots", slots, batch, state.num_slots)
+    check_flags("force_flush", force_flush, batch)
+    check_backend(backend)
+    policy = _sharded_policy(state.config, state.num_slots, mesh, batch, slots, policy)
+    force = jnp.zeros((batch,), bool) if force_flush is None else force_flush
+
+    def local(params, state, tokens, slots, force):
+        num_local = state.num_slots
+        logits, state, plan = decoder.decode_core(
+            params, state, tokens, _local_slots(slots, num_local), force,
+            backend=backend, policy=policy, tp_axis=TP,
+        )
+        return logits, state, _global_plan(plan, num_local)
+
+    specs = model_state_specs(state.config)
+    # check_vma off: logits, conv state, cursors and plan are declared replicated over tp;
+    # every tp shard computes them from the same inputs and the all-gathered y.
+    step = jax.shard_map(
+        local, mesh=mesh, in_specs=(P(), specs, P(DP), P(DP), P(DP)),
+        out_specs=(P(DP), specs, _plan_specs(policy)), check_vma=False,
+    )
+    return step(params, state, jnp.asarray(tokens), jnp.asarray(slots, jnp.int32), force)
+
+
+jitted_model_decode_step = jax.jit(model_decode_step, static_argnames=("mesh", "backend", "policy"),
+                                   donate_argnames=("state",))
+

@@ -1,0 +1,288 @@
+"""Sharding over a Mesh (`replayssm_jax.sharding`) on 8 fake CPU devices.
+
+The device count is fixed when jax initialises, so these tests run in a child pytest
+process started with `--xla_force_host_platform_device_count=8`
+(`test_sharded_tests_pass_on_eight_devices`); in this process they are skipped, and the
+rest of the suite keeps its single device.
+
+Numerics: sharded results are compared with the single-device ones bit for bit. Each
+device runs the single-device step on its rows, slots and heads; every sum in a step runs
+within one row and one head (over d_k, d_v or the cache), so no reduction changes order.
+The model step's projections are replicated over tp and its only collective is the
+all-gather of y, which moves values without arithmetic.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from replayssm_jax import FlushPolicy, ReplayConfig, decode_step, init_state, sharding
+from replayssm_jax.backends import pallas_triton
+from replayssm_jax.model import decoder, demo
+from replayssm_jax.model import slots as slot_ops
+
+from helpers import random_checkpoint, random_tokens, to_device
+
+DEVICES = 8
+CHILD = os.environ.get("REPLAYSSM_SHARDING_CHILD") == "1"
+child_only = pytest.mark.skipif(not CHILD, reason="runs in the 8-device child process")
+TP, DP = 2, 4
+N, B = 8, 8  # 2 slots and 2 rows per dp shard
+REPLAY_FIELDS = ("checkpoint", "u_cache", "k_cache", "g_cache", "write_pos")
+MODEL_FIELDS = (*REPLAY_FIELDS, "conv_state")
+# One key head and its two value heads per tp shard.
+TINY = decoder.DecoderConfig(vocab_size=48, d_model=32, num_layers=2, num_k_heads=2, num_v_heads=4,
+                             head_k_dim=8, head_v_dim=8, mlp_hidden=32)
+
+
+def test_sharded_tests_pass_on_eight_devices():
+    if CHILD:
+        pytest.skip("this is the child")
+    env = dict(os.environ, REPLAYSSM_SHARDING_CHILD="1",
+               XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={DEVICES}",
+               JAX_PLATFORMS="cpu")
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-p", "no:xdist", __file__],
+        capture_output=True, text=True, env=env, timeout=600,
+    )
+    tail = out.stdout[-3000:] + out.stderr[-2000:]
+    assert out.returncode == 0, tail
+    assert re.search(r"\b\d+ passed", out.stdout) and "failed" not in out.stdout, tail
+    assert "1 skipped" in out.stdout, tail  # only the launcher test itself
+
+
+def _mesh():
+    return sharding.make_mesh(tp=TP, dp=DP)
+
+
+def _config(gate: str = "gdn", cache_len: int = 3) -> ReplayConfig:
+    # Two key heads per device, each with its two value heads; d_k != d_v.
+    return ReplayConfig(num_k_heads=4, num_v_heads=8, head_k_dim=32, head_v_dim=16, cache_len=cache_len,
+                        gate=gate)
+
+
+def _row_slots(rng: np.random.Generator, padding: float = 0.25) -> np.ndarray:
+    """`[B]` global slot ids: row block i holds a permutation of dp shard i's slots, some padding."""
+    rows, per = B // DP, N // DP
+    slots = np.concatenate([i * per + rng.permutation(per)[:rows] for i in range(DP)])
+    return np.where(rng.random(B) < padding, -1, slots).astype(np.int32)
+
+
+def _assert_same(a, b, fields):
+    for name in fields:
+        np.testing.assert_array_equal(np.asarray(getattr(a, name)), np.asarray(getattr(b, name)), err_msg=name)
+
+
+@child_only
+def test_placement_puts_each_group_and_slot_block_on_its_device(rng):
+    config, mesh = _config(), _mesh()
+    state = init_state(config, N, jnp.asarray(random_checkpoint(rng, config, N)))
+    placed = sharding.place_state(state, mesh)
+    assert placed.checkpoint.sharding.spec == jax.sharding.PartitionSpec("dp", "tp")
+    assert placed.write_pos.sharding.spec == jax.sharding.PartitionSpec("dp")
+    hk, hv, per = config.num_k_heads // TP, config.num_v_heads // TP, N // DP
+    coords = {d: tuple(int(c) for c in np.argwhere(mesh.devices == d)[0]) for d in mesh.devices.flat}
+    for shard in placed.checkpoint.addressable_shards:
+        i, j = coords[shard.device]
+        np.testing.assert_array_equal(shard.data, state.checkpoint[i * per:(i + 1) * per, j * hv:(j + 1) * hv])
+    for shard in placed.k_cache.addressable_shards:
+        i, j = coords[shard.device]
+        assert shard.index[:2] == (slice(i * per, (i + 1) * per), slice(j * hk, (j + 1) * hk))
+        # The device's key heads are exactly those its value heads use (h // group size).
+        value_heads = np.arange(j * hv, (j + 1) * hv)
+        assert set(value_heads // config.group_size) == set(range(j * hk, (j + 1) * hk))
+    for shard in placed.write_pos.addressable_shards:  # replicated over tp
+        i, _ = coords[shard.device]
+        assert shard.index == (slice(i * per, (i + 1) * per),)
+
+
+@child_only
+def test_model_state_placement():
+    state = sharding.place_state(TINY.init_state(N, 3), _mesh())
+    spec = jax.sharding.PartitionSpec
+    assert state.checkpoint.sharding.spec == spec(None, "dp", "tp")
+    assert state.k_cache.sharding.spec == spec(None, "dp", "tp")
+    assert state.conv_state.sharding.spec == spec(None, "dp")
+    assert state.write_pos.sharding.spec == spec("dp")
+    assert state.checkpoint.addressable_shards[0].data.shape == (TINY.num_layers, N // DP, TINY.num_v_heads // TP,
+                                                                 TINY.head_v_dim, TINY.head_k_dim)
+
+
+@child_only
+def test_sizes_that_do_not_divide_the_mesh_raise(rng):
+    mesh = _mesh()
+    with pytest.raises(ValueError, match="num_k_heads"):
+        sharding.place_state(init_state(ReplayConfig(1, 2, 16, 16, 3), N), mesh)
+    with pytest.raises(ValueError, match="num_slots"):
+        sharding.place_state(init_state(_config(), 6), mesh)
+    with pytest.raises(ValueError, match="batch"):
+        sharding.check_fits(_config(), N, mesh, batch=6)
+    state = sharding.place_state(init_state(_config(), N), mesh)
+    tokens = to_device(random_tokens(rng, _config(), (B,)))
+    wrong = np.array([2, -1, 0, -1, -1, -1, -1, -1], np.int32)  # row 0 (dp shard 0) names shard 1's slot
+    with pytest.raises(ValueError, match=r"slots\[0\] = 2 lies in dp shard 1"):
+        sharding.decode_step(state, tokens, jnp.asarray(wrong), mesh=mesh)
+    with pytest.raises(ValueError, match="mesh must look like"):
+        sharding.parse_mesh("tp=2,pp=2")
+    with pytest.raises(ValueError, match="devices"):
+        sharding.make_mesh(tp=4, dp=4)
+    assert dict(sharding.parse_mesh("dp=2").shape) == {"dp": 2, "tp": 1}
+
+
+@child_only
+@pytest.mark.parametrize("gate, policy", [("gdn", "natural"), ("kda", "natural"), ("gdn", "every_step")])
+def test_decode_equals_single_device_bit_for_bit(rng, gate, policy):
+    """Steps with moving rows, padding and forced flushes (and, under natural, flushes at L)."""
+    config, mesh = _config(gate), _mesh()
+    state = init_state(config, N, jnp.asarray(random_checkpoint(rng, config, N)))
+    sharded = sharding.place_state(state, mesh)
+    options = dict(backend="xla", policy=policy, use_qk_l2norm=True)
+    one = jax.jit(lambda s, t, sl, f: decode_step(s, t, sl, f, **options))
+    many = jax.jit(lambda s, t, sl, f: sharding.decode_step(s, t, sl, f, mesh=mesh, **options))
+    flushes = 0
+    for _ in range(2 * config.cache_len + 1):
+        tokens = to_device(random_tokens(rng, config, (B,)))
+        slots = jnp.asarray(_row_slots(rng))
+        force = jnp.asarray(rng.random(B) < 0.2)
+        y, state = one(state, tokens, slots, force)
+        y_sharded, sharded = many(sharded, tokens, slots, force)
+        np.testing.assert_array_equal(np.asarray(y_sharded), np.asarray(y))
+        _assert_same(sharded, state, REPLAY_FIELDS)
+        flushes += int((state.write_pos == 0).sum())
+    assert flushes > 0
+    assert sharded.checkpoint.sharding.spec == jax.sharding.PartitionSpec("dp", "tp")
+    assert sharded.write_pos.sharding.spec == jax.sharding.PartitionSpec("dp")
+
+
+@child_only
+def test_under_jit_a_row_naming_another_shards_slot_is_padding(rng):
+    config, mesh = _config(), _mesh()
+    state = sharding.place_state(init_state(config, N, jnp.asarray(random_checkpoint(rng, config, N))), mesh)
+    slots = np.array([2, 1, -1, 3, 4, 5, 6, 7], np.int32)  # row 0 (dp shard 0) names shard 1's slot 2
+    step = jax.jit(lambda s, t, sl: sharding.decode_step(s, t, sl, mesh=mesh, policy="every_step"))
+    y, new = step(state, to_device(random_tokens(rng, config, (B,))), jnp.asarray(slots))
+    assert not np.asarray(y[0]).any() and np.asarray(y[1]).any()
+    np.testing.assert_array_equal(new.checkpoint[2], state.checkpoint[2])  # slot 2's own row is padding
+    assert (np.asarray(new.checkpoint[1]) != np.asarray(state.checkpoint[1])).any()
+
+
+@child_only
+def test_the_replay_step_has_no_collectives(rng):
+    config, mesh = _config(), _mesh()
+    state = sharding.place_state(init_state(config, N), mesh)
+    step = jax.jit(lambda s, t, sl: sharding.decode_step(s, t, sl, mesh=mesh, policy="natural"))
+    hlo = step.lower(state, to_device(random_tokens(rng, config, (B,))), jnp.zeros(B, jnp.int32)).compile().as_text()
+    assert not re.findall(r"all-gather|all-reduce|reduce-scatter|collective-permute|all-to-all", hlo)
+
+
+def _model_inputs(rng, steps: int):
+    tokens = rng.integers(0, TINY.vocab_size, (steps, B)).astype(np.int32)
+    slots = np.stack([_row_slots(rng) for _ in range(steps)])
+    force = rng.random((steps, B)) < 0.2
+    return tokens, slots, force
+
+
+@child_only
+def test_model_step_and_slot_ops_equal_single_device(rng):
+    """Decode, forced flushes, reset / flush / copy, snapshots and their restore, all layers."""
+    params, mesh = decoder.init_params(TINY, seed=3), _mesh()
+    state = TINY.init_state(N, 3)
+    sharded = sharding.place_state(state, mesh)
+    one = jax.jit(lambda s, t, sl, f: decoder.decode_step(params, s, t, sl, f, policy="natural"))
+    many = jax.jit(lambda s, t, sl, f: sharding.model_decode_step(params, s, t, sl, f, mesh=mesh, policy="natural"))
+
+    def both(op, *args):
+        nonlocal state, sharded
+        state, sharded = jax.jit(op)(state, *args), sharding.place_state(jax.jit(op)(sharded, *args), mesh)
+        _assert_same(sharded, state, MODEL_FIELDS)
+
+    for tokens, slots, force in zip(*_model_inputs(rng, 7)):
+        args = jnp.asarray(tokens), jnp.asarray(slots), jnp.asarray(force)
+        logits, state, plan = one(state, *args)
+        logits_sharded, sharded, plan_sharded = many(sharded, *args)
+        np.testing.assert_array_equal(np.asarray(logits_sharded), np.asarray(logits))
+        _assert_same(sharded, state, MODEL_FIELDS)
+        for name in ("slot", "valid", "pos", "flush"):
+            np.testing.assert_array_equal(getattr(plan_sharded, name), getattr(plan, name), err_msg=name)
+        assert sorted(np.asarray(plan_sharded.launch_order).tolist()) == list(range(B))
+    assert sharded.checkpoint.sharding.spec == jax.sharding.PartitionSpec(None, "dp", "tp")
+
+    both(slot_ops.flush_slots, jnp.array([1, 6, -1], jnp.int32))
+    both(slot_ops.copy_slots, jnp.array([0, 5], jnp.int32), jnp.array([7, 2], jnp.int32))
+    flushed = jnp.array([1, 7, 2], jnp.int32)
+    snap, snap_sharded = jax.jit(slot_ops.snapshot)(state, flushed), jax.jit(slot_ops.snapshot)(sharded, flushed)
+    np.testing.assert_array_equal(snap_sharded.checkpoint, snap.checkpoint)
+    np.testing.assert_array_equal(snap_sharded.conv_state, snap.conv_state)
+    both(slot_ops.reset_slots, jnp.array([4, 3, 0], jnp.int32), snap.checkpoint, snap.conv_state)
+    both(slot_ops.reset_slots, jnp.array([5, -1], jnp.int32))
+    for tokens, slots, force in zip(*_model_inputs(rng, 3)):  # decoding on from the restored slots
+        args = jnp.asarray(tokens), jnp.asarray(slots), jnp.asarray(force)
+        logits, state, _ = one(state, *args)
+        logits_sharded, sharded, _ = many(sharded, *args)
+        np.testing.assert_array_equal(np.asarray(logits_sharded), np.asarray(logits))
+    _assert_same(sharded, state, MODEL_FIELDS)
+
+
+def _collectives(hlo: str) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(op, dtype, result shape) of every collective in an HLO module's text."""
+    found = re.findall(r"= (\w+)\[([\d,]*)\][^=]*? (all-gather|all-reduce|reduce-scatter|collective-permute|"
+                       r"all-to-all)(?:-start)?\(", hlo)
+    return [(op, dtype, tuple(int(d) for d in dims.split(",") if d)) for dtype, dims, op in found]
+
+
+@child_only
+def test_the_model_step_gathers_only_the_layer_outputs():
+    params, mesh = decoder.init_params(TINY, seed=0), _mesh()
+    state = sharding.place_state(TINY.init_state(N, 3), mesh)
+    zeros = jnp.zeros(B, jnp.int32)
+    hlo = sharding.jitted_model_decode_step.lower(params, state, zeros, zeros, mesh=mesh).compile().as_text()
+    found = _collectives(hlo)
+    y_gathered = (B // DP, TINY.num_v_heads, TINY.head_v_dim)
+    assert found, "the all-gather of y is missing: the test would not see a collective"
+    assert {(op, dtype) for op, dtype, _ in found} == {("all-gather", "f32")}, found
+    assert all(int(np.prod(shape)) == int(np.prod(y_gathered)) for _, _, shape in found), found
+
+
+@child_only
+def test_sharded_pallas_step_picks_the_row_of_its_local_batch(rng, monkeypatch):
+    """Inside shard_map the kernel sees B/dp rows and H/tp heads; the launch row follows them."""
+    config = ReplayConfig(num_k_heads=2, num_v_heads=4, head_k_dim=32, head_v_dim=16, cache_len=3)
+    mesh = _mesh()
+    batch = 16  # 4 rows per device: a different launch-table row from the global 16
+    local, whole = (pallas_triton.launch_row("replay", "gdn", 4, n, config.cache_len) for n in (batch // DP, batch))
+    assert local != whole
+    seen = []
+    real = pallas_triton.launch_row
+    monkeypatch.setattr(pallas_triton, "launch_row", lambda *a: seen.append(a) or real(*a))
+    num_slots = 2 * batch
+    state = init_state(config, num_slots, jnp.asarray(random_checkpoint(rng, config, num_slots)))
+    per, rows = num_slots // DP, batch // DP
+    slots = jnp.asarray(np.concatenate([i * per + rng.permutation(per)[:rows] for i in range(DP)]).astype(np.int32))
+    tokens = to_device(random_tokens(rng, config, (batch,)))
+    options = dict(backend="pallas_triton", policy="natural", use_qk_l2norm=True)
+    y, new = sharding.decode_step(sharding.place_state(state, mesh), tokens, slots, mesh=mesh, **options)
+    assert seen == [("replay", "gdn", 4, batch // DP, config.cache_len)]
+    assert pallas_triton.launch_params(sharding.local_config(config, TP), batch // DP,
+                                       FlushPolicy.NATURAL) == local.params
+    # Same step on one device with the kernel parameters the local row chose.
+    y_one, one = decode_step(state, tokens, slots, kernel_params=local.params, **options)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(y_one))
+    _assert_same(new, one, REPLAY_FIELDS)
+
+
+@child_only
+def test_demo_runs_sharded_and_agrees(capsys):
+    code = demo.main(["--batch", "4", "--steps", "12", "--cache-len", "2", "--track-interval", "4",
+                      "--mesh", "tp=2,dp=2"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "mesh {'dp': 2, 'tp': 2} over 4 devices" in out
+    assert "greedy tokens equal to plain decode alone: all" in out
