@@ -36,6 +36,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm import tqdm
 
 warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
 
@@ -624,7 +625,7 @@ def main(argv=None) -> dict:
             kda_batches = ints(args.batches) if args.smoke else ints(args.kda_batches)
             grid += [(kda, jnp.float32, 16, b) for b in kda_batches]
         policies = args.policies.split(",")
-        for shp, dt, L, b in grid:
+        for shp, dt, L, b in tqdm(grid, desc="sweep", file=sys.stderr, disable=None, leave=False):
             if time.time() > deadline:
                 print(f"budget reached: {len(result['rows'])} rows done", flush=True)
                 break

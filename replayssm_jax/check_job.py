@@ -12,10 +12,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm import tqdm
 
 from replayssm_jax.backends import BACKENDS
 from replayssm_jax.config import ReplayConfig
@@ -36,10 +38,11 @@ TOLERANCE = 1e-5
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m replayssm_jax check", description=__doc__.splitlines()[0]
+        prog="python -m replayssm_jax check", description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--steps", type=int, default=300, help="decode steps (default 300)")
-    parser.add_argument("--cache-len", type=int, default=16, help="L, the replay window (default 16)")
+    parser.add_argument("--steps", type=int, default=300, help="decode steps")
+    parser.add_argument("--cache-len", type=int, default=16, help="L, the replay window")
     parser.add_argument("--gate", choices=tuple(GATES), default="gdn", help="gdn (per head) or kda (per channel)")
     parser.add_argument("--batch", type=int, default=8, help="rows per step; the slot pool is twice this")
     parser.add_argument("--backend", choices=BACKENDS, default="xla")
@@ -135,7 +138,7 @@ def run_check(args: argparse.Namespace) -> CheckResult:
     ref_step, materialize = jax.jit(reference_step), jax.jit(materialize_state)
     y_err = state_err = 0.0
     natural = forced = every_step = read = written = 0
-    for _ in range(args.steps):
+    for _ in tqdm(range(args.steps), desc="check", file=sys.stderr, disable=None, leave=False):
         inputs = random_step_inputs(rng, config, args.batch)
         force = jnp.asarray(rng.random(args.batch) < FORCE_FLUSH_PROB)
         plan = plan_step(state.write_pos, slots, force, config.cache_len, policy)

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm import tqdm
 
 from replayssm_jax import sharding
 from replayssm_jax.backends import BACKENDS
@@ -29,7 +30,8 @@ from replayssm_jax.model import decoder, serving
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m replayssm_jax demo", description=__doc__.splitlines()[0]
+        prog="python -m replayssm_jax demo", description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--batch", type=int, default=4, help="rows per decode step (max batch)")
     parser.add_argument("--steps", type=int, default=64, help="batched decode steps to run")
@@ -59,14 +61,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def progress(done: int, total: int, label: str, width: int = 30) -> None:
-    """A plain-text progress bar on stderr, redrawn in place when it grows."""
-    filled = width * done // max(total, 1)
-    if done not in (1, total) and filled == width * (done - 1) // max(total, 1):
-        return
-    end = "\n" if done >= total else ""
-    sys.stderr.write(f"\r{label} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}{end}")
-    sys.stderr.flush()
+# A bf16 state rounds every checkpoint write (2^-8 relative) and the replay sums in another
+# order than the reference, so greedy tokens can flip where two logits are that close; a
+# logit further off than this fraction of the largest reference logit is a real disagreement.
+BF16_LOGIT_BOUND = 0.1
+
+
+def progress(iterable, label: str, total: int | None = None):
+    """A progress bar on stderr (tqdm), quiet when stderr is not a terminal."""
+    return tqdm(iterable, desc=label, total=total, file=sys.stderr, disable=None, leave=False)
 
 
 class Workload:
@@ -100,12 +103,11 @@ class Workload:
 def serve(engine: serving.Engine, workload: Workload, steps: int) -> list[float]:
     """Run `steps` decode steps, admitting requests into free rows (sometimes a step late)."""
     step_times = []
-    for step in range(steps):
+    for step in progress(range(steps), "serving"):
         while engine.has_free_row() and (step == 0 or workload.rng.random() < 0.7):
             engine.admit(workload.next())
         if engine.active:
             step_times.append(engine.step())
-        progress(step + 1, steps, "serving  ")
     return step_times
 
 
@@ -143,7 +145,9 @@ def report(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the demo; returns 0, or 1 when an fp32 run disagrees with plain decode."""
+    """Run the demo; returns 0, or 1 on a real disagreement with plain decode: any greedy
+    token with an fp32 state; with a bf16 state, a logit off by more than BF16_LOGIT_BOUND of
+    the largest reference logit before the first differing token."""
     args = parse_args(argv)
     started = time.perf_counter()
     config = decoder.DecoderConfig()
@@ -167,15 +171,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         + ("" if engine.mesh is None else f", mesh {dict(engine.mesh.shape)} over {engine.mesh.size} devices"),
         flush=True,
     )
+    print("reference: each request decoded alone by the same model with the plain recurrence "
+          "(the lax.scan oracle, fp32 state)"
+          + ("" if args.dtype == "float32" else
+             f"; a {args.dtype} state rounds every flush, so expect near-tied greedy tokens to differ "
+             f"and logits within {BF16_LOGIT_BOUND:g} of the largest one"), flush=True)
     engine.warm_up()
     step_times = serve(engine, workload, args.steps)
     requests = [r for r in workload.issued if r.generated]
     ref_tokens, ref_logits = [], []
-    for first in range(0, len(requests), 16):
+    for first in progress(range(0, len(requests), 16), "plain reference"):
         tokens, logits = serving.reference_decode(params, config, requests[first : first + 16])
         ref_tokens += tokens
         ref_logits += logits
-        progress(min(first + 16, len(requests)), len(requests), "plain ref")
     all_same, worst = report(engine, requests, ref_tokens, ref_logits)
 
     restored = [r for r in requests if r.restored]
@@ -198,4 +206,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{serving.step_traces()}x, median step {1e3 * np.median(step_times):.2f} ms; "
         f"total {time.perf_counter() - started:.1f} s"
     )
-    return 0 if all_same or args.dtype != "float32" else 1
+    if args.dtype == "float32":
+        return 0 if all_same else 1
+    scale = max(float(np.max(np.abs(logits))) for logits in ref_logits)
+    print(f"largest logit difference / largest reference logit: {worst / scale:.2e} "
+          f"(bound {BF16_LOGIT_BOUND:g})")
+    return 0 if worst <= BF16_LOGIT_BOUND * scale else 1
