@@ -273,7 +273,9 @@ def accept(
         reaches past the ring, or a path that is not increasing (when values are concrete).
     """
     check_state(state)
-    batch = jnp.shape(slots)[0] if jnp.ndim(slots) == 1 else -1
+    if jnp.ndim(slots) != 1:
+        raise ValueError(f"slots must be a 1-D [B] array, got shape {tuple(jnp.shape(slots))}")
+    batch = jnp.shape(slots)[0]
     check_slots("slots", slots, batch, state.num_slots)
     counts = _check_int_array("num_accepted", num_accepted, (batch,))
     plan = plan_step(state.write_pos, slots, None, state.config.cache_len)
