@@ -200,6 +200,18 @@ def test_ragged_lengths_write_and_count_only_their_records(gate, rng):
                                           bits(before[name][slots[r]][:, base + n:]),
                                           err_msg=f"{name} of row {r} written past its length")
 
+    # Accept every record: row 0's cursor reaches L (a full ring); a plain decode step then
+    # folds it and every row continues from its accepted window.
+    accepted = accept_jit(verified, jslots, jnp.asarray(lengths))
+    assert int(accepted.write_pos[slots[0]]) == config.cache_len
+    token = random_tokens(rng, config, (BATCH,))
+    y_next, _ = decode(accepted, to_device(token), jslots)
+    for r in np.flatnonzero(slots >= 0):
+        ys, states = model_window(config, live[r], jax.tree.map(lambda x: x[r], window), None, lengths[r])
+        start = states[-1] if states else live[r]
+        want, _ = model_step(start, *(x[0] for x in prepare(config, jax.tree.map(lambda x: x[r:r + 1], token))))
+        assert rel_err(np.asarray(y_next[r])[None], want[None]).max() < FP32_TOL, f"row {r}"
+
 
 @pytest.mark.parametrize(("gate", "dtype"), [("gdn", "fp32"), ("kda", "fp32"), ("gdn", "bf16")])
 def test_rollback_schedule_matches_float64_model(gate, dtype, rng):
@@ -271,10 +283,10 @@ def branch(parents_row: np.ndarray, i: int) -> list[int]:
 
 @pytest.mark.parametrize("gate", ["gdn", "kda"])
 def test_tree_window_matches_path_by_path_decode(gate, rng):
-    width = 5
+    width = 4
     config = small_config(gate, 2 * width)
     slots = random_rows(rng)
-    history = np.array([width + 2, 1, 0, width, 0])  # row 0 folds
+    history = np.array([width + 2, 1, 0, width, 0])  # row 0 folds, row 3 fills the ring
     state = with_history(rng, config, slots, history)
     parents = random_tree(rng, BATCH, width)
     window = to_device(random_tokens(rng, config, (BATCH, width)))
@@ -351,7 +363,7 @@ def test_verify_and_accept_reject_bad_input(rng):
         args = dict(window=window, slots=slots) | kwargs
         with pytest.raises(ValueError, match=match):
             verify_step(state, args.pop("window"), args.pop("slots"), **args)
-    _, verified = verify_step(state, window, slots)
+    _, verified = verify(state, window, slots)
     for kwargs, match in [
         (dict(num_accepted=jnp.full((BATCH,), -1, jnp.int32)), ">= 0"),
         (dict(num_accepted=jnp.full((BATCH,), 2 * T + 1, jnp.int32)), "past the ring"),
