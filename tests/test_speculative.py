@@ -319,6 +319,7 @@ def test_tree_window_matches_path_by_path_decode(gate, rng):
     # path in order: the live state equals decoding the path, and a next chain window
     # verified from it matches the same decode continued.
     ends = rng.integers(0, width, BATCH)
+    ends[1] = width - 1  # row 1 (a star) accepts [width - 1]: its record must move to the base
     paths = [branch(parents[r], int(ends[r])) for r in range(BATCH)]
     paths[2] = []
     counts = np.array([len(p) for p in paths], np.int32)
