@@ -375,3 +375,28 @@ def test_verify_and_accept_reject_bad_input(rng):
         args = dict(num_accepted=jnp.full((BATCH,), 2, jnp.int32)) | kwargs
         with pytest.raises(ValueError, match=match):
             accept(verified, slots, args.pop("num_accepted"), **args)
+
+
+@pytest.mark.parametrize("gate", ["gdn", "kda"])
+def test_every_decode_backend_continues_after_a_full_ring(gate, backend, rng):
+    """`accept` can leave a cursor at L (a window that exactly filled the ring), which plain
+    decode never does; each backend's next decode step folds it and agrees with the model."""
+    config = small_config(gate, T)
+    slots = random_rows(rng)
+    ckpt = random_checkpoint(rng, config, NUM_SLOTS)
+    state = init_state(config, NUM_SLOTS, jnp.asarray(ckpt))
+    window = random_tokens(rng, config, (BATCH, T))
+    jslots = jnp.asarray(slots)
+    _, state = verify(state, to_device(window), jslots, use_qk_l2norm=True)
+    state = accept_jit(state, jslots, jnp.full((BATCH,), T, jnp.int32))
+    token = random_tokens(rng, config, (BATCH,))
+    y, state = decode_step(state, to_device(token), jslots, backend=backend, policy="natural",
+                           use_qk_l2norm=True)
+    np.testing.assert_array_equal(np.asarray(state.write_pos)[slots[slots >= 0]], 0)
+    live = np.asarray(materialize(state, jslots))
+    for r in np.flatnonzero(slots >= 0):
+        _, states = model_window(config, np.asarray(ckpt[slots[r]], np.float64),
+                                 jax.tree.map(lambda x: x[r], window), None, T)
+        want_y, want_s = model_step(states[-1], *(x[0] for x in prepare(config, jax.tree.map(lambda x: x[r:r + 1], token))))
+        assert rel_err(np.asarray(y[r])[None], want_y[None]).max() < FP32_TOL, f"row {r}"
+        assert rel_err(live[r][None], want_s[None]).max() < FP32_TOL, f"row {r}"
