@@ -206,7 +206,7 @@ def verify_step(
     if width > cfg.cache_len:
         raise ValueError(f"window width T = {width} exceeds the ring (cache_len = {cfg.cache_len})")
 
-    num_slots, hv, dk = state.num_slots, cfg.num_v_heads, cfg.head_k_dim
+    num_slots, dk = state.num_slots, cfg.head_k_dim
     plan = plan_step(state.write_pos, slots, None, cfg.cache_len)
     length = jnp.full((batch,), width, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
     length = jnp.where(plan.valid, length, 0)

@@ -400,3 +400,32 @@ def test_every_decode_backend_continues_after_a_full_ring(gate, backend, rng):
         want_y, want_s = model_step(states[-1], *(x[0] for x in prepare(config, jax.tree.map(lambda x: x[r:r + 1], token))))
         assert rel_err(np.asarray(y[r])[None], want_y[None]).max() < FP32_TOL, f"row {r}"
         assert rel_err(live[r][None], want_s[None]).max() < FP32_TOL, f"row {r}"
+
+
+@pytest.mark.parametrize("gate", ["gdn", "kda"])
+def test_gate_params_and_scale_without_norm(gate, rng):
+    """Raw `a`, `b` gated in the step equal pre-gated g, beta (gating formula written here);
+    without the l2 norm and with a custom scale the window still matches the model."""
+    config = small_config(gate, 2 * T)
+    slots = random_rows(rng)
+    state = with_history(rng, config, slots, np.array([2, 0, T + 1, 1, 0]))
+    raw = random_tokens(rng, config, (BATCH, T))
+    raw = raw.replace(g=rng.normal(size=raw.g.shape).astype(np.float32),
+                      beta=rng.normal(size=raw.beta.shape).astype(np.float32))
+    a_log = rng.normal(size=(config.num_v_heads,)).astype(np.float32)
+    dt_bias = rng.normal(size=config.gate_kind.gate_param_shapes(config)[1]).astype(np.float32)
+    decay = np.exp(a_log)[:, None] if config.per_channel_gate else np.exp(a_log)
+    gated = raw.replace(g=(-decay * np.logaddexp(0.0, raw.g + dt_bias)).astype(np.float32),
+                        beta=(1 / (1 + np.exp(-raw.beta))).astype(np.float32))
+    jslots = jnp.asarray(slots)
+    y_raw, _ = verify(state, to_device(raw), jslots, use_qk_l2norm=True,
+                      gate_params=(jnp.asarray(a_log), jnp.asarray(dt_bias)))
+    y_gated, _ = verify(state, to_device(gated), jslots, use_qk_l2norm=True)
+    active = slots >= 0
+    assert rel_err(np.asarray(y_raw)[active], np.asarray(y_gated)[active]).max() < FP32_TOL
+
+    small = gated.replace(q=0.2 * gated.q, k=0.2 * gated.k)  # unnormalised keys: keep |k| ~ 1
+    y, _ = verify(state, to_device(small), jslots, scale=0.5)
+    live = np.asarray(materialize(state, jslots))
+    ref_y, _ = recurrent_reference(to_device(small), jnp.asarray(live), scale=0.5)
+    assert rel_err(np.asarray(y)[active], np.asarray(ref_y)[active]).max() < FP32_TOL
