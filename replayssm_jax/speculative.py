@@ -228,6 +228,10 @@ def verify_step(
     # agree with what the next step replays from that checkpoint.
     folded = live.astype(cfg.state_dtype)
     live = jnp.where(fold[:, None, None, None], folded.astype(jnp.float32), live)
+    # The k/g appends do not depend on the replay's reads of those caches; tie the caches to
+    # `live` so XLA orders the reads first and updates donated buffers in place (as in
+    # `xla.layer_step`; without it both caches are copied every step).
+    live, k_pool, g_pool = jax.lax.optimization_barrier((live, state.k_cache, state.g_cache))
     anc = ancestors(parents, batch, width)
     y, u = window_outputs(live, heads(q), heads(k), jnp.moveaxis(window.v, 1, 2),
                           jnp.moveaxis(g, 1, 2), jnp.moveaxis(window.beta, 1, 2), anc)
@@ -241,8 +245,8 @@ def verify_step(
     checkpoint = state.checkpoint.at[fold_slot].set(folded, mode="drop")
     u_cache = state.u_cache.at[slot_bt, :, pos_bt].set(
         jnp.moveaxis(u, 2, 1).astype(cfg.cache_dtype), mode="drop")
-    k_cache = state.k_cache.at[slot_bt, :, pos_bt].set(k.astype(cfg.cache_dtype), mode="drop")
-    g_cache = state.g_cache.at[slot_bt, :, pos_bt].set(window.g, mode="drop")
+    k_cache = k_pool.at[slot_bt, :, pos_bt].set(k.astype(cfg.cache_dtype), mode="drop")
+    g_cache = g_pool.at[slot_bt, :, pos_bt].set(window.g, mode="drop")
     write_pos = state.write_pos.at[fold_slot].set(0, mode="drop")
     return y, dataclasses.replace(state, checkpoint=checkpoint, u_cache=u_cache, k_cache=k_cache,
                                   g_cache=g_cache, write_pos=write_pos)

@@ -429,3 +429,22 @@ def test_gate_params_and_scale_without_norm(gate, rng):
     live = np.asarray(materialize(state, jslots))
     ref_y, _ = recurrent_reference(to_device(small), jnp.asarray(live), scale=0.5)
     assert rel_err(np.asarray(y)[active], np.asarray(ref_y)[active]).max() < FP32_TOL
+
+
+def test_donated_verify_and_accept_update_the_state_in_place(rng):
+    """Under `jit` with the state donated, every state buffer is aliased to the output and
+    none is copied inside verify or accept (a copy would move the whole pool per step)."""
+    from test_decode import _aliased_parameters, _state_sized_copies
+
+    config = small_config("kda", 2 * T)
+    state = init_state(config, NUM_SLOTS)
+    window = to_device(random_tokens(rng, config, (BATCH, T)))
+    slots = jnp.asarray(random_rows(rng))
+    num_leaves = len(jax.tree.leaves(state))
+    step = jax.jit(functools.partial(verify_step, use_qk_l2norm=True), donate_argnums=0)
+    keep = jax.jit(accept, donate_argnums=0)
+    for lowered in (step.lower(state, window, slots, parents=jnp.asarray(random_tree(rng, BATCH, T))),
+                    keep.lower(state, slots, jnp.ones(BATCH, jnp.int32), path=jnp.zeros((BATCH, T), jnp.int32))):
+        hlo = lowered.compile().as_text()
+        assert _aliased_parameters(hlo) >= set(range(num_leaves))
+        assert not _state_sized_copies(hlo, state), _state_sized_copies(hlo, state)
