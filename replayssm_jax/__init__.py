@@ -6,6 +6,7 @@ from replayssm_jax.gates import GATES, GateKind
 from replayssm_jax.gating import beta_gate, gdn_gate, kda_gate, l2norm
 from replayssm_jax.plan import FlushPolicy, StepPlan, advance_write_pos, default_flush_policy, plan_step
 from replayssm_jax.reference import recurrent_reference
+from replayssm_jax.speculative import accept, verify_step
 from replayssm_jax.state import ReplayState, init_state
 from replayssm_jax.tokens import Tokens
 
@@ -17,6 +18,7 @@ __all__ = [
     "ReplayState",
     "StepPlan",
     "Tokens",
+    "accept",
     "advance_write_pos",
     "beta_gate",
     "decode_step",
@@ -29,4 +31,5 @@ __all__ = [
     "materialize_state",
     "plan_step",
     "recurrent_reference",
+    "verify_step",
 ]

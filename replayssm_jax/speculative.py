@@ -1,0 +1,332 @@
+"""Speculative verify with ReplaySSM: score a draft window from checkpoint + cache, keep the
+accepted prefix by moving the cursor.
+
+`verify_step` takes T draft tokens per row and returns the outputs of all T positions, as T
+sequential decode steps would, and appends the T records `(u_i, k_i, g_i)` at
+`write_pos .. write_pos + T - 1` without writing the checkpoint and without moving the
+cursor. `accept` then moves each row's cursor by its own count `n` (0..T, the bonus token
+included): the first `n` records become history, the others lie beyond the cursor and are
+never read again. A rejected draft therefore costs nothing to roll back, where conventional
+speculation writes one full state per draft token.
+
+Window math for one row and value head (method notes §13), with `S` the live state before
+the window, `anc(i)` the window positions before `i` that position `i` sees (all `j < i`
+for a chain, the ancestors of `i` for a tree) and `G_i` the sum of `g` over `anc(i)` and
+`i` (per key channel for KDA; a per-head decay is broadcast over the channels):
+
+    R_i  = beta_i (v_i - S (exp(G_i) * k_i))
+    A_ij = beta_i sum_c k_i[c] exp(G_i[c] - G_j[c]) k_j[c]        for j in anc(i), else 0
+    U    = (I + A)^{-1} R                                        (forward substitution)
+    y_i  = S (exp(G_i) * q_i) + sum_{j in anc(i) + {i}} (sum_c q_i[c] exp(G_i[c] - G_j[c]) k_j[c]) u_j
+
+`u_i` are the corrected values sequential decode along `i`'s branch would produce, so the
+appended records are the ones it would have cached.
+
+Capacity rule: the ring holds L records. A live row whose `write_pos + length > L` cannot
+append its window behind its history; it folds its history (accepted records only: the
+window is not yet in the ring) into the checkpoint first, in the same step, and writes the
+window at `0 .. length - 1`; its cursor becomes 0 in the returned state. The decision is
+made per row on the device, so one compiled executable serves every mix of rows. A window
+wider than the ring (`T > L`) is refused.
+
+Flush policy: verify always plans by the capacity rule above (the natural policy for a
+window): a window is never folded before it is verified, since a fold writes only records
+the caller has accepted. `FlushPolicy.EVERY_STEP` does not apply to verify.
+
+Trees: `parents [B, T]` gives each draft position's parent index (-1: a child of the
+current state; `parents[i] < i`). `accept(..., path=...)` takes the accepted root-to-leaf
+positions and copies their records to `write_pos .. write_pos + n - 1`, so the next step
+replays exactly the accepted tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Float, Int
+
+from replayssm_jax import gating
+from replayssm_jax.backends import xla
+from replayssm_jax.plan import plan_step
+from replayssm_jax.state import ReplayState, check_state
+from replayssm_jax.tokens import Tokens, check_gate_params
+from replayssm_jax.validation import check_float, check_slots, concrete_or_none, shape_error
+
+VERIFY_BACKENDS = ("xla",)
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def check_window(config, window: Tokens) -> tuple[int, int]:
+    """Raise ValueError naming the field of `window` whose shape or dtype is wrong; return
+    `(B, T)`."""
+    if not isinstance(window, Tokens):
+        raise ValueError(f"window must be a Tokens, got {type(window).__name__}")
+    if jnp.ndim(window.q) != 4:
+        raise ValueError(f"window.q must be [B, T, H_k, d_k], got shape {tuple(jnp.shape(window.q))}")
+    batch, width = jnp.shape(window.q)[:2]
+    for name, want in config.gate_kind.token_shapes(config, batch).items():
+        check_float(f"window.{name}", getattr(window, name), (batch, width, *want[1:]))
+    return batch, width
+
+
+def _check_int_array(name: str, x: Array, shape: tuple[int, ...]) -> np.ndarray | None:
+    """An integer array of `shape`; its value when concrete."""
+    if tuple(jnp.shape(x)) != shape:
+        raise shape_error(name, shape, x)
+    if not jnp.issubdtype(jnp.result_type(x), jnp.integer):
+        raise ValueError(f"{name} must be an integer array, got dtype {jnp.result_type(x)}")
+    return concrete_or_none(x)
+
+
+def check_lengths(lengths: Array | None, batch: int, width: int) -> None:
+    if lengths is None:
+        return
+    values = _check_int_array("lengths", lengths, (batch,))
+    if values is not None and (np.any(values < 0) or np.any(values > width)):
+        raise ValueError(f"lengths must lie in [0, {width}] (the window width), got {values.tolist()}")
+
+
+def check_parents(parents: Array | None, batch: int, width: int) -> None:
+    """Each position's parent precedes it: `-1 <= parents[:, i] < i`."""
+    if parents is None:
+        return
+    values = _check_int_array("parents", parents, (batch, width))
+    if values is None:
+        return
+    bad = (values < -1) | (values >= np.arange(width)[None, :])
+    if np.any(bad):
+        row, col = map(int, np.argwhere(bad)[0])
+        raise ValueError(
+            f"parents[{row}, {col}] = {int(values[row, col])}: a parent must be -1 or an "
+            f"earlier position (< {col})"
+        )
+
+
+def ancestors(parents: Int[Array, "B T"] | None, batch: int, width: int) -> Bool[Array, "B T T"]:
+    """`anc[b, i, j]`: window position j precedes i on i's branch (strict). None: a chain."""
+    if parents is None:
+        chain = jnp.arange(width)[None, :] < jnp.arange(width)[:, None]
+        return jnp.broadcast_to(chain, (batch, width, width))
+    parents = parents.astype(jnp.int32)
+    anc = jnp.zeros((batch, width, width), bool)
+    positions = jnp.arange(width)
+    for i in range(width):  # parents[i] < i: row parents[i] is final before row i is formed
+        p = parents[:, i]
+        has_parent = p >= 0
+        row = jnp.take_along_axis(anc, jnp.maximum(p, 0)[:, None, None], axis=1)[:, 0]
+        row = (row | (positions[None, :] == p[:, None])) & has_parent[:, None]
+        anc = anc.at[:, i].set(row)
+    return anc
+
+
+def window_outputs(
+    live: Float[Array, "B Hv Dv Dk"],
+    q: Float[Array, "B Hv T Dk"],
+    k: Float[Array, "B Hv T Dk"],
+    v: Float[Array, "B Hv T Dv"],
+    g: Float[Array, "B Hv T Dk"],
+    beta: Float[Array, "B Hv T"],
+    anc: Bool[Array, "B T T"],
+) -> tuple[Float[Array, "B Hv T Dv"], Float[Array, "B Hv T Dv"]]:
+    """`(y, u)` of every window position from the live state (formulas in the module doc);
+    q, k expanded to value heads, q scaled, g per key channel, all float32."""
+    width = q.shape[2]
+    seen = anc | jnp.eye(width, dtype=bool)[None]  # anc(i) + {i}
+    G = jnp.einsum("bij,bhjc->bhic", seen.astype(g.dtype), g, precision=_HIGHEST)
+    SK = jnp.einsum("bhvc,bhic->bhiv", live, jnp.exp(G) * k, precision=_HIGHEST)
+    SQ = jnp.einsum("bhvc,bhic->bhiv", live, jnp.exp(G) * q, precision=_HIGHEST)
+    # exp(G_i - G_j) only where j is on i's branch (<= 1 there); elsewhere the difference
+    # can be large and positive, so it is zeroed before the exponential.
+    mask = seen[:, None, :, :, None]
+    diff = jnp.where(mask, G[:, :, :, None, :] - G[:, :, None, :, :], 0.0)
+    decay = jnp.where(mask, jnp.exp(diff), 0.0)  # [B, Hv, T(i), T(j), Dk]
+    KK = jnp.einsum("bhic,bhijc,bhjc->bhij", k, decay, k, precision=_HIGHEST)
+    QK = jnp.einsum("bhic,bhijc,bhjc->bhij", q, decay, k, precision=_HIGHEST)
+    A = jnp.where(anc[:, None], beta[..., None] * KK, 0.0)
+    R = beta[..., None] * (v - SK)
+    eye = jnp.eye(width, dtype=A.dtype)
+    U = jax.scipy.linalg.solve_triangular(eye + A, R, lower=True, unit_diagonal=True)
+    y = SQ + jnp.einsum("bhij,bhjv->bhiv", QK, U, precision=_HIGHEST)
+    return y, U
+
+
+def verify_step(
+    state: ReplayState,
+    window: Tokens,
+    slots: Int[Array, " B"],
+    *,
+    backend: str = "xla",
+    lengths: Int[Array, " B"] | None = None,
+    parents: Int[Array, "B T"] | None = None,
+    use_qk_l2norm: bool = False,
+    scale: float | None = None,
+    gate_params: tuple[Array, Array] | None = None,
+) -> tuple[Float[Array, "B T Hv Dv"], ReplayState]:
+    """Verify a draft window of T tokens per row (see the module doc for the math and the
+    capacity rule).
+
+    Args:
+      state: the layer's `ReplayState`.
+      window: `Tokens` with leading axes `[B, T]`: q, k `[B, T, H_k, d_k]`, v
+        `[B, T, H_v, d_v]`, g `[B, T, H_v]` (GDN) or `[B, T, H_v, d_k]` (KDA), beta
+        `[B, T, H_v]` (raw `a`, `b` with `gate_params`).
+      slots: `[B]` int, the physical slot of each row; negative = padding row (output 0,
+        nothing written).
+      backend: "xla" (the readable specification).
+      lengths: optional `[B]` int in [0, T]: positions >= lengths[b] are padding (output 0,
+        no record written, no effect on the capacity rule). Default: T for every row.
+      parents: optional `[B, T]` int tree: `parents[b, i]` in [-1, i), -1 for a child of
+        the current state. Default: a chain (`parents[b, i] = i - 1`).
+      use_qk_l2norm, scale, gate_params: as in `decode_step`.
+
+    Returns:
+      `(y, new_state)`: y `[B, T, H_v, d_v]` in v's dtype, y[b, i] the output of position i
+      given its branch; new_state holds the window's records at `base .. base + length - 1`
+      where `base` is the row's `write_pos`, or 0 for a row that folded (its checkpoint is
+      then its live state before the window and its `write_pos` is 0). Other rows'
+      checkpoints and every `write_pos` are otherwise unchanged: call `accept` next.
+
+    Raises:
+      ValueError: on a wrong shape or dtype, an unknown backend, `T > L`, lengths outside
+        [0, T], a parent that does not precede its child, or (when slots are concrete) a
+        slot out of range or named twice.
+    """
+    check_state(state)
+    cfg = state.config
+    batch, width = check_window(cfg, window)
+    check_slots("slots", slots, batch, state.num_slots)
+    check_lengths(lengths, batch, width)
+    check_parents(parents, batch, width)
+    check_gate_params(cfg, gate_params)
+    if backend not in VERIFY_BACKENDS:
+        raise ValueError(f"backend must be one of {VERIFY_BACKENDS} for verify_step, got {backend!r}")
+    if width > cfg.cache_len:
+        raise ValueError(f"window width T = {width} exceeds the ring (cache_len = {cfg.cache_len})")
+
+    num_slots, dk = state.num_slots, cfg.head_k_dim
+    plan = plan_step(state.write_pos, slots, None, cfg.cache_len)
+    length = jnp.full((batch,), width, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
+    length = jnp.where(plan.valid, length, 0)
+    fold = plan.valid & (plan.pos + length > cfg.cache_len)
+    in_window = jnp.arange(width)[None, :] < length[:, None]  # [B, T]
+
+    # Padding positions and rows are zeroed first: their garbage must not reach the solve
+    # (a blocked triangular solve multiplies the zero entries of A with them).
+    keep = lambda x: jnp.where(in_window.reshape(batch, width, *([1] * (x.ndim - 2))), x, 0)
+    out_dtype = window.v.dtype
+    window = xla.gate_tokens(cfg, window, gate_params)
+    window = jax.tree.map(lambda x: keep(x.astype(jnp.float32)), window)
+    q, k = gating.prepare_qk(window.q, window.k, use_qk_l2norm=use_qk_l2norm, scale=scale)
+    heads = lambda x: jnp.moveaxis(xla._expand_heads(x, cfg.group_size, axis=2), 1, 2)
+    g = xla._per_channel(window.g, dk, cfg.per_channel_gate)  # [B, T, Hv, Dk]
+
+    live = xla.replay_state(state, plan)
+    # A folding row's window is computed from the checkpoint as it is stored, so its records
+    # agree with what the next step replays from that checkpoint.
+    folded = live.astype(cfg.state_dtype)
+    live = jnp.where(fold[:, None, None, None], folded.astype(jnp.float32), live)
+    # The k/g appends do not depend on the replay's reads of those caches; tie the caches to
+    # `live` so XLA orders the reads first and updates donated buffers in place (as in
+    # `xla.layer_step`; without it both caches are copied every step).
+    live, k_pool, g_pool = jax.lax.optimization_barrier((live, state.k_cache, state.g_cache))
+    anc = ancestors(parents, batch, width)
+    y, u = window_outputs(live, heads(q), heads(k), jnp.moveaxis(window.v, 1, 2),
+                          jnp.moveaxis(g, 1, 2), jnp.moveaxis(window.beta, 1, 2), anc)
+    y = keep(jnp.moveaxis(y, 2, 1)).astype(out_dtype)
+
+    base = jnp.where(fold, 0, plan.pos)
+    writes = in_window & plan.valid[:, None]
+    slot_bt = jnp.where(writes, plan.slot[:, None], num_slots)  # out of range: dropped
+    pos_bt = base[:, None] + jnp.arange(width)[None, :]
+    fold_slot = jnp.where(fold, plan.slot, num_slots)
+    checkpoint = state.checkpoint.at[fold_slot].set(folded, mode="drop")
+    u_cache = state.u_cache.at[slot_bt, :, pos_bt].set(
+        jnp.moveaxis(u, 2, 1).astype(cfg.cache_dtype), mode="drop")
+    k_cache = k_pool.at[slot_bt, :, pos_bt].set(k.astype(cfg.cache_dtype), mode="drop")
+    g_cache = g_pool.at[slot_bt, :, pos_bt].set(window.g, mode="drop")
+    write_pos = state.write_pos.at[fold_slot].set(0, mode="drop")
+    return y, dataclasses.replace(state, checkpoint=checkpoint, u_cache=u_cache, k_cache=k_cache,
+                                  g_cache=g_cache, write_pos=write_pos)
+
+
+def accept(
+    state: ReplayState,
+    slots: Int[Array, " B"],
+    num_accepted: Int[Array, " B"],
+    *,
+    path: Int[Array, "B P"] | None = None,
+) -> ReplayState:
+    """Keep the first `num_accepted[b]` records of row b's verified window: move its cursor
+    by that count (padding rows: untouched).
+
+    Args:
+      state: the state `verify_step` returned.
+      slots: `[B]` int, as given to `verify_step`.
+      num_accepted: `[B]` int, 0..T, the bonus token included.
+      path: for a tree window, `[B, P]` int: the accepted positions from the root down
+        (`path[b, m]` is the m-th accepted token's window position; entries at
+        m >= num_accepted[b] are ignored). Their records are copied to
+        `write_pos .. write_pos + n - 1` first, so the ring holds the accepted tokens in
+        order.
+
+    Raises:
+      ValueError: on a wrong shape or dtype, a negative count, a count (or path) that
+        reaches past the ring, or a path that is not increasing (when values are concrete).
+    """
+    check_state(state)
+    if jnp.ndim(slots) != 1:
+        raise ValueError(f"slots must be a 1-D [B] array, got shape {tuple(jnp.shape(slots))}")
+    batch = jnp.shape(slots)[0]
+    check_slots("slots", slots, batch, state.num_slots)
+    counts = _check_int_array("num_accepted", num_accepted, (batch,))
+    plan = plan_step(state.write_pos, slots, None, state.config.cache_len)
+    length = state.config.cache_len
+    pos = concrete_or_none(plan.pos)
+    if counts is not None:
+        live = concrete_or_none(plan.valid)
+        if np.any(counts < 0):
+            raise ValueError(f"num_accepted must be >= 0, got {counts.tolist()}")
+        if pos is not None and live is not None and np.any(live & (pos + counts > length)):
+            raise ValueError(
+                f"num_accepted {counts.tolist()} moves a cursor past the ring (write_pos "
+                f"{pos.tolist()}, cache_len {length})"
+            )
+    n = jnp.where(plan.valid, num_accepted.astype(jnp.int32), 0)
+    if path is not None:
+        state = _compact_path(state, plan, n, path, counts, pos)
+    target = jnp.where(plan.valid, plan.slot, state.num_slots)
+    write_pos = state.write_pos.at[target].set(plan.pos + n, mode="drop")
+    return dataclasses.replace(state, write_pos=write_pos)
+
+
+def _compact_path(state, plan, n, path, counts, pos) -> ReplayState:
+    """Copy the records at `pos + path[:, m]` to `pos + m` for m < n (all reads first)."""
+    batch = plan.batch
+    if jnp.ndim(path) != 2 or jnp.shape(path)[0] != batch:
+        raise ValueError(f"path must be [B, P] with B = {batch}, got shape {tuple(jnp.shape(path))}")
+    width = jnp.shape(path)[1]
+    values = _check_int_array("path", path, (batch, width))
+    if counts is not None and np.any(counts > width):
+        raise ValueError(f"num_accepted {counts.tolist()} exceeds the path length {width}")
+    if values is not None and counts is not None:
+        used = np.arange(width)[None, :] < counts[:, None]
+        rising = np.diff(np.concatenate([np.full((batch, 1), -1), values], axis=1), axis=1) > 0
+        if np.any(used & ((values < 0) | ~rising)):
+            raise ValueError(f"path must list increasing window positions >= 0, got {values.tolist()}")
+        if pos is not None and np.any(used & (pos[:, None] + values >= state.config.cache_len)):
+            raise ValueError(f"path {values.tolist()} reaches past the ring (write_pos {pos.tolist()})")
+    length = state.config.cache_len
+    steps = jnp.arange(width)[None, :]
+    moves = (steps < n[:, None]) & plan.valid[:, None]
+    src = jnp.clip(plan.pos[:, None] + path.astype(jnp.int32), 0, length - 1)
+    dst = plan.pos[:, None] + steps
+    slot_bp = jnp.where(moves, plan.slot[:, None], state.num_slots)  # out of range: dropped
+    fields = {}
+    for name in ("u_cache", "k_cache", "g_cache"):
+        cache = getattr(state, name)
+        picked = cache[plan.slot[:, None], :, src]  # [B, P, H, ...]
+        fields[name] = cache.at[slot_bp, :, dst].set(picked, mode="drop")
+    return dataclasses.replace(state, **fields)
