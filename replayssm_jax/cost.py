@@ -92,6 +92,12 @@ def entry_bytes(config: ReplayConfig) -> int:
     )
 
 
+def slot_memory_bytes(config: ReplayConfig) -> int:
+    """Memory of one slot of one layer: the checkpoint S plus the ring of L entries, S + L E
+    (the plain recurrence keeps S alone)."""
+    return state_bytes(config) + config.cache_len * entry_bytes(config)
+
+
 def plain_step_bytes(config: ReplayConfig, batch: int) -> StepBytes:
     """Plain decode: every row reads and writes its full state (state dtype of `config`)."""
     s = batch * state_bytes(config)
