@@ -103,3 +103,14 @@ def test_rebuild_flops_and_floor():
 def test_pos_out_of_range_is_rejected():
     with pytest.raises(ValueError, match="pos"):
         cost.replay_row_bytes(_cfg(cache_len=4), 4)
+
+
+@pytest.mark.parametrize("gate,dtype,cache_len", [("gdn", "float32", 16), ("kda", "bfloat16", 3), ("gdn", "bfloat16", 1)])
+def test_slot_memory_is_what_a_state_allocates_per_slot(gate, dtype, cache_len):
+    import jax
+    from replayssm_jax import init_state
+
+    config = ReplayConfig(2, 4, 32, 16, cache_len, gate=gate, state_dtype=dtype, cache_dtype=dtype)
+    state = jax.eval_shape(lambda: init_state(config, 3))
+    allocated = sum(x.size * x.dtype.itemsize for x in (state.checkpoint, state.u_cache, state.k_cache, state.g_cache))
+    assert cost.slot_memory_bytes(config) * 3 == allocated
