@@ -279,5 +279,5 @@ def mamba2_replay_decode(
         kernel, grid=(batch, heads, head_dim // params.block_v),
         inputs=(slot, pos, mode, *token), state=(state, x_cache, b_cache, dt_cache), y_like=x,
         num_warps=params.num_warps, grid_order=params.grid_order, interpret=interpret,
-        name="mamba2_replay_decode",
+        name="replayssm_mamba2_decode",
     )

@@ -97,7 +97,7 @@ import kernel_registers  # noqa: E402
 
 KERNEL_NAMES = {PlainParams: "plain_decode", FoldParams: "replayssm_fold_decode",
                 ReplayTileParams: "replayssm_replay_decode", ReplayGroupedParams: "replayssm_replay_decode_grouped",
-                Mamba2PlainParams: "mamba2_plain_decode", Mamba2ReplayParams: "mamba2_replay_decode"}
+                Mamba2PlainParams: "mamba2_plain_decode", Mamba2ReplayParams: "replayssm_mamba2_decode"}
 
 
 def _h200_config(gate: str, nbytes: int, cache_len: int) -> R.ReplayConfig:
