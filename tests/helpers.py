@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from collections.abc import Callable
 
 import jax
@@ -315,3 +316,21 @@ def run_schedule(
         report.forced_flushes += int((flush & ~natural).sum())
         report.tokens += int(active.sum())
     return report
+
+
+def aliased_parameters(hlo_text: str) -> set[int]:
+    """Parameter numbers named in the HLO module's input_output_alias map."""
+    header = next(line for line in hlo_text.splitlines() if line.startswith("HloModule"))
+    entries = re.findall(r"\{\d+\}: \((\d+), \{\}, (?:may|must)-alias\)", header)
+    return {int(p) for p in entries}
+
+
+def state_sized_copies(hlo_text: str, state) -> list[str]:
+    """HLO `copy` instructions whose result has the shape of a state field (a pool copy)."""
+    shapes = {tuple(leaf.shape) for leaf in jax.tree.leaves(state)}
+    found = []
+    for line in hlo_text.splitlines():
+        match = re.search(r"= \w+\[([\d,]*)\]\S* copy\(", line)
+        if match and tuple(int(d) for d in match.group(1).split(",") if d) in shapes:
+            found.append(line.strip())
+    return found
