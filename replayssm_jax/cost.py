@@ -14,7 +14,8 @@ checkpoint L times, writes it once, reads 0 + 1 + ... + (L-1) entries and append
 
   per-step average = S (1 + 1/L) + E (L - 1)/2 + E (L - 1)/L
 
-with S the checkpoint bytes of a slot and E the bytes of one cache entry (u, k, g). The
+with S the checkpoint bytes of a slot and E the bytes of one cache entry (u, k, g; for
+Mamba-2 x, B, dt, C never cached). The
 plain recurrence reads and writes S every step (2 S). With L = 1 every step flushes and
 nothing is cached, so ReplaySSM moves exactly the plain bytes; for the state alone the ratio
 is (1 + 1/L)/2.
@@ -82,7 +83,8 @@ def state_bytes(config: ReplayConfig) -> int:
 
 def entry_bytes(config: ReplayConfig) -> int:
     """E: bytes of one cache entry of one slot: u `[H_v, d_v]` and k `[H_k, d_k]` in the
-    cache dtype, g `[H_v]` (GDN) or `[H_v, d_k]` (KDA) in float32."""
+    cache dtype, g `[H_v]` (GDN) or `[H_v, d_k]` (KDA) in float32. Mamba-2 caches x `[H, P]`,
+    B `[G, N]` and dt `[H]` in the same fields (`replayssm_jax.gates`), so the same count."""
     item = config.cache_dtype.itemsize
     g_per_head = config.head_k_dim if config.per_channel_gate else 1
     return (
