@@ -10,8 +10,8 @@ checks are off by default and cost nothing then. `checked(fn)` turns them on:
 
 What is checked (each names the argument and its values):
 
-* `decode_step` (layer and model decoder), `layer`-level slot maps: a slot >= N, a slot
-  named twice in one batch;
+* the slot map of `decode_step` (layer and model decoder) and `materialize_state`: a
+  slot >= N, a slot named twice in one batch;
 * slot operations (`reset_slots`, `flush_slots`, `copy_slots`, `snapshot`): a slot >= N,
   a destination named twice, a padding source paired with a live destination, a snapshot
   of a slot with cached entries (not flushed);
@@ -19,7 +19,8 @@ What is checked (each names the argument and its values):
   row (live positions only in `prefill`), a prefill length outside `[0, T]`, a slot >= N.
 
 A copy onto a slot that another row of the same step uses cannot happen: copies and steps
-are separate calls, each reading its whole input state.
+are separate calls, each reading its whole input state. When the checks are off, plain
+`jit` compiles the same program as without them (the `debug_check`s lower to nothing).
 """
 
 from __future__ import annotations

@@ -96,6 +96,16 @@ def test_checked_keeps_jit_options_and_results():
     np.testing.assert_array_equal(np.asarray(got.write_pos), np.asarray(want.write_pos))
 
 
+def test_checked_takes_static_keyword_arguments():
+    config = small_config("gdn", 4)
+    step = checked(decode_step, static_argnames=("backend", "policy"))
+    tokens = to_device(random_tokens(np.random.default_rng(1), config, (2,)))
+    y, _ = step(init_state(config, N), tokens, i32([0, 1]), backend="xla", policy="natural")
+    assert y.shape == (2, config.num_v_heads, config.head_v_dim)
+    with pytest.raises(checkify.JaxRuntimeError, match="names a slot twice"):
+        step(init_state(config, N), tokens, i32([1, 1]), backend="xla", policy="natural")
+
+
 def test_prefill_length_past_the_chunk_raises_at_the_boundary():
     fn, args = prefill_case([[1, 2, 3], [4, 5, 6]], [3, 4])
     with pytest.raises(ValueError, match="lengths must be in"):
