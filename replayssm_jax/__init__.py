@@ -1,5 +1,6 @@
 """replayssm-jax: ReplaySSM decode for Gated DeltaNet / KDA / Mamba-2 layers in JAX and Pallas."""
 
+from replayssm_jax.checks import checked
 from replayssm_jax.config import ReplayConfig
 from replayssm_jax.decode import decode_step, layer_step, materialize_state
 from replayssm_jax.gates import GATES, GateKind
@@ -23,6 +24,7 @@ __all__ = [
     "accept",
     "advance_write_pos",
     "beta_gate",
+    "checked",
     "decode_step",
     "default_flush_policy",
     "gdn_gate",

@@ -78,10 +78,14 @@ _MAMBA2_UNTUNED = "untuned: Mamba-2 tile shape not yet measured on the H200"
 LAUNCH_TABLE: tuple[LaunchRow, ...] = (
     # Mamba-2 first: the rows for any gate below name the delta-rule kernels
     LaunchRow("plain", "mamba2", ANY, (1, 16), _ALL, Mamba2PlainParams(16, 1), _MAMBA2_UNTUNED),
-    LaunchRow("plain", "mamba2", ANY, (17, None), _ALL, Mamba2PlainParams(16, 1, grid_order=_ROWS), _MAMBA2_UNTUNED),
+    LaunchRow("plain", "mamba2", 4, (17, None), _ALL, Mamba2PlainParams(16, 1, grid_order=_ROWS),
+              "h200_2026-12-02_mamba2_tiles.json"),
+    LaunchRow("plain", "mamba2", 2, (17, None), _ALL, Mamba2PlainParams(16, 2, grid_order=_ROWS),
+              "h200_2026-12-02_mamba2_tiles.json"),
     LaunchRow("fold", "mamba2", ANY, (1, None), _ALL, Mamba2ReplayParams(16, 1, grid_order=_ROWS), _MAMBA2_UNTUNED),
     LaunchRow("replay", "mamba2", ANY, (1, 16), _ALL, Mamba2ReplayParams(16, 1), _MAMBA2_UNTUNED),
-    LaunchRow("replay", "mamba2", ANY, (17, None), _ALL, Mamba2ReplayParams(16, 1, grid_order=_ROWS), _MAMBA2_UNTUNED),
+    LaunchRow("replay", "mamba2", ANY, (17, None), _ALL, Mamba2ReplayParams(32, 1, grid_order=_ROWS),
+              "h200_2026-12-02_mamba2_tiles.json"),
     # plain decode (the baseline, and every step at L = 1)
     LaunchRow("plain", "gdn", 4, (1, 2), _ALL, PlainParams(4, 1, column_chunk=32), "h200_2026-11-29_v21_small_batch.json"),
     LaunchRow("plain", "gdn", 2, (1, 2), _ALL, PlainParams(4, 1), "h200_2026-11-29_v23c_one_row.json"),

@@ -20,12 +20,13 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import checkify
 from jaxtyping import Array, Bool, Float, Int
 
 from replayssm_jax.config import ReplayConfig
 from replayssm_jax.decode import check_backend
 from replayssm_jax.plan import FlushPolicy, StepPlan, advance_write_pos, as_policy, default_flush_policy, plan_step
-from replayssm_jax.validation import check_slots
+from replayssm_jax.validation import check_slots, concrete_or_none
 from replayssm_jax.model import slots as slot_ops
 from replayssm_jax.model.layer import (
     GDNDims,
@@ -197,6 +198,15 @@ def check_token_ids(name: str, tokens: Array, ndim: int) -> None:
         )
 
 
+def _debug_check_token_ids(name: str, tokens: Array, live: Array, vocab_size: int) -> None:
+    """In-jit check (under `checkify` only): live tokens are ids in `[0, vocab)`; without it
+    an id outside is clipped to the nearest end of the table."""
+    inside = (tokens >= 0) & (tokens < vocab_size)
+    checkify.debug_check(
+        jnp.all(inside | ~live), f"{name} holds a token id outside [0, {vocab_size}): {{t}}", t=tokens
+    )
+
+
 def decode_step(
     params: DecoderParams,
     state: ModelState,
@@ -224,6 +234,7 @@ def decode_step(
     check_token_ids("tokens", tokens, 1)
     check_slots("slots", slots, jnp.shape(tokens)[0], state.num_slots)
     check_backend(backend)
+    _debug_check_token_ids("tokens", tokens, slots >= 0, params.embed.shape[0])
     return decode_core(params, state, tokens, slots, force_flush, backend=backend, policy=policy)
 
 
@@ -316,6 +327,10 @@ def prefill(
 
     Returns:
       `(logits of each row's last token [B, V], new_state)`.
+
+    Raises:
+      ValueError: a slot >= N or named twice, or a length outside `[0, T]` (when concrete;
+        under `jit` through `replayssm_jax.checked`, with token ids outside the vocabulary).
     """
     check_model_state(state)
     check_token_ids("tokens", tokens, 2)
@@ -324,9 +339,19 @@ def prefill(
             f"lengths must have shape {jnp.shape(tokens)[:1]} (one per row), got {jnp.shape(lengths)}"
         )
     slots = slot_ops.check_slots_arg("slots", slots, state.num_slots, unique=True)
-    valid = slots >= 0
-    slot = jnp.where(valid, slots, 0)
-    start = PlainState(ssm=slot_ops.live_states(state, slots), conv=state.conv_state[:, slot])
+    chunk = jnp.shape(tokens)[1]
+    values = concrete_or_none(lengths)
+    if values is not None and ((values < 0) | (values > chunk)).any():
+        raise ValueError(f"lengths must be in [0, {chunk}] (the chunk length T), got {values.tolist()}")
+    checkify.debug_check(
+        jnp.all((lengths >= 0) & (lengths <= chunk)),
+        f"lengths must be in [0, {chunk}] (the chunk length T): {{n}}", n=lengths,
+    )
+    live_tokens = (slots >= 0)[:, None] & (jnp.arange(chunk)[None, :] < lengths[:, None])
+    _debug_check_token_ids("tokens", tokens, live_tokens, params.embed.shape[0])
+    valid, slot = slot_ops.live_entries(slots, state.num_slots)
+    conv = slot_ops.keep_rows(valid, state.conv_state[:, slot])  # zeros past N, not slot N-1's
+    start = PlainState(ssm=slot_ops.live_states(state, slots), conv=conv)
     logits, end = plain_forward(params, tokens, start, lengths, chunked=True)
     target = jnp.where(valid, slots, state.num_slots)
     state = dataclasses.replace(
