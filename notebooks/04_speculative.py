@@ -184,8 +184,8 @@ fig.tight_layout()
 save_figure(fig, "04_ring_vs_folds")
 
 # %% [markdown]
-# The folds dominate ReplaySSM's writes up to large rings (a checkpoint is `S / E` records,
-# about 85 here), yet even at `L = T` the row writes one state per step where conventional
+# The folds dominate ReplaySSM's writes up to large rings (a checkpoint weighs `S / E` records,
+# printed above), yet even at `L = T` the row writes one state per step where conventional
 # speculation writes `T`. Higher acceptance fills the ring faster and folds more often: a
 # larger `L` keeps the fold rate down when drafts are good.
 #
