@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -143,6 +144,16 @@ def greedy_accept(drafts: Int[np.ndarray, "B Tm1"], argmax: Int[np.ndarray, "B T
     return 1 + np.cumprod(agree, axis=1).sum(axis=1)
 
 
+class Drafter(Protocol):
+    """Proposes draft tokens for every row of the engine's batch."""
+
+    def propose(
+        self, engine: Engine, tokens: Int[Array, " B"], slots: Int[Array, " B"], count: int
+    ) -> Int[np.ndarray, "B count"]:
+        """`count` drafts to follow each row's next input `tokens` (rows with slot -1: any)."""
+        ...
+
+
 class NgramDrafter:
     """Prompt lookup: the tokens that followed the last earlier occurrence of the sequence's
     final `n`-gram (shorter n-grams when none occurs), else the last token repeated."""
@@ -211,6 +222,9 @@ class Engine:
     (the compiler partitions them); their results are put back on the pool's layout. The
     decode step is bit-identical to one device; the partitioned prefill is not with tp > 1
     (its output projection sums partial products over tp: another summation order).
+
+    With `speculate = T` (2 <= T <= cache_len; one device, xla backend) `step` is
+    `speculative_step`: `drafter` (default `NgramDrafter()`) proposes T - 1 tokens per row.
     """
 
     def __init__(
@@ -227,7 +241,7 @@ class Engine:
         policy: FlushPolicy | str | None = None,
         mesh: Mesh | None = None,
         speculate: int = 0,
-        drafter: NgramDrafter | SelfDrafter | None = None,
+        drafter: Drafter | None = None,
     ):
         if num_slots < max_batch:
             raise ValueError(f"num_slots ({num_slots}) must be >= max_batch ({max_batch})")
@@ -419,7 +433,7 @@ class Engine:
             request.accepted_drafts += int(kept[row]) - 1
             request.spec_written += layers * (records + checkpoint * bool(folded[row]))
             request.conventional_written += layers * width * checkpoint
-            request.natural_flushes += bool(folded[row])
+            request.natural_flushes += bool(folded[row])  # a verify step folds only when the ring is full
             request.step_seconds.append(seconds)
             request.generated.extend(int(t) for t in argmax[row, :n])
             request.logits.extend(logits[row, :n])
