@@ -188,3 +188,37 @@ def floor_us(num_bytes: float, bandwidth_GBps: float) -> float:
     if bandwidth_GBps <= 0:
         raise ValueError(f"bandwidth_GBps must be positive, got {bandwidth_GBps}")
     return num_bytes / (bandwidth_GBps * 1e3)
+
+
+def verify_fold_interval(cache_len: int, width: int, accepted: float) -> int:
+    """Verify steps per fold of a row that keeps `accepted` tokens (bonus included) of
+    every window of `width` tokens, in steady state.
+
+    Capacity rule of `speculative.verify_step`: a row whose `write_pos + width > L` folds
+    its history first and its cursor restarts at 0, so after a fold the cursor reads
+    `accepted`, `2 accepted`, ... and the j-th step after the fold folds again at the first
+    j with `j accepted + width > L`: every `floor((L - width) / accepted) + 1` steps.
+    """
+    if not 1 <= width <= cache_len:
+        raise ValueError(f"width must be in [1, cache_len = {cache_len}], got {width}")
+    if not 1 <= accepted <= width:
+        raise ValueError(f"accepted must be in [1, width = {width}], got {accepted}")
+    return int((cache_len - width) // accepted) + 1
+
+
+def verify_written_per_token(config: ReplayConfig, width: int, accepted: float) -> float:
+    """ReplaySSM verify: state bytes written per accepted token of one row and layer.
+
+    Every verify step appends `width` records (`width * E`); every `verify_fold_interval`
+    steps it also writes the checkpoint (S). Rejected records cost their append only.
+    """
+    folds = 1 / verify_fold_interval(config.cache_len, width, accepted)
+    return (width * entry_bytes(config) + folds * state_bytes(config)) / accepted
+
+
+def conventional_written_per_token(config: ReplayConfig, width: int, accepted: float) -> float:
+    """Conventional speculative verify: one full state per window position is written (so
+    any prefix can be rolled back), `width * S` per step, per accepted token."""
+    if not 1 <= accepted <= width:
+        raise ValueError(f"accepted must be in [1, width = {width}], got {accepted}")
+    return width * state_bytes(config) / accepted
