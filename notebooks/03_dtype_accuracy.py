@@ -39,7 +39,7 @@ BATCH = env_int("RS_BATCH", 2)
 NUM_K_HEADS = env_int("RS_NUM_K_HEADS", 1)
 NUM_V_HEADS = env_int("RS_NUM_V_HEADS", 2)
 HEAD_DIM = env_int("RS_HEAD_DIM", 32)  # d_k = d_v
-STEPS = env_int("RS_STEPS", 2048)  # tokens decoded
+STEPS = env_int("RS_ACCURACY_STEPS", 10_000)  # tokens decoded
 CACHE_LENS = env_ints("RS_CACHE_LENS", (1, 4, 16, 64))
 MAIN_CACHE_LEN = env_int("RS_MAIN_CACHE_LEN", 16)  # L of the error-vs-step plots
 # Decay: g = -(DECAY_PERMILLE / 1000) * softplus(a + dt_bias), so alpha = exp(g) is about
@@ -245,6 +245,12 @@ for quantity in ("state", "y"):
         print(f"{'plain, ' + SHORT[sd] + ' state every step':36s}{late(baselines[sd][quantity]):20.2e}")
 
 # %% [markdown]
+# What the tests assert (`tests/test_long_decode.py`, 10^4 steps, L = 4 and 16, this decay):
+# the median live-state error over the last half stays <= 2e-6 with an fp32 state and
+# <= 2e-2 with a bf16 state and caches. The decay forgets old rounding errors, so the error
+# settles instead of growing with the number of steps: fp32 sits at a few ulps; bf16 at the
+# rounding of one checkpoint write (2^-9) plus the rounded cache entries.
+#
 # Under `FlushPolicy.EVERY_STEP` (the default at small batches) every step writes the
 # checkpoint, so whatever `L` the accuracy is that of `L = 1`: the plain recurrence with
 # its state stored in the state dtype.
