@@ -129,6 +129,14 @@ def serve(engine: serving.Engine, workload: Workload, steps: int) -> list[float]
     return step_times
 
 
+def compare(request: serving.Request, tokens: list[int], logits) -> tuple[bool, float]:
+    """`(greedy tokens equal the reference's, largest logit difference)`: logits are
+    comparable up to and including the first differing token (same inputs until then)."""
+    agree = next((i for i, (a, b) in enumerate(zip(tokens, request.generated)) if a != b), None)
+    upto = len(tokens) if agree is None else agree + 1
+    return tokens == request.generated, float(np.max(np.abs(np.stack(request.logits)[:upto] - logits[:upto])))
+
+
 def report(
     engine: serving.Engine, requests: list[serving.Request], ref_tokens, ref_logits
 ) -> tuple[bool, float]:
@@ -141,11 +149,7 @@ def report(
     )
     all_same, worst = True, 0.0
     for request, tokens, logits in zip(requests, ref_tokens, ref_logits):
-        same = tokens == request.generated
-        # Logits are comparable up to and including the first differing token (same inputs).
-        agree = next((i for i, (a, b) in enumerate(zip(tokens, request.generated)) if a != b), None)
-        upto = len(tokens) if agree is None else agree + 1
-        diff = float(np.max(np.abs(np.stack(request.logits)[:upto] - logits[:upto])))
+        same, diff = compare(request, tokens, logits)
         all_same &= same
         worst = max(worst, diff)
         n = max(request.decode_steps, 1)
@@ -175,10 +179,7 @@ def report_speculative(
     )
     all_same, worst = True, 0.0
     for request, tokens, logits in zip(requests, ref_tokens, ref_logits):
-        same = tokens == request.generated
-        agree = next((i for i, (a, b) in enumerate(zip(tokens, request.generated)) if a != b), None)
-        upto = len(tokens) if agree is None else agree + 1
-        diff = float(np.max(np.abs(np.stack(request.logits)[:upto] - logits[:upto])))
+        same, diff = compare(request, tokens, logits)
         all_same &= same
         worst = max(worst, diff)
         steps = request.verify_steps
