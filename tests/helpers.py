@@ -36,11 +36,11 @@ STATE_FIELDS = ("checkpoint", "u_cache", "k_cache", "g_cache", "write_pos")
 
 
 def exposed_kernel_params() -> list:
-    """Every launch parameter set the pallas_triton backend reaches: each row of its launch
-    table, each replay row under every rebuild precision (`common.with_rebuild_precision`,
+    """Every launch parameter set the pallas_triton backend's layer step reaches: each
+    decode row of its launch table (verify rows: tests/test_verify_kernel.py), each replay row under every rebuild precision (`common.with_rebuild_precision`,
     which raises its dot sizes where the tensor cores need it), and the per-tile replay
     kernel's defaults."""
-    out = {row.params for row in pallas_triton.LAUNCH_TABLE} | {ReplayTileParams()}
+    out = {row.params for row in pallas_triton.LAUNCH_TABLE if row.step != "verify"} | {ReplayTileParams()}
     for row in pallas_triton.LAUNCH_TABLE:
         if row.step == "replay" and hasattr(row.params, "rebuild_precision"):
             out |= {common.with_rebuild_precision(row.params, p) for p in common.PRECISIONS}

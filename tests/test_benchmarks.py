@@ -70,7 +70,8 @@ def test_table_cases_list_each_reachable_row_once():
     params = [p for _, p, _ in cases]
     assert len(params) == len(set(params)), "a row listed twice"
     for batch, p, length in cases:
-        step = {"PlainParams": "plain", "FoldParams": "fold"}.get(type(p).__name__, "replay")
+        step = {"PlainParams": "plain", "FoldParams": "fold",
+                "VerifyReadoutParams": "verify"}.get(type(p).__name__, "replay")
         assert pallas_triton.launch_row(step, "gdn", 4, batch, length).params == p
     gdn_fp32_rows = {row.params for row in pallas_triton.LAUNCH_TABLE
                      if row.gate in (None, "gdn") and row.state_bytes in (None, 4)}

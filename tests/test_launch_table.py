@@ -21,6 +21,7 @@ from pallas_kernels.fold_decode import FoldParams
 from pallas_kernels.plain_decode import PlainParams
 from pallas_kernels.replay_decode import ReplayTileParams
 from pallas_kernels.replay_decode_grouped import ReplayGroupedParams
+from pallas_kernels.verify_readout import VerifyReadoutParams
 from replayssm_jax.backends import pallas_triton
 from replayssm_jax.backends.pallas_triton import LAUNCH_TABLE, launch_row
 
@@ -28,7 +29,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 RAW = ROOT / "benchmarks" / "results" / "raw"
 GATES, STATE_BYTES = ("gdn", "kda"), (4, 2)
 BATCHES = [*range(1, 300), 511, 512, 513, 1024, 4096]
-STEP_TYPES = {"plain": (PlainParams,), "fold": (FoldParams,), "replay": (ReplayGroupedParams, ReplayTileParams)}
+STEP_TYPES = {"plain": (PlainParams,), "fold": (FoldParams,), "replay": (ReplayGroupedParams, ReplayTileParams),
+              "verify": (VerifyReadoutParams,)}
 
 
 def _cache_lens(step: str) -> tuple[int, ...]:
@@ -48,7 +50,7 @@ ROW_IDS = [f"{i}-{row.step}-{row.gate}-{row.state_bytes}-B{row.batch[0]}-L{row.c
            for i, row in enumerate(LAUNCH_TABLE)]
 
 
-@pytest.mark.parametrize("step", ["plain", "fold", "replay"])
+@pytest.mark.parametrize("step", list(STEP_TYPES))
 def test_every_layer_and_batch_finds_a_row_of_its_step(step):
     for gate, nbytes, length, batch in itertools.product(GATES, STATE_BYTES, _cache_lens(step), BATCHES):
         row = launch_row(step, gate, nbytes, batch, length)
@@ -66,7 +68,7 @@ def test_every_row_is_reachable_and_cites_its_results(index):
 
 def test_lookup_is_the_first_matching_row():
     for gate, nbytes, batch, length in [("gdn", 4, 1, 16), ("kda", 2, 100, 32), ("gdn", 2, 600, 3)]:
-        for step in ("plain", "fold", "replay"):
+        for step in STEP_TYPES:
             first = next(r for r in LAUNCH_TABLE if r.matches(step, gate, nbytes, batch, length))
             assert launch_row(step, gate, nbytes, batch, length) is first
 
@@ -89,7 +91,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import kernel_registers  # noqa: E402
 
 KERNEL_NAMES = {PlainParams: "plain_decode", FoldParams: "replayssm_fold_decode",
-                ReplayTileParams: "replayssm_replay_decode", ReplayGroupedParams: "replayssm_replay_decode_grouped"}
+                ReplayTileParams: "replayssm_replay_decode", ReplayGroupedParams: "replayssm_replay_decode_grouped",
+                VerifyReadoutParams: "replayssm_verify_readout"}
 
 
 def _h200_config(gate: str, nbytes: int, cache_len: int) -> R.ReplayConfig:
@@ -98,7 +101,8 @@ def _h200_config(gate: str, nbytes: int, cache_len: int) -> R.ReplayConfig:
                           state_dtype=dtype, cache_dtype=dtype)
 
 
-@pytest.mark.parametrize("params", [PlainParams(), FoldParams(), ReplayTileParams(), ReplayGroupedParams()], ids=repr)
+@pytest.mark.parametrize("params", [PlainParams(), FoldParams(), ReplayTileParams(), ReplayGroupedParams(),
+                                    VerifyReadoutParams()], ids=repr)
 def test_each_kernel_lowers_under_its_own_name(params):
     # A profile tells the kernels apart by their pallas_call names.
     cfg = _h200_config("gdn", 4, 1 if isinstance(params, PlainParams) else 13)
