@@ -1,6 +1,7 @@
 """`verify_step(backend="pallas_triton")` (the `verify_readout` kernel, interpret mode)
-against the xla backend's verify and an independent float64 model of the recurrence; stale
-cache entries holding NaN; the kernel's lowering for an abstract H200.
+against the xla backend's verify and an independent float64 model of the recurrence (tree
+windows: each position continues from its parent); stale cache entries holding NaN; the
+kernel's lowering for an abstract H200.
 
 Setup: a pool of slots with random checkpoints and histories decoded with `decode_step`,
 rows on shuffled slots with a padding row, ragged window lengths, and rows whose history
@@ -42,8 +43,14 @@ def _setup(rng, gate, state_dtype):
     return config, slots, lengths, state
 
 
-def _both(state, window, slots, lengths):
-    args = dict(lengths=jnp.asarray(lengths), use_qk_l2norm=True)
+def random_tree(rng, batch: int) -> np.ndarray:
+    """`[B, T]` parents: position i's parent drawn from -1 .. i-1 (chains and branches)."""
+    return np.stack([rng.integers(-1, np.arange(T)) for _ in range(batch)]).astype(np.int32)
+
+
+def _both(state, window, slots, lengths, parents=None):
+    args = dict(lengths=jnp.asarray(lengths), use_qk_l2norm=True,
+                parents=None if parents is None else jnp.asarray(parents))
     xla_out = verify(state, window, jnp.asarray(slots), backend="xla", **args)
     pallas_out = verify(state, window, jnp.asarray(slots), backend="pallas_triton", interpret=True, **args)
     return xla_out, pallas_out
@@ -58,8 +65,9 @@ def test_pallas_verify_matches_xla_and_the_model(gate, dtype, rng):
     fold = (slots >= 0) & (pos + lengths > config.cache_len)
     np.testing.assert_array_equal(fold, [True, True, False, False, False])
     window = random_tokens(rng, config, (slots.size, T))
+    parents = random_tree(rng, slots.size)  # tree windows: each position sees its ancestors
     live = np.asarray(jax.jit(materialize_state)(state, jnp.asarray(slots)))
-    (y_x, s_x), (y_p, s_p) = _both(state, to_device(window), slots, lengths)
+    (y_x, s_x), (y_p, s_p) = _both(state, to_device(window), slots, lengths, parents)
     y_x, y_p = np.asarray(y_x, np.float32), np.asarray(y_p, np.float32)
     after_x, after_p = snapshot(s_x), snapshot(s_p)
 
@@ -85,7 +93,7 @@ def test_pallas_verify_matches_xla_and_the_model(gate, dtype, rng):
         np.testing.assert_array_equal(bits(after_p[name][others]), bits(snapshot(state)[name][others]))
     # Against the float64 model from the live state, per row and position.
     for r in np.flatnonzero(active):
-        ys, _ = model_window(config, live[r], jax.tree.map(lambda x: x[r], window), None, lengths[r])
+        ys, _ = model_window(config, live[r], jax.tree.map(lambda x: x[r], window), parents[r], lengths[r])
         for i, want in enumerate(ys):
             assert rel_err(y_p[r, i][None], want[None]).max() < tol, (r, i)
 
