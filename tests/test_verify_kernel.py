@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from helpers import bits, random_tokens, rel_err, small_config, snapshot, to_device
-from replayssm_jax import materialize_state, verify_step
+from replayssm_jax import accept, materialize_state, verify_step
 from test_speculative import BF16_TOL, FP32_TOL, model_window, random_rows, with_history
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -130,3 +130,39 @@ def test_verify_readout_lowers_for_h200(gate, dtype):
     cfg = ReplayConfig(16, 32, 128, 128, 16, gate=gate, state_dtype=dtype, cache_dtype=dtype)
     ir = kernel_registers.kernel_ir(cfg, VerifyReadoutParams(), 8)
     assert re.findall(r"tt\.func \w* ?@(\w+)", ir) == ["replayssm_verify_readout"]
+
+
+def test_donated_pallas_verify_updates_the_state_in_place(rng):
+    """Donated, the kernel's checkpoint and XLA's appends to the caches alias the input
+    buffers and nothing copies the pool (a copy would move every slot's state per step)."""
+    from test_decode import _aliased_parameters, _state_sized_copies
+
+    config, slots, lengths, state = _setup(rng, "gdn", jnp.float32)
+    window = to_device(random_tokens(rng, config, (slots.size, T)))
+    step = jax.jit(lambda s, w, sl: verify_step(s, w, sl, backend="pallas_triton", use_qk_l2norm=True,
+                                                interpret=True), donate_argnums=0)
+    hlo = step.lower(state, window, jnp.asarray(slots)).compile().as_text()
+    assert _aliased_parameters(hlo) >= set(range(len(jax.tree.leaves(state))))
+    assert not _state_sized_copies(hlo, state), _state_sized_copies(hlo, state)
+
+
+@pytest.mark.parametrize("gate", ["gdn", "kda"])
+def test_rollback_schedule_matches_xla(gate, rng):
+    """Verify, accept a random 0..T per row, verify again, ...: both backends keep the same
+    outputs and live states, folds included (L = 2T: cursors cross the capacity rule)."""
+    config, slots, lengths, state = _setup(rng, gate, jnp.float32)
+    jslots = jnp.asarray(slots)
+    states = {"xla": state, "pallas_triton": state}
+    for _ in range(4):
+        window = to_device(random_tokens(rng, config, (slots.size, T)))
+        counts = jnp.asarray(rng.integers(0, T + 1, slots.size), jnp.int32)
+        ys = {}
+        for backend, st in states.items():
+            extra = dict(interpret=True) if backend == "pallas_triton" else {}
+            y, st = verify(st, window, jslots, backend=backend, use_qk_l2norm=True, **extra)
+            ys[backend], states[backend] = np.asarray(y), jax.jit(accept)(st, jslots, counts)
+        active = slots >= 0
+        assert rel_err(ys["pallas_triton"][active], ys["xla"][active]).max() < FP32_TOL
+        np.testing.assert_array_equal(states["pallas_triton"].write_pos, states["xla"].write_pos)
+        live = {b: np.asarray(jax.jit(materialize_state)(s, jslots)) for b, s in states.items()}
+        assert rel_err(live["pallas_triton"][active], live["xla"][active]).max() < FP32_TOL
