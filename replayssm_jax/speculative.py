@@ -238,6 +238,11 @@ def verify_step(
         raise ValueError(f"backend must be one of {VERIFY_BACKENDS} for verify_step, got {backend!r}")
     if width > cfg.cache_len:
         raise ValueError(f"window width T = {width} exceeds the ring (cache_len = {cfg.cache_len})")
+    if backend == "xla" and (kernel_params is not None or interpret is not None):
+        raise ValueError("kernel_params and interpret apply to backend='pallas_triton' only")
+    if backend == "pallas_triton":
+        pallas_triton.check_kernel_shapes(cfg.head_k_dim, cfg.head_v_dim)
+        kernel_params = pallas_triton.verify_params(cfg, batch, kernel_params)
 
     num_slots, dk = state.num_slots, cfg.head_k_dim
     plan = plan_step(state.write_pos, slots, None, cfg.cache_len)
@@ -292,12 +297,9 @@ def verify_step(
                                   g_cache=g_cache, write_pos=write_pos)
 
 
-def _pallas_window(state, plan, fold, q, k, v, g, beta, anc, kernel_params, interpret):
+def _pallas_window(state, plan, fold, q, k, v, g, beta, anc, params, interpret):
     """`window_outputs` with the live state's readouts from the `verify_readout` kernel:
     `(y, u, checkpoint with the folding rows' live states, (u, k, g caches))`."""
-    cfg = state.config
-    pallas_triton.check_kernel_shapes(cfg.head_k_dim, cfg.head_v_dim)
-    params = pallas_triton.verify_params(cfg, plan.batch, kernel_params)
     G = window_decay(g, anc)
     decay = jnp.exp(G)
     SK, SQ, checkpoint = verify_readout(
