@@ -119,6 +119,7 @@ def test_stale_nan_entries_never_reach_the_kernel(gate, rng):
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import kernel_registers  # noqa: E402
+from pallas_kernels.common import GridOrder  # noqa: E402
 from pallas_kernels.verify_readout import VerifyReadoutParams  # noqa: E402
 from replayssm_jax import ReplayConfig  # noqa: E402
 
@@ -166,3 +167,15 @@ def test_rollback_schedule_matches_xla(gate, rng):
         np.testing.assert_array_equal(states["pallas_triton"].write_pos, states["xla"].write_pos)
         live = {b: np.asarray(jax.jit(materialize_state)(s, jslots)) for b, s in states.items()}
         assert rel_err(live["pallas_triton"][active], live["xla"][active]).max() < FP32_TOL
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(block_v=24), "block_v must be a power of two, got 24"),
+    (dict(num_warps=3), "num_warps must be 1, 2, 4, 8 or 16, got 3"),
+    (dict(rebuild_unroll=0), "rebuild_unroll must be in 1..16, got 0"),
+    (dict(rebuild_unroll=True), "rebuild_unroll must be in 1..16, got True"),
+    (dict(grid_order=GridOrder.LAUNCH_ORDER), "grid_order must be one of ROW_FASTEST, ROW_SLOWEST"),
+], ids=repr)
+def test_verify_readout_params_reject_bad_values(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        VerifyReadoutParams(**kwargs)
