@@ -37,7 +37,6 @@ import dataclasses
 import functools
 import json
 import statistics
-import sys
 import time
 import warnings
 
