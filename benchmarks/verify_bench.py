@@ -237,7 +237,7 @@ def print_table(rows: list[dict]) -> None:
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="verify_bench.json")
-    p.add_argument("--budget-s", type=float, default=200.0, help="stop starting new configs after this")
+    p.add_argument("--budget-s", type=float, default=180.0, help="stop starting new configs after this")
     p.add_argument("--batches", default="8,128,512")
     p.add_argument("--cache-lens", default="16,32")
     p.add_argument("--widths", default="4,8,2")
