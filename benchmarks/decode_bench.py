@@ -8,6 +8,10 @@ Sections (check, tune, sweep by default; in this order):
   steps   (diagnostic) per-step replay kernel time across a synchronised cycle;
   sweep   the benchmark grid: per config the plain kernel, and the replay kernel with
           synchronised cursors (non-flush, flush, cycle-amortised) and staggered cursors.
+  mamba2  Mamba-2 (gate "mamba2"): a GPU check of both Mamba-2 kernels against the scan
+          reference, then the sweep's rows on Nemotron-H-8B (H = 128, P = 64, N = 128,
+          G = 8) and Mamba-2 2.7B (H = 80, G = 1) shapes, fp32 and bf16 states,
+          L in --mamba2-cache-lens, B in --mamba2-batches (L = 16 first, then fp32 first).
 
 Timing: per-kernel CUPTI times (`jax.experimental.mosaic.gpu.profiler.measure`) of a jitted
 `lax.scan` over whole cycles; the kernel rows are picked by name, medians over all steps of
@@ -17,6 +21,7 @@ state. Byte floors use the copy bandwidth measured at the start of the same run.
 
   python benchmarks/decode_bench.py --out results.json            # on the GPU
   python benchmarks/decode_bench.py --smoke                        # CPU, interpret mode
+  python benchmarks/decode_bench.py --sections mamba2 --budget-s 230 --out mamba2.json
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecat
 import replayssm_jax as R  # noqa: E402
 from pallas_kernels import common  # noqa: E402
 from pallas_kernels.common import GridOrder  # noqa: E402
+from pallas_kernels.mamba2_decode import Mamba2PlainParams, mamba2_plain_decode  # noqa: E402
 from pallas_kernels.plain_decode import PlainParams, plain_decode  # noqa: E402
 from pallas_kernels.replay_decode import ReplayTileParams  # noqa: E402
 from pallas_kernels.replay_decode_grouped import ReplayGroupedParams  # noqa: E402
@@ -73,13 +79,26 @@ class Shape:
     num_v_heads: int = 32
     head_dim: int = 128
     gate: str = "gdn"
+    value_dim: int | None = None  # d_v (Mamba-2: P) when it differs from d_k (Mamba-2: N)
 
     def config(self, cache_len: int, state_dtype) -> R.ReplayConfig:
         """Caches in the state dtype (fp32 state: exact parity with the plain recurrence)."""
         return R.ReplayConfig(
-            self.num_k_heads, self.num_v_heads, self.head_dim, self.head_dim, cache_len,
+            self.num_k_heads, self.num_v_heads, self.head_dim, self.value_dim or self.head_dim, cache_len,
             gate=self.gate, state_dtype=state_dtype, cache_dtype=state_dtype,
         )
+
+
+# Mamba-2 layer shapes (`Shape(G, H, N, "mamba2", P)`).
+NEMOTRON_H_8B = Shape(8, 128, 128, "mamba2", 64)
+MAMBA2_2_7B = Shape(1, 80, 128, "mamba2", 64)
+
+
+def mamba2_params(heads: int) -> R.Mamba2Params:
+    """Fixed Mamba-2 layer parameters of `heads` heads: A in [-8, -1], dt_bias near
+    softplus^-1(0.05)."""
+    return R.Mamba2Params(A=-jnp.linspace(1.0, 8.0, heads, dtype=jnp.float32),
+                          D=jnp.ones((heads,), jnp.float32), dt_bias=jnp.full((heads,), -3.0, jnp.float32))
 
 
 # ----------------------------------------------------------------------------- timing
@@ -135,16 +154,23 @@ def random_pool(cfg: R.ReplayConfig, num_slots: int, key, write_pos) -> R.Replay
         checkpoint=rnd(ks[0], shapes["checkpoint"], 0.05),
         u_cache=rnd(ks[1], shapes["u_cache"], 0.05),
         k_cache=rnd(ks[2], shapes["k_cache"], 0.08),
-        g_cache=-jnp.abs(rnd(ks[3], shapes["g_cache"], 0.05)),
+        # log-decays (negative) for the delta rule; time steps dt (positive) for Mamba-2
+        g_cache=(1.0 if cfg.gate_kind.additive else -1.0) * jnp.abs(rnd(ks[3], shapes["g_cache"], 0.05)),
         write_pos=jnp.asarray(write_pos, jnp.int32),
         config=cfg,
     )
 
 
-def random_token(cfg: R.ReplayConfig, batch: int, key) -> R.Tokens:
+def random_token(cfg: R.ReplayConfig, batch: int, key) -> R.Tokens | R.Mamba2Tokens:
     ks = jax.random.split(key, 5)
     hk, hv, dk, dv = cfg.num_k_heads, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim
     bf = jnp.bfloat16
+    if cfg.gate_kind.additive:
+        return R.Mamba2Tokens(
+            jax.random.normal(ks[0], (batch, hv, dv), bf), jax.random.normal(ks[1], (batch, hk, dk), bf),
+            jax.random.normal(ks[2], (batch, hk, dk), bf), jax.random.normal(ks[3], (batch, hv), jnp.float32),
+            jax.random.normal(ks[4], (batch, hv, dv), bf),
+        )
     return R.Tokens(
         jax.random.normal(ks[0], (batch, hk, dk), bf),
         jax.random.normal(ks[1], (batch, hk, dk), bf),
@@ -177,9 +203,13 @@ def replay_cycle_fn(cfg: R.ReplayConfig, params, policy: FlushPolicy, interpret:
 
     def one_step(token, state, slots):
         plan = R.plan_step(state.write_pos, slots, None, cfg.cache_len, policy)
-        y, state = pallas_triton.layer_step(
-            state, token, plan, use_qk_l2norm=True, scale=None, kernel_params=params, interpret=interpret,
-        )
+        if cfg.gate_kind.additive:
+            y, state = pallas_triton.mamba2_layer_step(state, token, plan, params=mamba2_params(cfg.num_v_heads),
+                                                       kernel_params=params, interpret=interpret)
+        else:
+            y, state = pallas_triton.layer_step(
+                state, token, plan, use_qk_l2norm=True, scale=None, kernel_params=params, interpret=interpret,
+            )
         state = dataclasses.replace(state, write_pos=R.advance_write_pos(state.write_pos, plan))
         return state, y[0, 0, 0]
 
@@ -192,12 +222,19 @@ def replay_cycle_fn(cfg: R.ReplayConfig, params, policy: FlushPolicy, interpret:
 
 
 @functools.lru_cache(maxsize=None)
-def plain_steps_fn(params: PlainParams, steps: int, interpret: bool):
+def plain_steps_fn(params: PlainParams | Mamba2PlainParams, steps: int, interpret: bool):
     def one_step(token, state, slots):
-        y, state = plain_decode(
-            state, token.q, token.k, token.v, token.g, token.beta, slots, slots >= 0, use_qk_l2norm=True,
-            params=params, interpret=interpret,
-        )
+        if isinstance(params, Mamba2PlainParams):
+            layer = mamba2_params(state.shape[1])
+            y, state = mamba2_plain_decode(
+                state, token.x, token.B, token.C, token.dt, layer.A, layer.D, layer.dt_bias, slots, slots >= 0,
+                z=token.z, params=params, interpret=interpret,
+            )
+        else:
+            y, state = plain_decode(
+                state, token.q, token.k, token.v, token.g, token.beta, slots, slots >= 0, use_qk_l2norm=True,
+                params=params, interpret=interpret,
+            )
         return state, y[0, 0, 0]
 
     def run(state, sets, token):
@@ -545,6 +582,79 @@ def steps_section(timer, shape, cases, smoke, best, bandwidth_GBps: float) -> li
     return rows
 
 
+def mamba2_check(smoke: bool) -> list[dict]:
+    """Both Mamba-2 kernels on the device against the scan reference: a few steps through
+    a shuffled pool with a padding row and forced flushes; errors of y and the live state."""
+    rows = []
+    shape = Shape(2, 4, 32, "mamba2", 16) if smoke else Shape(2, 8, 128, "mamba2", 64)
+    cases = ((1, jnp.float32), (4, jnp.float32), (4, jnp.bfloat16)) if smoke else (
+        (1, jnp.float32), (4, jnp.float32), (16, jnp.float32), (16, jnp.bfloat16))
+    for L, dtype in cases:
+        cfg = shape.config(L, dtype)
+        params = mamba2_params(cfg.num_v_heads)
+        rng = np.random.default_rng(L)
+        steps, seqs, num_slots = L + 3, 3, 6
+        tokens = random_token(cfg, seqs * steps, jax.random.key(L))
+        tokens = jax.tree.map(lambda a: a.astype(jnp.float32).reshape(seqs, steps, *a.shape[1:]), tokens)
+        seq_slots = rng.permutation(num_slots)[:seqs]
+        ref_y, _, ref_states = R.mamba2_reference(
+            tokens, jnp.zeros((seqs, cfg.num_v_heads, cfg.head_v_dim, cfg.head_k_dim)), params,
+            return_all_states=True)
+        state = R.init_state(cfg, num_slots)
+        step = jax.jit(functools.partial(R.decode_step, backend="pallas_triton", policy="natural"))
+        y_err = state_err = 0.0
+        for t in range(steps):
+            rows_seq = rng.permutation(np.r_[np.arange(seqs), -1])
+            slots = np.where(rows_seq >= 0, seq_slots[np.maximum(rows_seq, 0)], -1).astype(np.int32)
+            row_tokens = jax.tree.map(lambda a: a[np.maximum(rows_seq, 0), t], tokens)
+            y, state = step(state, row_tokens, jnp.asarray(slots), jnp.asarray(rng.random(seqs + 1) < 0.2),
+                            gate_params=params)
+            live = rows_seq >= 0
+            y_err = max(y_err, rel_err(np.asarray(y)[live], ref_y[rows_seq[live], t]))
+            live_state = R.materialize_state(state, jnp.asarray(seq_slots, jnp.int32), params)
+            state_err = max(state_err, rel_err(live_state, ref_states[:, t]))
+        row = dict(gate="mamba2", cache_len=L, state_dtype=jnp.dtype(dtype).name, y_rel_err=y_err,
+                   state_rel_err=state_err)
+        print(f"mamba2 check {json.dumps(row)}", flush=True)
+        rows.append(row)
+    return rows
+
+
+def mamba2_grid(smoke: bool, cache_lens: list[int], batches: list[int]) -> list[tuple]:
+    """(shape, state dtype, L, B) cells, the issue's headline cells first: L = 16 before the
+    other lengths, fp32 before bf16, then Nemotron-H before Mamba-2 2.7B."""
+    shapes = [Shape(2, 4, 32, "mamba2", 16)] if smoke else [NEMOTRON_H_8B, MAMBA2_2_7B]
+    lengths = sorted(cache_lens, key=lambda L: (L != 16, L))
+    return [(shp, dt, L, b) for L in lengths for dt in (jnp.float32, jnp.bfloat16) for shp in shapes
+            for b in batches]
+
+
+def sweep_cells(result, grid, timer, args, best, deadline, policies) -> None:
+    """Time every (shape, dtype, L, B) cell of `grid` under its flush policies into
+    `result["rows"]`, until `deadline`; the JSON is rewritten after each cell."""
+    for shp, dt, L, b in tqdm(grid, desc="sweep", file=sys.stderr, disable=None, leave=False):
+        if time.time() > deadline:
+            print(f"budget reached: {len(result['rows'])} rows done", flush=True)
+            break
+        cfg = shp.config(L, dt)
+        default = R.default_flush_policy(cfg, b)
+        cell = [default] + ([FlushPolicy.NATURAL] if "natural" in policies and default is not
+                            FlushPolicy.NATURAL and L > 1 else [])
+        rows = []
+        for policy in cell:
+            try:
+                rows += sweep_row(timer, shp, cfg, b, result["meta"]["copy_bandwidth_GBps"], args.smoke,
+                                  choose_params(best, cfg, b, policy), policy)
+            except Exception as err:  # keep the rest of the sweep; the error is in the log
+                print(f"FAILED sweep row {shp} {jnp.dtype(dt).name} L={L} B={b} {policy}: {err!r}"[:2000],
+                      flush=True)
+        for row in rows:
+            print(f"row {json.dumps(row)}", flush=True)
+            result["rows"].append(row)
+        with open(args.out, "w") as f:  # partial results survive a timeout
+            json.dump(result, f, indent=1)
+
+
 def print_table(rows: list[dict]) -> None:
     head = f"{'gate':4} {'Hv':>3} {'state':8} {'L':>3} {'B':>4} {'policy':10} {'cur':5} {'plain':>8} {'nonfl':>8} {'flush':>8} {'cycle':>8} {'floor':>8} {'roof':>5} {'x':>5}"
     print(head)
@@ -579,12 +689,14 @@ def parse_args(argv):
     p.add_argument("--batches", default="1,8,32,64,128,256,512")
     p.add_argument("--cache-lens", default="1,4,8,16,32")
     p.add_argument("--tune-batches", default="1,8,32,128,512")
-    p.add_argument("--extra", default="hv64,kda", help="extra grids: hv64 (H_v=64, L=16), kda (L=16)")
+    p.add_argument("--extra", default="hv64,kda", help="extra grids: hv64 (H_v=64, L=16), kda (L=16), mamba2 (the mamba2 section's grid)")
     p.add_argument("--policies", default="default",
                    help="flush policies per sweep cell: 'default' (default_flush_policy), and with "
                         "'default,natural' also the natural (replay) policy where the default differs")
     p.add_argument("--kda-batches", default="1,8,128,512", help="batches of the kda extra grid")
     p.add_argument("--steps-cases", default="512:16,512:32,128:16,8:16")
+    p.add_argument("--mamba2-batches", default="1,8,32,128,512", help="batches of the mamba2 section")
+    p.add_argument("--mamba2-cache-lens", default="8,16,32", help="cache lengths of the mamba2 section")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode, wall clock (CPU)")
     return p.parse_args(argv)
 
@@ -624,28 +736,14 @@ def main(argv=None) -> dict:
             kda = Shape(4, 4, 32, "kda") if args.smoke else Shape(32, 32, 128, "kda")
             kda_batches = ints(args.batches) if args.smoke else ints(args.kda_batches)
             grid += [(kda, jnp.float32, 16, b) for b in kda_batches]
-        policies = args.policies.split(",")
-        for shp, dt, L, b in tqdm(grid, desc="sweep", file=sys.stderr, disable=None, leave=False):
-            if time.time() > deadline:
-                print(f"budget reached: {len(result['rows'])} rows done", flush=True)
-                break
-            cfg = shp.config(L, dt)
-            default = R.default_flush_policy(cfg, b)
-            cell = [default] + ([FlushPolicy.NATURAL] if "natural" in policies and default is not
-                                FlushPolicy.NATURAL and L > 1 else [])
-            rows = []
-            for policy in cell:
-                try:
-                    rows += sweep_row(timer, shp, cfg, b, meta["copy_bandwidth_GBps"], args.smoke,
-                                      choose_params(best, cfg, b, policy), policy)
-                except Exception as err:  # keep the rest of the sweep; the error is in the log
-                    print(f"FAILED sweep row {shp} {jnp.dtype(dt).name} L={L} B={b} {policy}: {err!r}"[:2000],
-                          flush=True)
-            for row in rows:
-                print(f"row {json.dumps(row)}", flush=True)
-                result["rows"].append(row)
-            with open(args.out, "w") as f:  # partial results survive a timeout
-                json.dump(result, f, indent=1)
+        if "mamba2" in extras:
+            grid += mamba2_grid(args.smoke, ints(args.mamba2_cache_lens), ints(args.mamba2_batches))
+        sweep_cells(result, grid, timer, args, best, deadline, args.policies.split(","))
+    if "mamba2" in sections:
+        result["mamba2_checks"] = mamba2_check(args.smoke)
+        # the replay cycle is timed under the natural policy beside the default everywhere
+        sweep_cells(result, mamba2_grid(args.smoke, ints(args.mamba2_cache_lens), ints(args.mamba2_batches)),
+                    timer, args, best, deadline, ["default", "natural"])
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     if result["rows"]:

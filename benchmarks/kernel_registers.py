@@ -49,7 +49,7 @@ from replayssm_jax.config import ReplayConfig  # noqa: E402
 from replayssm_jax.plan import FlushPolicy, plan_step  # noqa: E402
 from replayssm_jax.speculative import verify_step  # noqa: E402
 from replayssm_jax.state import init_state  # noqa: E402
-from replayssm_jax.tokens import Tokens  # noqa: E402
+from replayssm_jax.tokens import Mamba2Params, Mamba2Tokens, Tokens  # noqa: E402
 
 PARAM_KINDS = {"plain": PlainParams, "fold": FoldParams, "tile": ReplayTileParams, "grouped": ReplayGroupedParams,
                "verify": VerifyReadoutParams}
@@ -93,6 +93,8 @@ def kernel_ir(cfg: ReplayConfig, params, batch: int) -> str:
     or with `VerifyReadoutParams` of a verify step of `VERIFY_WIDTH` tokens per row.
     `cfg.cache_len` must be 1 for `PlainParams` and above 1 for the other kernels."""
     state = jax.eval_shape(lambda: init_state(cfg, 2 * batch))
+    if cfg.gate_kind.additive:
+        return _mamba2_kernel_ir(cfg, params, batch, state)
     sds = jax.ShapeDtypeStruct
     hk, hv, dk, dv = cfg.num_k_heads, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim
     verify = isinstance(params, VerifyReadoutParams)
@@ -110,8 +112,31 @@ def kernel_ir(cfg: ReplayConfig, params, batch: int) -> str:
         return pallas_triton.layer_step(state, tokens, plan, use_qk_l2norm=True, scale=None,
                                         kernel_params=params, interpret=False)
 
+    return _lowered_ir(step, state, tokens, batch)
+
+
+def _mamba2_kernel_ir(cfg: ReplayConfig, params, batch: int, state) -> str:
+    """`kernel_ir` of a Mamba-2 layer (bf16 x, B, C, z; float32 dt and parameters)."""
+    sds = jax.ShapeDtypeStruct
+    h, g, n, p = cfg.num_v_heads, cfg.num_k_heads, cfg.head_k_dim, cfg.head_v_dim
+    tokens = Mamba2Tokens(sds((batch, h, p), jnp.bfloat16), sds((batch, g, n), jnp.bfloat16),
+                          sds((batch, g, n), jnp.bfloat16), sds((batch, h), jnp.float32),
+                          sds((batch, h, p), jnp.bfloat16))
+    layer = Mamba2Params(*(sds((h,), jnp.float32) for _ in range(3)))
+
+    def step(state, tokens, slots, layer):
+        plan = plan_step(state.write_pos, slots, None, cfg.cache_len, FlushPolicy.NATURAL)
+        return pallas_triton.mamba2_layer_step(state, tokens, plan, params=layer, kernel_params=params,
+                                               interpret=False)
+
+    return _lowered_ir(step, state, tokens, batch, layer)
+
+
+def _lowered_ir(step, state, tokens, batch: int, *extra) -> str:
+    """The one Triton module of `step(state, tokens, slots, *extra)` lowered for an H200."""
     with captured_triton_ir() as modules, jax.sharding.use_abstract_mesh(_H200):
-        jax.jit(step, donate_argnums=0).trace(state, tokens, sds((batch,), jnp.int32)).lower(
+        jax.jit(step, donate_argnums=0).trace(state, tokens, jax.ShapeDtypeStruct((batch,), jnp.int32),
+                                              *extra).lower(
             lowering_platforms=("cuda",))
     (module,) = modules
     return module

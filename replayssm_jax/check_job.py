@@ -43,7 +43,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--steps", type=int, default=300, help="decode steps")
     parser.add_argument("--cache-len", type=int, default=16, help="L, the replay window")
-    parser.add_argument("--gate", choices=tuple(GATES), default="gdn", help="gdn (per head) or kda (per channel)")
+    # the delta-rule gates; Mamba-2 is checked by tests/test_mamba2.py and the benchmark
+    delta_gates = tuple(name for name, kind in GATES.items() if not kind.additive)
+    parser.add_argument("--gate", choices=delta_gates, default="gdn", help="gdn (per head) or kda (per channel)")
     parser.add_argument("--batch", type=int, default=8, help="rows per step; the slot pool is twice this")
     parser.add_argument("--backend", choices=BACKENDS, default="xla")
     parser.add_argument("--seed", type=int, default=0)

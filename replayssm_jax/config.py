@@ -38,7 +38,9 @@ class ReplayConfig:
         the step where it already holds L - 1 cached entries; L = 1 flushes every step
         (the plain recurrence).
       gate: the name of a registered gate kind (`replayssm_jax.gates.GATES`): "gdn" (one
-        log-decay per value head) or "kda" (one per key channel).
+        log-decay per value head), "kda" (one per key channel) or "mamba2" (the additive
+        rule; heads, head dim, state size and groups on the fields above, see
+        `ReplayConfig.mamba2`).
       state_dtype: dtype of the checkpoint.
       cache_dtype: dtype of the u and k caches (the g cache is always float32).
     """
@@ -63,6 +65,14 @@ class ReplayConfig:
         gate_kind(self.gate)
         object.__setattr__(self, "state_dtype", _float_dtype("state_dtype", self.state_dtype))
         object.__setattr__(self, "cache_dtype", _float_dtype("cache_dtype", self.cache_dtype))
+
+    @classmethod
+    def mamba2(cls, num_heads: int, head_dim: int, state_size: int, num_groups: int, cache_len: int,
+               **dtypes) -> ReplayConfig:
+        """A Mamba-2 layer: H heads of dim P, state size N, G groups of B/C (head h uses group
+        h // (H/G)), on the GDN layout (H_v = H, d_v = P, d_k = N, H_k = G)."""
+        return cls(num_k_heads=num_groups, num_v_heads=num_heads, head_k_dim=state_size,
+                   head_v_dim=head_dim, cache_len=cache_len, gate="mamba2", **dtypes)
 
     @property
     def group_size(self) -> int:

@@ -14,7 +14,8 @@ checkpoint L times, writes it once, reads 0 + 1 + ... + (L-1) entries and append
 
   per-step average = S (1 + 1/L) + E (L - 1)/2 + E (L - 1)/L
 
-with S the checkpoint bytes of a slot and E the bytes of one cache entry (u, k, g). The
+with S the checkpoint bytes of a slot and E the bytes of one cache entry (u, k, g; for
+Mamba-2 x, B, dt, C never cached). The
 plain recurrence reads and writes S every step (2 S). With L = 1 every step flushes and
 nothing is cached, so ReplaySSM moves exactly the plain bytes; for the state alone the ratio
 is (1 + 1/L)/2.
@@ -82,7 +83,8 @@ def state_bytes(config: ReplayConfig) -> int:
 
 def entry_bytes(config: ReplayConfig) -> int:
     """E: bytes of one cache entry of one slot: u `[H_v, d_v]` and k `[H_k, d_k]` in the
-    cache dtype, g `[H_v]` (GDN) or `[H_v, d_k]` (KDA) in float32."""
+    cache dtype, g `[H_v]` (GDN) or `[H_v, d_k]` (KDA) in float32. Mamba-2 caches x `[H, P]`,
+    B `[G, N]` and dt `[H]` in the same fields (`replayssm_jax.gates`), so the same count."""
     item = config.cache_dtype.itemsize
     g_per_head = config.head_k_dim if config.per_channel_gate else 1
     return (
@@ -90,6 +92,12 @@ def entry_bytes(config: ReplayConfig) -> int:
         + config.num_k_heads * config.head_k_dim * item
         + config.num_v_heads * g_per_head * G_CACHE_ITEMSIZE
     )
+
+
+def slot_memory_bytes(config: ReplayConfig) -> int:
+    """Memory of one slot of one layer: the checkpoint S plus the ring of L entries, S + L E
+    (the plain recurrence keeps S alone)."""
+    return state_bytes(config) + config.cache_len * entry_bytes(config)
 
 
 def plain_step_bytes(config: ReplayConfig, batch: int) -> StepBytes:
@@ -180,3 +188,37 @@ def floor_us(num_bytes: float, bandwidth_GBps: float) -> float:
     if bandwidth_GBps <= 0:
         raise ValueError(f"bandwidth_GBps must be positive, got {bandwidth_GBps}")
     return num_bytes / (bandwidth_GBps * 1e3)
+
+
+def verify_fold_interval(cache_len: int, width: int, accepted: float) -> int:
+    """Verify steps per fold of a row that keeps `accepted` tokens (bonus included) of
+    every window of `width` tokens, in steady state.
+
+    Capacity rule of `speculative.verify_step`: a row whose `write_pos + width > L` folds
+    its history first and its cursor restarts at 0, so after a fold the cursor reads
+    `accepted`, `2 accepted`, ... and the j-th step after the fold folds again at the first
+    j with `j accepted + width > L`: every `floor((L - width) / accepted) + 1` steps.
+    """
+    if not 1 <= width <= cache_len:
+        raise ValueError(f"width must be in [1, cache_len = {cache_len}], got {width}")
+    if not 1 <= accepted <= width:
+        raise ValueError(f"accepted must be in [1, width = {width}], got {accepted}")
+    return int((cache_len - width) // accepted) + 1
+
+
+def verify_written_per_token(config: ReplayConfig, width: int, accepted: float) -> float:
+    """ReplaySSM verify: state bytes written per accepted token of one row and layer.
+
+    Every verify step appends `width` records (`width * E`); every `verify_fold_interval`
+    steps it also writes the checkpoint (S). Rejected records cost their append only.
+    """
+    folds = 1 / verify_fold_interval(config.cache_len, width, accepted)
+    return (width * entry_bytes(config) + folds * state_bytes(config)) / accepted
+
+
+def conventional_written_per_token(config: ReplayConfig, width: int, accepted: float) -> float:
+    """Conventional speculative verify: one full state per window position is written (so
+    any prefix can be rolled back), `width * S` per step, per accepted token."""
+    if not 1 <= accepted <= width:
+        raise ValueError(f"accepted must be in [1, width = {width}], got {accepted}")
+    return width * state_bytes(config) / accepted

@@ -37,6 +37,9 @@ def layer_step(
     Arguments as in `decode_step`; `plan` comes from `plan_step` (once per forward pass).
     """
     check_backend(backend)
+    if state.config.gate_kind.additive:
+        return _mamba2_layer_step(state, tokens, plan, backend=backend, use_qk_l2norm=use_qk_l2norm,
+                                  scale=scale, gate_params=gate_params, kernel_params=kernel_params)
     if backend == "xla":
         if kernel_params is not None:
             raise ValueError("kernel_params applies to backend='pallas_triton' only")
@@ -44,6 +47,17 @@ def layer_step(
                               gate_params=gate_params)
     return pallas_triton.layer_step(state, tokens, plan, use_qk_l2norm=use_qk_l2norm, scale=scale,
                                     gate_params=gate_params, kernel_params=kernel_params)
+
+
+def _mamba2_layer_step(state, tokens, plan, *, backend, use_qk_l2norm, scale, gate_params, kernel_params):
+    """The Mamba-2 (additive rule) step: `gate_params` is the layer's `Mamba2Params`."""
+    if use_qk_l2norm or scale is not None:
+        raise ValueError("use_qk_l2norm and scale apply to the delta-rule gates, not to gate 'mamba2'")
+    if backend == "xla":
+        if kernel_params is not None:
+            raise ValueError("kernel_params applies to backend='pallas_triton' only")
+        return xla.mamba2_layer_step(state, tokens, plan, params=gate_params)
+    return pallas_triton.mamba2_layer_step(state, tokens, plan, params=gate_params, kernel_params=kernel_params)
 
 
 def decode_step(
@@ -63,7 +77,8 @@ def decode_step(
 
     Args:
       state: the layer's `ReplayState` (donate it under `jit` to update in place).
-      tokens: `Tokens(q, k, v, g, beta)` with leading axis B (shapes in `Tokens`).
+      tokens: `Tokens(q, k, v, g, beta)` with leading axis B (shapes in `Tokens`); for
+        gate "mamba2" a `Mamba2Tokens(x, B, C, dt, z)`.
       slots: `[B]` int, the physical slot of each row; negative = padding row.
       force_flush: optional `[B]` bool, flush these rows now whatever their cursor.
       backend: "xla" (pure jax, the specification) or "pallas_triton" (fused kernels;
@@ -76,12 +91,14 @@ def decode_step(
       gate_params: optional `(A_log [H_v], dt_bias [H_v] or [H_v, d_k])`: `tokens.g` and
         `tokens.beta` then hold the raw model inputs `a` and `b`, and the step computes
         `g = -exp(A_log) softplus(a + dt_bias)`, `beta = sigmoid(b)` itself (inside the
-        kernel on the pallas_triton backend).
+        kernel on the pallas_triton backend). Gate "mamba2": a `Mamba2Params(A, D, dt_bias)`,
+        required (tokens.dt is the raw dt).
       kernel_params: the pallas_triton backend's launch parameters (a kernel's parameter
         class, e.g. `ReplayGroupedParams`); default: the launch table's row.
 
     Returns:
-      `(y, new_state)`: y `[B, H_v, d_v]` in v's dtype, exactly 0 on padding rows.
+      `(y, new_state)`: y `[B, H_v, d_v]` in v's dtype (Mamba-2: `[B, H, P]` in x's dtype),
+      exactly 0 on padding rows.
 
     Raises:
       ValueError: on a wrong shape or dtype, an unknown backend or policy, or (when slots
@@ -102,15 +119,21 @@ def decode_step(
     return y, dataclasses.replace(new_state, write_pos=advance_write_pos(state.write_pos, plan))
 
 
-def materialize_state(state: ReplayState, slots: Int[Array, " B"]) -> Float[Array, "B Hv Dv Dk"]:
+def materialize_state(state: ReplayState, slots: Int[Array, " B"], gate_params=None) -> Float[Array, "B Hv Dv Dk"]:
     """The live state of each row's slot, float32 `[B, H_v, d_v, d_k]` (0 for padding rows).
 
     This is the checkpoint replayed with the slot's valid cache entries: the state the next
-    token would see.
+    token would see. Gate "mamba2" needs `gate_params` (its `Mamba2Params`: the replay
+    weights come from A); the delta-rule gates take none.
     """
     check_state(state)
     if len(getattr(slots, "shape", ())) != 1:
         raise ValueError(f"slots must be a 1-D [B] array, got shape {tuple(getattr(slots, 'shape', ()))}")
     check_slots("slots", slots, slots.shape[0], state.num_slots)
     plan = plan_step(state.write_pos, slots, None, state.config.cache_len)
+    if state.config.gate_kind.additive:
+        check_gate_params(state.config, gate_params)
+        return xla.mamba2_replay_state(state, plan, gate_params.A)
+    if gate_params is not None:
+        raise ValueError("materialize_state takes gate_params for gate 'mamba2' only")
     return xla.replay_state(state, plan)

@@ -60,3 +60,20 @@ def prepare_qk(
     if use_qk_l2norm:
         q, k = l2norm(q), l2norm(k)
     return q * scale, k
+
+
+def mamba2_dt(dt: Float[Array, "B H"], dt_bias: Float[Array, " H"], *, dt_softplus: bool = True,
+              dt_limit: tuple[float, float] = (0.0, float("inf"))) -> Float[Array, "B H"]:
+    """Mamba-2 time step `clip(softplus(dt + dt_bias), *dt_limit)` in float32 (no softplus
+    when `dt_softplus` is False)."""
+    dt = dt.astype(jnp.float32) + dt_bias.astype(jnp.float32)
+    if dt_softplus:
+        dt = softplus(dt)
+    lo, hi = dt_limit
+    return jnp.clip(dt, lo, hi) if (lo, hi) != (0.0, float("inf")) else dt
+
+
+def silu(x: Float[Array, "..."]) -> Float[Array, "..."]:
+    """`x * sigmoid(x)` in float32 or wider (the Mamba-2 output gate)."""
+    x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    return x * jax.nn.sigmoid(x)

@@ -94,3 +94,61 @@ def recurrent_reference(
         ys, states = out
         return jnp.moveaxis(ys, 0, 1), final, jnp.moveaxis(states, 0, 1)
     return jnp.moveaxis(out, 0, 1), final
+
+
+# Mamba-2: the plain selective-state recurrence, per head h (state S [P, N]):
+#
+#     dt_t = softplus(dt_raw + dt_bias)       (clamped to dt_limit)
+#     S_t  = exp(A_h dt_t) S_{t-1} + dt_t x_t B_t^T
+#     y_t  = S_t C_t + D_h x_t                (times silu(z_t) when z is given)
+
+
+def mamba2_step(state, x, B, C, dt, A, D):
+    """One token of the Mamba-2 recurrence; B, C expanded to heads.
+
+    Shapes: state `[B, H, P, N]`, x `[B, H, P]`, B/C `[B, H, N]`, dt `[B, H]` (after the
+    softplus), A/D `[H]`. Returns `(y [B, H, P] before the z gate, S_t)`."""
+    decay = jnp.exp(A[None, :] * dt)[:, :, None, None]
+    new_state = decay * state + (dt[..., None] * x)[..., :, None] * B[..., None, :]
+    y = jnp.einsum("bhpn,bhn->bhp", new_state, C, precision=_HIGHEST) + D[None, :, None] * x
+    return y, new_state
+
+
+def mamba2_reference(tokens, initial_state, params, *, return_all_states: bool = False):
+    """Run the Mamba-2 recurrence over a time axis.
+
+    Args:
+      tokens: `Mamba2Tokens` with leading axes `[B, T]`: x `[B, T, H, P]`, B/C
+        `[B, T, G, N]`, raw dt `[B, T, H]`, optional z `[B, T, H, P]`.
+      initial_state: `[B, H, P, N]`.
+      params: `Mamba2Params` (A, D, dt_bias `[H]`; dt_softplus, dt_limit).
+      return_all_states: also return the state after every step.
+
+    Returns:
+      `(y [B, T, H, P], final_state)`, plus `states [B, T, H, P, N]` when
+      `return_all_states`; float64 if any input is float64, else float32.
+    """
+    x, B, C = tokens.x, tokens.B, tokens.C
+    dtype = _compute_dtype(x, B, C, tokens.dt, initial_state, params.A)
+    heads, groups = x.shape[2], B.shape[2]
+    if heads % groups:
+        raise ValueError(f"heads ({heads}) must be a multiple of groups ({groups})")
+    dt = gating.mamba2_dt(tokens.dt, params.dt_bias, dt_softplus=params.dt_softplus,
+                          dt_limit=params.dt_limit).astype(dtype)
+    B = jnp.repeat(B.astype(dtype), heads // groups, axis=2)
+    C = jnp.repeat(C.astype(dtype), heads // groups, axis=2)
+    xs = tuple(jnp.moveaxis(a.astype(dtype), 1, 0) for a in (x, B, C, dt))
+    A, D = params.A.astype(dtype), params.D.astype(dtype)
+
+    def step(state, inputs):
+        y, new_state = mamba2_step(state, *inputs, A, D)
+        return new_state, (y, new_state) if return_all_states else y
+
+    final, out = jax.lax.scan(step, initial_state.astype(dtype), xs)
+    ys, states = out if return_all_states else (out, None)
+    ys = jnp.moveaxis(ys, 0, 1)
+    if tokens.z is not None:
+        ys = ys * gating.silu(tokens.z.astype(dtype)).astype(dtype)
+    if return_all_states:
+        return ys, final, jnp.moveaxis(states, 0, 1)
+    return ys, final

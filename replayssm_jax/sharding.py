@@ -35,6 +35,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from replayssm_jax.config import ReplayConfig
 from replayssm_jax.decode import check_backend, layer_step
+from replayssm_jax import speculative
 from replayssm_jax.model import decoder
 from replayssm_jax.model.state import ModelState, check_model_state
 from replayssm_jax.plan import (
@@ -218,6 +219,82 @@ def decode_step(
     step = jax.shard_map(local, mesh=mesh, in_specs=(specs, token_specs, P(DP), P(DP)),
                          out_specs=(P(DP, TP), specs), check_vma=False)
     return step(state, tokens, jnp.asarray(slots, jnp.int32), force)
+
+
+def verify_step(
+    state: ReplayState,
+    window: Tokens,
+    slots: Int[Array, " B"],
+    *,
+    mesh: Mesh,
+    lengths: Int[Array, " B"] | None = None,
+    parents: Int[Array, "B T"] | None = None,
+    use_qk_l2norm: bool = False,
+    scale: float | None = None,
+) -> tuple[Float[Array, "B T Hv Dv"], ReplayState]:
+    """`replayssm_jax.verify_step` sharded over `mesh` (rows and slots as in the module
+    docstring): each device verifies its B/dp rows' windows on its H/tp heads; the window
+    solve is per head, so no device needs another's heads.
+
+    Returns:
+      `(y [B, T, H_v, d_v], new_state)`, y split over dp (rows) and tp (heads).
+    """
+    check_state(state)
+    batch, _ = speculative.check_window(state.config, window)
+    check_slots("slots", slots, batch, state.num_slots)
+    check_fits(state.config, state.num_slots, mesh, batch)
+    check_row_slots("slots", slots, state.num_slots, axis_sizes(mesh)[1])
+    tp, _ = axis_sizes(mesh)
+    config = state.config
+    window_specs = Tokens(q=P(DP, None, TP), k=P(DP, None, TP), v=P(DP, None, TP), g=P(DP, None, TP),
+                          beta=P(DP, None, TP))
+    # optional per-row arguments travel only when given, so the local call is the caller's
+    options = {name: (jnp.asarray(value, jnp.int32), spec) for name, value, spec in
+               (("lengths", lengths, P(DP)), ("parents", parents, P(DP, None))) if value is not None}
+
+    def local(state, window, slots, options):
+        state = dataclasses.replace(state, config=local_config(config, tp))
+        y, new = speculative.verify_step(state, window, _local_slots(slots, state.num_slots),
+                                         use_qk_l2norm=use_qk_l2norm, scale=scale, **options)
+        return y, dataclasses.replace(new, config=config)
+
+    specs = replay_state_specs(config)
+    option_specs = {name: spec for name, (_, spec) in options.items()}
+    step = jax.shard_map(local, mesh=mesh, in_specs=(specs, window_specs, P(DP), option_specs),
+                         out_specs=(P(DP, None, TP), specs), check_vma=False)
+    return step(state, window, jnp.asarray(slots, jnp.int32), {name: v for name, (v, _) in options.items()})
+
+
+def accept(
+    state: ReplayState,
+    slots: Int[Array, " B"],
+    num_accepted: Int[Array, " B"],
+    *,
+    mesh: Mesh,
+    path: Int[Array, "B P"] | None = None,
+) -> ReplayState:
+    """`replayssm_jax.accept` sharded over `mesh`: each device moves its slots' cursors (and,
+    for a tree's `path`, moves its heads' records)."""
+    check_state(state)
+    batch = jnp.shape(slots)[0]
+    check_slots("slots", slots, batch, state.num_slots)
+    check_fits(state.config, state.num_slots, mesh, batch)
+    check_row_slots("slots", slots, state.num_slots, axis_sizes(mesh)[1])
+    tp, _ = axis_sizes(mesh)
+    config = state.config
+    num_accepted = jnp.asarray(num_accepted, jnp.int32)
+
+    def local(state, slots, num_accepted, *path):
+        state = dataclasses.replace(state, config=local_config(config, tp))
+        new = speculative.accept(state, _local_slots(slots, state.num_slots), num_accepted,
+                                 path=path[0] if path else None)
+        return dataclasses.replace(new, config=config)
+
+    specs = replay_state_specs(config)
+    extra = () if path is None else (jnp.asarray(path, jnp.int32),)
+    step = jax.shard_map(local, mesh=mesh, in_specs=(specs, P(DP), P(DP)) + (P(DP, None),) * len(extra),
+                         out_specs=specs, check_vma=False)
+    return step(state, jnp.asarray(slots, jnp.int32), num_accepted, *extra)
 
 
 def model_decode_step(

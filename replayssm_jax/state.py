@@ -10,6 +10,11 @@ Layout (N physical slots, L = cache_len; the caches are the gate kind's schema,
               [N, H_v, L, d_k]     float32       (KDA: one per key channel)
   write_pos   [N]                  int32         valid entries = next write position
 
+Gate "mamba2" (the additive rule) holds its raw inputs in the same fields, on the layout
+`H_v = H`, `d_v = P`, `d_k = N`, `H_k = G` (`replayssm_jax.gates`): checkpoint
+`[N, H, P, N_state]`, u_cache = x `[N, H, L, P]`, k_cache = B `[N, G, L, N_state]`,
+g_cache = dt `[N, H, L]` (float32, after the softplus); C is never cached.
+
 Entries at positions >= write_pos are stale: they are never read and never zeroed.
 """
 

@@ -41,8 +41,56 @@ class Tokens:
         return dataclasses.replace(self, **fields)
 
 
-def check_tokens(config: ReplayConfig, tokens: Tokens) -> int:
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Mamba2Tokens:
+    """Inputs of a Mamba-2 step (gate "mamba2"), any leading axes `...`:
+
+      x     `[..., H, P]`
+      B, C  `[..., G, N]` (head h uses group h // (H/G))
+      dt    `[..., H]`: the raw time step; the step takes `softplus(dt + dt_bias)` (clamped
+            to `Mamba2Params.dt_limit`)
+      z     optional `[..., H, P]`: the output is gated `y * silu(z)`
+    """
+
+    x: Float[Array, "... H P"]
+    B: Float[Array, "... G N"]
+    C: Float[Array, "... G N"]
+    dt: Float[Array, "... H"]
+    z: Float[Array, "... H P"] | None = None
+
+    @property
+    def batch(self) -> int:
+        return jnp.shape(self.x)[0]
+
+    def replace(self, **fields) -> Mamba2Tokens:
+        return dataclasses.replace(self, **fields)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Mamba2Params:
+    """A Mamba-2 layer's SSM parameters, passed as the step's `gate_params`.
+
+    Attributes:
+      A: `[H]` the (negative) decay rate: `a_t = exp(A_h dt_t)`.
+      D: `[H]` the skip: `y += D_h x`.
+      dt_bias: `[H]` added to the raw dt before the softplus.
+      dt_softplus: apply the softplus (static; False: dt + dt_bias is used as given).
+      dt_limit: `(lo, hi)` clamp of dt after the softplus (static).
+    """
+
+    A: Float[Array, " H"]
+    D: Float[Array, " H"]
+    dt_bias: Float[Array, " H"]
+    dt_softplus: bool = dataclasses.field(default=True, metadata=dict(static=True))
+    dt_limit: tuple[float, float] = dataclasses.field(default=(0.0, float("inf")), metadata=dict(static=True))
+
+
+def check_tokens(config: ReplayConfig, tokens: Tokens | Mamba2Tokens) -> int:
     """Raise ValueError naming the field whose shape or dtype is wrong; return B."""
+    if config.gate_kind.additive:
+        return _check_mamba2_tokens(config, tokens)
     if not isinstance(tokens, Tokens):
         raise ValueError(f"tokens must be a Tokens, got {type(tokens).__name__}")
     if jnp.ndim(tokens.q) != 3:
@@ -53,8 +101,34 @@ def check_tokens(config: ReplayConfig, tokens: Tokens) -> int:
     return batch
 
 
+def _check_mamba2_tokens(config: ReplayConfig, tokens: Mamba2Tokens) -> int:
+    if not isinstance(tokens, Mamba2Tokens):
+        raise ValueError(f"tokens must be a Mamba2Tokens for gate 'mamba2', got {type(tokens).__name__}")
+    if jnp.ndim(tokens.x) != 3:
+        raise ValueError(f"tokens.x must be [B, H, P], got shape {tuple(jnp.shape(tokens.x))}")
+    batch = tokens.batch
+    shapes = config.gate_kind.token_shapes(config, batch)
+    for name, want in shapes.items():
+        check_float(f"tokens.{name}", getattr(tokens, name), want)
+    if tokens.z is not None:
+        check_float("tokens.z", tokens.z, shapes["x"])
+    return batch
+
+
 def check_gate_params(config: ReplayConfig, gate_params) -> None:
-    """`gate_params = (A_log [H_v], dt_bias [H_v] (GDN) or [H_v, d_k] (KDA))`."""
+    """`gate_params = (A_log [H_v], dt_bias [H_v] (GDN) or [H_v, d_k] (KDA))`; for gate
+    "mamba2" a `Mamba2Params`, required (the readout needs A)."""
+    if config.gate_kind.additive:
+        if not isinstance(gate_params, Mamba2Params):
+            raise ValueError(f"gate 'mamba2' needs gate_params=Mamba2Params(A, D, dt_bias), got "
+                             f"{type(gate_params).__name__}")
+        heads = (config.num_v_heads,)
+        for name in ("A", "D", "dt_bias"):
+            check_float(f"gate_params.{name}", getattr(gate_params, name), heads)
+        lo, hi = gate_params.dt_limit
+        if not lo <= hi:
+            raise ValueError(f"gate_params.dt_limit must be (lo, hi) with lo <= hi, got {gate_params.dt_limit}")
+        return
     if gate_params is None:
         return
     if not isinstance(gate_params, (tuple, list)) or len(gate_params) != 2:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import checkify
 from jaxtyping import Array
 
 
@@ -39,12 +40,14 @@ def check_slots(name: str, slots: Array, batch: int, num_slots: int) -> None:
     """Validate a row -> slot map: int `[B]`; when concrete, each slot < N and used once.
 
     Negative slots are padding. Under `jit` the values cannot be read: out-of-range slots
-    are then treated as padding rows by the step itself.
+    are then treated as padding rows by the step itself, and a slot named twice loses all
+    but one row's update; `replayssm_jax.checked` raises on both (`debug_check`s).
     """
     if tuple(jnp.shape(slots)) != (batch,):
         raise ValueError(f"{name} must have shape ({batch},) (one per row), got {tuple(jnp.shape(slots))}")
     if not jnp.issubdtype(jnp.result_type(slots), jnp.integer):
         raise ValueError(f"{name} must be an integer array, got dtype {jnp.result_type(slots)}")
+    debug_check_slots(name, slots, num_slots, unique=True)
     values = concrete_or_none(slots)
     if values is None:
         return
@@ -63,3 +66,18 @@ def check_flags(name: str, flags: Array | None, batch: int) -> None:
         raise shape_error(name, (batch,), flags)
     if jnp.result_type(flags) != jnp.bool_:
         raise ValueError(f"{name} must be bool, got dtype {jnp.result_type(flags)}")
+
+
+def debug_check_slots(name: str, slots: Array, num_slots: int, *, unique: bool) -> None:
+    """In-jit checks (active under `checkify` only): every slot < N; with `unique`, no
+    live slot named twice."""
+    slots = jnp.asarray(slots, jnp.int32)
+    checkify.debug_check(
+        jnp.all(slots < num_slots), f"{name} holds a slot >= {num_slots}: {{s}}", s=slots
+    )
+    if unique and slots.shape[0] > 1:
+        # Padding entries become distinct negatives so that only live duplicates count.
+        keyed = jnp.sort(jnp.where(slots >= 0, slots, -1 - jnp.arange(slots.shape[0])))
+        checkify.debug_check(
+            jnp.all(keyed[1:] != keyed[:-1]), f"{name} names a slot twice: {{s}}", s=slots
+        )

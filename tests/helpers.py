@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from collections.abc import Callable
 
 import jax
@@ -36,12 +37,14 @@ STATE_FIELDS = ("checkpoint", "u_cache", "k_cache", "g_cache", "write_pos")
 
 
 def exposed_kernel_params() -> list:
-    """Every launch parameter set the pallas_triton backend's layer step reaches: each
-    decode row of its launch table (verify rows: tests/test_verify_kernel.py), each replay row under every rebuild precision (`common.with_rebuild_precision`,
-    which raises its dot sizes where the tensor cores need it), and the per-tile replay
-    kernel's defaults."""
-    out = {row.params for row in pallas_triton.LAUNCH_TABLE if row.step != "verify"} | {ReplayTileParams()}
-    for row in pallas_triton.LAUNCH_TABLE:
+    """Every launch parameter set the pallas_triton backend's layer step reaches for the
+    delta-rule gates: each of their decode rows of its launch table (Mamba-2's rows:
+    tests/test_mamba2.py; verify rows: tests/test_verify_kernel.py), each replay row under
+    every rebuild precision (`common.with_rebuild_precision`, which raises its dot sizes where
+    the tensor cores need it), and the per-tile replay kernel's defaults."""
+    rows = [row for row in pallas_triton.LAUNCH_TABLE if row.gate != "mamba2" and row.step != "verify"]
+    out = {row.params for row in rows} | {ReplayTileParams()}
+    for row in rows:
         if row.step == "replay" and hasattr(row.params, "rebuild_precision"):
             out |= {common.with_rebuild_precision(row.params, p) for p in common.PRECISIONS}
     return sorted(out, key=repr)
@@ -314,3 +317,21 @@ def run_schedule(
         report.forced_flushes += int((flush & ~natural).sum())
         report.tokens += int(active.sum())
     return report
+
+
+def aliased_parameters(hlo_text: str) -> set[int]:
+    """Parameter numbers named in the HLO module's input_output_alias map."""
+    header = next(line for line in hlo_text.splitlines() if line.startswith("HloModule"))
+    entries = re.findall(r"\{\d+\}: \((\d+), \{\}, (?:may|must)-alias\)", header)
+    return {int(p) for p in entries}
+
+
+def state_sized_copies(hlo_text: str, state) -> list[str]:
+    """HLO `copy` instructions whose result has the shape of a state field (a pool copy)."""
+    shapes = {tuple(leaf.shape) for leaf in jax.tree.leaves(state)}
+    found = []
+    for line in hlo_text.splitlines():
+        match = re.search(r"= \w+\[([\d,]*)\]\S* copy\(", line)
+        if match and tuple(int(d) for d in match.group(1).split(",") if d) in shapes:
+            found.append(line.strip())
+    return found

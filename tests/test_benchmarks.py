@@ -45,6 +45,20 @@ def test_decode_bench_smoke_writes_every_section(tmp_path):
     assert len(saved["steps"][0]["replay_step_us"]) == 4
 
 
+def test_decode_bench_mamba2_smoke(tmp_path):
+    out = tmp_path / "mamba2.json"
+    decode_bench.main(["--smoke", "--sections", "mamba2", "--mamba2-batches", "2", "--mamba2-cache-lens", "4",
+                       "--out", str(out)])
+    saved = json.loads(out.read_text())
+    for check in saved["mamba2_checks"]:  # interpret mode on CPU against the scan reference
+        assert check["y_rel_err"] < (3e-2 if check["state_dtype"] == "bfloat16" else 1e-5), check
+    kinds = {(r["state_dtype"], r["policy"], r["cursors"], r["kernel"]) for r in saved["rows"]}
+    assert ("float32", "natural", "staggered", "Mamba2ReplayParams") in kinds
+    assert ("bfloat16", "natural", "sync", "Mamba2ReplayParams") in kinds
+    assert {r["gate"] for r in saved["rows"]} == {"mamba2"}
+    assert all(r["plain_params"].startswith("Mamba2PlainParams") and r["plain_us"] > 0 for r in saved["rows"])
+
+
 @pytest.mark.parametrize(
     "registers,warps,programs",
     [(128, 4, 4), (146, 1, 13), (255, 2, 4), (77, 1, 25), (32, 1, 32), (64, 16, 2), (16, 16, 4)],

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from replayssm_jax import ReplayConfig, gates
+from replayssm_jax.state import state_shapes
 
 VALID = dict(num_k_heads=2, num_v_heads=4, head_k_dim=32, head_v_dim=16, cache_len=4)
 
@@ -46,7 +47,7 @@ def test_frozen_and_hashable():
         (dict(head_v_dim=-1), r"head_v_dim must be a positive integer"),
         (dict(num_v_heads=3), r"num_v_heads \(3\) must be a multiple of num_k_heads \(2\)"),
         (dict(num_k_heads=4, num_v_heads=2), r"num_v_heads \(2\) must be a multiple of num_k_heads \(4\)"),
-        (dict(gate="mamba"), r"gate must be one of \('gdn', 'kda'\), got 'mamba'"),
+        (dict(gate="mamba"), r"gate must be one of \('gdn', 'kda', 'mamba2'\), got 'mamba'"),
         (dict(state_dtype=jnp.int32), r"state_dtype must be one of .*, got int32"),
         (dict(cache_dtype="float64"), r"cache_dtype must be one of .*, got float64"),
         (dict(state_dtype=object()), r"state_dtype must be a floating dtype"),
@@ -84,7 +85,24 @@ def test_gate_kind_gives_the_decay_and_the_schemas(gate):
 
 
 def test_gate_registry():
-    assert tuple(gates.GATES) == ("gdn", "kda")
+    assert tuple(gates.GATES) == ("gdn", "kda", "mamba2")
+    assert gates.GATES["mamba2"].update is gates.UpdateRule.ADDITIVE
+    assert [g.name for g in gates.GATES.values() if g.additive] == ["mamba2"]
     for bad in ("mamba", None, ["gdn"]):
-        with pytest.raises(ValueError, match=r"gate must be one of \('gdn', 'kda'\)"):
+        with pytest.raises(ValueError, match=r"gate must be one of \('gdn', 'kda', 'mamba2'\)"):
             gates.gate_kind(bad)
+
+
+def test_mamba2_config_maps_onto_the_gdn_layout():
+    """Heads H -> H_v, head dim P -> d_v, state size N -> d_k, groups G -> H_k; the caches
+    hold x [N, H, L, P], B [N, G, L, N] and float32 dt [N, H, L]."""
+    config = ReplayConfig.mamba2(8, 16, 32, 2, 4, state_dtype=jnp.bfloat16, cache_dtype=jnp.bfloat16)
+    assert (config.num_v_heads, config.head_v_dim, config.head_k_dim, config.num_k_heads) == (8, 16, 32, 2)
+    shapes = {k: (v.shape, v.dtype) for k, v in state_shapes(config, 3).items()}
+    assert shapes["checkpoint"] == ((3, 8, 16, 32), jnp.bfloat16)
+    assert shapes["u_cache"] == ((3, 8, 4, 16), jnp.bfloat16)
+    assert shapes["k_cache"] == ((3, 2, 4, 32), jnp.bfloat16)
+    assert shapes["g_cache"] == ((3, 8, 4), jnp.float32)
+    assert config.gate_kind.token_shapes(config, 5) == dict(x=(5, 8, 16), B=(5, 2, 32), C=(5, 2, 32), dt=(5, 8))
+    with pytest.raises(ValueError, match="multiple of num_k_heads"):
+        ReplayConfig.mamba2(6, 16, 32, 4, 4)

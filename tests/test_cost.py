@@ -103,3 +103,45 @@ def test_rebuild_flops_and_floor():
 def test_pos_out_of_range_is_rejected():
     with pytest.raises(ValueError, match="pos"):
         cost.replay_row_bytes(_cfg(cache_len=4), 4)
+
+
+@pytest.mark.parametrize("gate,dtype,cache_len", [("gdn", "float32", 16), ("kda", "bfloat16", 3), ("gdn", "bfloat16", 1)])
+def test_slot_memory_is_what_a_state_allocates_per_slot(gate, dtype, cache_len):
+    import jax
+    from replayssm_jax import init_state
+
+    config = ReplayConfig(2, 4, 32, 16, cache_len, gate=gate, state_dtype=dtype, cache_dtype=dtype)
+    state = jax.eval_shape(lambda: init_state(config, 3))
+    allocated = sum(x.size * x.dtype.itemsize for x in (state.checkpoint, state.u_cache, state.k_cache, state.g_cache))
+    assert cost.slot_memory_bytes(config) * 3 == allocated
+
+
+def _simulated_fold_interval(cache_len, width, accepted, steps=200):
+    """Steps between the last two folds of a row under the capacity rule, step by step."""
+    pos, folds = 0, []
+    for step in range(steps):
+        if pos + width > cache_len:  # verify_step's rule: fold, the window goes to 0..T-1
+            folds.append(step)
+            pos = 0
+        pos += accepted
+    return folds[-1] - folds[-2]
+
+
+@pytest.mark.parametrize("cache_len, width", [(4, 4), (8, 4), (16, 4), (32, 8), (16, 2)])
+def test_verify_fold_interval_matches_the_capacity_rule(cache_len, width):
+    for accepted in range(1, width + 1):
+        assert cost.verify_fold_interval(cache_len, width, accepted) == _simulated_fold_interval(
+            cache_len, width, accepted
+        )
+
+
+def test_verify_bytes_written_per_token_by_hand():
+    cfg = _cfg(cache_len=16)
+    s, e = 32 * 128 * 128 * 4, 32 * 128 * 2 + 16 * 128 * 2 + 32 * 4
+    # T = 4, 3 kept per step: folds at cursor 12 + 4 > 16, i.e. every 5 steps.
+    assert cost.verify_written_per_token(cfg, 4, 3) == pytest.approx((4 * e + s / 5) / 3)
+    assert cost.conventional_written_per_token(cfg, 4, 3) == pytest.approx(4 * s / 3)
+    with pytest.raises(ValueError, match="accepted"):
+        cost.verify_written_per_token(cfg, 4, 5)
+    with pytest.raises(ValueError, match="width"):
+        cost.verify_fold_interval(16, 17, 1)

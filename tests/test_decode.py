@@ -14,6 +14,7 @@ import pytest
 
 from helpers import (
     STATE_FIELDS,
+    aliased_parameters,
     bits,
     donated_step,
     make_schedule,
@@ -23,6 +24,7 @@ from helpers import (
     run_schedule,
     small_config,
     snapshot,
+    state_sized_copies,
     take,
     to_device,
 )
@@ -380,24 +382,6 @@ def test_output_dtype_follows_v(backend, rng):
     assert y.dtype == jnp.bfloat16 and y.shape == (3, config.num_v_heads, config.head_v_dim)
 
 
-def _aliased_parameters(hlo_text: str) -> set[int]:
-    """Parameter numbers named in the HLO module's input_output_alias map."""
-    header = next(line for line in hlo_text.splitlines() if line.startswith("HloModule"))
-    entries = re.findall(r"\{\d+\}: \((\d+), \{\}, (?:may|must)-alias\)", header)
-    return {int(p) for p in entries}
-
-
-def _state_sized_copies(hlo_text: str, state) -> list[str]:
-    """HLO `copy` instructions whose result has the shape of a state field (a pool copy)."""
-    shapes = {tuple(leaf.shape) for leaf in jax.tree.leaves(state)}
-    found = []
-    for line in hlo_text.splitlines():
-        match = re.search(r"= \w+\[([\d,]*)\]\S* copy\(", line)
-        if match and tuple(int(d) for d in match.group(1).split(",") if d) in shapes:
-            found.append(line.strip())
-    return found
-
-
 def test_one_compilation_and_donated_state(backend, rng):
     """Changing cursors, flushes, slots, padding and forced flushes over many steps reuse a
     single trace/executable; the donated state buffers are consumed, aliased to the outputs,
@@ -421,11 +405,11 @@ def test_one_compilation_and_donated_state(backend, rng):
     assert step._cache_size() == 1
     hlo = step.lower(state, *_one_step_inputs(rng, config, np.arange(BATCH), np.zeros(BATCH, bool)))
     hlo_text = hlo.compile().as_text()
-    assert _aliased_parameters(hlo_text) >= set(range(num_leaves))
+    assert aliased_parameters(hlo_text) >= set(range(num_leaves))
     # Off-GPU the Pallas kernels run in interpret mode, an HLO emulation loop that copies its
     # operands by construction; there the no-copy property belongs to the real kernels.
     if backend == "xla" or jax.default_backend() == "gpu":
-        assert not _state_sized_copies(hlo_text, state), "the step copies a state buffer"
+        assert not state_sized_copies(hlo_text, state), "the step copies a state buffer"
 
 
 TOKEN_FIELDS = ("q", "k", "v", "g", "beta")

@@ -18,6 +18,7 @@ import pytest
 
 import replayssm_jax as R
 from pallas_kernels.fold_decode import FoldParams
+from pallas_kernels.mamba2_decode import Mamba2PlainParams, Mamba2ReplayParams
 from pallas_kernels.plain_decode import PlainParams
 from pallas_kernels.replay_decode import ReplayTileParams
 from pallas_kernels.replay_decode_grouped import ReplayGroupedParams
@@ -27,10 +28,15 @@ from replayssm_jax.backends.pallas_triton import LAUNCH_TABLE, launch_row
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RAW = ROOT / "benchmarks" / "results" / "raw"
-GATES, STATE_BYTES = ("gdn", "kda"), (4, 2)
+GATES, STATE_BYTES = ("gdn", "kda", "mamba2"), (4, 2)
 BATCHES = [*range(1, 300), 511, 512, 513, 1024, 4096]
-STEP_TYPES = {"plain": (PlainParams,), "fold": (FoldParams,), "replay": (ReplayGroupedParams, ReplayTileParams),
-              "verify": (VerifyReadoutParams,)}
+DELTA_STEP_TYPES = {"plain": (PlainParams,), "fold": (FoldParams,), "replay": (ReplayGroupedParams, ReplayTileParams),
+                    "verify": (VerifyReadoutParams,)}
+MAMBA2_STEP_TYPES = {"plain": (Mamba2PlainParams,), "fold": (Mamba2ReplayParams,), "replay": (Mamba2ReplayParams,)}
+
+
+def step_types(gate: str) -> dict[str, tuple[type, ...]]:
+    return MAMBA2_STEP_TYPES if gate == "mamba2" else DELTA_STEP_TYPES
 
 
 def _cache_lens(step: str) -> tuple[int, ...]:
@@ -50,25 +56,27 @@ ROW_IDS = [f"{i}-{row.step}-{row.gate}-{row.state_bytes}-B{row.batch[0]}-L{row.c
            for i, row in enumerate(LAUNCH_TABLE)]
 
 
-@pytest.mark.parametrize("step", list(STEP_TYPES))
+@pytest.mark.parametrize("step", list(DELTA_STEP_TYPES))
 def test_every_layer_and_batch_finds_a_row_of_its_step(step):
-    for gate, nbytes, length, batch in itertools.product(GATES, STATE_BYTES, _cache_lens(step), BATCHES):
+    gates = [gate for gate in GATES if step in step_types(gate)]  # verify: the delta-rule gates
+    for gate, nbytes, length, batch in itertools.product(gates, STATE_BYTES, _cache_lens(step), BATCHES):
         row = launch_row(step, gate, nbytes, batch, length)
-        assert row.step == step and isinstance(row.params, STEP_TYPES[step]), row
+        assert row.step == step and isinstance(row.params, step_types(gate)[step]), (gate, row)
 
 
 @pytest.mark.parametrize("index", range(len(LAUNCH_TABLE)), ids=ROW_IDS)
 def test_every_row_is_reachable_and_cites_its_results(index):
     row = LAUNCH_TABLE[index]
-    assert reachable_cases(row), f"row {index} is shadowed by the rows before it: {row}"
-    assert isinstance(row.params, STEP_TYPES[row.step]), row
+    cases = reachable_cases(row)
+    assert cases, f"row {index} is shadowed by the rows before it: {row}"
+    assert all(isinstance(row.params, step_types(gate)[row.step]) for gate, *_ in cases), row
     if not row.source.startswith("untuned"):
         assert (RAW / row.source).is_file(), f"row {index} cites a missing results file {row.source}"
 
 
 def test_lookup_is_the_first_matching_row():
     for gate, nbytes, batch, length in [("gdn", 4, 1, 16), ("kda", 2, 100, 32), ("gdn", 2, 600, 3)]:
-        for step in STEP_TYPES:
+        for step in DELTA_STEP_TYPES:
             first = next(r for r in LAUNCH_TABLE if r.matches(step, gate, nbytes, batch, length))
             assert launch_row(step, gate, nbytes, batch, length) is first
 
@@ -92,22 +100,39 @@ import kernel_registers  # noqa: E402
 
 KERNEL_NAMES = {PlainParams: "plain_decode", FoldParams: "replayssm_fold_decode",
                 ReplayTileParams: "replayssm_replay_decode", ReplayGroupedParams: "replayssm_replay_decode_grouped",
+                Mamba2PlainParams: "mamba2_plain_decode", Mamba2ReplayParams: "replayssm_mamba2_decode",
                 VerifyReadoutParams: "replayssm_verify_readout"}
 
 
 def _h200_config(gate: str, nbytes: int, cache_len: int) -> R.ReplayConfig:
     dtype = jnp.float32 if nbytes == 4 else jnp.bfloat16
+    if gate == "mamba2":  # Nemotron-H-8B's head dim, state size and heads per group
+        return R.ReplayConfig.mamba2(32, 64, 128, 2, cache_len, state_dtype=dtype, cache_dtype=dtype)
     return R.ReplayConfig(16 if gate == "gdn" else 32, 32, 128, 128, cache_len, gate=gate,
                           state_dtype=dtype, cache_dtype=dtype)
 
 
 @pytest.mark.parametrize("params", [PlainParams(), FoldParams(), ReplayTileParams(), ReplayGroupedParams(),
-                                    VerifyReadoutParams()], ids=repr)
+                                    Mamba2PlainParams(), Mamba2ReplayParams(), VerifyReadoutParams()], ids=repr)
 def test_each_kernel_lowers_under_its_own_name(params):
     # A profile tells the kernels apart by their pallas_call names.
-    cfg = _h200_config("gdn", 4, 1 if isinstance(params, PlainParams) else 13)
+    gate = "mamba2" if isinstance(params, (Mamba2PlainParams, Mamba2ReplayParams)) else "gdn"
+    cfg = _h200_config(gate, 4, 1 if isinstance(params, (PlainParams, Mamba2PlainParams)) else 13)
     ir = kernel_registers.kernel_ir(cfg, params, 8)
     assert re.findall(r"tt\.func \w* ?@(\w+)", ir) == [KERNEL_NAMES[type(params)]]
+
+
+MAMBA2_ROWS = [i for i, row in enumerate(LAUNCH_TABLE) if row.gate == "mamba2"]
+
+
+@pytest.mark.parametrize("index", MAMBA2_ROWS, ids=[ROW_IDS[i] for i in MAMBA2_ROWS])
+def test_every_mamba2_row_lowers_for_h200(index):
+    """Each Mamba-2 row's kernel lowers to Triton IR for an abstract H200 with either state
+    dtype, at the two cache lengths its loops see (the compile test below needs triton)."""
+    row = LAUNCH_TABLE[index]
+    for nbytes, length in itertools.product(STATE_BYTES, (1,) if row.step == "plain" else (2, 32)):
+        ir = kernel_registers.kernel_ir(_h200_config("mamba2", nbytes, length), row.params, 8)
+        assert re.findall(r"tt\.func \w* ?@(\w+)", ir) == [KERNEL_NAMES[type(row.params)]]
 
 
 @pytest.mark.parametrize("index", range(len(LAUNCH_TABLE)), ids=ROW_IDS)

@@ -79,7 +79,7 @@ def _text_outputs(nb) -> str:
 
 
 def test_notebooks_found():
-    assert {"01_quickstart", "02_cache_length", "03_dtype_accuracy"} <= set(NOTEBOOKS)
+    assert {"01_quickstart", "02_cache_length", "03_dtype_accuracy", "04_speculative"} <= set(NOTEBOOKS)
 
 
 @pytest.mark.parametrize("name", NOTEBOOKS)

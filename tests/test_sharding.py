@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import replayssm_jax as R
 from replayssm_jax import FlushPolicy, ReplayConfig, decode_step, init_state, sharding
 from replayssm_jax.backends import pallas_triton
 from replayssm_jax.model import decoder, demo
@@ -160,6 +161,33 @@ def test_decode_equals_single_device_bit_for_bit(rng, gate, policy):
     assert flushes > 0
     assert sharded.checkpoint.sharding.spec == jax.sharding.PartitionSpec("dp", "tp")
     assert sharded.write_pos.sharding.spec == jax.sharding.PartitionSpec("dp")
+
+
+@child_only
+@pytest.mark.parametrize("gate", ["gdn", "kda"])
+def test_verify_and_accept_equal_single_device(rng, gate):
+    """Windows of T = 2 with ragged lengths, then mixed accepts: the sharded verify and accept
+    end with the same outputs and state bits as one device (each head's window solve is
+    local to its device)."""
+    config, mesh = _config(gate, cache_len=4), _mesh()
+    state = init_state(config, N, jnp.asarray(random_checkpoint(rng, config, N)))
+    sharded = sharding.place_state(state, mesh)
+    width = 2
+    for _ in range(4):  # enough rounds for the capacity rule to fold rows
+        window = to_device(random_tokens(rng, config, (B, width)))
+        slots = jnp.asarray(_row_slots(rng))
+        lengths = jnp.asarray(rng.integers(0, width + 1, B), jnp.int32)
+        y, state = jax.jit(lambda s, w, sl, n: R.verify_step(s, w, sl, lengths=n, use_qk_l2norm=True))(
+            state, window, slots, lengths)
+        y_s, sharded = jax.jit(lambda s, w, sl, n: sharding.verify_step(s, w, sl, mesh=mesh, lengths=n,
+                                                                        use_qk_l2norm=True))(sharded, window, slots, lengths)
+        np.testing.assert_array_equal(np.asarray(y_s), np.asarray(y))
+        _assert_same(sharded, state, REPLAY_FIELDS)
+        accepted = jnp.minimum(jnp.asarray(rng.integers(0, width + 1, B), jnp.int32), lengths)
+        state = jax.jit(R.accept)(state, slots, accepted)
+        sharded = jax.jit(lambda s, sl, n: sharding.accept(s, sl, n, mesh=mesh))(sharded, slots, accepted)
+        _assert_same(sharded, state, REPLAY_FIELDS)
+    assert sharded.checkpoint.sharding.spec == jax.sharding.PartitionSpec("dp", "tp")
 
 
 @child_only

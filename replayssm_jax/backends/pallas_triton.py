@@ -18,6 +18,7 @@ from jaxtyping import Array, Float
 from pallas_kernels import common
 from pallas_kernels.common import GridOrder
 from pallas_kernels.fold_decode import FoldParams, fold_decode
+from pallas_kernels.mamba2_decode import Mamba2PlainParams, Mamba2ReplayParams, mamba2_plain_decode, mamba2_replay_decode
 from pallas_kernels.plain_decode import PlainParams, plain_decode
 from pallas_kernels.replay_decode import ReplayTileParams, replay_decode
 from pallas_kernels.replay_decode_grouped import ReplayGroupedParams, replay_decode_grouped
@@ -28,13 +29,21 @@ from replayssm_jax.state import ReplayState
 from replayssm_jax.tokens import Tokens
 
 Step = Literal["plain", "fold", "replay", "verify"]
-KernelParams = PlainParams | FoldParams | ReplayTileParams | ReplayGroupedParams | VerifyReadoutParams
+KernelParams = (PlainParams | FoldParams | ReplayTileParams | ReplayGroupedParams | Mamba2PlainParams
+                | Mamba2ReplayParams | VerifyReadoutParams)
 # The parameter classes each step accepts from a caller (the table's rows use the first).
 STEP_PARAMS: dict[str, tuple[type, ...]] = {
     "plain": (PlainParams,),
     "fold": (FoldParams,),
     "replay": (ReplayGroupedParams, ReplayTileParams, FoldParams),
     "verify": (VerifyReadoutParams,),
+}
+# Mamba-2 (the additive rule) has its own kernels; a fold-every-step plan runs the replay
+# kernel with every live row flushing.
+MAMBA2_STEP_PARAMS: dict[str, tuple[type, ...]] = {
+    "plain": (Mamba2PlainParams,),
+    "fold": (Mamba2ReplayParams,),
+    "replay": (Mamba2ReplayParams,),
 }
 ANY = None  # a row's gate or state bytes that matches every value
 
@@ -67,8 +76,19 @@ _ROWS, _LO, _LOR = GridOrder.ROW_SLOWEST, GridOrder.LAUNCH_ORDER, GridOrder.LAUN
 _UNTUNED = "untuned: covers the range with a measured entry's shape"
 # The plain kernel's large-batch tile with the folding kernel's empty-cache branch.
 _FOLD_WIDE = FoldParams(16, 1, column_chunk=16, grid_order=GridOrder.ROW_SLOWEST, empty_cache_branch=True)
+_MAMBA2_UNTUNED = "untuned: Mamba-2 tile shape not yet measured on the H200"
 
 LAUNCH_TABLE: tuple[LaunchRow, ...] = (
+    # Mamba-2 first: the rows for any gate below name the delta-rule kernels
+    LaunchRow("plain", "mamba2", ANY, (1, 16), _ALL, Mamba2PlainParams(16, 1), _MAMBA2_UNTUNED),
+    LaunchRow("plain", "mamba2", 4, (17, None), _ALL, Mamba2PlainParams(16, 1, grid_order=_ROWS),
+              "h200_2026-12-02_mamba2_tiles.json"),
+    LaunchRow("plain", "mamba2", 2, (17, None), _ALL, Mamba2PlainParams(16, 2, grid_order=_ROWS),
+              "h200_2026-12-02_mamba2_tiles.json"),
+    LaunchRow("fold", "mamba2", ANY, (1, None), _ALL, Mamba2ReplayParams(16, 1, grid_order=_ROWS), _MAMBA2_UNTUNED),
+    LaunchRow("replay", "mamba2", ANY, (1, 16), _ALL, Mamba2ReplayParams(16, 1), _MAMBA2_UNTUNED),
+    LaunchRow("replay", "mamba2", ANY, (17, None), _ALL, Mamba2ReplayParams(32, 1, grid_order=_ROWS),
+              "h200_2026-12-02_mamba2_tiles.json"),
     # plain decode (the baseline, and every step at L = 1)
     LaunchRow("plain", "gdn", 4, (1, 2), _ALL, PlainParams(4, 1, column_chunk=32), "h200_2026-11-29_v21_small_batch.json"),
     LaunchRow("plain", "gdn", 2, (1, 2), _ALL, PlainParams(4, 1), "h200_2026-11-29_v23c_one_row.json"),
@@ -125,8 +145,9 @@ LAUNCH_TABLE: tuple[LaunchRow, ...] = (
     LaunchRow("replay", ANY, ANY, (257, None), _ALL, ReplayGroupedParams(32, 4, 8, rebuild_unroll=2, grid_order=_ROWS),
               "h200_2026-11-30_v28d_hv64.json"),
     # speculative verify readouts (`speculative.verify_step`)
-    LaunchRow("verify", ANY, ANY, (1, None), _ALL, VerifyReadoutParams(),
-              "untuned: the grouped replay rows' tile (BV = 32, 4 warps), before any verify measurement"),
+    *(LaunchRow("verify", gate, ANY, (1, None), _ALL, VerifyReadoutParams(),
+                "untuned: the grouped replay rows' tile (BV = 32, 4 warps), before any verify measurement")
+      for gate in ("gdn", "kda")),
 )
 
 
@@ -159,7 +180,7 @@ def launch_params(config: ReplayConfig, batch: int, policy: FlushPolicy,
     step = step_kind(config, policy)
     if kernel_params is None:
         return launch_row(step, config.gate, config.state_dtype.itemsize, batch, config.cache_len).params
-    allowed = STEP_PARAMS[step]
+    allowed = (MAMBA2_STEP_PARAMS if config.gate_kind.additive else STEP_PARAMS)[step]
     if not isinstance(kernel_params, allowed):
         names = " or ".join(t.__name__ for t in allowed)
         raise ValueError(f"this step runs the {step!r} kernel step (L = {config.cache_len}, policy "
@@ -219,3 +240,31 @@ def layer_step(
     return y, dataclasses.replace(
         state, checkpoint=checkpoint, u_cache=u_cache, k_cache=k_cache, g_cache=g_cache
     )
+
+
+def mamba2_layer_step(
+    state: ReplayState,
+    tokens,
+    plan: StepPlan,
+    *,
+    params,
+    kernel_params: Mamba2PlainParams | Mamba2ReplayParams | None = None,
+    interpret: bool | None = None,
+) -> tuple[Float[Array, "B H P"], ReplayState]:
+    """`backends.xla.mamba2_layer_step` on the Mamba-2 kernels (`tokens: Mamba2Tokens`,
+    `params: Mamba2Params`); plus `kernel_params` (default: the table's row) and
+    `interpret` (default: off GPU)."""
+    cfg = state.config
+    check_kernel_shapes(cfg.head_k_dim, cfg.head_v_dim)
+    launch = launch_params(cfg, plan.batch, plan.policy, kernel_params)
+    options = dict(z=tokens.z, dt_softplus=params.dt_softplus, dt_limit=params.dt_limit,
+                   params=launch, interpret=interpret)
+    token = (tokens.x, tokens.B, tokens.C, tokens.dt, params.A, params.D, params.dt_bias)
+    if isinstance(launch, Mamba2PlainParams):
+        y, checkpoint = mamba2_plain_decode(state.checkpoint, *token, plan.slot, plan.valid, **options)
+        return y, dataclasses.replace(state, checkpoint=checkpoint)
+    y, checkpoint, x_cache, b_cache, dt_cache = mamba2_replay_decode(
+        state.checkpoint, state.u_cache, state.k_cache, state.g_cache, *token,
+        plan.slot, plan.pos, common.row_modes(plan.valid, plan.flush), **options,
+    )
+    return y, dataclasses.replace(state, checkpoint=checkpoint, u_cache=x_cache, k_cache=b_cache, g_cache=dt_cache)

@@ -113,3 +113,85 @@ def layer_step(
     return y, dataclasses.replace(
         state, checkpoint=checkpoint, u_cache=u_cache, k_cache=k_cache, g_cache=g_cache
     )
+
+
+# Mamba-2 (gate "mamba2", the additive rule). The cache holds the raw x_j, B_j and dt_j
+# (u_cache, k_cache, g_cache); with the window's cumulative step Gamma and prefix sums c_j,
+#
+#     S = exp(A Gamma) S_c + sum_j dt_j exp(A (Gamma - c_j)) x_j B_j^T.
+#
+# The step's window is the valid cache entries plus this token (its weight is dt_t), so
+# the readout needs no state:
+#
+#     y = exp(A Gamma) (S_c C) + sum_j dt_j exp(A (Gamma - c_j)) (B_j . C) x_j + D x,
+#
+# and a flush row writes S over the same window once.
+
+
+def _mamba2_window(state: ReplayState, plan: StepPlan, A: Float[Array, " H"], dt_now=None):
+    """The window's `(x [B,H,L',P], B [B,H,L',N], weights [B,H,L'], decay [B,H])`, float32:
+    the valid cache entries (stale ones masked out before use) and, with `dt_now [B, H]`, one
+    more entry for this token (L' = L + 1; its x and B are filled in by the caller).
+    `weights_j = dt_j exp(A (Gamma - c_j))`, `decay = exp(A Gamma)`."""
+    cfg = state.config
+    live = jnp.arange(cfg.cache_len)[None, :] < plan.pos[:, None]  # [B, L]
+    x = jnp.where(live[:, None, :, None], state.u_cache[plan.slot].astype(jnp.float32), 0.0)
+    b = jnp.where(live[:, None, :, None], state.k_cache[plan.slot].astype(jnp.float32), 0.0)
+    dt = jnp.where(live[:, None, :], state.g_cache[plan.slot], 0.0)  # [B, H, L]
+    if dt_now is not None:
+        dt = jnp.concatenate([dt, dt_now[:, :, None]], axis=2)
+    log_a = A.astype(jnp.float32)[None, :, None] * dt
+    prefix = jnp.cumsum(log_a, axis=2)
+    total = prefix[:, :, -1]  # A Gamma
+    weights = dt * jnp.exp(total[:, :, None] - prefix)
+    return x, _expand_heads(b, cfg.group_size), weights, jnp.exp(total)
+
+
+def mamba2_replay_state(state: ReplayState, plan: StepPlan, A: Float[Array, " H"]) -> Float[Array, "B H P N"]:
+    """The live Mamba-2 state of each row's slot in float32 (zeros for padding rows)."""
+    x, b, weights, decay = _mamba2_window(state, plan, A)
+    ckpt = state.checkpoint[plan.slot].astype(jnp.float32)
+    rebuilt = jnp.einsum("bhlp,bhln->bhpn", weights[..., None] * x, b, precision=_HIGHEST)
+    live_state = decay[:, :, None, None] * ckpt + rebuilt
+    return jnp.where(plan.valid[:, None, None, None], live_state, 0.0)
+
+
+def mamba2_layer_step(state: ReplayState, tokens, plan: StepPlan, *, params) -> tuple[Float[Array, "B H P"], ReplayState]:
+    """One Mamba-2 layer step under `plan` (`tokens: Mamba2Tokens`, `params: Mamba2Params`).
+    Updates checkpoint and caches, not `write_pos`.
+
+    Returns:
+      `y [B, H, P]` in x's dtype (exactly 0 on padding rows) and the new state.
+    """
+    cfg = state.config
+    num_slots = state.num_slots
+    dt = gating.mamba2_dt(tokens.dt, params.dt_bias, dt_softplus=params.dt_softplus, dt_limit=params.dt_limit)
+    x_now = tokens.x.astype(jnp.float32)
+    b_now = _expand_heads(tokens.B.astype(jnp.float32), cfg.group_size)  # [B, H, N]
+    c_now = _expand_heads(tokens.C.astype(jnp.float32), cfg.group_size)
+    x, b, weights, decay = _mamba2_window(state, plan, params.A, dt)
+    x = jnp.concatenate([x, x_now[:, :, None]], axis=2)
+    b = jnp.concatenate([b, b_now[:, :, None]], axis=2)
+    ckpt = state.checkpoint[plan.slot].astype(jnp.float32)
+    # As in the delta-rule step: order the window's cache reads before the appends below so
+    # donated caches are updated in place.
+    (ckpt, x, b, weights), x_pool, b_pool, dt_pool = jax.lax.optimization_barrier(
+        ((ckpt, x, b, weights), state.u_cache, state.k_cache, state.g_cache))
+
+    s_c_dot_c = jnp.einsum("bhpn,bhn->bhp", ckpt, c_now, precision=_HIGHEST)
+    b_dot_c = jnp.einsum("bhln,bhn->bhl", b, c_now, precision=_HIGHEST)
+    y = decay[..., None] * s_c_dot_c + jnp.einsum("bhl,bhlp->bhp", weights * b_dot_c, x, precision=_HIGHEST)
+    y = y + params.D.astype(jnp.float32)[None, :, None] * x_now
+    if tokens.z is not None:
+        y = y * gating.silu(tokens.z)
+    y = jnp.where(plan.valid[:, None, None], y, 0.0).astype(tokens.x.dtype)
+
+    flush_slot = jnp.where(plan.flush, plan.slot, num_slots)  # padding rows never flush
+    append_slot = jnp.where(plan.valid & ~plan.flush, plan.slot, num_slots)
+    new_state = decay[:, :, None, None] * ckpt + jnp.einsum(
+        "bhlp,bhln->bhpn", weights[..., None] * x, b, precision=_HIGHEST)
+    checkpoint = state.checkpoint.at[flush_slot].set(new_state.astype(cfg.state_dtype), mode="drop")
+    x_cache = x_pool.at[append_slot, :, plan.pos].set(tokens.x.astype(cfg.cache_dtype), mode="drop")
+    b_cache = b_pool.at[append_slot, :, plan.pos].set(tokens.B.astype(cfg.cache_dtype), mode="drop")
+    dt_cache = dt_pool.at[append_slot, :, plan.pos].set(dt, mode="drop")
+    return y, dataclasses.replace(state, checkpoint=checkpoint, u_cache=x_cache, k_cache=b_cache, g_cache=dt_cache)

@@ -12,6 +12,12 @@ Three entry points over the same params:
   chunk with the plain recurrence; leaves a flushed checkpoint (cursor 0) and the conv state.
 * `plain_forward(params, tokens, plain)`: the plain recurrence from an explicit per-row
   `PlainState` (state read and written every token): the reference decode (T = 1).
+* `verify_window(params, state, tokens, slots)` + `accept_window(...)`: speculative decode.
+  Every GDN layer verifies a window of T tokens per row (`speculative.verify_step`: records
+  appended, no checkpoint written except by rows the capacity rule folds); the MLP, norms
+  and LM head are per token, so the logits of all T positions come out of one pass.
+  `accept_window` then keeps each row's first n tokens: it moves the shared cursor by n and
+  rolls the conv state forward by those n conv inputs only.
 """
 
 from __future__ import annotations
@@ -20,18 +26,22 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import checkify
 from jaxtyping import Array, Bool, Float, Int
 
 from replayssm_jax.config import ReplayConfig
 from replayssm_jax.decode import check_backend
 from replayssm_jax.plan import FlushPolicy, StepPlan, advance_write_pos, as_policy, default_flush_policy, plan_step
-from replayssm_jax.validation import check_slots
+from replayssm_jax import speculative
+from replayssm_jax.validation import check_slots, concrete_or_none
 from replayssm_jax.model import slots as slot_ops
 from replayssm_jax.model.layer import (
     GDNDims,
     GDNParams,
+    accept_conv,
     gdn_plain,
     gdn_replay,
+    gdn_verify,
     init_gdn_params,
     matmul,
     rms_norm,
@@ -43,6 +53,7 @@ from replayssm_jax.model.state import (
     from_flat_view,
     init_model_state,
     layer_plan,
+    layer_state,
 )
 
 
@@ -197,6 +208,15 @@ def check_token_ids(name: str, tokens: Array, ndim: int) -> None:
         )
 
 
+def _debug_check_token_ids(name: str, tokens: Array, live: Array, vocab_size: int) -> None:
+    """In-jit check (under `checkify` only): live tokens are ids in `[0, vocab)`; without it
+    an id outside is clipped to the nearest end of the table."""
+    inside = (tokens >= 0) & (tokens < vocab_size)
+    checkify.debug_check(
+        jnp.all(inside | ~live), f"{name} holds a token id outside [0, {vocab_size}): {{t}}", t=tokens
+    )
+
+
 def decode_step(
     params: DecoderParams,
     state: ModelState,
@@ -224,6 +244,7 @@ def decode_step(
     check_token_ids("tokens", tokens, 1)
     check_slots("slots", slots, jnp.shape(tokens)[0], state.num_slots)
     check_backend(backend)
+    _debug_check_token_ids("tokens", tokens, slots >= 0, params.embed.shape[0])
     return decode_core(params, state, tokens, slots, force_flush, backend=backend, policy=policy)
 
 
@@ -266,6 +287,78 @@ def decode_core(
 
 
 jitted_decode_step = jax.jit(decode_step, static_argnames=("backend", "policy"), donate_argnames=("state",))
+
+
+def verify_window(
+    params: DecoderParams,
+    state: ModelState,
+    tokens: Int[Array, "B T"],
+    slots: Int[Array, " B"],
+) -> tuple[Float[Array, "B T V"], ModelState, Float[Array, "Y B T C"], Bool[Array, " B"]]:
+    """Score a window of T tokens per row (the row's next input, then T - 1 drafts).
+
+    logits[b, i] are the logits after window tokens 0..i, as T decode steps over them would
+    give. The cursor does not move and the conv state is not written: call `accept_window`.
+
+    Returns:
+      `(logits [B, T, V], state, conv inputs [Y, B, T, C] for accept_window, folded [B]:
+      the rows the capacity rule folded, whose cursor is now 0)`.
+
+    Raises:
+      ValueError: on bad token ids or slots, or T > cache_len.
+    """
+    check_model_state(state)
+    check_token_ids("tokens", tokens, 2)
+    batch, width = jnp.shape(tokens)
+    check_slots("slots", slots, batch, state.num_slots)
+    if width > state.config.cache_len:
+        raise ValueError(f"window width T = {width} exceeds cache_len = {state.config.cache_len}")
+    dims = _dims(params, state.config)
+    view, conv_pool = flat_view(state)
+    valid = slots >= 0
+
+    def layer(carry, xs):
+        x, view = carry
+        block, index = xs
+        flat_slots = jnp.where(valid, slots + index * state.num_slots, -1)
+        mixed, view, conv_inputs = gdn_verify(
+            block.gdn, dims, rms_norm(x, block.attn_norm), view, conv_pool, flat_slots
+        )
+        x = x + mixed
+        return (x + _mlp(block, x), view), conv_inputs
+
+    (x, view), conv_inputs = jax.lax.scan(
+        layer, (_embed(params, tokens), view), (params.blocks, jnp.arange(state.num_layers))
+    )
+    write_pos = view.write_pos[: state.num_slots]  # layer 0's flat slots: the shared cursor
+    slot = jnp.where(valid, slots, 0)
+    folded = valid & (write_pos[slot] != state.write_pos[slot])
+    state = from_flat_view(state, view, conv_pool, write_pos)
+    return _logits(params, x), state, conv_inputs, folded
+
+
+def accept_window(
+    state: ModelState,
+    slots: Int[Array, " B"],
+    num_accepted: Int[Array, " B"],
+    conv_inputs: Float[Array, "Y B T C"],
+) -> ModelState:
+    """Keep the first `num_accepted[b]` (0..T) tokens of each row's verified window: the
+    cursor moves by that count (`speculative.accept`) and the conv state advances by those
+    tokens' conv inputs; padding rows are untouched."""
+    write_pos = speculative.accept(layer_state(state, 0), slots, num_accepted).write_pos
+    valid = slots >= 0
+    slot = jnp.where(valid, slots, 0)
+    n = jnp.where(valid, num_accepted, 0).astype(jnp.int32)
+    conv = jax.vmap(accept_conv, in_axes=(0, 0, None))(state.conv_state[:, slot], conv_inputs, n)
+    target = jnp.where(valid, slots, state.num_slots)
+    return dataclasses.replace(
+        state, conv_state=state.conv_state.at[:, target].set(conv, mode="drop"), write_pos=write_pos
+    )
+
+
+jitted_verify_window = jax.jit(verify_window, donate_argnames=("state",))
+jitted_accept_window = jax.jit(accept_window, donate_argnames=("state",))
 
 
 def plain_forward(
@@ -316,6 +409,10 @@ def prefill(
 
     Returns:
       `(logits of each row's last token [B, V], new_state)`.
+
+    Raises:
+      ValueError: a slot >= N or named twice, or a length outside `[0, T]` (when concrete;
+        under `jit` through `replayssm_jax.checked`, with token ids outside the vocabulary).
     """
     check_model_state(state)
     check_token_ids("tokens", tokens, 2)
@@ -324,9 +421,19 @@ def prefill(
             f"lengths must have shape {jnp.shape(tokens)[:1]} (one per row), got {jnp.shape(lengths)}"
         )
     slots = slot_ops.check_slots_arg("slots", slots, state.num_slots, unique=True)
-    valid = slots >= 0
-    slot = jnp.where(valid, slots, 0)
-    start = PlainState(ssm=slot_ops.live_states(state, slots), conv=state.conv_state[:, slot])
+    chunk = jnp.shape(tokens)[1]
+    values = concrete_or_none(lengths)
+    if values is not None and ((values < 0) | (values > chunk)).any():
+        raise ValueError(f"lengths must be in [0, {chunk}] (the chunk length T), got {values.tolist()}")
+    checkify.debug_check(
+        jnp.all((lengths >= 0) & (lengths <= chunk)),
+        f"lengths must be in [0, {chunk}] (the chunk length T): {{n}}", n=lengths,
+    )
+    live_tokens = (slots >= 0)[:, None] & (jnp.arange(chunk)[None, :] < lengths[:, None])
+    _debug_check_token_ids("tokens", tokens, live_tokens, params.embed.shape[0])
+    valid, slot = slot_ops.live_entries(slots, state.num_slots)
+    conv = slot_ops.keep_rows(valid, state.conv_state[:, slot])  # zeros past N, not slot N-1's
+    start = PlainState(ssm=slot_ops.live_states(state, slots), conv=conv)
     logits, end = plain_forward(params, tokens, start, lengths, chunked=True)
     target = jnp.where(valid, slots, state.num_slots)
     state = dataclasses.replace(

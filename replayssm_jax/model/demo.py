@@ -7,6 +7,14 @@ its snapshot instead of re-running it. Afterwards every request is decoded alone
 plain recurrence (fp32) and compared: greedy tokens, largest logit difference, flushes, state
 traffic per token and step time.
 
+With `--speculate T` every step is a speculative one instead: a drafter (`--drafter
+ngram`: prompt lookup in the request's own sequence; `self`: the model drafting greedily
+for itself) proposes T - 1 tokens, the model verifies the window in one pass, and greedy
+acceptance keeps 1..T tokens. The report then gives, per request, the acceptance rate, tokens
+per verify step, and the state bytes written per accepted token by ReplaySSM verify (T small
+records, a checkpoint only when the ring is full) against conventional speculation (T full
+states per verify step).
+
 CPU defaults finish in well under a minute; on a GPU pass larger ones, e.g.
 `--batch 64 --steps 400 --cache-len 16`.
 """
@@ -48,6 +56,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--dtype", choices=("float32", "bfloat16"), default="float32", help="state and cache dtype"
     )
+    parser.add_argument(
+        "--speculate", type=int, default=0, metavar="T",
+        help="speculative decoding with a window of T tokens (2 <= T <= cache-len; 0: off)",
+    )
+    parser.add_argument("--drafter", choices=tuple(serving.DRAFTERS), default="ngram",
+                        help="draft source with --speculate")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--mesh", type=sharding.parse_mesh, default=None,
@@ -58,6 +72,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     for name in ("batch", "steps", "cache_len", "track_interval"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be positive")
+    if args.speculate and not 2 <= args.speculate <= args.cache_len:
+        parser.error("--speculate must be 0 or in [2, --cache-len]")
+    if args.speculate and (args.backend != "xla" or args.mesh is not None):
+        parser.error("--speculate runs on one device with --backend xla")
     return args
 
 
@@ -144,6 +162,40 @@ def report(
     return all_same, worst
 
 
+def report_speculative(
+    engine: serving.Engine, requests: list[serving.Request], ref_tokens, ref_logits
+) -> tuple[bool, float]:
+    """Per request: tokens equal to non-speculative decoding, acceptance, tokens per verify
+    step, state bytes written per accepted token (ReplaySSM vs conventional); returns (every
+    request matches, largest logit difference)."""
+    print(
+        f"{'req':>4} {'slot':>4} {'prompt':>6} {'new':>4} {'same':>5} {'max|dlogit|':>11} "
+        f"{'verifies':>8} {'accept':>6} {'tok/verify':>10} {'folds':>5} {'write B/tok':>11} "
+        f"{'conv. B/tok':>11} {'ratio':>6}"
+    )
+    all_same, worst = True, 0.0
+    for request, tokens, logits in zip(requests, ref_tokens, ref_logits):
+        same = tokens == request.generated
+        agree = next((i for i, (a, b) in enumerate(zip(tokens, request.generated)) if a != b), None)
+        upto = len(tokens) if agree is None else agree + 1
+        diff = float(np.max(np.abs(np.stack(request.logits)[:upto] - logits[:upto])))
+        all_same &= same
+        worst = max(worst, diff)
+        steps = request.verify_steps
+        emitted = max(len(request.generated) - 1, 1)  # the first token came from the prefill
+        rate = request.accepted_drafts / max(request.drafted, 1)
+        ours, conventional = request.spec_written / emitted, request.conventional_written / emitted
+        print(
+            f"{request.rid:>4} {request.slot:>4} {len(request.prompt):>6} {len(request.generated):>4} "
+            f"{'yes' if same else 'NO':>5} {diff:>11.2e} {steps:>8} {rate:>6.0%} "
+            f"{emitted / max(steps, 1) if steps else 0.0:>10.2f} {request.natural_flushes:>5} "
+            f"{ours:>11.0f} {conventional:>11.0f} {ours / max(conventional, 1):>6.3f}"
+        )
+    print("(accept: draft tokens accepted / proposed; tok/verify and B/tok count the decoded "
+          "tokens, bonus included; conv.: conventional verify writing T full states per step)")
+    return all_same, worst
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the demo; returns 0, or 1 on a real disagreement with plain decode: any greedy
     token with an fp32 state; with a bf16 state, a logit off by more than BF16_LOGIT_BOUND of
@@ -158,7 +210,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         cache_len=args.cache_len, track_interval=args.track_interval,
         state_dtype=state_dtype, backend=args.backend,
         policy=None if args.policy == "default" else args.policy,
-        mesh=args.mesh,
+        mesh=args.mesh, speculate=args.speculate,
+        drafter=serving.DRAFTERS[args.drafter]() if args.speculate else None,
     )
     rng = np.random.default_rng(args.seed)
     workload = Workload(rng, config.vocab_size, args.track_interval, args.cache_len)
@@ -168,7 +221,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"d_k=d_v={config.head_k_dim}), batch {args.batch}, {2 * args.batch} slots, "
         f"L={args.cache_len}, track every {args.track_interval} tokens, {args.dtype} state, "
         f"backend {args.backend}, policy {args.policy}"
-        + ("" if engine.mesh is None else f", mesh {dict(engine.mesh.shape)} over {engine.mesh.size} devices"),
+        + ("" if engine.mesh is None else f", mesh {dict(engine.mesh.shape)} over {engine.mesh.size} devices")
+        + ("" if not args.speculate else f", speculative window T={args.speculate} ({args.drafter} drafter)"),
         flush=True,
     )
     print("reference: each request decoded alone by the same model with the plain recurrence "
@@ -184,8 +238,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         tokens, logits = serving.reference_decode(params, config, requests[first : first + 16])
         ref_tokens += tokens
         ref_logits += logits
-    all_same, worst = report(engine, requests, ref_tokens, ref_logits)
+    if args.speculate:
+        all_same, worst = report_speculative(engine, requests, ref_tokens, ref_logits)
+        summarize_speculative(engine, requests, step_times, all_same, worst)
+    else:
+        all_same, worst = report(engine, requests, ref_tokens, ref_logits)
+        summarize(engine, requests, step_times, all_same, worst)
+    print(f"total {time.perf_counter() - started:.1f} s")
+    if args.dtype == "float32":
+        return 0 if all_same else 1
+    scale = max(float(np.max(np.abs(logits))) for logits in ref_logits)
+    print(f"largest logit difference / largest reference logit: {worst / scale:.2e} "
+          f"(bound {BF16_LOGIT_BOUND:g})")
+    return 0 if worst <= BF16_LOGIT_BOUND * scale else 1
 
+
+def summarize(engine, requests, step_times, all_same, worst) -> None:
+    """The totals of a plain (non-speculative) run."""
     restored = [r for r in requests if r.restored]
     flushes = sum(r.natural_flushes + r.forced_flushes for r in requests)
     steps = sum(r.decode_steps for r in requests)
@@ -203,12 +272,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"greedy tokens equal to plain decode alone: {'all' if all_same else 'NOT all'}; "
         f"largest logit difference {worst:.2e}; {flushes} flushes in {steps} request-steps; "
         f"state bytes (read+write) {ratio:.2f}x plain decode; decode step compiled "
-        f"{serving.step_traces()}x, median step {1e3 * np.median(step_times):.2f} ms; "
-        f"total {time.perf_counter() - started:.1f} s"
+        f"{serving.step_traces()}x, median step {1e3 * np.median(step_times):.2f} ms"
     )
-    if args.dtype == "float32":
-        return 0 if all_same else 1
-    scale = max(float(np.max(np.abs(logits))) for logits in ref_logits)
-    print(f"largest logit difference / largest reference logit: {worst / scale:.2e} "
-          f"(bound {BF16_LOGIT_BOUND:g})")
-    return 0 if worst <= BF16_LOGIT_BOUND * scale else 1
+
+
+def summarize_speculative(engine, requests, step_times, all_same, worst) -> None:
+    """The totals of a speculative run: tokens per verify step, acceptance, bytes written."""
+    verifies = sum(r.verify_steps for r in requests)
+    emitted = sum(len(r.generated) - 1 for r in requests)
+    drafted = sum(r.drafted for r in requests)
+    ours = sum(r.spec_written for r in requests) / max(emitted, 1)
+    conventional = sum(r.conventional_written for r in requests) / max(emitted, 1)
+    print(
+        f"\n{len(requests)} requests, {len(step_times)} batched verify steps ({verifies} request-windows of "
+        f"T={engine.speculate}), {emitted} tokens decoded after the prefills: "
+        f"{emitted / max(verifies, 1):.2f} tokens per verify step, acceptance "
+        f"{sum(r.accepted_drafts for r in requests) / max(drafted, 1):.0%} of {drafted} drafts"
+    )
+    print(
+        f"greedy tokens equal to non-speculative plain decode: {'all' if all_same else 'NOT all'}; "
+        f"largest logit difference {worst:.2e}; state bytes written per decoded token: ReplaySSM "
+        f"verify {ours:,.0f}, conventional verify {conventional:,.0f} ({ours / max(conventional, 1):.3f}x); "
+        f"median step {1e3 * np.median(step_times):.2f} ms"
+    )

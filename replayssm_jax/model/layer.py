@@ -10,6 +10,7 @@ Per token, from the block input x `[D]`:
   out     = (RMSNorm(y) * norm_weight * SiLU(z)) W_out  RMSNorm per value head over d_v
 
 `gdn_replay` decodes one token per row through a ReplaySSM state (`decode.layer_step`);
+`gdn_verify` scores a speculative window of T tokens per row (`speculative.verify_step`);
 `gdn_plain` runs the plain recurrence (`recurrent_reference`) over T tokens from an explicit
 state: it is both the prefill and the plain-decode reference (T = 1).
 """
@@ -28,6 +29,7 @@ from replayssm_jax.chunked import chunked_gated_delta_rule
 from replayssm_jax.decode import layer_step
 from replayssm_jax.plan import StepPlan
 from replayssm_jax.reference import recurrent_reference
+from replayssm_jax.speculative import verify_step
 from replayssm_jax.state import ReplayState
 from replayssm_jax.tokens import Tokens
 
@@ -203,6 +205,42 @@ def gdn_replay(
     target = jnp.where(plan.valid, plan.slot, conv_pool.shape[0])
     conv_pool = conv_pool.at[target].set(conv_rows.astype(conv_pool.dtype), mode="drop")
     return _output(params, y, z[:, 0]), state, conv_pool
+
+
+def gdn_verify(
+    params: GDNParams,
+    dims: GDNDims,
+    x: Float[Array, "B T D"],
+    state: ReplayState,
+    conv_pool: Float[Array, "N Km1 C"],
+    slots: Int[Array, " B"],
+) -> tuple[Float[Array, "B T D"], ReplayState, Float[Array, "B T C"]]:
+    """A draft window of T tokens per row through `speculative.verify_step` (slots index
+    `state` and `conv_pool`; negative: padding row, output 0).
+
+    The conv pool is not written: the conv state after accepting n tokens is the last K-1
+    of (conv state, the window's first n conv inputs), so the window's conv inputs are
+    returned for `accept_conv` to roll it forward by the accepted count only.
+
+    Returns:
+      `(out [B, T, D], state with the window's records appended, conv inputs [B, T, C])`.
+    """
+    conv_rows = conv_pool[jnp.where(slots >= 0, slots, 0)]
+    q, k, v, g, beta, z, _ = _project(params, dims, x, conv_rows, None)
+    y, state = verify_step(state, Tokens(q, k, v, g, beta), slots, use_qk_l2norm=True)
+    return _output(params, y, z), state, matmul(x, params.w_qkv)
+
+
+def accept_conv(
+    conv_rows: Float[Array, "B Km1 C"],
+    conv_inputs: Float[Array, "B T C"],
+    num_accepted: Int[Array, " B"],
+) -> Float[Array, "B Km1 C"]:
+    """The conv state after the first `num_accepted[b]` window tokens of each row."""
+    taps = conv_rows.shape[1]
+    window = jnp.concatenate([conv_rows.astype(jnp.float32), conv_inputs], axis=1)
+    last = jax.vmap(lambda w, n: jax.lax.dynamic_slice_in_dim(w, n, taps, axis=0))
+    return last(window, num_accepted).astype(conv_rows.dtype)
 
 
 def _local_heads_step(state: ReplayState, tokens: Tokens, plan: StepPlan, backend: str, tp_axis: str):

@@ -12,6 +12,16 @@
 
 Each request records its tokens, logits, flushes and replay state traffic; `reference_decode`
 decodes requests on their own plain-recurrence states for comparison.
+
+Speculative decoding (`Engine(speculate=T, drafter=...)`, `Engine.speculative_step`): a
+drafter proposes T - 1 tokens per row, the model verifies the window (the row's next input
+and the drafts) in one pass (`decoder.verify_window`), and greedy acceptance keeps the
+longest prefix of drafts equal to the verifier's argmax plus the verifier's next token (the
+bonus): 1..T tokens per step, the same greedy tokens as plain decoding. Drafters:
+`NgramDrafter` (prompt lookup in the request's own sequence) and `SelfDrafter` (the model
+drafting greedily for itself from a scratch copy of its live state, plain recurrence). The
+speculative step has no forced flushes, so decode steps add no prefix snapshots (prefill
+chunks still do).
 """
 
 from __future__ import annotations
@@ -19,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +37,7 @@ import numpy as np
 from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int
 
-from replayssm_jax import sharding
+from replayssm_jax import cost, sharding
 from replayssm_jax.model import decoder, slots as slot_ops
 from replayssm_jax.model.state import ModelState, Snapshot
 from replayssm_jax.plan import FlushPolicy, as_policy
@@ -54,6 +65,11 @@ class Request:
     replay_read: int = 0  # bytes of recurrent state read by this request's decode steps
     replay_written: int = 0
     step_seconds: list[float] = dataclasses.field(default_factory=list)
+    verify_steps: int = 0  # speculative decoding: windows verified,
+    drafted: int = 0  # draft tokens proposed,
+    accepted_drafts: int = 0  # draft tokens accepted (the bonus tokens not counted),
+    spec_written: int = 0  # state bytes written by ReplaySSM verify (records + folds),
+    conventional_written: int = 0  # and by conventional verify (T full states per step)
 
     @property
     def sequence(self) -> list[int]:
@@ -121,6 +137,78 @@ def _serve_step(params, state, tokens, slots, seq_lens, *, track_interval: int, 
     return jnp.argmax(logits, axis=-1), logits, state, plan.pos, plan.flush
 
 
+def greedy_accept(drafts: Int[np.ndarray, "B Tm1"], argmax: Int[np.ndarray, "B T"]) -> Int[np.ndarray, " B"]:
+    """Tokens kept per row: the longest prefix of drafts with `drafts[:, i] == argmax[:, i]`
+    (the verifier's choice after window token i), plus one (the verifier's next token)."""
+    agree = drafts == argmax[:, :-1]
+    return 1 + np.cumprod(agree, axis=1).sum(axis=1)
+
+
+class Drafter(Protocol):
+    """Proposes draft tokens for every row of the engine's batch."""
+
+    def propose(
+        self, engine: Engine, tokens: Int[Array, " B"], slots: Int[Array, " B"], count: int
+    ) -> Int[np.ndarray, "B count"]:
+        """`count` drafts to follow each row's next input `tokens` (rows with slot -1: any)."""
+        ...
+
+
+class NgramDrafter:
+    """Prompt lookup: the tokens that followed the last earlier occurrence of the sequence's
+    final `n`-gram (shorter n-grams when none occurs), else the last token repeated."""
+
+    def __init__(self, n: int = 3):
+        if n < 1:
+            raise ValueError(f"n must be positive, got {n}")
+        self.n = n
+
+    def propose_one(self, sequence: list[int], count: int) -> list[int]:
+        """`count` draft tokens to follow `sequence`."""
+        for n in range(min(self.n, len(sequence) - 1), 0, -1):
+            suffix = sequence[-n:]
+            for start in range(len(sequence) - n - 1, -1, -1):  # latest earlier occurrence
+                if sequence[start : start + n] == suffix:
+                    follow = sequence[start + n : start + n + count]
+                    return follow + [follow[-1]] * (count - len(follow))
+        return [sequence[-1]] * count
+
+    def propose(self, engine: Engine, tokens, slots, count: int) -> np.ndarray:
+        drafts = np.zeros((len(engine.rows), count), np.int32)
+        for row, request in enumerate(engine.rows):
+            if request is not None:
+                drafts[row] = self.propose_one(request.sequence, count)
+        return drafts
+
+
+@functools.partial(jax.jit, static_argnames=("count",))
+def _self_draft(params, state, tokens, slots, *, count: int):
+    """Greedy plain decode of `count` tokens per row from a copy of each slot's live state."""
+    slot = jnp.where(slots >= 0, slots, 0)
+    plain = decoder.PlainState(ssm=slot_ops.live_states(state, slots), conv=state.conv_state[:, slot])
+
+    def one(carry, _):
+        token, plain = carry
+        logits, plain = decoder.plain_forward(params, token[:, None], plain)
+        token = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+        return (token, plain), token
+
+    _, drafts = jax.lax.scan(one, (tokens, plain), None, length=count)
+    return drafts.T
+
+
+class SelfDrafter:
+    """The model drafts for itself: greedy plain-recurrence decode from its own live state
+    (a scratch copy: the served state is not touched). With an fp32 state every draft is
+    accepted: an upper bound on acceptance that exercises the full window."""
+
+    def propose(self, engine: Engine, tokens, slots, count: int) -> np.ndarray:
+        return np.asarray(_self_draft(engine.params, engine.state, tokens, slots, count=count))
+
+
+DRAFTERS = {"ngram": NgramDrafter, "self": SelfDrafter}
+
+
 _reset = jax.jit(slot_ops.reset_slots, donate_argnums=0)
 _snapshot = jax.jit(slot_ops.snapshot)
 
@@ -134,6 +222,9 @@ class Engine:
     (the compiler partitions them); their results are put back on the pool's layout. The
     decode step is bit-identical to one device; the partitioned prefill is not with tp > 1
     (its output projection sums partial products over tp: another summation order).
+
+    With `speculate = T` (2 <= T <= cache_len; one device, xla backend) `step` is
+    `speculative_step`: `drafter` (default `NgramDrafter()`) proposes T - 1 tokens per row.
     """
 
     def __init__(
@@ -149,6 +240,8 @@ class Engine:
         backend: str = "xla",
         policy: FlushPolicy | str | None = None,
         mesh: Mesh | None = None,
+        speculate: int = 0,
+        drafter: Drafter | None = None,
     ):
         if num_slots < max_batch:
             raise ValueError(f"num_slots ({num_slots}) must be >= max_batch ({max_batch})")
@@ -167,6 +260,12 @@ class Engine:
         self.prefix_cache: dict[tuple[int, ...], Snapshot] = {}
         self._backend = backend
         self._policy = None if policy is None else as_policy(policy)
+        if speculate and not 2 <= speculate <= cache_len:
+            raise ValueError(f"speculate (the window T) must be 0 or in [2, cache_len = {cache_len}], got {speculate}")
+        if speculate and (mesh is not None or backend != "xla"):
+            raise ValueError("speculative decoding runs on one device with the xla backend")
+        self.speculate = speculate
+        self.drafter = NgramDrafter() if drafter is None else drafter
 
     def _placed(self, state: ModelState) -> ModelState:
         return state if self.mesh is None else sharding.place_state(state, self.mesh)
@@ -247,6 +346,12 @@ class Engine:
         """Compile the decode step with padding rows only (writes nothing), so timings exclude it."""
         padding = jnp.full((self.max_batch,), -1, jnp.int32)
         zeros = jnp.zeros((self.max_batch,), jnp.int32)
+        if self.speculate:
+            self.drafter.propose(self, zeros, padding, self.speculate - 1)
+            window = jnp.zeros((self.max_batch, self.speculate), jnp.int32)
+            _, self.state, conv_inputs, _ = decoder.jitted_verify_window(self.params, self.state, window, padding)
+            self.state = decoder.jitted_accept_window(self.state, padding, zeros, conv_inputs)
+            return
         _, _, self.state, _, _ = _serve_step(
             self.params, self.state, zeros, padding, zeros,
             track_interval=self.track_interval, backend=self._backend, policy=self._policy,
@@ -254,7 +359,10 @@ class Engine:
         )
 
     def step(self) -> float:
-        """One decode step of every active row; returns its wall time in seconds."""
+        """One decode step of every active row (a speculative one when `speculate`); returns
+        its wall time in seconds."""
+        if self.speculate:
+            return self.speculative_step()
         tokens = np.zeros(self.max_batch, np.int32)
         slots = np.full(self.max_batch, -1, np.int32)
         seq_lens = np.zeros(self.max_batch, np.int32)
@@ -288,6 +396,47 @@ class Engine:
                 self._remember(request.sequence[: seq_lens[row]], jnp.array([request.slot]))
             request.generated.append(int(next_tokens[row]))
             request.logits.append(logits[row])
+            self._retire(row)
+        return seconds
+
+
+    def speculative_step(self) -> float:
+        """Draft T - 1 tokens per active row, verify the windows, keep the greedy prefix;
+        returns the wall time (drafting included) in seconds."""
+        width = self.speculate
+        tokens = np.zeros(self.max_batch, np.int32)
+        slots = np.full(self.max_batch, -1, np.int32)
+        for row, request in enumerate(self.rows):
+            if request is not None:
+                tokens[row], slots[row] = request.generated[-1], request.slot
+        jax.block_until_ready(self.state)
+        start = time.perf_counter()
+        tokens_d, slots_d = jnp.asarray(tokens), jnp.asarray(slots)
+        drafts = self.drafter.propose(self, tokens_d, slots_d, width - 1)
+        window = np.concatenate([tokens[:, None], drafts], axis=1)
+        logits, self.state, conv_inputs, folded = decoder.jitted_verify_window(
+            self.params, self.state, jnp.asarray(window), slots_d
+        )
+        argmax = np.asarray(jnp.argmax(logits, axis=-1))
+        kept = np.where(slots >= 0, greedy_accept(drafts, argmax), 0).astype(np.int32)
+        self.state = decoder.jitted_accept_window(self.state, slots_d, jnp.asarray(kept), conv_inputs)
+        logits, folded = jax.device_get((logits, folded))
+        seconds = time.perf_counter() - start
+        layers, config = self.state.num_layers, self.state.config
+        records, checkpoint = width * cost.entry_bytes(config), cost.state_bytes(config)
+        for row, request in enumerate(self.rows):
+            if request is None:
+                continue
+            n = int(min(kept[row], request.max_new_tokens - len(request.generated)))
+            request.verify_steps += 1
+            request.drafted += width - 1
+            request.accepted_drafts += int(kept[row]) - 1
+            request.spec_written += layers * (records + checkpoint * bool(folded[row]))
+            request.conventional_written += layers * width * checkpoint
+            request.natural_flushes += bool(folded[row])  # a verify step folds only when the ring is full
+            request.step_seconds.append(seconds)
+            request.generated.extend(int(t) for t in argmax[row, :n])
+            request.logits.extend(logits[row, :n])
             self._retire(row)
         return seconds
 

@@ -8,12 +8,16 @@ Validation happens twice:
 
 * at the Python boundary, when the slot values are concrete (eager calls): a clear
   `ValueError` for a slot >= N, a duplicate where it matters, or mismatched lengths;
-* inside `jit` the values are tracers, so each op calls `checkify.debug_check`: wrap the
-  op (or your jitted step) in `jax.experimental.checkify.checkify` to get the error,
-  e.g. `err, out = jax.jit(checkify.checkify(reset_slots))(state, slots); err.throw()`.
+* inside `jit` the values are tracers, so each op calls `checkify.debug_check`: run the
+  op (or your step) through `replayssm_jax.checked` (or wrap it in
+  `jax.experimental.checkify.checkify` yourself) to get the error, e.g.
+  `checked(reset_slots)(state, slots)` raises `checkify.JaxRuntimeError`.
   (`debug_check` rather than `check`: a plain `check` that is not functionalized by
-  `checkify` makes `jit` fail to lower; `debug_check` is a no-op there.) Without
-  `checkify`, out-of-range slots are dropped by the scatters, never written.
+  `checkify` makes `jit` fail to lower; `debug_check` is a no-op there, so the checks
+  are off by default.)
+
+Without the checks, under `jit`, a slot >= N is padding everywhere: its writes are dropped
+and its reads give zeros (live state, checkpoint, conv state), never another slot's data.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from replayssm_jax.backends.xla import replay_state
 from replayssm_jax.model.state import ModelState, Snapshot, check_model_state
 from replayssm_jax.plan import plan_step
 from replayssm_jax.state import ReplayState
-from replayssm_jax.validation import concrete_or_none
+from replayssm_jax.validation import concrete_or_none, debug_check_slots
 
 
 def check_slots_arg(name: str, slots: Array, num_slots: int, *, unique: bool) -> Int[Array, " B"]:
@@ -49,21 +53,25 @@ def check_slots_arg(name: str, slots: Array, num_slots: int, *, unique: bool) ->
         if unique and len(set(live.tolist())) != live.size:
             raise ValueError(f"{name} names a slot more than once: {values.tolist()}")
     slots = jnp.asarray(slots, jnp.int32)
-    checkify.debug_check(
-        jnp.all(slots < num_slots), f"{name} holds a slot >= {num_slots}: {{s}}", s=slots
-    )
-    if unique:
-        # Padding entries become distinct negatives so that only live duplicates count.
-        keyed = jnp.sort(jnp.where(slots >= 0, slots, -1 - jnp.arange(slots.shape[0])))
-        checkify.debug_check(
-            jnp.all(keyed[1:] != keyed[:-1]), f"{name} names a slot twice: {{s}}", s=slots
-        )
+    debug_check_slots(name, slots, num_slots, unique=unique)
     return slots
 
 
 def _target(slots: Int[Array, " B"], num_slots: int) -> Int[Array, " B"]:
     """Scatter index: padding entries point past the end (dropped by mode="drop")."""
     return jnp.where(slots >= 0, slots, num_slots)
+
+
+def live_entries(slots: Int[Array, " B"], num_slots: int) -> tuple[Bool[Array, " B"], Int[Array, " B"]]:
+    """`(valid, gather index)`: valid = 0 <= slot < N; the index is 0 on the others, whose
+    gathered values must then be zeroed (a gather clamps an index >= N to slot N - 1)."""
+    valid = (slots >= 0) & (slots < num_slots)
+    return valid, jnp.where(valid, slots, 0)
+
+
+def keep_rows(valid: Bool[Array, " B"], x: Array) -> Array:
+    """`x [Y, B, ...]` with the rows of invalid entries zeroed."""
+    return jnp.where(valid.reshape(1, -1, *([1] * (x.ndim - 2))), x, 0)
 
 
 def _check_rows(name: str, x: Array, want: tuple[int, ...]) -> None:
@@ -149,7 +157,9 @@ def copy_slots(
     """`dst[i]` gets `src[i]`'s LIVE state (its cache replayed) and conv state, empty cache.
 
     Works whatever the source's cursor; the source is left as it is. All sources are read
-    before any destination is written. A pair with `dst[i] < 0` is padding.
+    before any destination is written. A pair with `dst[i] < 0` is padding. Under `jit`
+    (values unchecked) a `src[i] >= N` reads as zeros: `dst[i]` gets a zero checkpoint and
+    conv state.
 
     Raises:
       ValueError: src and dst of different lengths, a slot >= N, a dst named twice, or a
@@ -171,7 +181,8 @@ def copy_slots(
         jnp.all((src >= 0) | (dst < 0)), "src has padding where dst names a slot: {s}", s=src
     )
     live = live_states(state, src).astype(state.checkpoint.dtype)
-    conv = state.conv_state[:, jnp.maximum(src, 0)]
+    valid, index = live_entries(src, state.num_slots)
+    conv = keep_rows(valid, state.conv_state[:, index])
     target = _target(dst, state.num_slots)
     return dataclasses.replace(
         state,
@@ -199,17 +210,19 @@ def track_flush(seq_lens: Int[Array, " B"], track_interval: int) -> Bool[Array, 
 
 
 def snapshot(state: ModelState, slots: Int[Array, " B"]) -> Snapshot:
-    """Read the checkpoint and conv state of flushed slots (cursor 0); zeros for padding.
+    """Read the checkpoint and conv state of flushed slots (cursor 0); zeros for padding
+    (and, under `jit` where the values are unchecked, for a slot >= N).
 
     Between flushes the checkpoint is not the live state, so a slot with cached entries
     is an error: `ValueError` when `state.write_pos` is concrete, a `checkify` error
-    under `jit` (wrap with `checkify.checkify`). Flush it first (`flush_slots`) or force
-    the flush at the track position (`track_flush`).
+    under `jit` through `replayssm_jax.checked`. Without the checks, under `jit`, such a
+    slot's snapshot is its checkpoint as stored (the state at its last flush, not the
+    live one). Flush it first (`flush_slots`) or force the flush at the track position
+    (`track_flush`).
     """
     check_model_state(state)
     slots = check_slots_arg("slots", slots, state.num_slots, unique=False)
-    valid = slots >= 0
-    slot = jnp.where(valid, slots, 0)
+    valid, slot = live_entries(slots, state.num_slots)
     cursors = jnp.where(valid, state.write_pos[slot], 0)
     values = concrete_or_none(cursors)
     if values is not None and values.any():
@@ -220,7 +233,7 @@ def snapshot(state: ModelState, slots: Int[Array, " B"]) -> Snapshot:
     checkify.debug_check(
         jnp.all(cursors == 0), "snapshot of unflushed slots, cursors {c}", c=cursors
     )
-    keep = lambda x: jnp.where(valid.reshape(1, -1, *([1] * (x.ndim - 2))), x, 0)
     return Snapshot(
-        checkpoint=keep(state.checkpoint[:, slot]), conv_state=keep(state.conv_state[:, slot])
+        checkpoint=keep_rows(valid, state.checkpoint[:, slot]),
+        conv_state=keep_rows(valid, state.conv_state[:, slot]),
     )

@@ -92,5 +92,14 @@ def test_demo_runs_and_agrees(capsys):
     out = capsys.readouterr()
     assert code == 0, out.out
     assert "greedy tokens equal to plain decode alone: all" in out.out
-    assert "serving" in out.err  # the progress bar
+    assert "serving" not in out.err  # no progress bar when stderr is not a terminal
+    assert "reference: each request decoded alone" in out.out
     assert serving.step_traces() >= 1
+
+
+def test_demo_shows_progress_on_a_terminal(capsys, monkeypatch):
+    import sys
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    assert demo.main(["--batch", "2", "--steps", "3", "--cache-len", "2"]) == 0
+    assert "serving" in capsys.readouterr().err

@@ -1,0 +1,124 @@
+"""Speculative decoding in the model and the serving engine: verify a window, keep a ragged
+prefix per row, and get exactly the greedy tokens of non-speculative decoding."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from replayssm_jax.model import decoder, demo, serving
+
+from .conftest import LOGIT_ATOL, TINY
+
+CACHE_LEN, WIDTH = 5, 3  # L = 5, T = 3: a window fits after 0..2 history records only
+plain_kept = jax.jit(decoder.plain_forward)  # the plain recurrence over each row's kept tokens
+
+
+def test_ngram_drafter_proposes_what_followed_the_last_occurrence():
+    drafter = serving.NgramDrafter(n=3)
+    # The final 3-gram (1, 2, 3) last occurred at 4..6, followed by 8, 1, 2.
+    assert drafter.propose_one([1, 2, 3, 9, 1, 2, 3, 8, 1, 2, 3], 3) == [8, 1, 2]
+    # Only a 1-gram recurs (7); what followed it runs out: the last token found is repeated.
+    assert drafter.propose_one([5, 7, 4, 6, 7], 3) == [4, 6, 7]
+    # Nothing recurs: the last token repeated.
+    assert drafter.propose_one([5, 6, 7], 2) == [7, 7]
+
+
+def test_greedy_accept_keeps_the_agreeing_prefix_and_the_bonus():
+    drafts = np.array([[5, 6, 7], [5, 6, 7], [1, 2, 3]])
+    argmax = np.array([[5, 6, 7, 0], [5, 0, 7, 0], [0, 2, 3, 0]])
+    assert serving.greedy_accept(drafts, argmax).tolist() == [4, 2, 1]
+
+
+def test_verify_window_with_ragged_accepts_matches_plain_decode(params, rng):
+    """Five windows of random tokens (teacher forcing) on three rows and a padding row, each
+    row keeping its own 0..T tokens per window: the logits of every window position equal
+    the plain recurrence's over the same tokens, the cursors follow the capacity rule (fold
+    when write_pos + T > L, then the kept count), and the padding row's slot is untouched."""
+    slots = np.array([2, -1, 0, 3], np.int32)
+    live = slots >= 0
+    state = TINY.init_state(num_slots=4, cache_len=CACHE_LEN)
+    plain = decoder.init_plain_state(TINY, 4)
+    cursor = np.zeros(4, int)  # the independent cursor schedule, per row
+    untouched = np.asarray(state.checkpoint[:, 1]), np.asarray(state.conv_state[:, 1])
+    folds = 0
+    for _ in range(5):
+        window = rng.integers(0, TINY.vocab_size, (4, WIDTH)).astype(np.int32)
+        logits, state, conv_inputs, folded = decoder.jitted_verify_window(
+            params, state, jnp.asarray(window), jnp.asarray(slots)
+        )
+        ref, _ = decoder.plain_step(params, jnp.asarray(window), plain)
+        np.testing.assert_allclose(np.asarray(logits)[live], np.asarray(ref)[live], atol=LOGIT_ATOL, rtol=0)
+        fold = live & (cursor + WIDTH > CACHE_LEN)
+        assert np.asarray(folded).tolist() == fold.tolist()
+        folds += fold.sum()
+        kept = rng.integers(0, WIDTH + 1, 4).astype(np.int32)
+        state = decoder.jitted_accept_window(state, jnp.asarray(slots), jnp.asarray(kept), conv_inputs)
+        cursor = np.where(live, np.where(fold, 0, cursor) + kept, 0)
+        assert np.asarray(state.write_pos)[slots[live]].tolist() == cursor[live].tolist()
+        _, plain = plain_kept(params, jnp.asarray(window), plain, jnp.asarray(kept))
+    assert folds > 0  # the schedule exercised the capacity rule
+    np.testing.assert_array_equal(np.asarray(state.checkpoint[:, 1]), untouched[0])
+    np.testing.assert_array_equal(np.asarray(state.conv_state[:, 1]), untouched[1])
+    # One plain decode step after the last accept: the kept tokens only are in the state.
+    token = rng.integers(0, TINY.vocab_size, 4).astype(np.int32)
+    after, _, _ = decoder.jitted_decode_step(params, state, jnp.asarray(token), jnp.asarray(slots),
+                                             policy="natural")
+    ref, _ = decoder.plain_step(params, jnp.asarray(token)[:, None], plain)
+    np.testing.assert_allclose(np.asarray(after)[live], np.asarray(ref)[live, 0], atol=LOGIT_ATOL, rtol=0)
+
+
+class NoisySelfDrafter(serving.SelfDrafter):
+    """The model's own greedy drafts with some tokens replaced by wrong ones, so rows keep
+    different prefixes (0..T-1 drafts) in the same step."""
+
+    def __init__(self, rng: np.random.Generator, p_wrong: float = 0.35):
+        self.rng, self.p_wrong = rng, p_wrong
+
+    def propose(self, engine, tokens, slots, count):
+        drafts = super().propose(engine, tokens, slots, count)
+        wrong = self.rng.random(drafts.shape) < self.p_wrong
+        return np.where(wrong, (drafts + 1) % TINY.vocab_size, drafts)
+
+
+def _serve(params, drafter, rng, steps=10):
+    engine = serving.Engine(params, TINY, max_batch=3, num_slots=6, cache_len=CACHE_LEN,
+                            track_interval=4, speculate=WIDTH, drafter=drafter)
+    engine.warm_up()
+    workload = demo.Workload(rng, TINY.vocab_size, 4, CACHE_LEN)
+    demo.serve(engine, workload, steps)
+    return [r for r in workload.issued if r.generated]
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "self", "noisy"])
+def test_speculative_serving_gives_the_tokens_of_plain_decoding(params, rng, drafter):
+    """Continuous batching with speculative steps: every request's greedy tokens equal its
+    plain-recurrence decode alone, logits within LOGIT_ATOL; the self drafter (fp32) has
+    every draft accepted, the noisy one some but not all."""
+    made = NoisySelfDrafter(rng) if drafter == "noisy" else serving.DRAFTERS[drafter]()
+    requests = _serve(params, made, rng)
+    ref_tokens, ref_logits = serving.reference_decode(params, TINY, requests)
+    for request, tokens, logits in zip(requests, ref_tokens, ref_logits):
+        assert request.generated == tokens
+        np.testing.assert_allclose(np.stack(request.logits), logits, atol=LOGIT_ATOL, rtol=0)
+    accepted = sum(r.accepted_drafts for r in requests)
+    drafted = sum(r.drafted for r in requests)
+    assert drafted > 0
+    if drafter == "self":
+        assert accepted == drafted
+    if drafter == "noisy":
+        assert 0 < accepted < drafted
+
+
+def test_demo_speculate_exits_zero(capsys):
+    assert demo.main(["--speculate", "3", "--drafter", "self", "--steps", "6", "--batch", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "greedy tokens equal to non-speculative plain decode: all" in out
+    assert "tokens per verify step" in out
+
+
+def test_engine_refuses_a_window_wider_than_the_ring(params):
+    with pytest.raises(ValueError, match="speculate"):
+        serving.Engine(params, TINY, max_batch=2, num_slots=2, cache_len=3, track_interval=4, speculate=4)
