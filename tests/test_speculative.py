@@ -15,7 +15,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import bits, random_checkpoint, random_tokens, rel_err, small_config, snapshot, to_device
+from helpers import (
+    aliased_parameters,
+    bits,
+    random_checkpoint,
+    random_tokens,
+    rel_err,
+    small_config,
+    snapshot,
+    state_sized_copies,
+    to_device,
+)
 from replayssm_jax import (
     Tokens,
     accept,
@@ -436,8 +446,6 @@ def test_gate_params_and_scale_without_norm(gate, rng):
 def test_donated_verify_and_accept_update_the_state_in_place(rng):
     """Under `jit` with the state donated, every state buffer is aliased to the output and
     none is copied inside verify or accept (a copy would move the whole pool per step)."""
-    from test_decode import _aliased_parameters, _state_sized_copies
-
     config = small_config("kda", 2 * T)
     state = init_state(config, NUM_SLOTS)
     window = to_device(random_tokens(rng, config, (BATCH, T)))
@@ -448,5 +456,5 @@ def test_donated_verify_and_accept_update_the_state_in_place(rng):
     for lowered in (step.lower(state, window, slots, parents=jnp.asarray(random_tree(rng, BATCH, T))),
                     keep.lower(state, slots, jnp.ones(BATCH, jnp.int32), path=jnp.zeros((BATCH, T), jnp.int32))):
         hlo = lowered.compile().as_text()
-        assert _aliased_parameters(hlo) >= set(range(num_leaves))
-        assert not _state_sized_copies(hlo, state), _state_sized_copies(hlo, state)
+        assert aliased_parameters(hlo) >= set(range(num_leaves))
+        assert not state_sized_copies(hlo, state), state_sized_copies(hlo, state)

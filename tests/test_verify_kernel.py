@@ -20,7 +20,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import bits, random_tokens, rel_err, small_config, snapshot, to_device
+from helpers import (
+    aliased_parameters,
+    bits,
+    random_tokens,
+    rel_err,
+    small_config,
+    snapshot,
+    state_sized_copies,
+    to_device,
+)
 from replayssm_jax import accept, materialize_state, verify_step
 from test_speculative import BF16_TOL, FP32_TOL, model_window, random_rows, with_history
 
@@ -136,15 +145,13 @@ def test_verify_readout_lowers_for_h200(gate, dtype):
 def test_donated_pallas_verify_updates_the_state_in_place(rng):
     """Donated, the kernel's checkpoint and XLA's appends to the caches alias the input
     buffers and nothing copies the pool (a copy would move every slot's state per step)."""
-    from test_decode import _aliased_parameters, _state_sized_copies
-
     config, slots, lengths, state = _setup(rng, "gdn", jnp.float32)
     window = to_device(random_tokens(rng, config, (slots.size, T)))
     step = jax.jit(lambda s, w, sl: verify_step(s, w, sl, backend="pallas_triton", use_qk_l2norm=True,
                                                 interpret=True), donate_argnums=0)
     hlo = step.lower(state, window, jnp.asarray(slots)).compile().as_text()
-    assert _aliased_parameters(hlo) >= set(range(len(jax.tree.leaves(state))))
-    assert not _state_sized_copies(hlo, state), _state_sized_copies(hlo, state)
+    assert aliased_parameters(hlo) >= set(range(len(jax.tree.leaves(state))))
+    assert not state_sized_copies(hlo, state), state_sized_copies(hlo, state)
 
 
 @pytest.mark.parametrize("gate", ["gdn", "kda"])
