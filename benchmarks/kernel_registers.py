@@ -43,13 +43,17 @@ from pallas_kernels.fold_decode import FoldParams  # noqa: E402
 from pallas_kernels.plain_decode import PlainParams  # noqa: E402
 from pallas_kernels.replay_decode import ReplayTileParams  # noqa: E402
 from pallas_kernels.replay_decode_grouped import ReplayGroupedParams  # noqa: E402
+from pallas_kernels.verify_readout import VerifyReadoutParams  # noqa: E402
 from replayssm_jax.backends import pallas_triton  # noqa: E402
 from replayssm_jax.config import ReplayConfig  # noqa: E402
 from replayssm_jax.plan import FlushPolicy, plan_step  # noqa: E402
+from replayssm_jax.speculative import verify_step  # noqa: E402
 from replayssm_jax.state import init_state  # noqa: E402
 from replayssm_jax.tokens import Mamba2Params, Mamba2Tokens, Tokens  # noqa: E402
 
-PARAM_KINDS = {"plain": PlainParams, "fold": FoldParams, "tile": ReplayTileParams, "grouped": ReplayGroupedParams}
+PARAM_KINDS = {"plain": PlainParams, "fold": FoldParams, "tile": ReplayTileParams, "grouped": ReplayGroupedParams,
+               "verify": VerifyReadoutParams}
+VERIFY_WIDTH = 4  # draft tokens per row of the verify step lowered here
 
 _H200 = jax.sharding.AbstractMesh(
     (1,), ("x",),
@@ -85,18 +89,25 @@ def params_policy(params) -> FlushPolicy:
 
 
 def kernel_ir(cfg: ReplayConfig, params, batch: int) -> str:
-    """Triton IR of the decode kernel of one pallas_triton layer step (lowered for an H200).
+    """Triton IR of the decode kernel of one pallas_triton layer step (lowered for an H200),
+    or with `VerifyReadoutParams` of a verify step of `VERIFY_WIDTH` tokens per row.
     `cfg.cache_len` must be 1 for `PlainParams` and above 1 for the other kernels."""
     state = jax.eval_shape(lambda: init_state(cfg, 2 * batch))
     if cfg.gate_kind.additive:
         return _mamba2_kernel_ir(cfg, params, batch, state)
     sds = jax.ShapeDtypeStruct
     hk, hv, dk, dv = cfg.num_k_heads, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim
-    tokens = Tokens(sds((batch, hk, dk), jnp.bfloat16), sds((batch, hk, dk), jnp.bfloat16),
-                    sds((batch, hv, dv), jnp.bfloat16), sds(cfg.g_shape(batch), jnp.float32),
-                    sds((batch, hv), jnp.float32))
+    verify = isinstance(params, VerifyReadoutParams)
+    lead = (batch, VERIFY_WIDTH) if verify else (batch,)
+    g_shape = (*lead, *cfg.g_shape(batch)[1:])
+    tokens = Tokens(sds((*lead, hk, dk), jnp.bfloat16), sds((*lead, hk, dk), jnp.bfloat16),
+                    sds((*lead, hv, dv), jnp.bfloat16), sds(g_shape, jnp.float32),
+                    sds((*lead, hv), jnp.float32))
 
     def step(state, tokens, slots):
+        if verify:
+            return verify_step(state, tokens, slots, backend="pallas_triton", use_qk_l2norm=True,
+                               kernel_params=params, interpret=False)
         plan = plan_step(state.write_pos, slots, None, cfg.cache_len, params_policy(params))
         return pallas_triton.layer_step(state, tokens, plan, use_qk_l2norm=True, scale=None,
                                         kernel_params=params, interpret=False)
@@ -171,7 +182,7 @@ def programs_per_sm(registers: int, num_warps: int) -> int:
 
 
 def parse_params(text: str):
-    """`KIND:field=value,...` (KIND one of plain, fold, tile, grouped; ints, `grid_order`
+    """`KIND:field=value,...` (KIND one of plain, fold, tile, grouped, verify; ints, `grid_order`
     by name, flags 0/1) -> that kernel's parameter class."""
     kind, _, fields = text.partition(":")
     try:

@@ -49,13 +49,15 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from replayssm_jax import gating
-from replayssm_jax.backends import xla
+from pallas_kernels import common
+from pallas_kernels.verify_readout import VerifyReadoutParams, verify_readout
+from replayssm_jax.backends import pallas_triton, xla
 from replayssm_jax.plan import plan_step
 from replayssm_jax.state import ReplayState, check_state
 from replayssm_jax.tokens import Tokens, check_gate_params
 from replayssm_jax.validation import check_float, check_slots, concrete_or_none, shape_error
 
-VERIFY_BACKENDS = ("xla",)
+VERIFY_BACKENDS = ("xla", "pallas_triton")
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
@@ -122,22 +124,26 @@ def ancestors(parents: Int[Array, "B T"] | None, batch: int, width: int) -> Bool
     return anc
 
 
-def window_outputs(
-    live: Float[Array, "B Hv Dv Dk"],
+def window_decay(g: Float[Array, "B Hv T Dk"], anc: Bool[Array, "B T T"]) -> Float[Array, "B Hv T Dk"]:
+    """`G_i`: the sum of g over `anc(i)` and `i`, per key channel."""
+    seen = anc | jnp.eye(g.shape[2], dtype=bool)[None]  # anc(i) + {i}
+    return jnp.einsum("bij,bhjc->bhic", seen.astype(g.dtype), g, precision=_HIGHEST)
+
+
+def window_solve(
+    SK: Float[Array, "B Hv T Dv"],
+    SQ: Float[Array, "B Hv T Dv"],
     q: Float[Array, "B Hv T Dk"],
     k: Float[Array, "B Hv T Dk"],
     v: Float[Array, "B Hv T Dv"],
-    g: Float[Array, "B Hv T Dk"],
+    G: Float[Array, "B Hv T Dk"],
     beta: Float[Array, "B Hv T"],
     anc: Bool[Array, "B T T"],
 ) -> tuple[Float[Array, "B Hv T Dv"], Float[Array, "B Hv T Dv"]]:
-    """`(y, u)` of every window position from the live state (formulas in the module doc);
-    q, k expanded to value heads, q scaled, g per key channel, all float32."""
+    """`(y, u)` of every window position from the readouts `SK_i = S (exp(G_i) * k_i)` and
+    `SQ_i = S (exp(G_i) * q_i)` of the live state (formulas in the module doc)."""
     width = q.shape[2]
-    seen = anc | jnp.eye(width, dtype=bool)[None]  # anc(i) + {i}
-    G = jnp.einsum("bij,bhjc->bhic", seen.astype(g.dtype), g, precision=_HIGHEST)
-    SK = jnp.einsum("bhvc,bhic->bhiv", live, jnp.exp(G) * k, precision=_HIGHEST)
-    SQ = jnp.einsum("bhvc,bhic->bhiv", live, jnp.exp(G) * q, precision=_HIGHEST)
+    seen = anc | jnp.eye(width, dtype=bool)[None]
     # exp(G_i - G_j) only where j is on i's branch (<= 1 there); elsewhere the difference
     # can be large and positive, so it is zeroed before the exponential.
     mask = seen[:, None, :, :, None]
@@ -153,6 +159,23 @@ def window_outputs(
     return y, U
 
 
+def window_outputs(
+    live: Float[Array, "B Hv Dv Dk"],
+    q: Float[Array, "B Hv T Dk"],
+    k: Float[Array, "B Hv T Dk"],
+    v: Float[Array, "B Hv T Dv"],
+    g: Float[Array, "B Hv T Dk"],
+    beta: Float[Array, "B Hv T"],
+    anc: Bool[Array, "B T T"],
+) -> tuple[Float[Array, "B Hv T Dv"], Float[Array, "B Hv T Dv"]]:
+    """`(y, u)` of every window position from the live state (formulas in the module doc);
+    q, k expanded to value heads, q scaled, g per key channel, all float32."""
+    G = window_decay(g, anc)
+    SK = jnp.einsum("bhvc,bhic->bhiv", live, jnp.exp(G) * k, precision=_HIGHEST)
+    SQ = jnp.einsum("bhvc,bhic->bhiv", live, jnp.exp(G) * q, precision=_HIGHEST)
+    return window_solve(SK, SQ, q, k, v, G, beta, anc)
+
+
 def verify_step(
     state: ReplayState,
     window: Tokens,
@@ -164,6 +187,8 @@ def verify_step(
     use_qk_l2norm: bool = False,
     scale: float | None = None,
     gate_params: tuple[Array, Array] | None = None,
+    kernel_params: VerifyReadoutParams | None = None,
+    interpret: bool | None = None,
 ) -> tuple[Float[Array, "B T Hv Dv"], ReplayState]:
     """Verify a draft window of T tokens per row (see the module doc for the math and the
     capacity rule).
@@ -175,12 +200,20 @@ def verify_step(
         `[B, T, H_v]` (raw `a`, `b` with `gate_params`).
       slots: `[B]` int, the physical slot of each row; negative = padding row (output 0,
         nothing written).
-      backend: "xla" (the readable specification).
+      backend: "xla" (the readable specification) or "pallas_triton": the readouts
+        `S (exp(G_i) * k_i)`, `S (exp(G_i) * q_i)` of the live state (and, for folding rows,
+        the folded checkpoint) from one `verify_readout` kernel launch, which reads each
+        checkpoint tile once and never forms the live state in memory; the T x T solve,
+        the outputs and the appends stay in XLA (they touch only `[B, H_v, T, .]` arrays).
       lengths: optional `[B]` int in [0, T]: positions >= lengths[b] are padding (output 0,
         no record written, no effect on the capacity rule). Default: T for every row.
       parents: optional `[B, T]` int tree: `parents[b, i]` in [-1, i), -1 for a child of
         the current state. Default: a chain (`parents[b, i] = i - 1`).
       use_qk_l2norm, scale, gate_params: as in `decode_step`.
+      kernel_params: with "pallas_triton", a `VerifyReadoutParams` in place of the launch
+        table's row (step "verify").
+      interpret: with "pallas_triton", run the kernel in the Pallas interpreter (default:
+        off GPU).
 
     Returns:
       `(y, new_state)`: y `[B, T, H_v, d_v]` in v's dtype, y[b, i] the output of position i
@@ -205,6 +238,11 @@ def verify_step(
         raise ValueError(f"backend must be one of {VERIFY_BACKENDS} for verify_step, got {backend!r}")
     if width > cfg.cache_len:
         raise ValueError(f"window width T = {width} exceeds the ring (cache_len = {cfg.cache_len})")
+    if backend == "xla" and (kernel_params is not None or interpret is not None):
+        raise ValueError("kernel_params and interpret apply to backend='pallas_triton' only")
+    if backend == "pallas_triton":
+        pallas_triton.check_kernel_shapes(cfg.head_k_dim, cfg.head_v_dim)
+        kernel_params = pallas_triton.verify_params(cfg, batch, kernel_params)
 
     num_slots, dk = state.num_slots, cfg.head_k_dim
     plan = plan_step(state.write_pos, slots, None, cfg.cache_len)
@@ -223,18 +261,26 @@ def verify_step(
     heads = lambda x: jnp.moveaxis(xla._expand_heads(x, cfg.group_size, axis=2), 1, 2)
     g = xla._per_channel(window.g, dk, cfg.per_channel_gate)  # [B, T, Hv, Dk]
 
-    live = xla.replay_state(state, plan)
-    # A folding row's window is computed from the checkpoint as it is stored, so its records
-    # agree with what the next step replays from that checkpoint.
-    folded = live.astype(cfg.state_dtype)
-    live = jnp.where(fold[:, None, None, None], folded.astype(jnp.float32), live)
-    # The k/g appends do not depend on the replay's reads of those caches; tie the caches to
-    # `live` so XLA orders the reads first and updates donated buffers in place (as in
-    # `xla.layer_step`; without it both caches are copied every step).
-    live, k_pool, g_pool = jax.lax.optimization_barrier((live, state.k_cache, state.g_cache))
     anc = ancestors(parents, batch, width)
-    y, u = window_outputs(live, heads(q), heads(k), jnp.moveaxis(window.v, 1, 2),
-                          jnp.moveaxis(g, 1, 2), jnp.moveaxis(window.beta, 1, 2), anc)
+    qh, kh, gh = heads(q), heads(k), jnp.moveaxis(g, 1, 2)
+    vh, betah = jnp.moveaxis(window.v, 1, 2), jnp.moveaxis(window.beta, 1, 2)
+    if backend == "xla":
+        live = xla.replay_state(state, plan)
+        # A folding row's window is computed from the checkpoint as it is stored, so its
+        # records agree with what the next step replays from that checkpoint.
+        folded = live.astype(cfg.state_dtype)
+        live = jnp.where(fold[:, None, None, None], folded.astype(jnp.float32), live)
+        fold_slot = jnp.where(fold, plan.slot, num_slots)
+        checkpoint = state.checkpoint.at[fold_slot].set(folded, mode="drop")
+        # The appends do not depend on the replay's reads of the caches; tie the caches to
+        # `live` so XLA orders the reads first and updates donated buffers in place (as in
+        # `xla.layer_step`; without it the caches are copied every step).
+        live, k_pool, g_pool = jax.lax.optimization_barrier((live, state.k_cache, state.g_cache))
+        u_pool = state.u_cache
+        y, u = window_outputs(live, qh, kh, vh, gh, betah, anc)
+    else:
+        y, u, checkpoint, (u_pool, k_pool, g_pool) = _pallas_window(
+            state, plan, fold, qh, kh, vh, gh, betah, anc, kernel_params, interpret)
     y = keep(jnp.moveaxis(y, 2, 1)).astype(out_dtype)
 
     base = jnp.where(fold, 0, plan.pos)
@@ -242,14 +288,28 @@ def verify_step(
     slot_bt = jnp.where(writes, plan.slot[:, None], num_slots)  # out of range: dropped
     pos_bt = base[:, None] + jnp.arange(width)[None, :]
     fold_slot = jnp.where(fold, plan.slot, num_slots)
-    checkpoint = state.checkpoint.at[fold_slot].set(folded, mode="drop")
-    u_cache = state.u_cache.at[slot_bt, :, pos_bt].set(
+    u_cache = u_pool.at[slot_bt, :, pos_bt].set(
         jnp.moveaxis(u, 2, 1).astype(cfg.cache_dtype), mode="drop")
     k_cache = k_pool.at[slot_bt, :, pos_bt].set(k.astype(cfg.cache_dtype), mode="drop")
     g_cache = g_pool.at[slot_bt, :, pos_bt].set(window.g, mode="drop")
     write_pos = state.write_pos.at[fold_slot].set(0, mode="drop")
     return y, dataclasses.replace(state, checkpoint=checkpoint, u_cache=u_cache, k_cache=k_cache,
                                   g_cache=g_cache, write_pos=write_pos)
+
+
+def _pallas_window(state, plan, fold, q, k, v, g, beta, anc, params, interpret):
+    """`window_outputs` with the live state's readouts from the `verify_readout` kernel:
+    `(y, u, checkpoint with the folding rows' live states, (u, k, g caches))`."""
+    G = window_decay(g, anc)
+    decay = jnp.exp(G)
+    SK, SQ, checkpoint = verify_readout(
+        state.checkpoint, state.u_cache, state.k_cache, state.g_cache, decay * k, decay * q,
+        plan.slot, plan.pos, common.row_modes(plan.valid, fold), params=params, interpret=interpret)
+    # The appends do not depend on the kernel's reads of the caches: tie the caches to its
+    # results so XLA orders those reads first and updates donated caches in place.
+    SK, SQ, pools = jax.lax.optimization_barrier((SK, SQ, (state.u_cache, state.k_cache, state.g_cache)))
+    y, u = window_solve(SK, SQ, q, k, v, G, beta, anc)
+    return y, u, checkpoint, pools
 
 
 def accept(

@@ -37,11 +37,12 @@ STATE_FIELDS = ("checkpoint", "u_cache", "k_cache", "g_cache", "write_pos")
 
 
 def exposed_kernel_params() -> list:
-    """Every launch parameter set the pallas_triton backend reaches for the delta-rule gates:
-    each of their rows of its launch table (Mamba-2's rows: tests/test_mamba2.py), each replay row under every rebuild precision (`common.with_rebuild_precision`,
-    which raises its dot sizes where the tensor cores need it), and the per-tile replay
-    kernel's defaults."""
-    rows = [row for row in pallas_triton.LAUNCH_TABLE if row.gate != "mamba2"]
+    """Every launch parameter set the pallas_triton backend's layer step reaches for the
+    delta-rule gates: each of their decode rows of its launch table (Mamba-2's rows:
+    tests/test_mamba2.py; verify rows: tests/test_verify_kernel.py), each replay row under
+    every rebuild precision (`common.with_rebuild_precision`, which raises its dot sizes where
+    the tensor cores need it), and the per-tile replay kernel's defaults."""
+    rows = [row for row in pallas_triton.LAUNCH_TABLE if row.gate != "mamba2" and row.step != "verify"]
     out = {row.params for row in rows} | {ReplayTileParams()}
     for row in rows:
         if row.step == "replay" and hasattr(row.params, "rebuild_precision"):

@@ -15,6 +15,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks
 
 import decode_bench  # noqa: E402
 import kernel_registers  # noqa: E402
+import verify_bench  # noqa: E402
 from pallas_kernels.common import GridOrder  # noqa: E402
 from pallas_kernels.fold_decode import FoldParams  # noqa: E402
 from pallas_kernels.replay_decode_grouped import ReplayGroupedParams  # noqa: E402
@@ -84,8 +85,31 @@ def test_table_cases_list_each_reachable_row_once():
     params = [p for _, p, _ in cases]
     assert len(params) == len(set(params)), "a row listed twice"
     for batch, p, length in cases:
-        step = {"PlainParams": "plain", "FoldParams": "fold"}.get(type(p).__name__, "replay")
+        step = {"PlainParams": "plain", "FoldParams": "fold",
+                "VerifyReadoutParams": "verify"}.get(type(p).__name__, "replay")
         assert pallas_triton.launch_row(step, "gdn", 4, batch, length).params == p
     gdn_fp32_rows = {row.params for row in pallas_triton.LAUNCH_TABLE
                      if row.gate in (None, "gdn") and row.state_bytes in (None, 4)}
     assert set(params) <= gdn_fp32_rows
+
+
+def test_verify_bench_smoke_writes_its_rows(tmp_path):
+    out = tmp_path / "verify.json"
+    result = verify_bench.main(["--smoke", "--batches", "2", "--cache-lens", "4", "--widths", "2", "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["rows"] == json.loads(json.dumps(result["rows"]))
+    (row,) = saved["rows"]
+    assert (row["L"], row["T"], row["B"]) == (4, 2, 2)
+    for key in ("conventional_us", "nonflush_us", "flush_us", "acc75_amortised_us"):
+        assert row[key] > 0, key
+    assert row["flush_bytes"] > row["nonflush_bytes"]
+
+
+@pytest.mark.parametrize("cache_len,width,accepted,want", [
+    (16, 4, 4, 1 / 4),   # 0, 4, 8, 12 fit; 16 folds, the window lands at 0 -> 4
+    (16, 4, 2, 1 / 7),   # 0, 2, .., 12 fit (7 steps), 14 folds -> 2: a 7-step cycle
+    (4, 4, 1, 1.0),      # T = L: every step after the first folds
+    (32, 8, 6, 1 / 5),   # 0, 6, .., 24 fit (24 + 8 = 32); 30 folds -> 6: cycle 6, 12, 18, 24, 30
+])
+def test_flush_fraction_follows_the_capacity_rule(cache_len, width, accepted, want):
+    assert verify_bench.flush_fraction(cache_len, width, accepted) == pytest.approx(want)

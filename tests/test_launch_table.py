@@ -22,6 +22,7 @@ from pallas_kernels.mamba2_decode import Mamba2PlainParams, Mamba2ReplayParams
 from pallas_kernels.plain_decode import PlainParams
 from pallas_kernels.replay_decode import ReplayTileParams
 from pallas_kernels.replay_decode_grouped import ReplayGroupedParams
+from pallas_kernels.verify_readout import VerifyReadoutParams
 from replayssm_jax.backends import pallas_triton
 from replayssm_jax.backends.pallas_triton import LAUNCH_TABLE, launch_row
 
@@ -29,7 +30,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 RAW = ROOT / "benchmarks" / "results" / "raw"
 GATES, STATE_BYTES = ("gdn", "kda", "mamba2"), (4, 2)
 BATCHES = [*range(1, 300), 511, 512, 513, 1024, 4096]
-DELTA_STEP_TYPES = {"plain": (PlainParams,), "fold": (FoldParams,), "replay": (ReplayGroupedParams, ReplayTileParams)}
+DELTA_STEP_TYPES = {"plain": (PlainParams,), "fold": (FoldParams,), "replay": (ReplayGroupedParams, ReplayTileParams),
+                    "verify": (VerifyReadoutParams,)}
 MAMBA2_STEP_TYPES = {"plain": (Mamba2PlainParams,), "fold": (Mamba2ReplayParams,), "replay": (Mamba2ReplayParams,)}
 
 
@@ -54,9 +56,10 @@ ROW_IDS = [f"{i}-{row.step}-{row.gate}-{row.state_bytes}-B{row.batch[0]}-L{row.c
            for i, row in enumerate(LAUNCH_TABLE)]
 
 
-@pytest.mark.parametrize("step", ["plain", "fold", "replay"])
+@pytest.mark.parametrize("step", list(DELTA_STEP_TYPES))
 def test_every_layer_and_batch_finds_a_row_of_its_step(step):
-    for gate, nbytes, length, batch in itertools.product(GATES, STATE_BYTES, _cache_lens(step), BATCHES):
+    gates = [gate for gate in GATES if step in step_types(gate)]  # verify: the delta-rule gates
+    for gate, nbytes, length, batch in itertools.product(gates, STATE_BYTES, _cache_lens(step), BATCHES):
         row = launch_row(step, gate, nbytes, batch, length)
         assert row.step == step and isinstance(row.params, step_types(gate)[step]), (gate, row)
 
@@ -73,7 +76,7 @@ def test_every_row_is_reachable_and_cites_its_results(index):
 
 def test_lookup_is_the_first_matching_row():
     for gate, nbytes, batch, length in [("gdn", 4, 1, 16), ("kda", 2, 100, 32), ("gdn", 2, 600, 3)]:
-        for step in ("plain", "fold", "replay"):
+        for step in DELTA_STEP_TYPES:
             first = next(r for r in LAUNCH_TABLE if r.matches(step, gate, nbytes, batch, length))
             assert launch_row(step, gate, nbytes, batch, length) is first
 
@@ -97,7 +100,8 @@ import kernel_registers  # noqa: E402
 
 KERNEL_NAMES = {PlainParams: "plain_decode", FoldParams: "replayssm_fold_decode",
                 ReplayTileParams: "replayssm_replay_decode", ReplayGroupedParams: "replayssm_replay_decode_grouped",
-                Mamba2PlainParams: "mamba2_plain_decode", Mamba2ReplayParams: "replayssm_mamba2_decode"}
+                Mamba2PlainParams: "mamba2_plain_decode", Mamba2ReplayParams: "replayssm_mamba2_decode",
+                VerifyReadoutParams: "replayssm_verify_readout"}
 
 
 def _h200_config(gate: str, nbytes: int, cache_len: int) -> R.ReplayConfig:
@@ -109,7 +113,7 @@ def _h200_config(gate: str, nbytes: int, cache_len: int) -> R.ReplayConfig:
 
 
 @pytest.mark.parametrize("params", [PlainParams(), FoldParams(), ReplayTileParams(), ReplayGroupedParams(),
-                                    Mamba2PlainParams(), Mamba2ReplayParams()], ids=repr)
+                                    Mamba2PlainParams(), Mamba2ReplayParams(), VerifyReadoutParams()], ids=repr)
 def test_each_kernel_lowers_under_its_own_name(params):
     # A profile tells the kernels apart by their pallas_call names.
     gate = "mamba2" if isinstance(params, (Mamba2PlainParams, Mamba2ReplayParams)) else "gdn"

@@ -15,8 +15,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import (aliased_parameters, bits, random_checkpoint, random_tokens, rel_err, small_config, snapshot,
-                     state_sized_copies, to_device)
+from helpers import (
+    aliased_parameters,
+    bits,
+    random_checkpoint,
+    random_tokens,
+    rel_err,
+    small_config,
+    snapshot,
+    state_sized_copies,
+    to_device,
+)
 from replayssm_jax import (
     Tokens,
     accept,
@@ -358,7 +367,9 @@ def test_verify_and_accept_reject_bad_input(rng):
         (dict(lengths=jnp.full((BATCH,), 1.0)), "lengths must be an integer"),
         (dict(parents=jnp.zeros((BATCH, T), jnp.int32)), r"parents\[0, 0\] = 0"),
         (dict(parents=jnp.zeros((BATCH,), jnp.int32)), "parents must have shape"),
-        (dict(backend="pallas_triton"), "backend must be one of"),
+        (dict(backend="mosaic_gpu"), "backend must be one of"),
+        (dict(backend="pallas_triton", kernel_params={"block_v": 16}), "kernel_params must be VerifyReadoutParams"),
+        (dict(interpret=True), "apply to backend='pallas_triton' only"),
         (dict(slots=jnp.array([0, 0, 1, 2, 3], jnp.int32)), "more than once"),
     ]
     for kwargs, match in cases:
@@ -435,7 +446,6 @@ def test_gate_params_and_scale_without_norm(gate, rng):
 def test_donated_verify_and_accept_update_the_state_in_place(rng):
     """Under `jit` with the state donated, every state buffer is aliased to the output and
     none is copied inside verify or accept (a copy would move the whole pool per step)."""
-
     config = small_config("kda", 2 * T)
     state = init_state(config, NUM_SLOTS)
     window = to_device(random_tokens(rng, config, (BATCH, T)))

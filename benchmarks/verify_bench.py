@@ -1,0 +1,284 @@
+"""GPU benchmark of speculative verify: ReplaySSM `verify_step` (pallas_triton) against the
+project's conventional verify (one process, table + JSON).
+
+Per (state dtype, L, T, B), GDN H_k = 16, H_v = 32, d = 128:
+
+  conventional  the plain recurrence over the window writing T intermediate states per row
+                (what rollback needs without a cache): the plain decode kernel launched T
+                times per verify step, launch t writing its rows' states into its own state
+                buffer t. Timing stand-in: launch t reads its input state from buffer t, not
+                from buffer t - 1 (the same bytes and work as the chained recurrence; the
+                values are not used), so no buffer is copied between launches.
+  nonflush      `verify_step(backend="pallas_triton")` with every row at write_pos = L - T
+                (the longest history that still fits the window: the costliest non-flush
+                step), all of its kernels (the readout kernel and XLA's solve and appends).
+  flush         the same with write_pos = L (every row folds its whole ring first).
+  amortised     per verify step at acceptance 50 / 75 / 100 % of T (the bonus token
+                included, n = max(1, round(a T)) records accepted per step): the flush
+                frequency follows from the capacity rule (a row folds when write_pos + T > L)
+                over the steady-state cursor cycle, each non-flush step costed as the
+                costliest (pessimistic).
+
+Bytes (d): conventional T (read + write) states per row; non-flush one checkpoint read,
+`L - T` cache entries read and T records written per row; flush that plus one checkpoint
+write and L entries read. The byte floor is bytes / copy bandwidth (measured at the start).
+
+Timing: CUPTI kernel times of a jitted `lax.scan` over R disjoint slot sets (R * B * slot
+bytes >= 3x the L2), as `decode_bench.py`; a verify step's time is the sum of its kernels.
+
+  python benchmarks/verify_bench.py --out verify.json     # on the GPU
+  python benchmarks/verify_bench.py --smoke --out x.json  # CPU, interpret mode
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import statistics
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
+
+import replayssm_jax as R  # noqa: E402
+from decode_bench import (  # noqa: E402
+    PLAIN_KERNEL,
+    Shape,
+    Timer,
+    copy_bandwidth_GBps,
+    plain_params,
+    random_pool,
+    slot_sets,
+    versions,
+)
+from pallas_kernels.plain_decode import plain_decode  # noqa: E402
+
+ACCEPTANCE = (0.5, 0.75, 1.0)
+READOUT_KERNEL = "replayssm_verify_readout"
+
+
+def random_window(cfg: R.ReplayConfig, batch: int, width: int, key) -> R.Tokens:
+    ks = jax.random.split(key, 5)
+    hk, hv, dk, dv = cfg.num_k_heads, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim
+    bf = jnp.bfloat16
+    return R.Tokens(
+        jax.random.normal(ks[0], (batch, width, hk, dk), bf),
+        jax.random.normal(ks[1], (batch, width, hk, dk), bf),
+        jax.random.normal(ks[2], (batch, width, hv, dv), bf),
+        -0.1 * jax.nn.softplus(jax.random.normal(ks[3], (batch, width, *cfg.g_shape(batch)[1:]), jnp.float32)),
+        jax.nn.sigmoid(jax.random.normal(ks[4], (batch, width, hv), jnp.float32)),
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def verify_fn(interpret: bool, reps: int):
+    """jit: `reps` rounds of one verify step over each slot set in turn. No accept, and
+    every step starts from the given cursors (a folding step's reset cursor is dropped), so
+    every step is the same kind. Steps alternate between two windows (`windows` has a
+    leading axis of 2): with one fixed window XLA would hoist the window's own work (norms,
+    decays, the T x T products) out of the loop, and the per-step count would miss it."""
+
+    def run(state, sets, windows):
+        def one(arrays, xs):
+            slots, which = xs
+            window = jax.tree.map(lambda x: x[which], windows)
+            st = dataclasses.replace(state, checkpoint=arrays[0], u_cache=arrays[1], k_cache=arrays[2],
+                                     g_cache=arrays[3])
+            y, st = R.verify_step(st, window, slots, backend="pallas_triton", use_qk_l2norm=True,
+                                  interpret=interpret)
+            return (st.checkpoint, st.u_cache, st.k_cache, st.g_cache), y[0, 0, 0, 0]
+
+        arrays = (state.checkpoint, state.u_cache, state.k_cache, state.g_cache)
+        steps = jnp.tile(sets, (reps, 1))
+        arrays, _ = jax.lax.scan(one, arrays, (steps, jnp.arange(steps.shape[0]) % 2))
+        return arrays
+
+    return jax.jit(run)
+
+
+@functools.lru_cache(maxsize=None)
+def conventional_fn(params, width: int, interpret: bool):
+    """jit: per slot set, T plain-kernel launches, launch t on state buffer t."""
+
+    def run(buffers, sets, window):
+        def one(bufs, slots):
+            out = []
+            for t, buf in enumerate(bufs):
+                token = jax.tree.map(lambda x: x[:, t], window)
+                y, buf = plain_decode(buf, token.q, token.k, token.v, token.g, token.beta, slots, slots >= 0,
+                                      use_qk_l2norm=True, params=params, interpret=interpret)
+                out.append(buf)
+            return tuple(out), y[0, 0, 0]
+
+        buffers, _ = jax.lax.scan(one, buffers, sets)
+        return buffers
+
+    return jax.jit(run)
+
+
+def kernel_runs(fn, args, iterations: int) -> list[list[tuple[str, float]]]:
+    """CUPTI `(kernel name, µs)` of each of `iterations` runs of `fn(*args)`."""
+    from jax.experimental.mosaic.gpu import profiler
+
+    _, runs = profiler.measure(fn, aggregate=False, iterations=iterations)(*args)
+    runs = runs if iterations > 1 else [runs]
+    return [[(name, ms * 1e3) for name, ms in run] for run in runs]
+
+
+def per_step_us(runs, steps: int) -> tuple[float, dict]:
+    """Median over runs of the µs per step of the kernels launched once per step (a count
+    per run that `steps` divides: the jit's one-off copies into the loop carry are left
+    out); and those kernels' names with their launches per run."""
+    counts = {}
+    for name, _ in runs[0]:
+        counts[name] = counts.get(name, 0) + 1
+    per_step = {name: n for name, n in counts.items() if n % steps == 0}
+    totals = [sum(us for name, us in run if name in per_step) / steps for run in runs]
+    return statistics.median(totals), per_step
+
+
+def flush_fraction(cache_len: int, width: int, accepted: int) -> float:
+    """Fraction of verify steps that fold, over the steady-state cursor cycle: a step at
+    cursor p folds when p + T > L (then the window lands at 0), and accept moves the cursor
+    by `accepted`."""
+    pos, seen, order = 0, {}, []
+    while pos not in seen:
+        seen[pos] = len(order)
+        fold = pos + width > cache_len
+        order.append(fold)
+        pos = (0 if fold else pos) + accepted
+    cycle = order[seen[pos]:]
+    return sum(cycle) / len(cycle)
+
+
+def verify_bytes(cfg: R.ReplayConfig, batch: int, width: int, flush: bool) -> int:
+    hv, hk, dk, dv, L = cfg.num_v_heads, cfg.num_k_heads, cfg.head_k_dim, cfg.head_v_dim, cfg.cache_len
+    s, c = cfg.state_dtype.itemsize, cfg.cache_dtype.itemsize
+    state = hv * dv * dk * s
+    entry = (hv * dv + hk * dk) * c + hv * 4 * (dk if cfg.per_channel_gate else 1)
+    tokens = width * (2 * hk * dk + hv * dv) * 2 + width * 2 * hv * 4 + width * hv * dv * 2  # in + y
+    history = L if flush else L - width
+    return batch * ((2 if flush else 1) * state + (history + width) * entry + tokens)
+
+
+def conventional_bytes(cfg: R.ReplayConfig, batch: int, width: int) -> int:
+    hv, hk, dk, dv = cfg.num_v_heads, cfg.num_k_heads, cfg.head_k_dim, cfg.head_v_dim
+    tokens = (2 * hk * dk + hv * dv) * 2 + 2 * hv * 4 + hv * dv * 2
+    return batch * width * (2 * hv * dv * dk * cfg.state_dtype.itemsize + tokens)
+
+
+def bench_row(timer, shape, dtype, cache_len, width, batch, bandwidth, iterations, smoke) -> dict:
+    cfg = shape.config(cache_len, dtype)
+    rng = np.random.default_rng(batch * 100 + cache_len * 10 + width)
+    sets, num_slots = slot_sets(batch, cfg.state_bytes_per_slot(), rng, smoke)
+    window = random_window(cfg, batch, width, jax.random.key(2))
+    windows = jax.tree.map(lambda a, b: jnp.stack([a, b]), window, random_window(cfg, batch, width, jax.random.key(3)))
+    reps = 1 if smoke else max(1, -(-8 // len(sets)))  # >= 8 steps per run: one-off copies stand out
+    steps = reps * len(sets)
+    row = dict(gate=shape.gate, state_dtype=jnp.dtype(dtype).name, L=cache_len, T=width, B=batch,
+               H_k=shape.num_k_heads, H_v=shape.num_v_heads, d=shape.head_dim, slot_sets=len(sets))
+
+    plain_cfg = shape.config(1, dtype)
+    params = plain_params(plain_cfg, batch)
+    pool = random_pool(plain_cfg, num_slots, jax.random.key(1), np.zeros(num_slots)).checkpoint
+    buffers = tuple(pool + 0 for _ in range(width))
+    times = timer.kernel_times(conventional_fn(params, width, smoke), (buffers, jnp.asarray(sets), window),
+                               PLAIN_KERNEL, iterations)
+    # One run serves len(sets) verify steps of T launches each.
+    row["conventional_us"] = times[0] if smoke else sum(times) / (iterations * len(sets))
+
+    for kind, cursor in (("nonflush", cache_len - width), ("flush", cache_len)):
+        state = random_pool(cfg, num_slots, jax.random.key(1), np.full(num_slots, cursor))
+        fn = verify_fn(smoke, reps)  # one jit: the flush step reuses the non-flush compile
+        verify_args = (state, jnp.asarray(sets), windows)
+        if smoke:
+            row[f"{kind}_us"] = timer.kernel_times(fn, verify_args, "", 1)[0] / steps
+            row[f"{kind}_readout_us"] = None
+        else:
+            runs = kernel_runs(fn, verify_args, iterations)
+            row[f"{kind}_us"], row[f"{kind}_kernels"] = per_step_us(runs, steps)
+            # Every kernel of a run, one-off copies included, over its steps: an upper bound
+            # that shows what the per-step filter left out.
+            row[f"{kind}_all_kernels_us"] = statistics.median(sum(us for _, us in run) / steps for run in runs)
+            row[f"{kind}_readout_us"] = statistics.median(
+                us for run in runs for name, us in run if READOUT_KERNEL in name)
+        nbytes = verify_bytes(cfg, batch, width, kind == "flush")
+        row[f"{kind}_bytes"] = nbytes
+        row[f"{kind}_floor_us"] = nbytes / (bandwidth * 1e9) * 1e6
+        row[f"{kind}_floor_fraction"] = row[f"{kind}_floor_us"] / row[f"{kind}_us"]
+    row["conventional_bytes"] = conventional_bytes(cfg, batch, width)
+    row["conventional_floor_fraction"] = row["conventional_bytes"] / (bandwidth * 1e9) * 1e6 / row["conventional_us"]
+    for a in ACCEPTANCE:
+        accepted = max(1, round(a * width))
+        f = flush_fraction(cache_len, width, accepted)
+        amortised = f * row["flush_us"] + (1 - f) * row["nonflush_us"]
+        key = f"acc{round(a * 100)}"
+        row[f"{key}_flush_fraction"] = f
+        row[f"{key}_amortised_us"] = amortised
+        row[f"{key}_speedup_vs_conventional"] = row["conventional_us"] / amortised
+    return row
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"{'dtype':>8} {'L':>3} {'T':>2} {'B':>4} {'conv':>8} {'nonfl':>8} {'flush':>8} {'nf floor':>8} "
+          f"{'amort75':>8} {'x conv':>6}")
+    for r in rows:
+        print(f"{r['state_dtype']:>8} {r['L']:>3} {r['T']:>2} {r['B']:>4} {r['conventional_us']:8.1f} "
+              f"{r['nonflush_us']:8.1f} {r['flush_us']:8.1f} {r['nonflush_floor_fraction']:8.2f} "
+              f"{r['acc75_amortised_us']:8.1f} {r['acc75_speedup_vs_conventional']:6.2f}")
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="verify_bench.json")
+    p.add_argument("--budget-s", type=float, default=180.0, help="stop starting new configs after this")
+    p.add_argument("--batches", default="8,128,512")
+    p.add_argument("--cache-lens", default="16,32")
+    p.add_argument("--widths", default="4,8,2")
+    p.add_argument("--dtypes", default="float32", help="state dtypes, e.g. float32,bfloat16")
+    p.add_argument("--iterations", type=int, default=3)
+    p.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode, wall clock (CPU)")
+    args = p.parse_args(argv)
+    start = time.time()
+    timer = Timer(args.smoke)
+    ints = lambda s: [int(x) for x in s.split(",") if x]
+    shape = Shape(2, 4, 16) if args.smoke else Shape()
+    meta = versions()
+    meta["copy_bandwidth_GBps"] = 1000.0 if args.smoke else copy_bandwidth_GBps(timer)
+    meta["timing"] = ("wall clock, interpret mode (smoke)" if args.smoke else
+                      "CUPTI kernel times summed per verify step; slot sets rotated past 3x L2")
+    meta["conventional"] = "plain decode kernel launched T times, launch t on its own state buffer"
+    print(f"meta {meta}", flush=True)
+    result = dict(meta=meta, rows=[])
+    # T = 4 first (the reference figures' window), so a budget stop loses the least.
+    grid = [(jnp.dtype(dt), L, t, b) for dt in args.dtypes.split(",") for t in ints(args.widths)
+            for L in ints(args.cache_lens) for b in ints(args.batches) if t <= L]
+    for dt, L, t, b in grid:
+        if time.time() > start + args.budget_s:
+            print(f"budget reached: {len(result['rows'])} rows done", flush=True)
+            break
+        try:
+            row = bench_row(timer, shape, dt, L, t, b, meta["copy_bandwidth_GBps"], args.iterations, args.smoke)
+        except Exception as err:  # keep the rest of the grid; the error is in the log
+            print(f"FAILED {dt.name} L={L} T={t} B={b}: {err!r}"[:2000], flush=True)
+            continue
+        print(f"row {json.dumps(row)}", flush=True)
+        result["rows"].append(row)
+        with open(args.out, "w") as f:  # partial results survive a timeout
+            json.dump(result, f, indent=1)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    if result["rows"]:
+        print_table(result["rows"])
+    print(f"total {time.time() - start:.0f} s", flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()
