@@ -113,3 +113,11 @@ def test_verify_bench_smoke_writes_its_rows(tmp_path):
 ])
 def test_flush_fraction_follows_the_capacity_rule(cache_len, width, accepted, want):
     assert verify_bench.flush_fraction(cache_len, width, accepted) == pytest.approx(want)
+
+
+def test_prefill_bench_smoke(tmp_path):
+    import prefill_bench
+
+    rows = prefill_bench.main(["--smoke", "--repeats", "1", "--out", str(tmp_path / "p.json")])
+    assert rows and all(r["final_state_rel_err"] < 1e-5 for r in rows)
+    assert json.loads((tmp_path / "p.json").read_text())["rows"] == json.loads(json.dumps(rows))

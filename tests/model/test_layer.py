@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -55,9 +56,8 @@ def test_padded_positions_leave_the_state_unchanged(params, rng):
     np.testing.assert_array_equal(conv_junk, conv_end)
     # ...and equal to running the 3 real tokens alone (other batch shape: last-ulp matmul noise).
     out3, ssm3, conv3 = run(layer, DIMS, x[:1, :3], ssm[:1], conv[:1])
-    np.testing.assert_allclose(ssm_end[0], ssm3[0], rtol=0, atol=1e-6)
-    np.testing.assert_allclose(conv_end[0], conv3[0], rtol=0, atol=1e-6)
-    np.testing.assert_allclose(out[0, :3], out3[0], rtol=0, atol=1e-5)
+    chex.assert_trees_all_close((ssm_end[0], conv_end[0]), (ssm3[0], conv3[0]), rtol=0, atol=1e-6)
+    chex.assert_trees_all_close(out[0, :3], out3[0], rtol=0, atol=1e-5)
 
 
 def test_replay_layer_matches_plain_layer(params, rng):
