@@ -1,0 +1,317 @@
+"""Fused ReplaySSM decode step for GDN on Mosaic GPU (`plgpu.kernel`), one launch per step.
+
+Grid `(B, H_v * d_v / BV)`, one warpgroup (128 threads) per CTA, BV = 64: CTA (b, h, t)
+serves value rows `t*BV .. t*BV + BV - 1` of value head h of row b, whose slot, cursor
+`pos` and mode (padding / append / flush) it reads from `[B]` arrays.
+
+Data movement (TMA, one barrier): the checkpoint tile `S_c [BV, d_k]` (swizzled), the
+slot's u records `[L, BV]` of this tile, its key records `[L, d_k]` (key head h // G) and
+its log-decays `[L]` land in shared memory; everything else is registers.
+
+Layouts (Hopper WGMMA family, `m % 64 == 0 == n % 8`):
+- `S_c` in `WGMMA` `[BV, d_k]`; `S_c x` is a row reduction into `ROW = WGMMA.reduce(1)`
+  `[BV]`, with x broadcast from `COL = WGMMA.reduce(0)` `[d_k]`.
+- key records read transposed, `K^T [d_k, L]` (`WGMMA_TRANSPOSED` load, cast to `WGMMA`):
+  `c = K x` is a column reduction into `COL [L]`, x broadcast from `ROW [d_k]`.
+- u records read transposed, `U^T [BV, L]`: `U^T (w * c)` is a row reduction into
+  `ROW [BV]`, the same layout as `S_c x`, so the two parts add without a relayout.
+- decay weights `W_j = exp(sum_{j<i<pos} g_i)` `COL [L]`: a running product of the valid
+  entries' decays, newest first, scalars read from shared memory.
+
+Step math (as `pallas_kernels.replay_decode`): with the live state
+`S_{t-1} = e^G S_c + sum_{j<pos} W_j u_j k_j^T` (G the sum of the valid log-decays),
+`S_{t-1} x = e^G S_c x + U^T (W * (K x))` for x = alpha k and alpha q, never forming
+`S_{t-1}`; then `u = beta (v - S_{t-1} alpha k)`, `y = S_{t-1} alpha q + u (k . q)`.
+Entries at and past `pos` are masked with selects before any product, so a stale
+record (NaN included) cannot reach an output.
+
+Append rows store u at `pos` (and g from tile 0, k from tile 0 of the first value head of
+each key head). Flush rows rebuild `S_{t-1}` from the `S_c` tile already in registers,
+in exact fp32 on CUDA cores (one fused multiply-add per element and entry, newest entry
+first with a running decay: the same order as the Triton kernel's "ieee" rebuild), and
+store `S_t = alpha S_{t-1} + u k^T` in place through shared memory and TMA; the
+checkpoint is read from memory once per step, flush or not.
+
+The state arrays are mutable refs (`jax.new_ref`): under a donated `jit` the kernel
+updates them in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxtyping import Array, Float, Int
+
+from pallas_kernels.common import L2NORM_EPS, MODE_APPEND, MODE_FLUSH, MODE_PAD, SOFTPLUS_THRESHOLD
+
+_WGMMA = plgpu.Layout.WGMMA
+_ROW = _WGMMA.reduce(1)
+_COL = _WGMMA.reduce(0)
+_F32 = jnp.float32
+BLOCK_V = 64  # one warpgroup's WGMMA tile height
+MAX_CACHE_LEN = 256  # shared memory per CTA: the u and k records of the whole ring
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicReplayParams:
+    """Launch parameters of `replay_decode_mgpu`.
+
+    Attributes:
+      swizzle: shared-memory swizzle of the checkpoint tile in bytes (32, 64 or 128).
+    """
+
+    swizzle: int = 128
+
+    def __post_init__(self) -> None:
+        if self.swizzle not in (32, 64, 128):
+            raise ValueError(f"swizzle must be 32, 64 or 128 bytes, got {self.swizzle!r}")
+
+
+def check_shapes(head_k_dim: int, head_v_dim: int, cache_len: int, state_itemsize: int,
+                 swizzle: int = 128) -> None:
+    """Raise ValueError unless the shapes fit the kernel's layouts."""
+    if head_v_dim % BLOCK_V:
+        raise ValueError(f"mosaic_gpu needs d_v a multiple of {BLOCK_V}, got d_v = {head_v_dim}")
+    if head_k_dim % 64:
+        raise ValueError(f"mosaic_gpu needs d_k a multiple of 64, got d_k = {head_k_dim}")
+    if (head_k_dim * state_itemsize) % swizzle:
+        raise ValueError(f"a d_k = {head_k_dim} row is not a multiple of the {swizzle}-byte swizzle")
+    if cache_len % 8 or not 8 <= cache_len <= MAX_CACHE_LEN:
+        raise ValueError(f"mosaic_gpu needs cache_len a multiple of 8 in [8, {MAX_CACHE_LEN}], got {cache_len}")
+
+
+def _tiled(swizzle: int, dtype) -> tuple:
+    return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
+def _bcast_rows(x, shape):
+    """A `ROW` vector `[M]` repeated along the columns of `[M, N]` (`WGMMA`)."""
+    return plgpu.layout_cast(lax.broadcast_in_dim(plgpu.layout_cast(x, _ROW), shape, [0]), _WGMMA)
+
+
+def _bcast_cols(x, shape):
+    """A `COL` vector `[N]` repeated along the rows of `[M, N]` (`WGMMA`)."""
+    return plgpu.layout_cast(lax.broadcast_in_dim(plgpu.layout_cast(x, _COL), shape, [1]), _WGMMA)
+
+
+def _row_sum(x):
+    """`[M, N]` (`WGMMA`) summed over N: `ROW [M]`."""
+    return plgpu.layout_cast(jnp.sum(x, axis=1), _ROW)
+
+
+def _col_sum(x):
+    """`[M, N]` (`WGMMA`) summed over M: `COL [N]`."""
+    return plgpu.layout_cast(jnp.sum(x, axis=0), _COL)
+
+
+def _softplus(x):
+    return jnp.where(x > SOFTPLUS_THRESHOLD, x, jnp.log(1.0 + jnp.exp(jnp.minimum(x, SOFTPLUS_THRESHOLD))))
+
+
+def _decay_weights(g_smem, pos, cache_len):
+    """`(W [L] in COL, e^G)`: `W_j = exp(sum_{j<i<pos} g_i)` for j < pos, 0 past it.
+
+    The valid entries' decays are multiplied newest first as scalars (unrolled over the
+    ring; an entry at or past `pos` leaves the product unchanged through a select, so a
+    stale g, NaN included, is never used)."""
+    j = plgpu.broadcasted_iota(jnp.int32, (cache_len,), 0, layout=_COL)
+    weights = plgpu.layout_cast(jnp.zeros((cache_len,), _F32), _COL)
+    running = jnp.float32(1.0)
+    for i in reversed(range(cache_len)):
+        live = i < pos
+        weights = jnp.where(live & (j == i), running, weights)
+        running = jnp.where(live, running * jnp.exp(g_smem[i]), running)
+    return weights, running
+
+
+def _load_transposed(smem):
+    """A `[R, C]` shared-memory buffer as a `[C, R]` `WGMMA`-layout array in fp32."""
+    x = plgpu.load(smem.T, layout=plgpu.Layout.WGMMA_TRANSPOSED, optimized=False)
+    return plgpu.layout_cast(x, _WGMMA).astype(_F32)
+
+
+def _rebuild_exact(s_c, decay_total, u_smem, k_smem, g_smem, pos):
+    """`S_{t-1} = e^G S_c + sum_j W_j u_j k_j^T` in fp32, newest entry first (running W)."""
+
+    def body(i, carry):
+        state, weight = carry
+        j = pos - 1 - i
+        u_j = plgpu.load(u_smem.at[j], layout=_ROW, optimized=False).astype(_F32)
+        k_j = plgpu.load(k_smem.at[j], layout=_COL, optimized=False).astype(_F32)
+        state = state + _bcast_rows(weight * u_j, state.shape) * _bcast_cols(k_j, state.shape)
+        return state, weight * jnp.exp(g_smem[j])
+
+    state, _ = lax.fori_loop(0, pos, body, (s_c * decay_total, jnp.float32(1.0)))
+    return state
+
+
+def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, q_row_ref, k_row_ref, v_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref,
+            ckpt_ref, ucache_ref, kcache_ref, gcache_ref,
+            y_ref,
+            t_smem, u_smem, k_smem, g_smem, o_smem, barrier,
+            *, group_size, tiles, use_qk_l2norm, scale, raw_gates):
+    b = lax.axis_index("b")
+    hv = lax.axis_index("hv")
+    h, tile = hv // tiles, hv % tiles
+    hk = h // group_size
+    rows = pl.ds(tile * BLOCK_V, BLOCK_V)
+    mode = mode_ref[b]
+    cache_len = u_smem.shape[0]
+
+    @pl.when(mode == MODE_PAD)
+    def _padding_row():
+        o_smem[...] = plgpu.layout_cast(jnp.zeros((BLOCK_V,), o_smem.dtype), _ROW)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, y_ref.at[b, h, rows])
+
+    @pl.when(mode != MODE_PAD)
+    def _live_row():
+        slot, pos = slot_ref[b], pos_ref[b]
+        plgpu.copy_gmem_to_smem(ckpt_ref.at[slot, h, rows], t_smem, barrier)
+        plgpu.copy_gmem_to_smem(ucache_ref.at[slot, h, :, rows], u_smem, barrier)
+        plgpu.copy_gmem_to_smem(kcache_ref.at[slot, hk], k_smem, barrier)
+        plgpu.copy_gmem_to_smem(gcache_ref.at[slot, h], g_smem, barrier)
+
+        # The token, while the copies fly: q, k in both vector layouts, gates as scalars.
+        q_col = plgpu.load(q_ref.at[b, hk], layout=_COL, optimized=False).astype(_F32)
+        k_col = plgpu.load(k_ref.at[b, hk], layout=_COL, optimized=False).astype(_F32)
+        # Layout inference cannot give two layouts to loads of one ref: the ROW copies
+        # come from second refs to the same arrays.
+        q_row = plgpu.load(q_row_ref.at[b, hk], layout=_ROW, optimized=False).astype(_F32)
+        k_row = plgpu.load(k_row_ref.at[b, hk], layout=_ROW, optimized=False).astype(_F32)
+        q_scale, k_scale = jnp.float32(scale), jnp.float32(1.0)
+        if use_qk_l2norm:
+            q_scale = q_scale * lax.rsqrt(jnp.sum(q_col * q_col) + L2NORM_EPS)
+            k_scale = lax.rsqrt(jnp.sum(k_col * k_col) + L2NORM_EPS)
+        q_col, q_row = q_col * q_scale, q_row * q_scale
+        k_col, k_row = k_col * k_scale, k_row * k_scale
+        k_dot_q = jnp.sum(k_col * q_col)
+        g = g_ref[b, h].astype(_F32)
+        beta = beta_ref[b, h].astype(_F32)
+        if raw_gates:
+            g = -jnp.exp(a_log_ref[h].astype(_F32)) * _softplus(g + dt_bias_ref[h].astype(_F32))
+            beta = 1.0 / (1.0 + jnp.exp(-beta))
+        alpha = jnp.exp(g)
+        v_row = plgpu.load(v_ref.at[b, h, rows], layout=_ROW, optimized=False).astype(_F32)
+
+        plgpu.barrier_wait(barrier)
+        weights, decay_total = _decay_weights(g_smem, pos, cache_len)
+        keys_t = _load_transposed(k_smem)  # [Dk, L]
+        j = plgpu.broadcasted_iota(jnp.int32, (BLOCK_V, cache_len), 1, layout=_WGMMA)
+        u_t = jnp.where(j < pos, _load_transposed(u_smem), 0.0)  # [BV, L], stale entries 0
+        valid = plgpu.broadcasted_iota(jnp.int32, (cache_len,), 0, layout=_COL) < pos
+        s_c = plgpu.load(t_smem, layout=_WGMMA).astype(_F32)  # [BV, Dk]
+
+        def readout(x_col, x_row):
+            """`S_{t-1} x` `[BV]` (ROW) for x given in both layouts."""
+            c = _col_sum(keys_t * _bcast_rows(x_row, keys_t.shape))  # K x, [L]
+            c = jnp.where(valid, c * weights, 0.0)
+            history = _row_sum(u_t * _bcast_cols(c, u_t.shape))
+            return history + decay_total * _row_sum(s_c * _bcast_cols(x_col, s_c.shape))
+
+        s_k = alpha * readout(k_col, k_row)
+        s_q = alpha * readout(q_col, q_row)
+        u = beta * (v_row - s_k)
+        o_smem[...] = (s_q + u * k_dot_q).astype(o_smem.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, y_ref.at[b, h, rows])
+
+        @pl.when(mode == MODE_APPEND)
+        def _append():
+            ucache_ref[slot, h, pos, rows] = u.astype(ucache_ref.dtype)
+
+            @pl.when(tile == 0)
+            def _append_gate():
+                gcache_ref[slot, h, pos] = g
+
+            @pl.when((tile == 0) & (h % group_size == 0))
+            def _append_key():
+                kcache_ref[slot, hk, pos] = k_col.astype(kcache_ref.dtype)
+
+        @pl.when(mode == MODE_FLUSH)
+        def _flush():
+            prev = _rebuild_exact(s_c, decay_total, u_smem, k_smem, g_smem, pos)
+            new = alpha * prev + _bcast_rows(u, prev.shape) * _bcast_cols(k_col, prev.shape)
+            t_smem[...] = new.astype(t_smem.dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(t_smem, ckpt_ref.at[slot, h, rows])
+
+    plgpu.wait_smem_to_gmem(0)
+
+
+@functools.lru_cache(maxsize=None)
+def _build(batch, num_v_heads, head_v_dim, head_k_dim, cache_len, state_dtype, cache_dtype, y_dtype,
+           group_size, use_qk_l2norm, scale, raw_gates, swizzle, interpret):
+    tiles = head_v_dim // BLOCK_V
+    body = functools.partial(_kernel, group_size=group_size, tiles=tiles, use_qk_l2norm=use_qk_l2norm,
+                             scale=scale, raw_gates=raw_gates)
+    return plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((batch, num_v_heads, head_v_dim), y_dtype),
+        scratch_types=[
+            plgpu.SMEM((BLOCK_V, head_k_dim), state_dtype, transforms=_tiled(swizzle, state_dtype)),
+            # Untiled: the flush rebuild reads single records at a dynamic index.
+            plgpu.SMEM((cache_len, BLOCK_V), cache_dtype),
+            plgpu.SMEM((cache_len, head_k_dim), cache_dtype),
+            plgpu.SMEM((cache_len,), _F32),
+            plgpu.SMEM((BLOCK_V,), y_dtype),
+            plgpu.Barrier(num_arrivals=4),
+        ],
+        grid=(batch, num_v_heads * tiles),
+        grid_names=("b", "hv"),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+        kernel_name="replayssm_replay_decode_mgpu",
+    )
+
+
+def replay_decode_mgpu(
+    checkpoint: Float[Array, "N Hv Dv Dk"],
+    u_cache: Float[Array, "N Hv L Dv"],
+    k_cache: Float[Array, "N Hk L Dk"],
+    g_cache: Float[Array, "N Hv L"],
+    q: Float[Array, "B Hk Dk"],
+    k: Float[Array, "B Hk Dk"],
+    v: Float[Array, "B Hv Dv"],
+    g: Float[Array, "B Hv"],
+    beta: Float[Array, "B Hv"],
+    slot: Int[Array, " B"],
+    pos: Int[Array, " B"],
+    mode: Int[Array, " B"],
+    *,
+    use_qk_l2norm: bool = False,
+    scale: float | None = None,
+    gate_params: tuple[Array, Array] | None = None,
+    params: MosaicReplayParams = MosaicReplayParams(),
+    interpret: bool | None = None,
+):
+    """One fused ReplaySSM decode step of one GDN layer on Mosaic GPU.
+
+    Args and returns as `pallas_kernels.replay_decode.replay_decode` (GDN only: g and beta
+    `[B, H_v]`): `(y [B, H_v, d_v] in v's dtype, checkpoint, u_cache, k_cache, g_cache)`,
+    the state arrays updated in place when the caller donates them.
+    `interpret`: run in Mosaic GPU interpret mode (default: off GPU).
+    """
+    batch, num_v_heads, head_v_dim = v.shape
+    head_k_dim = q.shape[-1]
+    cache_len = u_cache.shape[2]
+    if g_cache.ndim != 3:
+        raise ValueError(f"mosaic_gpu supports per-head (GDN) decay only; g_cache has shape {g_cache.shape}")
+    check_shapes(head_k_dim, head_v_dim, cache_len, checkpoint.dtype.itemsize, params.swizzle)
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    a_log, dt_bias = gate_params if gate_params is not None else (jnp.zeros((1,), _F32),) * 2
+    kernel = _build(
+        batch, num_v_heads, head_v_dim, head_k_dim, cache_len, checkpoint.dtype, u_cache.dtype, v.dtype,
+        num_v_heads // q.shape[1], bool(use_qk_l2norm), float(head_k_dim ** -0.5 if scale is None else scale),
+        gate_params is not None, params.swizzle, bool(interpret),
+    )
+    refs = [jax.new_ref(x) for x in (checkpoint, u_cache, k_cache, g_cache)]
+    y = kernel(slot.astype(jnp.int32), pos.astype(jnp.int32), mode.astype(jnp.int32), q, k, q, k, v, g, beta,
+               a_log, dt_bias, *refs)
+    return (y, *(jax.freeze(r) for r in refs))
