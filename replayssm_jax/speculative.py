@@ -258,8 +258,8 @@ def verify_step(
     window = xla.gate_tokens(cfg, window, gate_params)
     window = jax.tree.map(lambda x: keep(x.astype(jnp.float32)), window)
     q, k = gating.prepare_qk(window.q, window.k, use_qk_l2norm=use_qk_l2norm, scale=scale)
-    heads = lambda x: jnp.moveaxis(xla._expand_heads(x, cfg.group_size, axis=2), 1, 2)
-    g = xla._per_channel(window.g, dk, cfg.per_channel_gate)  # [B, T, Hv, Dk]
+    heads = lambda x: jnp.moveaxis(xla.expand_heads(x, cfg.group_size, axis=2), 1, 2)
+    g = xla.per_channel_decay(window.g, dk, cfg.per_channel_gate)  # [B, T, Hv, Dk]
 
     anc = ancestors(parents, batch, width)
     qh, kh, gh = heads(q), heads(k), jnp.moveaxis(g, 1, 2)
