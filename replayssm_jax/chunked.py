@@ -23,6 +23,7 @@ from jaxtyping import Array, Float, Int
 
 from replayssm_jax import gating
 from replayssm_jax.tokens import Tokens
+from replayssm_jax.validation import check_array
 
 DEFAULT_CHUNK = 64
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -76,8 +77,7 @@ def chunked_gated_delta_rule(
     Raises:
       ValueError: for a per-channel decay (KDA: use the token scan) or a bad chunk size.
     """
-    if jnp.ndim(tokens.g) != 3:
-        raise ValueError(f"chunked prefill takes a per-head decay g [B, T, H_v], got shape {jnp.shape(tokens.g)}")
+    check_array("tokens.g", tokens.g, (None,) * 3, layout="a per-head decay [B, T, H_v] (KDA: use the token scan)")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     dtype = jnp.float64 if any(x.dtype == jnp.float64 for x in jax.tree.leaves(tokens)) else jnp.float32

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 # Imported eagerly, not on first use: importing Pallas registers jax config options, and a
@@ -13,7 +14,7 @@ from replayssm_jax.backends import BACKENDS, pallas_triton, xla
 from replayssm_jax.plan import FlushPolicy, StepPlan, advance_write_pos, as_policy, default_flush_policy, plan_step
 from replayssm_jax.state import ReplayState, check_state
 from replayssm_jax.tokens import Tokens, check_gate_params, check_tokens
-from replayssm_jax.validation import check_flags, check_slots
+from replayssm_jax.validation import check_array, check_flags, check_slots
 
 
 def check_backend(backend: str) -> None:
@@ -127,9 +128,8 @@ def materialize_state(state: ReplayState, slots: Int[Array, " B"], gate_params=N
     weights come from A); the delta-rule gates take none.
     """
     check_state(state)
-    if len(getattr(slots, "shape", ())) != 1:
-        raise ValueError(f"slots must be a 1-D [B] array, got shape {tuple(getattr(slots, 'shape', ()))}")
-    check_slots("slots", slots, slots.shape[0], state.num_slots)
+    check_array("slots", slots, (None,), layout="a 1-D [B] array")
+    check_slots("slots", slots, jnp.shape(slots)[0], state.num_slots)
     plan = plan_step(state.write_pos, slots, None, state.config.cache_len)
     if state.config.gate_kind.additive:
         check_gate_params(state.config, gate_params)

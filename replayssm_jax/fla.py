@@ -16,7 +16,7 @@ from jaxtyping import Array, Float, Int
 from replayssm_jax.chunked import DEFAULT_CHUNK, chunked_gated_delta_rule
 from replayssm_jax.reference import recurrent_reference
 from replayssm_jax.tokens import Tokens
-from replayssm_jax.validation import concrete_or_none
+from replayssm_jax.validation import check_array, concrete_or_none
 
 
 def to_fla_state(state: Float[Array, "... Dv Dk"]) -> Float[Array, "... Dk Dv"]:
@@ -42,10 +42,26 @@ def _pack(y: Array, lengths: np.ndarray) -> Array:
     return jnp.concatenate([y[i, :n] for i, n in enumerate(lengths)], axis=0)[None]
 
 
+def _check_inputs(q, k, v, g, beta, *, per_channel: bool) -> None:
+    """FLA's input shapes (module doc), each a floating array; ValueErrors name the input."""
+    check_array("q", q, (None,) * 4, float, layout="[B, T, H, K]")
+    batch, steps, heads, head_k = jnp.shape(q)
+    check_array("k", k, (batch, steps, heads, head_k), float)
+    check_array("v", v, (batch, steps, None, None), float,
+                layout=f"[B, T, H_v, V] with B, T = {batch}, {steps}")
+    num_v_heads = jnp.shape(v)[2]
+    if per_channel:
+        want = (batch, steps, num_v_heads, head_k)
+        check_array("g", g, want, float, layout=f"[B, T, H_v, K] = {want} (one decay per key channel)")
+    else:
+        want = (batch, steps, num_v_heads)
+        check_array("g", g, want, float, layout=f"[B, T, H_v] = {want} (one decay per head)")
+    check_array("beta", beta, (batch, steps, num_v_heads), float)
+
+
 def _run(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-         cu_seqlens, *, chunked: bool, chunk_size: int = DEFAULT_CHUNK):
-    if jnp.ndim(q) != 4 or jnp.ndim(v) != 4:
-        raise ValueError(f"q and v must be [B, T, H, K] / [B, T, H_v, V], got {jnp.shape(q)}, {jnp.shape(v)}")
+         cu_seqlens, *, per_channel: bool, chunked: bool, chunk_size: int = DEFAULT_CHUNK):
+    _check_inputs(q, k, v, g, beta, per_channel=per_channel)
     batch, steps, _, head_k = jnp.shape(q)
     num_v_heads, head_v = jnp.shape(v)[2:]
     lengths = None
@@ -65,8 +81,7 @@ def _run(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2no
         state = jnp.zeros((num_seqs, num_v_heads, head_v, head_k), jnp.float32)
     else:
         want = (num_seqs, num_v_heads, head_k, head_v)
-        if tuple(jnp.shape(initial_state)) != want:
-            raise ValueError(f"initial_state must be [N, H_v, K, V] = {want}, got {tuple(jnp.shape(initial_state))}")
+        check_array("initial_state", initial_state, want, layout=f"[N, H_v, K, V] = {want}")
         state = from_fla_state(initial_state)
     tokens = Tokens(q, k, v, g, beta)
     if chunked:
@@ -90,10 +105,8 @@ def fused_recurrent_gated_delta_rule(
     """GDN over a sequence, token by token (FLA's `fused_recurrent_gated_delta_rule`).
 
     Returns `(o [B, T, H_v, V], final_state [N, H_v, K, V] or None)`, float32."""
-    if jnp.ndim(g) != 3:
-        raise ValueError(f"g must be [B, T, H_v] (one decay per head), got {jnp.shape(g)}")
     return _run(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-                cu_seqlens, chunked=False)
+                cu_seqlens, per_channel=False, chunked=False)
 
 
 def fused_recurrent_kda(
@@ -102,10 +115,8 @@ def fused_recurrent_kda(
 ):
     """KDA over a sequence, token by token: as `fused_recurrent_gated_delta_rule` with a
     per-channel decay `g [B, T, H_v, K]`."""
-    if jnp.ndim(g) != 4:
-        raise ValueError(f"g must be [B, T, H_v, K] (one decay per key channel), got {jnp.shape(g)}")
     return _run(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-                cu_seqlens, chunked=False)
+                cu_seqlens, per_channel=True, chunked=False)
 
 
 def chunk_gated_delta_rule(
@@ -115,7 +126,5 @@ def chunk_gated_delta_rule(
 ):
     """GDN over a sequence in chunks of `chunk_size` (FLA's `chunk_gated_delta_rule`; see
     `replayssm_jax.chunked`). Same arguments and results as the fused recurrent form."""
-    if jnp.ndim(g) != 3:
-        raise ValueError(f"g must be [B, T, H_v] (one decay per head), got {jnp.shape(g)}")
     return _run(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-                cu_seqlens, chunked=True, chunk_size=chunk_size)
+                cu_seqlens, per_channel=False, chunked=True, chunk_size=chunk_size)

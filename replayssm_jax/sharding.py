@@ -48,7 +48,7 @@ from replayssm_jax.plan import (
 )
 from replayssm_jax.state import ReplayState, check_state
 from replayssm_jax.tokens import Tokens, check_tokens
-from replayssm_jax.validation import check_flags, check_positive_int, check_slots, concrete_or_none
+from replayssm_jax.validation import check_array, check_flags, check_positive_int, check_slots, concrete_or_none
 
 TP, DP = "tp", "dp"
 AXES = (DP, TP)
@@ -276,6 +276,7 @@ def accept(
     """`replayssm_jax.accept` sharded over `mesh`: each device moves its slots' cursors (and,
     for a tree's `path`, moves its heads' records)."""
     check_state(state)
+    check_array("slots", slots, (None,), layout="a 1-D [B] array")
     batch = jnp.shape(slots)[0]
     check_slots("slots", slots, batch, state.num_slots)
     check_fits(state.config, state.num_slots, mesh, batch)

@@ -55,7 +55,7 @@ from replayssm_jax.backends import pallas_triton, xla
 from replayssm_jax.plan import plan_step
 from replayssm_jax.state import ReplayState, check_state
 from replayssm_jax.tokens import Tokens, check_gate_params
-from replayssm_jax.validation import check_float, check_slots, concrete_or_none, shape_error
+from replayssm_jax.validation import check_array, check_slots, concrete_or_none
 
 VERIFY_BACKENDS = ("xla", "pallas_triton")
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -66,20 +66,18 @@ def check_window(config, window: Tokens) -> tuple[int, int]:
     `(B, T)`."""
     if not isinstance(window, Tokens):
         raise ValueError(f"window must be a Tokens, got {type(window).__name__}")
-    if jnp.ndim(window.q) != 4:
-        raise ValueError(f"window.q must be [B, T, H_k, d_k], got shape {tuple(jnp.shape(window.q))}")
+    check_array("window.q", window.q, (None,) * 4, layout="[B, T, H_k, d_k]")
     batch, width = jnp.shape(window.q)[:2]
     for name, want in config.gate_kind.token_shapes(config, batch).items():
-        check_float(f"window.{name}", getattr(window, name), (batch, width, *want[1:]))
+        check_array(f"window.{name}", getattr(window, name), (batch, width, *want[1:]), float)
     return batch, width
 
 
-def _check_int_array(name: str, x: Array, shape: tuple[int, ...]) -> np.ndarray | None:
-    """An integer array of `shape`; its value when concrete."""
-    if tuple(jnp.shape(x)) != shape:
-        raise shape_error(name, shape, x)
-    if not jnp.issubdtype(jnp.result_type(x), jnp.integer):
-        raise ValueError(f"{name} must be an integer array, got dtype {jnp.result_type(x)}")
+def _check_int_array(
+    name: str, x: Array, shape: tuple[int | None, ...], layout: str | None = None
+) -> np.ndarray | None:
+    """An integer array of `shape` (`layout`: as in `check_array`); its value when concrete."""
+    check_array(name, x, shape, int, layout=layout)
     return concrete_or_none(x)
 
 
@@ -258,8 +256,8 @@ def verify_step(
     window = xla.gate_tokens(cfg, window, gate_params)
     window = jax.tree.map(lambda x: keep(x.astype(jnp.float32)), window)
     q, k = gating.prepare_qk(window.q, window.k, use_qk_l2norm=use_qk_l2norm, scale=scale)
-    heads = lambda x: jnp.moveaxis(xla._expand_heads(x, cfg.group_size, axis=2), 1, 2)
-    g = xla._per_channel(window.g, dk, cfg.per_channel_gate)  # [B, T, Hv, Dk]
+    heads = lambda x: jnp.moveaxis(xla.expand_heads(x, cfg.group_size, axis=2), 1, 2)
+    g = xla.per_channel_decay(window.g, dk, cfg.per_channel_gate)  # [B, T, Hv, Dk]
 
     anc = ancestors(parents, batch, width)
     qh, kh, gh = heads(q), heads(k), jnp.moveaxis(g, 1, 2)
@@ -337,8 +335,7 @@ def accept(
         reaches past the ring, or a path that is not increasing (when values are concrete).
     """
     check_state(state)
-    if jnp.ndim(slots) != 1:
-        raise ValueError(f"slots must be a 1-D [B] array, got shape {tuple(jnp.shape(slots))}")
+    check_array("slots", slots, (None,), layout="a 1-D [B] array")
     batch = jnp.shape(slots)[0]
     check_slots("slots", slots, batch, state.num_slots)
     counts = _check_int_array("num_accepted", num_accepted, (batch,))
@@ -365,10 +362,8 @@ def accept(
 def _compact_path(state, plan, n, path, counts, pos) -> ReplayState:
     """Copy the records at `pos + path[:, m]` to `pos + m` for m < n (all reads first)."""
     batch = plan.batch
-    if jnp.ndim(path) != 2 or jnp.shape(path)[0] != batch:
-        raise ValueError(f"path must be [B, P] with B = {batch}, got shape {tuple(jnp.shape(path))}")
+    values = _check_int_array("path", path, (batch, None), layout=f"[B, P] with B = {batch}")
     width = jnp.shape(path)[1]
-    values = _check_int_array("path", path, (batch, width))
     if counts is not None and np.any(counts > width):
         raise ValueError(f"num_accepted {counts.tolist()} exceeds the path length {width}")
     if values is not None and counts is not None:

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from replayssm_jax.config import ReplayConfig
-from replayssm_jax.validation import check_positive_int
+from replayssm_jax.validation import check_like, check_positive_int
 
 
 @jax.tree_util.register_dataclass
@@ -76,12 +76,7 @@ def init_state(
     if checkpoint is None:
         checkpoint = jnp.zeros(shapes["checkpoint"].shape, config.state_dtype)
     else:
-        want = shapes["checkpoint"]
-        if tuple(checkpoint.shape) != want.shape or checkpoint.dtype != want.dtype:
-            raise ValueError(
-                f"checkpoint must have shape {want.shape} and dtype {want.dtype}, got "
-                f"{tuple(checkpoint.shape)} {checkpoint.dtype}"
-            )
+        check_like("checkpoint", checkpoint, shapes["checkpoint"])
         checkpoint = jnp.asarray(checkpoint)
     arrays = {
         name: jnp.zeros(s.shape, s.dtype) for name, s in shapes.items() if name != "checkpoint"
@@ -95,9 +90,4 @@ def check_state(state: ReplayState) -> None:
         raise ValueError(f"state must be a ReplayState, got {type(state).__name__}")
     shapes = state_shapes(state.config, state.checkpoint.shape[0])
     for name, want in shapes.items():
-        got = getattr(state, name)
-        if tuple(got.shape) != want.shape or got.dtype != want.dtype:
-            raise ValueError(
-                f"state.{name} must have shape {want.shape} and dtype {want.dtype} for "
-                f"{state.config}, got {tuple(got.shape)} {got.dtype}"
-            )
+        check_like(f"state.{name}", getattr(state, name), want, context=f" for {state.config}")

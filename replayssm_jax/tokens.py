@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from replayssm_jax.config import ReplayConfig
-from replayssm_jax.validation import check_float
+from replayssm_jax.validation import check_array
 
 
 @jax.tree_util.register_dataclass
@@ -93,25 +93,23 @@ def check_tokens(config: ReplayConfig, tokens: Tokens | Mamba2Tokens) -> int:
         return _check_mamba2_tokens(config, tokens)
     if not isinstance(tokens, Tokens):
         raise ValueError(f"tokens must be a Tokens, got {type(tokens).__name__}")
-    if jnp.ndim(tokens.q) != 3:
-        raise ValueError(f"tokens.q must be [B, H_k, d_k], got shape {tuple(jnp.shape(tokens.q))}")
+    check_array("tokens.q", tokens.q, (None,) * 3, layout="[B, H_k, d_k]")
     batch = tokens.batch
     for name, want in config.gate_kind.token_shapes(config, batch).items():
-        check_float(f"tokens.{name}", getattr(tokens, name), want)
+        check_array(f"tokens.{name}", getattr(tokens, name), want, float)
     return batch
 
 
 def _check_mamba2_tokens(config: ReplayConfig, tokens: Mamba2Tokens) -> int:
     if not isinstance(tokens, Mamba2Tokens):
         raise ValueError(f"tokens must be a Mamba2Tokens for gate 'mamba2', got {type(tokens).__name__}")
-    if jnp.ndim(tokens.x) != 3:
-        raise ValueError(f"tokens.x must be [B, H, P], got shape {tuple(jnp.shape(tokens.x))}")
+    check_array("tokens.x", tokens.x, (None,) * 3, layout="[B, H, P]")
     batch = tokens.batch
     shapes = config.gate_kind.token_shapes(config, batch)
     for name, want in shapes.items():
-        check_float(f"tokens.{name}", getattr(tokens, name), want)
+        check_array(f"tokens.{name}", getattr(tokens, name), want, float)
     if tokens.z is not None:
-        check_float("tokens.z", tokens.z, shapes["x"])
+        check_array("tokens.z", tokens.z, shapes["x"], float)
     return batch
 
 
@@ -124,7 +122,7 @@ def check_gate_params(config: ReplayConfig, gate_params) -> None:
                              f"{type(gate_params).__name__}")
         heads = (config.num_v_heads,)
         for name in ("A", "D", "dt_bias"):
-            check_float(f"gate_params.{name}", getattr(gate_params, name), heads)
+            check_array(f"gate_params.{name}", getattr(gate_params, name), heads, float)
         lo, hi = gate_params.dt_limit
         if not lo <= hi:
             raise ValueError(f"gate_params.dt_limit must be (lo, hi) with lo <= hi, got {gate_params.dt_limit}")
@@ -134,5 +132,5 @@ def check_gate_params(config: ReplayConfig, gate_params) -> None:
     if not isinstance(gate_params, (tuple, list)) or len(gate_params) != 2:
         raise ValueError("gate_params must be a pair (A_log, dt_bias)")
     a_log_shape, dt_bias_shape = config.gate_kind.gate_param_shapes(config)
-    check_float("gate_params[0] (A_log)", gate_params[0], a_log_shape)
-    check_float("gate_params[1] (dt_bias)", gate_params[1], dt_bias_shape)
+    check_array("gate_params[0] (A_log)", gate_params[0], a_log_shape, float)
+    check_array("gate_params[1] (dt_bias)", gate_params[1], dt_bias_shape, float)

@@ -1,13 +1,25 @@
 """Argument checks shared by the package's public functions (`ValueError`s that name the
-bad argument, its shape or its value)."""
+bad argument, its shape or its value).
+
+Shapes and dtypes are matched by chex (`chex.assert_shape` / `assert_type`) on the static
+shapes, so under `jit` they run once, at trace time; the messages are the package's own,
+naming the argument. `chex.disable_asserts()` turns these shape and dtype checks off too.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from types import EllipsisType
+
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
 from jaxtyping import Array
+
+# What a message says a dtype kind must be.
+_KINDS = {float: "a floating array", int: "an integer array", bool: "bool"}
 
 
 def concrete_or_none(x) -> np.ndarray | None:
@@ -18,16 +30,59 @@ def concrete_or_none(x) -> np.ndarray | None:
         return None
 
 
-def shape_error(name: str, want: tuple[int, ...], got: Array) -> ValueError:
-    return ValueError(f"{name} must have shape {want}, got {tuple(jnp.shape(got))}")
+def _shaped(x):
+    """`x` itself when it has a shape and dtype (arrays, tracers, `ShapeDtypeStruct`s), else
+    as a numpy array (lists, scalars)."""
+    return x if hasattr(x, "shape") and hasattr(x, "dtype") else np.asarray(x)
 
 
-def check_float(name: str, x: Array, want: tuple[int, ...]) -> None:
-    """`x` is a floating array of shape `want`."""
-    if tuple(jnp.shape(x)) != want:
-        raise shape_error(name, want, x)
-    if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
-        raise ValueError(f"{name} must be a floating array, got dtype {jnp.result_type(x)}")
+def check_array(
+    name: str,
+    x: Array,
+    shape: Sequence[int | None | EllipsisType],
+    dtype: type | jnp.dtype | None = None,
+    *,
+    layout: str | None = None,
+) -> None:
+    """Raise ValueError naming `name` unless `x` has `shape` and `dtype`.
+
+    Args:
+      name: the argument as the caller knows it (e.g. "tokens.q").
+      x: an array, tracer or array-like.
+      shape: a chex shape spec: an int per axis, None for an axis of any size, `...` for any
+        number of axes.
+      dtype: None (any), `float` or `int` (any floating / integer dtype), `bool`, or a dtype.
+      layout: how the message states the expected shape (e.g. "[B, H_k, d_k]"), for specs
+        with free axes; default: `shape` itself.
+    """
+    x = _shaped(x)
+    try:
+        chex.assert_shape(x, tuple(shape))
+    except AssertionError:
+        if layout is None:
+            raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}") from None
+        raise ValueError(f"{name} must be {layout}, got shape {tuple(x.shape)}") from None
+    if dtype is None:
+        return
+    try:
+        chex.assert_type(x, dtype)
+    except AssertionError:
+        want = _KINDS.get(dtype) or f"of dtype {jnp.dtype(dtype)}"
+        raise ValueError(f"{name} must be {want}, got dtype {x.dtype}") from None
+
+
+def check_like(name: str, x: Array, want: jax.ShapeDtypeStruct, *, context: str = "") -> None:
+    """Raise ValueError unless `x` has exactly `want`'s shape and dtype (a state field);
+    `context` ends the expectation in the message (e.g. " for <config>")."""
+    x = _shaped(x)
+    try:
+        chex.assert_shape(x, want.shape)
+        chex.assert_type(x, want.dtype)
+    except AssertionError:
+        raise ValueError(
+            f"{name} must have shape {tuple(want.shape)} and dtype {want.dtype}{context}, got "
+            f"{tuple(x.shape)} {x.dtype}"
+        ) from None
 
 
 def check_positive_int(name: str, value: object) -> int:
@@ -43,10 +98,7 @@ def check_slots(name: str, slots: Array, batch: int, num_slots: int) -> None:
     are then treated as padding rows by the step itself, and a slot named twice loses all
     but one row's update; `replayssm_jax.checked` raises on both (`debug_check`s).
     """
-    if tuple(jnp.shape(slots)) != (batch,):
-        raise ValueError(f"{name} must have shape ({batch},) (one per row), got {tuple(jnp.shape(slots))}")
-    if not jnp.issubdtype(jnp.result_type(slots), jnp.integer):
-        raise ValueError(f"{name} must be an integer array, got dtype {jnp.result_type(slots)}")
+    check_array(name, slots, (batch,), int)
     debug_check_slots(name, slots, num_slots, unique=True)
     values = concrete_or_none(slots)
     if values is None:
@@ -62,10 +114,7 @@ def check_flags(name: str, flags: Array | None, batch: int) -> None:
     """An optional per-row bool `[B]` array (e.g. `force_flush`)."""
     if flags is None:
         return
-    if tuple(jnp.shape(flags)) != (batch,):
-        raise shape_error(name, (batch,), flags)
-    if jnp.result_type(flags) != jnp.bool_:
-        raise ValueError(f"{name} must be bool, got dtype {jnp.result_type(flags)}")
+    check_array(name, flags, (batch,), bool)
 
 
 def debug_check_slots(name: str, slots: Array, num_slots: int, *, unique: bool) -> None:

@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import re
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -276,13 +277,12 @@ def test_padding_rows_are_isolated(backend, rng):
     y, state = step(state, padded, slots, force)
     after = snapshot(state)
     np.testing.assert_array_equal(np.asarray(y[1:3]), 0.0)
-    np.testing.assert_allclose(y[jnp.array([0, 3])], want_y, rtol=1e-6, atol=1e-7)
+    # The 4-row and the 2-row call are separate fp32 programs (other batch shapes): their
+    # sums may differ in the last bits, so the live rows agree within a few ulps.
+    chex.assert_trees_all_close((y[jnp.array([0, 3])], after), (want_y, snapshot(want_state)),
+                                rtol=1e-6, atol=1e-7)
+    others = np.setdiff1d(np.arange(NUM_SLOTS), live)
     for name in STATE_FIELDS:
-        np.testing.assert_allclose(
-            after[name].astype(np.float64), np.asarray(getattr(want_state, name), np.float64),
-            rtol=1e-6, atol=1e-7, err_msg=name,
-        )
-        others = np.setdiff1d(np.arange(NUM_SLOTS), live)
         np.testing.assert_array_equal(bits(after[name][others]), bits(before[name][others]))
 
 

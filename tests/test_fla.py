@@ -112,3 +112,22 @@ def test_chunked_prefill_rejects_per_channel_decays_and_bad_chunks(rng):
         fla.chunk_gated_delta_rule(**_fla_inputs(rng, 2, 4), cu_seqlens=np.array([0, 4]))
     with pytest.raises(ValueError, match="initial_state must be"):
         fla.fused_recurrent_gated_delta_rule(**_fla_inputs(rng, 1, 4), initial_state=jnp.zeros((1, 4, 8, 16)))
+
+
+@pytest.mark.parametrize("per_channel, name, bad, match", [
+    (False, "q", lambda a: a[0], r"q must be \[B, T, H, K\], got shape \(4, 2, 16\)"),
+    (False, "q", lambda a: a.astype(np.int32), r"q must be a floating array, got dtype int32"),
+    (False, "k", lambda a: a[..., :8], r"k must have shape \(1, 4, 2, 16\), got \(1, 4, 2, 8\)"),
+    (False, "v", lambda a: a[:, :3], r"v must be \[B, T, H_v, V\] with B, T = 1, 4, got shape \(1, 3, 4, 8\)"),
+    (False, "g", lambda a: a[..., None].repeat(16, -1), r"g must be .*\(1, 4, 4\) \(one decay per head\).*\(1, 4, 4, 16\)"),
+    (True, "g", lambda a: a[..., 0], r"g must be .*\(1, 4, 4, 16\) \(one decay per key channel\).*\(1, 4, 4\)"),
+    (False, "beta", lambda a: a[..., :1], r"beta must have shape \(1, 4, 4\), got \(1, 4, 1\)"),
+])
+def test_fla_entry_points_name_the_bad_input(rng, per_channel, name, bad, match):
+    x = _fla_inputs(rng, 1, 4, per_channel=per_channel)
+    x[name] = bad(x[name])
+    fns = [fla.fused_recurrent_kda] if per_channel else [fla.fused_recurrent_gated_delta_rule,
+                                                         fla.chunk_gated_delta_rule]
+    for fn in fns:
+        with pytest.raises(ValueError, match=match):
+            fn(**x)

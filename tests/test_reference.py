@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import chex
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -65,8 +66,7 @@ def test_reference_matches_numpy_loop(gate, use_qk_l2norm, scale, rng):
         to_device(tokens), jnp.asarray(state0),
         use_qk_l2norm=use_qk_l2norm, scale=scale,
     )
-    np.testing.assert_array_equal(y_only, y)
-    np.testing.assert_array_equal(final_only, final)
+    chex.assert_trees_all_equal((y_only, final_only), (y, final))
 
 
 def test_reference_rejects_ungrouped_heads(rng):

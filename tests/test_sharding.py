@@ -19,6 +19,7 @@ import re
 import subprocess
 import sys
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,8 +38,6 @@ CHILD = os.environ.get("REPLAYSSM_SHARDING_CHILD") == "1"
 child_only = pytest.mark.skipif(not CHILD, reason="runs in the 8-device child process")
 TP, DP = 2, 4
 N, B = 8, 8  # 2 slots and 2 rows per dp shard
-REPLAY_FIELDS = ("checkpoint", "u_cache", "k_cache", "g_cache", "write_pos")
-MODEL_FIELDS = (*REPLAY_FIELDS, "conv_state")
 # One key head and its two value heads per tp shard.
 TINY = decoder.DecoderConfig(vocab_size=48, d_model=32, num_layers=2, num_k_heads=2, num_v_heads=4,
                              head_k_dim=8, head_v_dim=8, mlp_hidden=32)
@@ -75,11 +74,6 @@ def _row_slots(rng: np.random.Generator, padding: float = 0.25) -> np.ndarray:
     rows, per = B // DP, N // DP
     slots = np.concatenate([i * per + rng.permutation(per)[:rows] for i in range(DP)])
     return np.where(rng.random(B) < padding, -1, slots).astype(np.int32)
-
-
-def _assert_same(a, b, fields):
-    for name in fields:
-        np.testing.assert_array_equal(np.asarray(getattr(a, name)), np.asarray(getattr(b, name)), err_msg=name)
 
 
 @child_only
@@ -155,8 +149,7 @@ def test_decode_equals_single_device_bit_for_bit(rng, gate, policy):
         force = jnp.asarray(rng.random(B) < 0.2)
         y, state = one(state, tokens, slots, force)
         y_sharded, sharded = many(sharded, tokens, slots, force)
-        np.testing.assert_array_equal(np.asarray(y_sharded), np.asarray(y))
-        _assert_same(sharded, state, REPLAY_FIELDS)
+        chex.assert_trees_all_equal((y_sharded, sharded), (y, state))
         flushes += int((state.write_pos == 0).sum())
     assert flushes > 0
     assert sharded.checkpoint.sharding.spec == jax.sharding.PartitionSpec("dp", "tp")
@@ -181,12 +174,11 @@ def test_verify_and_accept_equal_single_device(rng, gate):
             state, window, slots, lengths)
         y_s, sharded = jax.jit(lambda s, w, sl, n: sharding.verify_step(s, w, sl, mesh=mesh, lengths=n,
                                                                         use_qk_l2norm=True))(sharded, window, slots, lengths)
-        np.testing.assert_array_equal(np.asarray(y_s), np.asarray(y))
-        _assert_same(sharded, state, REPLAY_FIELDS)
+        chex.assert_trees_all_equal((y_s, sharded), (y, state))
         accepted = jnp.minimum(jnp.asarray(rng.integers(0, width + 1, B), jnp.int32), lengths)
         state = jax.jit(R.accept)(state, slots, accepted)
         sharded = jax.jit(lambda s, sl, n: sharding.accept(s, sl, n, mesh=mesh))(sharded, slots, accepted)
-        _assert_same(sharded, state, REPLAY_FIELDS)
+        chex.assert_trees_all_equal(sharded, state)
     assert sharded.checkpoint.sharding.spec == jax.sharding.PartitionSpec("dp", "tp")
 
 
@@ -230,14 +222,13 @@ def test_model_step_and_slot_ops_equal_single_device(rng):
     def both(op, *args):
         nonlocal state, sharded
         state, sharded = jax.jit(op)(state, *args), sharding.place_state(jax.jit(op)(sharded, *args), mesh)
-        _assert_same(sharded, state, MODEL_FIELDS)
+        chex.assert_trees_all_equal(sharded, state)
 
     for tokens, slots, force in zip(*_model_inputs(rng, 7)):
         args = jnp.asarray(tokens), jnp.asarray(slots), jnp.asarray(force)
         logits, state, plan = one(state, *args)
         logits_sharded, sharded, plan_sharded = many(sharded, *args)
-        np.testing.assert_array_equal(np.asarray(logits_sharded), np.asarray(logits))
-        _assert_same(sharded, state, MODEL_FIELDS)
+        chex.assert_trees_all_equal((logits_sharded, sharded), (logits, state))
         for name in ("slot", "valid", "pos", "flush"):
             np.testing.assert_array_equal(getattr(plan_sharded, name), getattr(plan, name), err_msg=name)
         assert sorted(np.asarray(plan_sharded.launch_order).tolist()) == list(range(B))
@@ -247,8 +238,7 @@ def test_model_step_and_slot_ops_equal_single_device(rng):
     both(slot_ops.copy_slots, jnp.array([0, 5], jnp.int32), jnp.array([7, 2], jnp.int32))
     flushed = jnp.array([1, 7, 2], jnp.int32)
     snap, snap_sharded = jax.jit(slot_ops.snapshot)(state, flushed), jax.jit(slot_ops.snapshot)(sharded, flushed)
-    np.testing.assert_array_equal(snap_sharded.checkpoint, snap.checkpoint)
-    np.testing.assert_array_equal(snap_sharded.conv_state, snap.conv_state)
+    chex.assert_trees_all_equal(snap_sharded, snap)
     both(slot_ops.reset_slots, jnp.array([4, 3, 0], jnp.int32), snap.checkpoint, snap.conv_state)
     both(slot_ops.reset_slots, jnp.array([5, -1], jnp.int32))
     for tokens, slots, force in zip(*_model_inputs(rng, 3)):  # decoding on from the restored slots
@@ -256,7 +246,7 @@ def test_model_step_and_slot_ops_equal_single_device(rng):
         logits, state, _ = one(state, *args)
         logits_sharded, sharded, _ = many(sharded, *args)
         np.testing.assert_array_equal(np.asarray(logits_sharded), np.asarray(logits))
-    _assert_same(sharded, state, MODEL_FIELDS)
+    chex.assert_trees_all_equal(sharded, state)
 
 
 def _collectives(hlo: str) -> list[tuple[str, str, tuple[int, ...]]]:
@@ -302,8 +292,7 @@ def test_sharded_pallas_step_picks_the_row_of_its_local_batch(rng, monkeypatch):
                                        FlushPolicy.NATURAL) == local.params
     # Same step on one device with the kernel parameters the local row chose.
     y_one, one = decode_step(state, tokens, slots, kernel_params=local.params, **options)
-    np.testing.assert_array_equal(np.asarray(y), np.asarray(y_one))
-    _assert_same(new, one, REPLAY_FIELDS)
+    chex.assert_trees_all_equal((y, new), (y_one, one))
 
 
 @child_only

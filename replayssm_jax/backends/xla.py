@@ -32,13 +32,18 @@ from replayssm_jax.tokens import Tokens
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def _per_channel(g: Float[Array, "... Hv *Dk"], head_k_dim: int, per_channel: bool):
-    """Log-decay per key channel: a per-head scalar broadcast over d_k."""
+def per_channel_decay(
+    g: Float[Array, "... Hv *Dk"], head_k_dim: int, per_channel: bool
+) -> Float[Array, "... Hv Dk"]:
+    """The log-decay per key channel: `g` itself for a per-channel gate (KDA, `[..., H_v,
+    d_k]`), else the per-head scalar (`[..., H_v]`) broadcast over the `head_k_dim` channels,
+    so that the replay and the readout are written once for both gates."""
     return g if per_channel else jnp.broadcast_to(g[..., None], (*g.shape, head_k_dim))
 
 
-def _expand_heads(x: Array, group_size: int, axis: int = 1) -> Array:
-    """Key-head tensor to value heads: value head h uses key head h // group_size."""
+def expand_heads(x: Array, group_size: int, axis: int = 1) -> Array:
+    """A key-head tensor (`H_k` along `axis`) repeated to value heads (`H_k * group_size`):
+    value head h uses key head `h // group_size`, as the GDN/KDA layers share key heads."""
     return jnp.repeat(x, group_size, axis=axis)
 
 
@@ -52,12 +57,12 @@ def replay_state(state: ReplayState, plan: StepPlan) -> Float[Array, "B Hv Dv Dk
     ckpt = state.checkpoint[plan.slot].astype(jnp.float32)
     u = jnp.where(live, state.u_cache[plan.slot].astype(jnp.float32), 0.0)  # [B, Hv, L, Dv]
     k = jnp.where(live, state.k_cache[plan.slot].astype(jnp.float32), 0.0)  # [B, Hk, L, Dk]
-    g = _per_channel(state.g_cache[plan.slot], cfg.head_k_dim, cfg.per_channel_gate)
+    g = per_channel_decay(state.g_cache[plan.slot], cfg.head_k_dim, cfg.per_channel_gate)
     g = jnp.where(live, g, 0.0)  # [B, Hv, L, Dk]
     prefix = jnp.cumsum(g, axis=2)  # c_j
     total = prefix[:, :, -1, :]  # G: [B, Hv, Dk]
     weights = jnp.where(live, jnp.exp(total[:, :, None, :] - prefix), 0.0)  # W_j
-    keys = weights * _expand_heads(k, cfg.group_size)
+    keys = weights * expand_heads(k, cfg.group_size)
     rebuilt = jnp.einsum("bhlv,bhlk->bhvk", u, keys, precision=_HIGHEST)
     live_state = ckpt * jnp.exp(total)[:, :, None, :] + rebuilt
     return jnp.where(plan.valid[:, None, None, None], live_state, 0.0)
@@ -90,8 +95,8 @@ def layer_step(
     tokens = gate_tokens(cfg, tokens, gate_params)
     q, k = gating.prepare_qk(tokens.q, tokens.k, use_qk_l2norm=use_qk_l2norm, scale=scale)
     v, g, beta = tokens.v.astype(jnp.float32), tokens.g.astype(jnp.float32), tokens.beta.astype(jnp.float32)
-    qv, kv = _expand_heads(q, cfg.group_size), _expand_heads(k, cfg.group_size)
-    alpha = jnp.exp(_per_channel(g, cfg.head_k_dim, cfg.per_channel_gate))  # [B, Hv, Dk]
+    qv, kv = expand_heads(q, cfg.group_size), expand_heads(k, cfg.group_size)
+    alpha = jnp.exp(per_channel_decay(g, cfg.head_k_dim, cfg.per_channel_gate))  # [B, Hv, Dk]
 
     prev = replay_state(state, plan)
     # The k/g appends below do not depend on the replay's reads of those caches; tie the
@@ -144,7 +149,7 @@ def _mamba2_window(state: ReplayState, plan: StepPlan, A: Float[Array, " H"], dt
     prefix = jnp.cumsum(log_a, axis=2)
     total = prefix[:, :, -1]  # A Gamma
     weights = dt * jnp.exp(total[:, :, None] - prefix)
-    return x, _expand_heads(b, cfg.group_size), weights, jnp.exp(total)
+    return x, expand_heads(b, cfg.group_size), weights, jnp.exp(total)
 
 
 def mamba2_replay_state(state: ReplayState, plan: StepPlan, A: Float[Array, " H"]) -> Float[Array, "B H P N"]:
@@ -167,8 +172,8 @@ def mamba2_layer_step(state: ReplayState, tokens, plan: StepPlan, *, params) -> 
     num_slots = state.num_slots
     dt = gating.mamba2_dt(tokens.dt, params.dt_bias, dt_softplus=params.dt_softplus, dt_limit=params.dt_limit)
     x_now = tokens.x.astype(jnp.float32)
-    b_now = _expand_heads(tokens.B.astype(jnp.float32), cfg.group_size)  # [B, H, N]
-    c_now = _expand_heads(tokens.C.astype(jnp.float32), cfg.group_size)
+    b_now = expand_heads(tokens.B.astype(jnp.float32), cfg.group_size)  # [B, H, N]
+    c_now = expand_heads(tokens.C.astype(jnp.float32), cfg.group_size)
     x, b, weights, decay = _mamba2_window(state, plan, params.A, dt)
     x = jnp.concatenate([x, x_now[:, :, None]], axis=2)
     b = jnp.concatenate([b, b_now[:, :, None]], axis=2)

@@ -33,7 +33,7 @@ from replayssm_jax.config import ReplayConfig
 from replayssm_jax.decode import check_backend
 from replayssm_jax.plan import FlushPolicy, StepPlan, advance_write_pos, as_policy, default_flush_policy, plan_step
 from replayssm_jax import speculative
-from replayssm_jax.validation import check_slots, concrete_or_none
+from replayssm_jax.validation import check_array, check_slots, concrete_or_none
 from replayssm_jax.model import slots as slot_ops
 from replayssm_jax.model.layer import (
     GDNDims,
@@ -201,11 +201,8 @@ def _dims(params: DecoderParams, state_config: ReplayConfig) -> GDNDims:
 
 
 def check_token_ids(name: str, tokens: Array, ndim: int) -> None:
-    if jnp.ndim(tokens) != ndim or not jnp.issubdtype(jnp.result_type(tokens), jnp.integer):
-        raise ValueError(
-            f"{name} must be an integer array with {ndim} dims, got "
-            f"{tuple(jnp.shape(tokens))} {jnp.result_type(tokens)}"
-        )
+    """Token ids: an integer array of rank `ndim` (`[B]` for a step, `[B, T]` for a window)."""
+    check_array(name, tokens, (None,) * ndim, int, layout=f"an array with {ndim} dims")
 
 
 def _debug_check_token_ids(name: str, tokens: Array, live: Array, vocab_size: int) -> None:
@@ -416,10 +413,7 @@ def prefill(
     """
     check_model_state(state)
     check_token_ids("tokens", tokens, 2)
-    if jnp.shape(lengths) != jnp.shape(tokens)[:1]:
-        raise ValueError(
-            f"lengths must have shape {jnp.shape(tokens)[:1]} (one per row), got {jnp.shape(lengths)}"
-        )
+    check_array("lengths", lengths, jnp.shape(tokens)[:1])
     slots = slot_ops.check_slots_arg("slots", slots, state.num_slots, unique=True)
     chunk = jnp.shape(tokens)[1]
     values = concrete_or_none(lengths)

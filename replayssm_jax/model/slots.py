@@ -33,15 +33,12 @@ from replayssm_jax.backends.xla import replay_state
 from replayssm_jax.model.state import ModelState, Snapshot, check_model_state
 from replayssm_jax.plan import plan_step
 from replayssm_jax.state import ReplayState
-from replayssm_jax.validation import concrete_or_none, debug_check_slots
+from replayssm_jax.validation import check_array, concrete_or_none, debug_check_slots
 
 
 def check_slots_arg(name: str, slots: Array, num_slots: int, *, unique: bool) -> Int[Array, " B"]:
     """`slots` as int32 `[B]` after the boundary checks; adds the in-jit checkify checks."""
-    if jnp.ndim(slots) != 1:
-        raise ValueError(f"{name} must be a 1-D [B] array, got shape {tuple(jnp.shape(slots))}")
-    if not jnp.issubdtype(jnp.result_type(slots), jnp.integer):
-        raise ValueError(f"{name} must be an integer array, got dtype {jnp.result_type(slots)}")
+    check_array(name, slots, (None,), int, layout="a 1-D [B] array")
     values = concrete_or_none(slots)
     if values is not None:
         if (values >= num_slots).any():
@@ -72,13 +69,6 @@ def live_entries(slots: Int[Array, " B"], num_slots: int) -> tuple[Bool[Array, "
 def keep_rows(valid: Bool[Array, " B"], x: Array) -> Array:
     """`x [Y, B, ...]` with the rows of invalid entries zeroed."""
     return jnp.where(valid.reshape(1, -1, *([1] * (x.ndim - 2))), x, 0)
-
-
-def _check_rows(name: str, x: Array, want: tuple[int, ...]) -> None:
-    if tuple(jnp.shape(x)) != want:
-        raise ValueError(f"{name} must have shape {want}, got {tuple(jnp.shape(x))}")
-    if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
-        raise ValueError(f"{name} must be a floating array, got dtype {jnp.result_type(x)}")
 
 
 def live_states(state: ModelState, slots: Int[Array, " B"]) -> Float[Array, "Y B Hv Dv Dk"]:
@@ -117,10 +107,10 @@ def reset_slots(
     rows = (state.num_layers, slots.shape[0])
     if checkpoint is None:
         checkpoint = jnp.zeros((*rows, *state.checkpoint.shape[2:]), state.checkpoint.dtype)
-    _check_rows("checkpoint", checkpoint, (*rows, *state.checkpoint.shape[2:]))
+    check_array("checkpoint", checkpoint, (*rows, *state.checkpoint.shape[2:]), float)
     if conv_state is None:
         conv_state = jnp.zeros((*rows, *state.conv_state.shape[2:]), state.conv_state.dtype)
-    _check_rows("conv_state", conv_state, (*rows, *state.conv_state.shape[2:]))
+    check_array("conv_state", conv_state, (*rows, *state.conv_state.shape[2:]), float)
     target = _target(slots, state.num_slots)
     return dataclasses.replace(
         state,
@@ -204,8 +194,7 @@ def track_flush(seq_lens: Int[Array, " B"], track_interval: int) -> Bool[Array, 
     if isinstance(track_interval, bool) or not isinstance(track_interval, int) or track_interval < 1:
         raise ValueError(f"track_interval must be a positive int, got {track_interval!r}")
     seq_lens = jnp.asarray(seq_lens)
-    if seq_lens.ndim != 1 or not jnp.issubdtype(seq_lens.dtype, jnp.integer):
-        raise ValueError(f"seq_lens must be an int [B] array, got {seq_lens.dtype} {seq_lens.shape}")
+    check_array("seq_lens", seq_lens, (None,), int, layout="a 1-D [B] array")
     return (seq_lens > 0) & (seq_lens % track_interval == 0)
 
 

@@ -34,6 +34,7 @@ from jaxtyping import Array, Float, Int
 from replayssm_jax.config import ReplayConfig
 from replayssm_jax.plan import StepPlan
 from replayssm_jax.state import ReplayState, state_shapes
+from replayssm_jax.validation import check_array, check_like
 
 _REPLAY_FIELDS = ("checkpoint", "u_cache", "k_cache", "g_cache")
 
@@ -118,21 +119,10 @@ def check_model_state(state: ModelState) -> None:
     y, n = state.checkpoint.shape[:2]
     shapes = state_shapes(state.config, n)
     for name in _REPLAY_FIELDS:
-        want, got = shapes[name], getattr(state, name)
-        if tuple(got.shape) != (y, *want.shape) or got.dtype != want.dtype:
-            raise ValueError(
-                f"state.{name} must have shape {(y, *want.shape)} and dtype {want.dtype}, got "
-                f"{tuple(got.shape)} {got.dtype}"
-            )
-    if state.conv_state.ndim != 4 or state.conv_state.shape[:2] != (y, n):
-        raise ValueError(
-            f"state.conv_state must be [{y}, {n}, K-1, C], got {tuple(state.conv_state.shape)}"
-        )
-    if tuple(state.write_pos.shape) != (n,) or state.write_pos.dtype != jnp.int32:
-        raise ValueError(
-            f"state.write_pos must be int32 [{n}], got {tuple(state.write_pos.shape)} "
-            f"{state.write_pos.dtype}"
-        )
+        want = shapes[name]
+        check_like(f"state.{name}", getattr(state, name), jax.ShapeDtypeStruct((y, *want.shape), want.dtype))
+    check_array("state.conv_state", state.conv_state, (y, n, None, None), layout=f"[{y}, {n}, K-1, C]")
+    check_like("state.write_pos", state.write_pos, jax.ShapeDtypeStruct((n,), jnp.int32))
 
 
 def layer_state(state: ModelState, layer: int) -> ReplayState:

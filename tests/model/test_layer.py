@@ -52,8 +52,7 @@ def test_padded_positions_leave_the_state_unchanged(params, rng):
     # Whatever sits in the padded positions, row 0's state and conv state are bit-identical.
     junk = x.at[0, 3:].set(jnp.asarray(rng.standard_normal((3, DIMS.d_model)), jnp.float32))
     _, ssm_junk, conv_junk = run(layer, DIMS, junk, ssm, conv, lengths)
-    np.testing.assert_array_equal(ssm_junk, ssm_end)
-    np.testing.assert_array_equal(conv_junk, conv_end)
+    chex.assert_trees_all_equal((ssm_junk, conv_junk), (ssm_end, conv_end))
     # ...and equal to running the 3 real tokens alone (other batch shape: last-ulp matmul noise).
     out3, ssm3, conv3 = run(layer, DIMS, x[:1, :3], ssm[:1], conv[:1])
     chex.assert_trees_all_close((ssm_end[0], conv_end[0]), (ssm3[0], conv3[0]), rtol=0, atol=1e-6)
