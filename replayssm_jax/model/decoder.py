@@ -31,6 +31,8 @@ step. The plain state of a hybrid stack (`PlainState`) holds tuples, one array p
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -316,11 +318,12 @@ def _hybrid_dims(block: HybridBlock, d_model: int, ssm_shape: tuple[int, ...]) -
 
 @dataclasses.dataclass(frozen=True)
 class _Mixer:
-    """One layer kind's entry points in the model package (same arguments per role)."""
+    """One layer kind's entry points in the model package (the same arguments per role:
+    `layer.gdn_replay`, `gdn_verify`, `gdn_plain` and their Mamba-2 counterparts)."""
 
-    replay: object
-    verify: object
-    plain: object
+    replay: Callable
+    verify: Callable
+    plain: Callable
 
 
 _MIXERS = {

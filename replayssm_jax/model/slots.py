@@ -134,7 +134,7 @@ def live_states(state: ModelState | HybridState, slots: Int[Array, " B"], gate_p
     Padding entries give zeros. Slots and params are not validated here (see the public ops).
     """
     if isinstance(state, HybridState):
-        return tuple(live_states(view, slots, None if params is None else jax.tree.map(lambda a: a[None], params))[0]
+        return tuple(live_states(view, slots, _stacked_params(params))[0]
                      for view, params in zip(layer_views(state), gate_params))
     plan = plan_step(state.write_pos, slots, None, state.config.cache_len)
 

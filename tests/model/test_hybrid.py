@@ -19,6 +19,8 @@ from replayssm_jax.model.mamba2_layer import mamba2_plain
 from replayssm_jax.model.slots import track_flush
 from replayssm_jax.model.state import HybridState, layer_state
 
+from helpers import aliased_parameters, state_sized_copies
+
 from .conftest import LOGIT_ATOL, STATE_ATOL, TINY, decode_both, run_plain
 
 KINDS = ("gdn", "mamba2", "gdn")
@@ -134,6 +136,18 @@ def test_teacher_forced_decode_and_flushed_checkpoints_every_layer(hparams, rng)
                                    np.asarray(plain.ssm[i]), atol=STATE_ATOL, rtol=0)
         np.testing.assert_allclose(np.asarray(state.layers[i].conv_state[np.array([2, 0, 1])]),
                                    np.asarray(plain.conv[i]), atol=STATE_ATOL, rtol=0)
+
+
+def test_donated_decode_updates_every_layer_in_place(hparams):
+    """Under `jit` with the state donated every layer's buffers are aliased to the outputs
+    and none is copied (one compiled step for the whole stack)."""
+    state = HYBRID.init_state(N, L)
+    lowered = decoder.jitted_decode_step.lower(hparams, state, jnp.zeros(3, jnp.int32), jnp.array([1, -1, 3]),
+                                               jnp.zeros(3, bool), policy="natural")
+    hlo = lowered.compile().as_text()
+    first = len(jax.tree.leaves(hparams))
+    assert aliased_parameters(hlo) >= set(range(first, first + len(jax.tree.leaves(state))))
+    assert not state_sized_copies(hlo, state), state_sized_copies(hlo, state)
 
 
 @pytest.mark.parametrize("policy", [None, "natural"])
