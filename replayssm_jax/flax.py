@@ -94,6 +94,8 @@ class Decoder(nnx.Module):
 
     def __init__(self, params: decoder_lib.DecoderParams, config: decoder_lib.DecoderConfig, *,
                  num_slots: int, cache_len: int, state_dtype=jnp.float32, backend: str = "xla"):
+        if config.hybrid:
+            raise ValueError("the Flax Decoder holds GDN stacks only; serve a hybrid stack with model.decoder")
         replay_config = config.replay_config(cache_len, state_dtype)
         blocks = [jax.tree.map(lambda a, i=i: a[i], params.blocks) for i in range(config.num_layers)]
         self.layers = nnx.List([GDNDecodeLayer(b.gdn, config.gdn, replay_config, num_slots, backend=backend)

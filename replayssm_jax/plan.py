@@ -15,7 +15,8 @@ Flush policies:
               cache traffic; the cursor returns to 0 every step.
 
 `default_flush_policy` picks EVERY_STEP where it measured faster on the H200 than the
-replay cycle (small batches; KDA with a 4-byte state: benchmarks/NOTES.md). It depends on
+replay cycle (small batches; KDA with a 4-byte state; Mamba-2 up to B = 16 with a 4-byte
+state and at every batch with a 2-byte one: benchmarks/NOTES.md). It depends on
 the layer's config and the batch only, never on the backend, so a plan is the same for all.
 """
 
@@ -40,11 +41,25 @@ class FlushPolicy(enum.Enum):
 # GDN; KDA with a 4-byte state folds at every batch. Measured on the H200 with the
 # pallas_triton backend (benchmarks/NOTES.md: the folding kernel against the replay cycle).
 _FOLD_MAX_BATCH = {4: 5, 2: 8}
+# Mamba-2, from benchmarks/results/raw/h200_2026-12-02_mamba2.json (Nemotron-H-8B and
+# Mamba-2 2.7B shapes, L in {8, 16, 32}) and h200_2026-12-02_mamba2_tiles.json:
+# * 4-byte state: the replay cycle is slower than the plain kernel at B = 1 for every L
+#   (0.38-0.80x) and at B = 8 for L = 16, 32 (0.56-0.84x), on the replay row's tile for
+#   B <= 16; folding every step runs at the plain kernel's speed there (0.98-1.06x). From
+#   B = 17 the replay row's wider tile is 1.30x plain at B = 128 and 1.33x at B = 512
+#   (L = 16, tiles file), so the replay cycle takes over there.
+# * 2-byte state: the replay cycle is slower than plain at L = 16 and 32 at every batch
+#   (0.47-0.84x; 0.75x at B = 512 on the tuned tile, tiles file), while folding every step
+#   measured 1.08-1.52x plain (B = 1, 8): every batch folds.
+_MAMBA2_FOLD_MAX_BATCH = {4: 16, 2: None}  # None: every batch
 
 
 def default_flush_policy(config: ReplayConfig, batch: int) -> FlushPolicy:
     """The policy `decode_step` uses when none is given, for `batch` rows of `config`."""
     state_bytes = config.state_dtype.itemsize
+    if config.gate == "mamba2":
+        limit = _MAMBA2_FOLD_MAX_BATCH[state_bytes]
+        return FlushPolicy.EVERY_STEP if limit is None or batch <= limit else FlushPolicy.NATURAL
     if config.gate == "kda" and state_bytes == 4:
         return FlushPolicy.EVERY_STEP
     if batch <= _FOLD_MAX_BATCH.get(state_bytes, 0):

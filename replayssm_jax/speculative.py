@@ -37,6 +37,17 @@ Trees: `parents [B, T]` gives each draft position's parent index (-1: a child of
 current state; `parents[i] < i`). `accept(..., path=...)` takes the accepted root-to-leaf
 positions and copies their records to `write_pos .. write_pos + n - 1`, so the next step
 replays exactly the accepted tokens.
+
+Mamba-2 (gate "mamba2", the additive rule): the update `dt x B^T` does not read the state,
+so there is no delta-rule correction and the window is a masked sum. With `Gamma_i` the sum
+of dt over `anc(i)` and `i`,
+
+    y_i = exp(A Gamma_i) S C_i + sum_{j in anc(i) + {i}} dt_j exp(A (Gamma_i - Gamma_j)) (B_j . C_i) x_j
+          + D x_i                                             (times silu(z_i) when z is given)
+
+and the records are the raw `(x_i, B_i, dt_i)` (dt after the softplus), as decode caches
+them. Capacity rule, folds, padding, trees and `accept` are as above. Only the xla backend
+verifies Mamba-2 (no Pallas kernel reads out `S C_i` for a window yet).
 """
 
 from __future__ import annotations
@@ -54,22 +65,27 @@ from pallas_kernels.verify_readout import VerifyReadoutParams, verify_readout
 from replayssm_jax.backends import pallas_triton, xla
 from replayssm_jax.plan import plan_step
 from replayssm_jax.state import ReplayState, check_state
-from replayssm_jax.tokens import Tokens, check_gate_params
+from replayssm_jax.tokens import Mamba2Params, Mamba2Tokens, Tokens, check_gate_params
 from replayssm_jax.validation import check_array, check_slots, concrete_or_none
 
 VERIFY_BACKENDS = ("xla", "pallas_triton")
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def check_window(config, window: Tokens) -> tuple[int, int]:
+def check_window(config, window: Tokens | Mamba2Tokens) -> tuple[int, int]:
     """Raise ValueError naming the field of `window` whose shape or dtype is wrong; return
     `(B, T)`."""
-    if not isinstance(window, Tokens):
-        raise ValueError(f"window must be a Tokens, got {type(window).__name__}")
-    check_array("window.q", window.q, (None,) * 4, layout="[B, T, H_k, d_k]")
-    batch, width = jnp.shape(window.q)[:2]
-    for name, want in config.gate_kind.token_shapes(config, batch).items():
+    additive = config.gate_kind.additive
+    kind, lead, lead_shape = (Mamba2Tokens, "x", "[B, T, H, P]") if additive else (Tokens, "q", "[B, T, H_k, d_k]")
+    if not isinstance(window, kind):
+        raise ValueError(f"window must be a {kind.__name__} for gate {config.gate!r}, got {type(window).__name__}")
+    check_array(f"window.{lead}", getattr(window, lead), (None,) * 4, layout=lead_shape)
+    batch, width = jnp.shape(getattr(window, lead))[:2]
+    shapes = config.gate_kind.token_shapes(config, batch)
+    for name, want in shapes.items():
         check_array(f"window.{name}", getattr(window, name), (batch, width, *want[1:]), float)
+    if additive and window.z is not None:
+        check_array("window.z", window.z, (batch, width, *shapes["x"][1:]), float)
     return batch, width
 
 
@@ -176,7 +192,7 @@ def window_outputs(
 
 def verify_step(
     state: ReplayState,
-    window: Tokens,
+    window: Tokens | Mamba2Tokens,
     slots: Int[Array, " B"],
     *,
     backend: str = "xla",
@@ -184,7 +200,7 @@ def verify_step(
     parents: Int[Array, "B T"] | None = None,
     use_qk_l2norm: bool = False,
     scale: float | None = None,
-    gate_params: tuple[Array, Array] | None = None,
+    gate_params: tuple[Array, Array] | Mamba2Params | None = None,
     kernel_params: VerifyReadoutParams | None = None,
     interpret: bool | None = None,
 ) -> tuple[Float[Array, "B T Hv Dv"], ReplayState]:
@@ -195,7 +211,9 @@ def verify_step(
       state: the layer's `ReplayState`.
       window: `Tokens` with leading axes `[B, T]`: q, k `[B, T, H_k, d_k]`, v
         `[B, T, H_v, d_v]`, g `[B, T, H_v]` (GDN) or `[B, T, H_v, d_k]` (KDA), beta
-        `[B, T, H_v]` (raw `a`, `b` with `gate_params`).
+        `[B, T, H_v]` (raw `a`, `b` with `gate_params`). Gate "mamba2": a `Mamba2Tokens`
+        with leading axes `[B, T]` (x `[B, T, H, P]`, B, C `[B, T, G, N]`, raw dt
+        `[B, T, H]`, optional z), with `gate_params=Mamba2Params(...)` (required).
       slots: `[B]` int, the physical slot of each row; negative = padding row (output 0,
         nothing written).
       backend: "xla" (the readable specification) or "pallas_triton": the readouts
@@ -207,23 +225,25 @@ def verify_step(
         no record written, no effect on the capacity rule). Default: T for every row.
       parents: optional `[B, T]` int tree: `parents[b, i]` in [-1, i), -1 for a child of
         the current state. Default: a chain (`parents[b, i] = i - 1`).
-      use_qk_l2norm, scale, gate_params: as in `decode_step`.
+      use_qk_l2norm, scale, gate_params: as in `decode_step` (Mamba-2 takes no
+        use_qk_l2norm or scale).
       kernel_params: with "pallas_triton", a `VerifyReadoutParams` in place of the launch
         table's row (step "verify").
       interpret: with "pallas_triton", run the kernel in the Pallas interpreter (default:
         off GPU).
 
     Returns:
-      `(y, new_state)`: y `[B, T, H_v, d_v]` in v's dtype, y[b, i] the output of position i
+      `(y, new_state)`: y `[B, T, H_v, d_v]` in v's dtype (Mamba-2: `[B, T, H, P]` in x's
+      dtype), y[b, i] the output of position i
       given its branch; new_state holds the window's records at `base .. base + length - 1`
       where `base` is the row's `write_pos`, or 0 for a row that folded (its checkpoint is
       then its live state before the window and its `write_pos` is 0). Other rows'
       checkpoints and every `write_pos` are otherwise unchanged: call `accept` next.
 
     Raises:
-      ValueError: on a wrong shape or dtype, an unknown backend, `T > L`, lengths outside
-        [0, T], a parent that does not precede its child, or (when slots are concrete) a
-        slot out of range or named twice.
+      ValueError: on a wrong shape or dtype, an unknown backend (Mamba-2: any but "xla"),
+        `T > L`, lengths outside [0, T], a parent that does not precede its child, or
+        (when slots are concrete) a slot out of range or named twice.
     """
     check_state(state)
     cfg = state.config
@@ -238,61 +258,160 @@ def verify_step(
         raise ValueError(f"window width T = {width} exceeds the ring (cache_len = {cfg.cache_len})")
     if backend == "xla" and (kernel_params is not None or interpret is not None):
         raise ValueError("kernel_params and interpret apply to backend='pallas_triton' only")
+    if cfg.gate_kind.additive:
+        if backend != "xla":
+            raise ValueError("verify_step for gate 'mamba2' runs on backend='xla' only (no Pallas kernel "
+                             f"reads out a Mamba-2 window yet), got backend={backend!r}")
+        if use_qk_l2norm or scale is not None:
+            raise ValueError("use_qk_l2norm and scale apply to the delta-rule gates, not to gate 'mamba2'")
     if backend == "pallas_triton":
         pallas_triton.check_kernel_shapes(cfg.head_k_dim, cfg.head_v_dim)
         kernel_params = pallas_triton.verify_params(cfg, batch, kernel_params)
 
-    num_slots, dk = state.num_slots, cfg.head_k_dim
+    plan, fold, in_window = _window_plan(state, slots, lengths, batch, width)
+    anc = ancestors(parents, batch, width)
+    if cfg.gate_kind.additive:
+        y, records, checkpoint, pools = _mamba2_window(state, window, gate_params, plan, fold, in_window, anc)
+    else:
+        y, records, checkpoint, pools = _delta_window(state, window, plan, fold, in_window, anc, backend=backend,
+                                                      use_qk_l2norm=use_qk_l2norm, scale=scale,
+                                                      gate_params=gate_params, kernel_params=kernel_params,
+                                                      interpret=interpret)
+    return y, _append_window(state, plan, fold, in_window, checkpoint, pools, records)
+
+
+def _window_plan(state: ReplayState, slots, lengths, batch: int, width: int):
+    """`(plan, fold [B], in_window [B, T])`: the rows' plan, the rows the capacity rule
+    folds, and the positions that are not padding (all False on padding rows)."""
+    cfg = state.config
     plan = plan_step(state.write_pos, slots, None, cfg.cache_len)
     length = jnp.full((batch,), width, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
     length = jnp.where(plan.valid, length, 0)
     fold = plan.valid & (plan.pos + length > cfg.cache_len)
     in_window = jnp.arange(width)[None, :] < length[:, None]  # [B, T]
+    return plan, fold, in_window
 
+
+def _keeper(in_window: Bool[Array, "B T"]):
+    """`x [B, T, ...]` with its padding positions (and padding rows) set to 0."""
+    batch, width = in_window.shape
+    return lambda x: jnp.where(in_window.reshape(batch, width, *([1] * (x.ndim - 2))), x, 0)
+
+
+def _folded_live(state: ReplayState, plan, fold, live: Float[Array, "B Hv Dv Dk"]):
+    """`(live, checkpoint)` of the xla backend: a folding row's live state is written to its
+    checkpoint and its window is computed from the checkpoint as it is stored, so its
+    records agree with what the next step replays from that checkpoint."""
+    folded = live.astype(state.config.state_dtype)
+    live = jnp.where(fold[:, None, None, None], folded.astype(jnp.float32), live)
+    fold_slot = jnp.where(fold, plan.slot, state.num_slots)
+    return live, state.checkpoint.at[fold_slot].set(folded, mode="drop")
+
+
+def _delta_window(state, window: Tokens, plan, fold, in_window, anc, *, backend, use_qk_l2norm, scale,
+                  gate_params, kernel_params, interpret):
+    """The delta-rule window (GDN, KDA): `(y [B, T, H_v, d_v], records (u, k, g) [B, T, ...],
+    checkpoint, (u, k, g cache pools to append to))`."""
+    cfg = state.config
+    batch, width = in_window.shape
     # Padding positions and rows are zeroed first: their garbage must not reach the solve
     # (a blocked triangular solve multiplies the zero entries of A with them).
-    keep = lambda x: jnp.where(in_window.reshape(batch, width, *([1] * (x.ndim - 2))), x, 0)
+    keep = _keeper(in_window)
     out_dtype = window.v.dtype
     window = xla.gate_tokens(cfg, window, gate_params)
     window = jax.tree.map(lambda x: keep(x.astype(jnp.float32)), window)
     q, k = gating.prepare_qk(window.q, window.k, use_qk_l2norm=use_qk_l2norm, scale=scale)
     heads = lambda x: jnp.moveaxis(xla.expand_heads(x, cfg.group_size, axis=2), 1, 2)
-    g = xla.per_channel_decay(window.g, dk, cfg.per_channel_gate)  # [B, T, Hv, Dk]
+    g = xla.per_channel_decay(window.g, cfg.head_k_dim, cfg.per_channel_gate)  # [B, T, Hv, Dk]
 
-    anc = ancestors(parents, batch, width)
     qh, kh, gh = heads(q), heads(k), jnp.moveaxis(g, 1, 2)
     vh, betah = jnp.moveaxis(window.v, 1, 2), jnp.moveaxis(window.beta, 1, 2)
     if backend == "xla":
-        live = xla.replay_state(state, plan)
-        # A folding row's window is computed from the checkpoint as it is stored, so its
-        # records agree with what the next step replays from that checkpoint.
-        folded = live.astype(cfg.state_dtype)
-        live = jnp.where(fold[:, None, None, None], folded.astype(jnp.float32), live)
-        fold_slot = jnp.where(fold, plan.slot, num_slots)
-        checkpoint = state.checkpoint.at[fold_slot].set(folded, mode="drop")
+        live, checkpoint = _folded_live(state, plan, fold, xla.replay_state(state, plan))
         # The appends do not depend on the replay's reads of the caches; tie the caches to
         # `live` so XLA orders the reads first and updates donated buffers in place (as in
         # `xla.layer_step`; without it the caches are copied every step).
         live, k_pool, g_pool = jax.lax.optimization_barrier((live, state.k_cache, state.g_cache))
-        u_pool = state.u_cache
+        pools = (state.u_cache, k_pool, g_pool)
         y, u = window_outputs(live, qh, kh, vh, gh, betah, anc)
     else:
-        y, u, checkpoint, (u_pool, k_pool, g_pool) = _pallas_window(
+        y, u, checkpoint, pools = _pallas_window(
             state, plan, fold, qh, kh, vh, gh, betah, anc, kernel_params, interpret)
     y = keep(jnp.moveaxis(y, 2, 1)).astype(out_dtype)
+    return y, (jnp.moveaxis(u, 2, 1), k, window.g), checkpoint, pools
 
+
+def mamba2_window_outputs(
+    live: Float[Array, "B H P N"],
+    x: Float[Array, "B H T P"],
+    B: Float[Array, "B H T N"],
+    C: Float[Array, "B H T N"],
+    dt: Float[Array, "B H T"],
+    A: Float[Array, " H"],
+    anc: Bool[Array, "B T T"],
+) -> Float[Array, "B H T P"]:
+    """The Mamba-2 window's outputs before the skip and the z gate (formula in the module
+    doc), from the live state; B, C expanded to heads, dt after the softplus, float32."""
+    width = x.shape[2]
+    seen = (anc | jnp.eye(width, dtype=bool)[None])[:, None]  # [B, 1, T(i), T(j)]
+    gamma = jnp.einsum("bij,bhj->bhi", seen[:, 0].astype(dt.dtype), dt, precision=_HIGHEST)
+    log_a = A[None, :, None] * gamma  # A Gamma_i: [B, H, T]
+    # exp(A (Gamma_i - Gamma_j)) only where j is on i's branch (<= 1 there); elsewhere the
+    # difference can be large and positive, so it is zeroed before the exponential.
+    diff = jnp.where(seen, log_a[:, :, :, None] - log_a[:, :, None, :], 0.0)
+    weights = jnp.where(seen, dt[:, :, None, :] * jnp.exp(diff), 0.0)  # [B, H, T(i), T(j)]
+    b_dot_c = jnp.einsum("bhjn,bhin->bhij", B, C, precision=_HIGHEST)
+    s_c = jnp.einsum("bhpn,bhin->bhip", live, C, precision=_HIGHEST)
+    return jnp.exp(log_a)[..., None] * s_c + jnp.einsum("bhij,bhjp->bhip", weights * b_dot_c, x,
+                                                         precision=_HIGHEST)
+
+
+def _mamba2_window(state, window: Mamba2Tokens, params: Mamba2Params, plan, fold, in_window, anc):
+    """The Mamba-2 window (xla): `(y [B, T, H, P], records (x, B, dt) [B, T, ...],
+    checkpoint, (x, B, dt cache pools to append to))`."""
+    cfg = state.config
+    keep = _keeper(in_window)
+    out_dtype = window.x.dtype
+    # dt is formed before padding is zeroed (a zero raw dt is not a zero step): padding
+    # positions then get dt = 0, no decay and no update, and never reach a valid output.
+    dt = keep(gating.mamba2_dt(window.dt, params.dt_bias, dt_softplus=params.dt_softplus,
+                               dt_limit=params.dt_limit))  # [B, T, H]
+    x, B, C = (keep(a.astype(jnp.float32)) for a in (window.x, window.B, window.C))
+    heads = lambda a: jnp.moveaxis(xla.expand_heads(a, cfg.group_size, axis=2), 1, 2)  # [B, H, T, .]
+
+    live, checkpoint = _folded_live(state, plan, fold, xla.mamba2_replay_state(state, plan, params.A))
+    # As in `_delta_window`: the appends (here all three records) do not depend on the
+    # replay's reads of the caches; order the reads first so donated caches update in place.
+    live, pools = jax.lax.optimization_barrier((live, (state.u_cache, state.k_cache, state.g_cache)))
+    xh = jnp.moveaxis(x, 1, 2)
+    y = mamba2_window_outputs(live, xh, heads(B), heads(C), jnp.moveaxis(dt, 1, 2), params.A.astype(jnp.float32),
+                              anc)
+    y = jnp.moveaxis(y + params.D.astype(jnp.float32)[None, :, None, None] * xh, 2, 1)  # [B, T, H, P]
+    if window.z is not None:
+        y = y * gating.silu(window.z)
+    y = keep(y).astype(out_dtype)
+    return y, (window.x, window.B, dt), checkpoint, pools
+
+
+def _append_window(state: ReplayState, plan, fold, in_window, checkpoint, pools, records) -> ReplayState:
+    """The window's records `(u, k, g)` (Mamba-2: `(x, B, dt)`), each `[B, T, heads, ...]`,
+    appended at `base .. base + length - 1` (`base` = 0 on folding rows, else the cursor);
+    folding rows' cursors become 0, others stay."""
+    cfg, num_slots = state.config, state.num_slots
+    width = in_window.shape[1]
+    u_pool, k_pool, g_pool = pools
+    u, k, g = records
     base = jnp.where(fold, 0, plan.pos)
     writes = in_window & plan.valid[:, None]
     slot_bt = jnp.where(writes, plan.slot[:, None], num_slots)  # out of range: dropped
     pos_bt = base[:, None] + jnp.arange(width)[None, :]
     fold_slot = jnp.where(fold, plan.slot, num_slots)
-    u_cache = u_pool.at[slot_bt, :, pos_bt].set(
-        jnp.moveaxis(u, 2, 1).astype(cfg.cache_dtype), mode="drop")
+    u_cache = u_pool.at[slot_bt, :, pos_bt].set(u.astype(cfg.cache_dtype), mode="drop")
     k_cache = k_pool.at[slot_bt, :, pos_bt].set(k.astype(cfg.cache_dtype), mode="drop")
-    g_cache = g_pool.at[slot_bt, :, pos_bt].set(window.g, mode="drop")
+    g_cache = g_pool.at[slot_bt, :, pos_bt].set(g, mode="drop")
     write_pos = state.write_pos.at[fold_slot].set(0, mode="drop")
-    return y, dataclasses.replace(state, checkpoint=checkpoint, u_cache=u_cache, k_cache=k_cache,
-                                  g_cache=g_cache, write_pos=write_pos)
+    return dataclasses.replace(state, checkpoint=checkpoint, u_cache=u_cache, k_cache=k_cache,
+                               g_cache=g_cache, write_pos=write_pos)
 
 
 def _pallas_window(state, plan, fold, q, k, v, g, beta, anc, params, interpret):

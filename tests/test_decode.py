@@ -165,6 +165,20 @@ def test_default_flush_policy_by_gate_dtype_and_batch(gate, dtype):
             assert default_flush_policy(config, batch) is want, (cache_len, batch)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_default_flush_policy_for_mamba2(dtype):
+    """Mamba-2 folds every step where its replay cycle measured slower than the plain kernel
+    on the H200 (plan.py cites the results): up to batch 16 with a 4-byte state, at every
+    batch with a 2-byte one; L plays no part."""
+    itemsize = jnp.dtype(dtype).itemsize
+    for cache_len in (1, 4, 32):
+        config = ReplayConfig.mamba2(4, 16, 32, 2, cache_len, state_dtype=dtype)
+        for batch in (1, 8, 16, 17, 64, 512, 1 << 20):
+            every = itemsize == 2 or batch <= 16
+            want = FlushPolicy.EVERY_STEP if every else FlushPolicy.NATURAL
+            assert default_flush_policy(config, batch) is want, (cache_len, batch)
+
+
 @pytest.mark.parametrize("gate", ["gdn", "kda"])
 def test_default_policy_flushes_every_step_at_small_batch(gate, backend, rng):
     """At batch 4 (one padding row) the default policy (policy=None) flushes every live row

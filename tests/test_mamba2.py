@@ -217,22 +217,45 @@ def test_stale_cache_entries_never_reach_the_step(backend, rng):
     np.testing.assert_array_equal(np.asarray(step(poisoned)), np.asarray(step(state)))
 
 
-def test_backends_agree_on_kernel_launches(rng):
-    """Each Mamba-2 launch-table row's parameters, against the xla backend, one step."""
-    cfg = config(4)
+MAMBA2_ROWS = [row for row in pallas_triton.LAUNCH_TABLE if row.gate == "mamba2"]
+# The plan each kernel step runs under: L = 1 runs the plain kernel, a fold-every-step plan
+# the replay kernel with every live row flushing, a natural plan the replay kernel.
+STEP_SETUP = {"plain": (1, "natural"), "fold": (4, "every_step"), "replay": (4, "natural")}
+
+
+@pytest.mark.parametrize("row", MAMBA2_ROWS, ids=[f"{r.step}-{r.state_bytes}-{r.batch}" for r in MAMBA2_ROWS])
+def test_every_launch_row_matches_xla_and_the_reference(row, rng):
+    """Each Mamba-2 launch-table row's parameters (plain, fold and replay kernels, interpret
+    mode) on its kernel step: one xla step puts a cache entry in the live slots, then the
+    row's step runs on both backends (a padding row, slots != rows, a forced flush) and is
+    checked against the xla backend (outputs, every state field, cursors) and against the
+    scan reference over both tokens (outputs and live state)."""
+    cache_len, policy = STEP_SETUP[row.step]
+    cfg = config(cache_len)
     params = random_params(rng)
-    tokens = jax.tree.map(jnp.asarray, random_tokens(rng, cfg, (3,), with_z=True))
+    tokens = random_tokens(rng, cfg, (3, 2), with_z=True)
+    column = lambda t: jax.tree.map(lambda a: jnp.asarray(a[:, t]), tokens)
     slots, force = jnp.array([3, -1, 1]), jnp.array([False, False, True])
-    state = R.init_state(cfg, 4, checkpoint=jnp.asarray(0.3 * rng.normal(size=(4, HEADS, HEAD_DIM, STATE_SIZE)),
-                                                        jnp.float32))
-    _, state = R.decode_step(state, tokens, slots, gate_params=params, policy="natural")
-    want, _ = R.decode_step(state, tokens, slots, force, gate_params=params, policy="natural")
-    for row in pallas_triton.LAUNCH_TABLE:
-        if row.gate != "mamba2" or row.step != "replay":
-            continue
-        got, _ = R.decode_step(state, tokens, slots, force, gate_params=params, policy="natural",
-                               backend="pallas_triton", kernel_params=row.params)
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    initial = (0.3 * rng.normal(size=(4, HEADS, HEAD_DIM, STATE_SIZE))).astype(np.float32)
+    state = R.init_state(cfg, 4, checkpoint=jnp.asarray(initial))
+    _, state = R.decode_step(state, column(0), slots, gate_params=params, policy="natural")
+    want, want_state = R.decode_step(state, column(1), slots, force, gate_params=params, policy=policy)
+    got, got_state = R.decode_step(state, column(1), slots, force, gate_params=params, policy=policy,
+                                   backend="pallas_triton", kernel_params=row.params)
+    assert pallas_triton.step_kind(cfg, R.FlushPolicy(policy)) == row.step
+    # fp32 on both sides, the same sums in another order: a few ulps of O(1) values.
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(got_state.write_pos), np.asarray(want_state.write_pos))
+    for name in FIELDS[:-1]:
+        np.testing.assert_allclose(np.asarray(getattr(got_state, name)), np.asarray(getattr(want_state, name)),
+                                   rtol=0, atol=1e-5, err_msg=name)
+    live = np.array([0, 2])
+    ref_y, _, ref_states = R.mamba2_reference(
+        jax.tree.map(lambda a: jnp.asarray(a[live]), tokens), jnp.asarray(initial[np.asarray(slots)[live]]),
+        params, return_all_states=True)
+    np.testing.assert_allclose(np.asarray(got)[live], np.asarray(ref_y[:, 1]), rtol=0, atol=1e-5)
+    materialized = R.materialize_state(got_state, slots[live], params)
+    np.testing.assert_allclose(np.asarray(materialized), np.asarray(ref_states[:, 1]), rtol=0, atol=1e-5)
 
 
 def test_one_compilation_and_donated_state(rng):

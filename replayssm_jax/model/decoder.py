@@ -18,11 +18,21 @@ Three entry points over the same params:
   and LM head are per token, so the logits of all T positions come out of one pass.
   `accept_window` then keeps each row's first n tokens: it moves the shared cursor by n and
   rolls the conv state forward by those n conv inputs only.
+
+Hybrid stacks: `DecoderConfig(layers=("gdn", "mamba2", "gdn"), num_layers=3)` mixes GDN
+layers with Mamba-2 layers (`model.mamba2_layer`), each in a pre-norm block with the same
+MLP. Their state is a `HybridState` (every layer its own `ReplayState` arrays and conv
+state, one shared cursor), their params hold one `HybridBlock` per layer, and every entry
+point above takes them: the layers run one after the other (a Python loop, unrolled under
+`jit`: the layers' shapes differ, so there is no stacked scan), under one flush plan per
+step. The plain state of a hybrid stack (`PlainState`) holds tuples, one array per layer.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -46,20 +56,41 @@ from replayssm_jax.model.layer import (
     matmul,
     rms_norm,
 )
+from replayssm_jax.model.mamba2_layer import (
+    Mamba2Dims,
+    Mamba2LayerParams,
+    init_mamba2_params,
+    mamba2_plain,
+    mamba2_replay,
+    mamba2_verify,
+    ssm_params,
+)
 from replayssm_jax.model.state import (
+    HybridState,
     ModelState,
-    check_model_state,
+    check_any_model_state,
     flat_view,
     from_flat_view,
+    init_hybrid_state,
     init_model_state,
+    layer_configs,
     layer_plan,
     layer_state,
+    with_layer,
 )
+
+LAYER_KINDS = ("gdn", "mamba2")
 
 
 @dataclasses.dataclass(frozen=True)
 class DecoderConfig:
-    """Model sizes (small CPU defaults). Validated: every size a positive int."""
+    """Model sizes (small CPU defaults). Validated: every size a positive int.
+
+    `layers`: the kind of every layer, "gdn" or "mamba2" (e.g. `("gdn", "mamba2", "gdn")`,
+    its length `num_layers`); None: `num_layers` GDN layers. The GDN layers take the
+    `num_k_heads` .. `head_v_dim` sizes, the Mamba-2 layers the `mamba2_*` ones (H heads of
+    dim P, state size N, G groups of B/C).
+    """
 
     vocab_size: int = 256
     d_model: int = 64
@@ -70,10 +101,17 @@ class DecoderConfig:
     head_v_dim: int = 32
     mlp_hidden: int = 128
     conv_kernel: int = 4
+    layers: tuple[str, ...] | None = None
+    mamba2_heads: int = 4
+    mamba2_head_dim: int = 16
+    mamba2_state_size: int = 16
+    mamba2_groups: int = 1
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
+            if field.name == "layers":
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{field.name} must be a positive int, got {value!r}")
         if self.num_v_heads % self.num_k_heads:
@@ -81,8 +119,40 @@ class DecoderConfig:
                 f"num_v_heads ({self.num_v_heads}) must be a multiple of num_k_heads "
                 f"({self.num_k_heads})"
             )
+        if self.mamba2_heads % self.mamba2_groups:
+            raise ValueError(f"mamba2_heads ({self.mamba2_heads}) must be a multiple of mamba2_groups "
+                             f"({self.mamba2_groups})")
         if self.conv_kernel < 2:
             raise ValueError(f"conv_kernel must be >= 2, got {self.conv_kernel}")
+        if self.layers is not None:
+            layers = tuple(self.layers) if isinstance(self.layers, (tuple, list)) else None
+            if layers is None or any(kind not in LAYER_KINDS for kind in layers):
+                raise ValueError(f"layers must be a sequence of {LAYER_KINDS}, got {self.layers!r}")
+            if len(layers) != self.num_layers:
+                raise ValueError(f"layers names {len(layers)} layers, num_layers is {self.num_layers}")
+            object.__setattr__(self, "layers", layers)
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """Every layer's kind."""
+        return ("gdn",) * self.num_layers if self.layers is None else self.layers
+
+    @property
+    def hybrid(self) -> bool:
+        """Some layer is not GDN: the state is a `HybridState`, the params hold `HybridBlock`s."""
+        return any(kind != "gdn" for kind in self.kinds)
+
+    @property
+    def mamba2(self) -> Mamba2Dims:
+        return Mamba2Dims(self.d_model, self.mamba2_heads, self.mamba2_head_dim, self.mamba2_state_size,
+                          self.mamba2_groups, self.conv_kernel)
+
+    def layer_replay_config(self, kind: str, cache_len: int, state_dtype=jnp.float32, cache_dtype=None) -> ReplayConfig:
+        """The `ReplayConfig` of a layer of `kind`; caches default to the state dtype."""
+        if kind == "gdn":
+            return self.replay_config(cache_len, state_dtype, cache_dtype)
+        return self.mamba2.replay_config(cache_len, state_dtype=state_dtype,
+                                         cache_dtype=state_dtype if cache_dtype is None else cache_dtype)
 
     @property
     def gdn(self) -> GDNDims:
@@ -103,8 +173,14 @@ class DecoderConfig:
 
     def init_state(
         self, num_slots: int, cache_len: int, state_dtype=jnp.float32, cache_dtype=None
-    ) -> ModelState:
-        """An empty `ModelState` for this model (conv state in float32)."""
+    ) -> ModelState | HybridState:
+        """An empty `ModelState` for this model (a `HybridState` for a hybrid stack; conv
+        state in float32)."""
+        if self.hybrid:
+            configs = tuple(self.layer_replay_config(kind, cache_len, state_dtype, cache_dtype) for kind in self.kinds)
+            channels = tuple(self.mamba2.conv_channels if kind == "mamba2" else self.gdn.conv_channels
+                             for kind in self.kinds)
+            return init_hybrid_state(configs, num_slots, channels, self.conv_kernel)
         return init_model_state(
             self.replay_config(cache_len, state_dtype, cache_dtype),
             self.num_layers, num_slots, self.gdn.conv_channels, self.conv_kernel,
@@ -126,11 +202,25 @@ class BlockParams:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class HybridBlock:
+    """One pre-norm block of a hybrid stack: its mixer (a GDN or a Mamba-2 layer) and the MLP."""
+
+    attn_norm: Float[Array, " D"]
+    mixer: GDNParams | Mamba2LayerParams
+    mlp_norm: Float[Array, " D"]
+    w_gate: Float[Array, "D F"]
+    w_up: Float[Array, "D F"]
+    w_down: Float[Array, "F D"]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class DecoderParams:
-    """All weights; every leaf of `blocks` has a leading layer axis Y."""
+    """All weights; every leaf of `blocks` has a leading layer axis Y (a hybrid stack: a
+    tuple of one `HybridBlock` per layer)."""
 
     embed: Float[Array, "V D"]
-    blocks: BlockParams
+    blocks: BlockParams | tuple[HybridBlock, ...]
     final_norm: Float[Array, " D"]
     lm_head: Float[Array, "D V"]
 
@@ -138,10 +228,11 @@ class DecoderParams:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PlainState:
-    """Per-row state of the plain recurrence: ssm float32 `[Y,B,Hv,Dv,Dk]`, conv `[Y,B,K-1,C]`."""
+    """Per-row state of the plain recurrence: ssm float32 `[Y,B,Hv,Dv,Dk]`, conv `[Y,B,K-1,C]`
+    (a hybrid stack: tuples of one `[B, ...]` per layer)."""
 
-    ssm: Float[Array, "Y B Hv Dv Dk"]
-    conv: Float[Array, "Y B Km1 C"]
+    ssm: Float[Array, "Y B Hv Dv Dk"] | tuple
+    conv: Float[Array, "Y B Km1 C"] | tuple
 
 
 def init_params(config: DecoderConfig, seed: int) -> DecoderParams:
@@ -150,17 +241,22 @@ def init_params(config: DecoderConfig, seed: int) -> DecoderParams:
     d, f = config.d_model, config.mlp_hidden
     normal = lambda shape, fan_in: jnp.asarray(rng.standard_normal(shape) * fan_in**-0.5, jnp.float32)
 
-    def block():
-        return BlockParams(
+    def block(kind="gdn"):
+        mixer = init_gdn_params(rng, config.gdn) if kind == "gdn" else init_mamba2_params(rng, config.mamba2)
+        kind_fields = dict(mixer=mixer) if config.hybrid else dict(gdn=mixer)
+        return (HybridBlock if config.hybrid else BlockParams)(
             attn_norm=jnp.ones((d,), jnp.float32),
-            gdn=init_gdn_params(rng, config.gdn),
+            **kind_fields,
             mlp_norm=jnp.ones((d,), jnp.float32),
             w_gate=normal((d, f), d),
             w_up=normal((d, f), d),
             w_down=normal((f, d), f),
         )
 
-    blocks = jax.tree.map(lambda *xs: jnp.stack(xs), *[block() for _ in range(config.num_layers)])
+    if config.hybrid:
+        blocks = tuple(block(kind) for kind in config.kinds)
+    else:
+        blocks = jax.tree.map(lambda *xs: jnp.stack(xs), *[block() for _ in range(config.num_layers)])
     return DecoderParams(
         embed=normal((config.vocab_size, d), 1),
         blocks=blocks,
@@ -171,6 +267,14 @@ def init_params(config: DecoderConfig, seed: int) -> DecoderParams:
 
 def init_plain_state(config: DecoderConfig, batch: int) -> PlainState:
     """Zero plain state for `batch` independent rows."""
+    if config.hybrid:
+        shapes = [(config.gdn.num_v_heads, config.gdn.head_v_dim, config.gdn.head_k_dim, config.gdn.conv_channels)
+                  if kind == "gdn" else
+                  (config.mamba2.num_heads, config.mamba2.head_dim, config.mamba2.state_size,
+                   config.mamba2.conv_channels) for kind in config.kinds]
+        return PlainState(ssm=tuple(jnp.zeros((batch, hv, dv, dk), jnp.float32) for hv, dv, dk, _ in shapes),
+                          conv=tuple(jnp.zeros((batch, config.conv_kernel - 1, c), jnp.float32)
+                                     for *_, c in shapes))
     g = config.gdn
     return PlainState(
         ssm=jnp.zeros(
@@ -198,6 +302,63 @@ def _dims(params: DecoderParams, state_config: ReplayConfig) -> GDNDims:
         params.embed.shape[1], state_config.num_k_heads, state_config.num_v_heads,
         state_config.head_k_dim, state_config.head_v_dim, params.blocks.gdn.conv_weight.shape[1],
     )
+
+
+def _hybrid_dims(block: HybridBlock, d_model: int, ssm_shape: tuple[int, ...]) -> GDNDims | Mamba2Dims:
+    """A hybrid block's layer sizes from its weights and its state's trailing `[H_v, d_v, d_k]`
+    (both kinds have C = 2 H_k d_k + H_v d_v conv channels: GDN's q, k, v; Mamba-2's x, B, C
+    with H_k = G groups)."""
+    heads, head_v, head_k = ssm_shape[-3:]
+    kernel, channels = block.mixer.conv_weight.shape
+    key_heads = (channels - heads * head_v) // (2 * head_k)
+    if isinstance(block.mixer, Mamba2LayerParams):
+        return Mamba2Dims(d_model, heads, head_v, head_k, key_heads, kernel)
+    return GDNDims(d_model, key_heads, heads, head_k, head_v, kernel)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Mixer:
+    """One layer kind's entry points in the model package (the same arguments per role:
+    `layer.gdn_replay`, `gdn_verify`, `gdn_plain` and their Mamba-2 counterparts)."""
+
+    replay: Callable
+    verify: Callable
+    plain: Callable
+
+
+_MIXERS = {
+    GDNParams: _Mixer(gdn_replay, gdn_verify, gdn_plain),
+    Mamba2LayerParams: _Mixer(mamba2_replay, mamba2_verify, mamba2_plain),
+}
+
+
+def layer_gate_params(params: DecoderParams) -> tuple | None:
+    """The `gate_params` the slot operations that rebuild live states take for this model
+    (`slots.live_states`): None for a GDN stack; for a hybrid stack one entry per layer,
+    None for a GDN layer, the layer's `Mamba2Params` for a Mamba-2 layer."""
+    if not isinstance(params.blocks, tuple):
+        return None
+    return tuple(ssm_params(b.mixer) if isinstance(b.mixer, Mamba2LayerParams) else None for b in params.blocks)
+
+
+def model_flush_policy(state: ModelState | HybridState, batch: int) -> FlushPolicy:
+    """The default policy of a model step: `default_flush_policy` of its layers. One cursor
+    serves every layer, so a hybrid stack folds every step only where every layer's default
+    does."""
+    policies = {default_flush_policy(config, batch) for config in layer_configs(state)}
+    return FlushPolicy.EVERY_STEP if policies == {FlushPolicy.EVERY_STEP} else FlushPolicy.NATURAL
+
+
+def _check_params_fit(params: DecoderParams, state: ModelState | HybridState) -> None:
+    """A hybrid state takes a hybrid model's params (one block per layer, of the layer's kind)."""
+    hybrid_params = isinstance(params.blocks, tuple)
+    if hybrid_params != isinstance(state, HybridState):
+        raise ValueError("params and state must both be a hybrid stack's (HybridBlock per layer, HybridState) "
+                         "or both a GDN stack's (stacked BlockParams, ModelState)")
+    if hybrid_params:
+        kinds = tuple("mamba2" if isinstance(b.mixer, Mamba2LayerParams) else "gdn" for b in params.blocks)
+        if kinds != state.kinds:
+            raise ValueError(f"params have layers {kinds}, the state {state.kinds}")
 
 
 def check_token_ids(name: str, tokens: Array, ndim: int) -> None:
@@ -231,18 +392,40 @@ def decode_step(
       slots: `[B]` slot of each row; negative = padding row (writes nothing).
       force_flush: optional `[B]` bool, e.g. `slots.track_flush(seq_lens, interval)`.
       backend: the layer steps' backend ("xla" or "pallas_triton").
-      policy: the step's `FlushPolicy`; default `default_flush_policy(config, B)`.
+      policy: the step's `FlushPolicy`; default `model_flush_policy(state, B)` (a GDN
+        stack: `default_flush_policy(config, B)`).
 
     Returns:
       `(logits [B, V], new_state, plan)`; `plan` says which rows flushed and their cursor
       before the step (for statistics).
     """
-    check_model_state(state)
+    check_any_model_state(state)
+    _check_params_fit(params, state)
     check_token_ids("tokens", tokens, 1)
     check_slots("slots", slots, jnp.shape(tokens)[0], state.num_slots)
     check_backend(backend)
     _debug_check_token_ids("tokens", tokens, slots >= 0, params.embed.shape[0])
+    if isinstance(state, HybridState):
+        return _hybrid_decode(params, state, tokens, slots, force_flush, backend=backend, policy=policy)
     return decode_core(params, state, tokens, slots, force_flush, backend=backend, policy=policy)
+
+
+def _hybrid_decode(params, state: HybridState, tokens, slots, force_flush, *, backend, policy):
+    """`decode_core` for a hybrid stack: the layers one after the other under one plan."""
+    policy = model_flush_policy(state, jnp.shape(tokens)[0]) if policy is None else as_policy(policy)
+    plan = plan_step(state.write_pos, slots, force_flush, state.cache_len, policy)
+    x = _embed(params, tokens)
+    for index, block in enumerate(params.blocks):
+        replay = layer_state(state, index)
+        dims = _hybrid_dims(block, x.shape[-1], replay.checkpoint.shape)
+        mixed, replay, conv = _MIXERS[type(block.mixer)].replay(
+            block.mixer, dims, rms_norm(x, block.attn_norm), replay, state.layers[index].conv_state, plan,
+            backend=backend)
+        state = with_layer(state, index, replay, conv)
+        x = x + mixed
+        x = x + _mlp(block, x)
+    state = dataclasses.replace(state, write_pos=advance_write_pos(state.write_pos, plan))
+    return _logits(params, x), state, plan
 
 
 def decode_core(
@@ -298,18 +481,23 @@ def verify_window(
     give. The cursor does not move and the conv state is not written: call `accept_window`.
 
     Returns:
-      `(logits [B, T, V], state, conv inputs [Y, B, T, C] for accept_window, folded [B]:
-      the rows the capacity rule folded, whose cursor is now 0)`.
+      `(logits [B, T, V], state, conv inputs [Y, B, T, C] for accept_window (a hybrid stack:
+      a tuple of one `[B, T, C_layer]` per layer), folded [B]: the rows the capacity rule
+      folded, whose cursor is now 0)`.
 
     Raises:
       ValueError: on bad token ids or slots, or T > cache_len.
     """
-    check_model_state(state)
+    check_any_model_state(state)
+    _check_params_fit(params, state)
     check_token_ids("tokens", tokens, 2)
     batch, width = jnp.shape(tokens)
     check_slots("slots", slots, batch, state.num_slots)
-    if width > state.config.cache_len:
-        raise ValueError(f"window width T = {width} exceeds cache_len = {state.config.cache_len}")
+    cache_len = layer_configs(state)[0].cache_len
+    if width > cache_len:
+        raise ValueError(f"window width T = {width} exceeds cache_len = {cache_len}")
+    if isinstance(state, HybridState):
+        return _hybrid_verify(params, state, tokens, slots)
     dims = _dims(params, state.config)
     view, conv_pool = flat_view(state)
     valid = slots >= 0
@@ -334,19 +522,47 @@ def verify_window(
     return _logits(params, x), state, conv_inputs, folded
 
 
+def _hybrid_verify(params, state: HybridState, tokens, slots):
+    """`verify_window` for a hybrid stack: each layer verifies the window from the cursor
+    before the step (every layer folds the same rows)."""
+    x, conv_inputs, write_pos = _embed(params, tokens), [], None
+    for index, block in enumerate(params.blocks):
+        replay = layer_state(state, index)
+        dims = _hybrid_dims(block, x.shape[-1], replay.checkpoint.shape)
+        mixed, replay, inputs = _MIXERS[type(block.mixer)].verify(
+            block.mixer, dims, rms_norm(x, block.attn_norm), replay, state.layers[index].conv_state, slots)
+        write_pos = replay.write_pos if write_pos is None else write_pos
+        state = with_layer(state, index, replay, state.layers[index].conv_state)
+        conv_inputs.append(inputs)
+        x = x + mixed
+        x = x + _mlp(block, x)
+    valid = slots >= 0
+    slot = jnp.where(valid, slots, 0)
+    folded = valid & (write_pos[slot] != state.write_pos[slot])
+    return _logits(params, x), dataclasses.replace(state, write_pos=write_pos), tuple(conv_inputs), folded
+
+
 def accept_window(
-    state: ModelState,
+    state: ModelState | HybridState,
     slots: Int[Array, " B"],
     num_accepted: Int[Array, " B"],
-    conv_inputs: Float[Array, "Y B T C"],
-) -> ModelState:
+    conv_inputs: Float[Array, "Y B T C"] | tuple,
+) -> ModelState | HybridState:
     """Keep the first `num_accepted[b]` (0..T) tokens of each row's verified window: the
     cursor moves by that count (`speculative.accept`) and the conv state advances by those
-    tokens' conv inputs; padding rows are untouched."""
+    tokens' conv inputs; padding rows are untouched. A hybrid stack's `conv_inputs` is the
+    tuple `verify_window` returned."""
     write_pos = speculative.accept(layer_state(state, 0), slots, num_accepted).write_pos
     valid = slots >= 0
     slot = jnp.where(valid, slots, 0)
     n = jnp.where(valid, num_accepted, 0).astype(jnp.int32)
+    if isinstance(state, HybridState):
+        target = jnp.where(valid, slots, state.num_slots)
+        layers = tuple(
+            dataclasses.replace(layer, conv_state=layer.conv_state.at[target].set(
+                accept_conv(layer.conv_state[slot], inputs, n), mode="drop"))
+            for layer, inputs in zip(state.layers, conv_inputs))
+        return HybridState(layers=layers, write_pos=write_pos)
     conv = jax.vmap(accept_conv, in_axes=(0, 0, None))(state.conv_state[:, slot], conv_inputs, n)
     target = jnp.where(valid, slots, state.num_slots)
     return dataclasses.replace(
@@ -369,6 +585,8 @@ def plain_forward(
     """T tokens per row with the plain recurrence from `plain` (the token scan, or chunks of
     64 with `chunked`); positions >= lengths are padding."""
     check_token_ids("tokens", tokens, 2)
+    if isinstance(params.blocks, tuple):
+        return _hybrid_plain(params, tokens, plain, lengths, chunked=chunked)
     dims = _plain_dims(params, plain)
 
     def layer(x, xs):
@@ -381,6 +599,22 @@ def plain_forward(
 
     x, (ssm, conv) = jax.lax.scan(layer, _embed(params, tokens), (params.blocks, plain.ssm, plain.conv))
     return _logits(params, x), PlainState(ssm=ssm, conv=conv)
+
+
+def _hybrid_plain(params, tokens, plain: PlainState, lengths, *, chunked: bool):
+    """`plain_forward` for a hybrid stack (its GDN layers take `chunked`; the Mamba-2 layers
+    run their token scan)."""
+    x, ssm_out, conv_out = _embed(params, tokens), [], []
+    for block, ssm, conv in zip(params.blocks, plain.ssm, plain.conv):
+        dims = _hybrid_dims(block, x.shape[-1], ssm.shape)
+        options = dict(chunked=chunked) if isinstance(block.mixer, GDNParams) else {}
+        mixed, ssm, conv = _MIXERS[type(block.mixer)].plain(
+            block.mixer, dims, rms_norm(x, block.attn_norm), ssm, conv, lengths, **options)
+        ssm_out.append(ssm)
+        conv_out.append(conv)
+        x = x + mixed
+        x = x + _mlp(block, x)
+    return _logits(params, x), PlainState(ssm=tuple(ssm_out), conv=tuple(conv_out))
 
 
 def _plain_dims(params: DecoderParams, plain: PlainState) -> GDNDims:
@@ -411,7 +645,8 @@ def prefill(
       ValueError: a slot >= N or named twice, or a length outside `[0, T]` (when concrete;
         under `jit` through `replayssm_jax.checked`, with token ids outside the vocabulary).
     """
-    check_model_state(state)
+    check_any_model_state(state)
+    _check_params_fit(params, state)
     check_token_ids("tokens", tokens, 2)
     check_array("lengths", lengths, jnp.shape(tokens)[:1])
     slots = slot_ops.check_slots_arg("slots", slots, state.num_slots, unique=True)
@@ -426,18 +661,36 @@ def prefill(
     live_tokens = (slots >= 0)[:, None] & (jnp.arange(chunk)[None, :] < lengths[:, None])
     _debug_check_token_ids("tokens", tokens, live_tokens, params.embed.shape[0])
     valid, slot = slot_ops.live_entries(slots, state.num_slots)
-    conv = slot_ops.keep_rows(valid, state.conv_state[:, slot])  # zeros past N, not slot N-1's
-    start = PlainState(ssm=slot_ops.live_states(state, slots), conv=conv)
-    logits, end = plain_forward(params, tokens, start, lengths, chunked=True)
     target = jnp.where(valid, slots, state.num_slots)
-    state = dataclasses.replace(
-        state,
-        checkpoint=state.checkpoint.at[:, target].set(end.ssm.astype(state.checkpoint.dtype), mode="drop"),
-        conv_state=state.conv_state.at[:, target].set(end.conv, mode="drop"),
-        write_pos=state.write_pos.at[target].set(0, mode="drop"),
-    )
+    logits, end = plain_forward(params, tokens, plain_from_slots(params, state, slots), lengths, chunked=True)
+    if isinstance(state, HybridState):
+        layers = tuple(
+            dataclasses.replace(
+                layer,
+                checkpoint=layer.checkpoint.at[target].set(ssm.astype(layer.checkpoint.dtype), mode="drop"),
+                conv_state=layer.conv_state.at[target].set(conv.astype(layer.conv_state.dtype), mode="drop"))
+            for layer, ssm, conv in zip(state.layers, end.ssm, end.conv))
+        state = HybridState(layers=layers, write_pos=state.write_pos.at[target].set(0, mode="drop"))
+    else:
+        state = dataclasses.replace(
+            state,
+            checkpoint=state.checkpoint.at[:, target].set(end.ssm.astype(state.checkpoint.dtype), mode="drop"),
+            conv_state=state.conv_state.at[:, target].set(end.conv, mode="drop"),
+            write_pos=state.write_pos.at[target].set(0, mode="drop"),
+        )
     last = jnp.take_along_axis(logits, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)
     return last[:, 0], state
+
+
+def plain_from_slots(params: DecoderParams, state: ModelState | HybridState, slots: Int[Array, " B"]) -> PlainState:
+    """Each slot's live state and conv state as a `PlainState` of B rows (zeros for padding
+    entries and, unchecked under `jit`, a slot >= N)."""
+    valid, slot = slot_ops.live_entries(slots, state.num_slots)
+    ssm = slot_ops.live_states(state, slots, layer_gate_params(params))
+    if isinstance(state, HybridState):  # zeros past N, not slot N-1's
+        conv = tuple(jnp.where(valid[:, None, None], layer.conv_state[slot], 0) for layer in state.layers)
+        return PlainState(ssm=ssm, conv=conv)
+    return PlainState(ssm=ssm, conv=slot_ops.keep_rows(valid, state.conv_state[:, slot]))
 
 
 jitted_prefill = jax.jit(prefill, donate_argnames=("state",))

@@ -1,5 +1,8 @@
 """`python -m replayssm_jax demo`: continuous batching of a small GDN decoder with ReplaySSM.
 
+`--layers gdn,mamba2,gdn` makes it a hybrid stack (GDN and Mamba-2 layers in that order);
+the default is two GDN layers.
+
 Requests with different prompt lengths join and leave a fixed batch, slots are reused, and
 about half of the requests continue an earlier request's conversation: their prompt
 starts with that request's sequence, and serving restores the longest tracked prefix from
@@ -22,6 +25,7 @@ CPU defaults finish in well under a minute; on a GPU pass larger ones, e.g.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from collections.abc import Sequence
@@ -62,6 +66,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--drafter", choices=tuple(serving.DRAFTERS), default="ngram",
                         help="draft source with --speculate")
+    parser.add_argument(
+        "--layers", type=parse_layers, default=None,
+        help="comma-separated layer kinds of a hybrid stack, e.g. gdn,mamba2,gdn (default: 2 GDN layers)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--mesh", type=sharding.parse_mesh, default=None,
@@ -76,7 +84,23 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error("--speculate must be 0 or in [2, --cache-len]")
     if args.speculate and (args.backend != "xla" or args.mesh is not None):
         parser.error("--speculate runs on one device with --backend xla")
+    if args.layers is not None and args.mesh is not None:
+        parser.error("--mesh shards GDN stacks only; leave out --layers")
     return args
+
+
+def parse_layers(text: str) -> tuple[str, ...]:
+    """`"gdn,mamba2"` -> `("gdn", "mamba2")`; argparse reports the ValueError."""
+    kinds = tuple(part.strip() for part in text.split(","))
+    if not kinds or any(kind not in decoder.LAYER_KINDS for kind in kinds):
+        raise argparse.ArgumentTypeError(f"layer kinds must be among {decoder.LAYER_KINDS}, got {text!r}")
+    return kinds
+
+
+def model_config(layers: tuple[str, ...] | None) -> decoder.DecoderConfig:
+    """The demo's model: the default decoder, with `layers` as its layer kinds when given."""
+    config = decoder.DecoderConfig()
+    return config if layers is None else dataclasses.replace(config, layers=layers, num_layers=len(layers))
 
 
 # A bf16 state rounds every checkpoint write (2^-8 relative) and the replay sums in another
@@ -141,7 +165,7 @@ def report(
     engine: serving.Engine, requests: list[serving.Request], ref_tokens, ref_logits
 ) -> tuple[bool, float]:
     """Print one line per request; returns (every request matches, largest logit difference)."""
-    plain = engine.traffic.plain * engine.state.num_layers
+    plain = engine.traffic.plain
     print(
         f"{'req':>4} {'slot':>4} {'prompt':>6} {'restored':>8} {'new':>4} {'same':>5} "
         f"{'max|dlogit|':>11} {'flush nat/forced':>16} {'read B/tok':>10} {'write B/tok':>11} "
@@ -203,7 +227,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     the largest reference logit before the first differing token."""
     args = parse_args(argv)
     started = time.perf_counter()
-    config = decoder.DecoderConfig()
+    config = model_config(args.layers)
     params = decoder.init_params(config, args.seed)
     state_dtype = jnp.dtype(args.dtype)
     engine = serving.Engine(
@@ -216,8 +240,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     rng = np.random.default_rng(args.seed)
     workload = Workload(rng, config.vocab_size, args.track_interval, args.cache_len)
+    mamba2 = config.mamba2
+    layers = ("GDN decoder" if not config.hybrid else
+              f"hybrid decoder ({', '.join(config.kinds)}; Mamba-2 H={mamba2.num_heads} P={mamba2.head_dim} "
+              f"N={mamba2.state_size} G={mamba2.num_groups})")
     print(
-        f"ReplaySSM demo on {jax.devices()[0].platform}: {config.num_layers}-layer GDN decoder "
+        f"ReplaySSM demo on {jax.devices()[0].platform}: {config.num_layers}-layer {layers} "
         f"({decoder.num_params(params):,} params, H_k={config.num_k_heads} H_v={config.num_v_heads} "
         f"d_k=d_v={config.head_k_dim}), batch {args.batch}, {2 * args.batch} slots, "
         f"L={args.cache_len}, track every {args.track_interval} tokens, {args.dtype} state, "
@@ -260,7 +288,7 @@ def summarize(engine, requests, step_times, all_same, worst) -> None:
     flushes = sum(r.natural_flushes + r.forced_flushes for r in requests)
     steps = sum(r.decode_steps for r in requests)
     ratio = sum(r.replay_read + r.replay_written for r in requests) / max(
-        2 * engine.traffic.plain * engine.state.num_layers * steps, 1
+        2 * engine.traffic.plain * steps, 1
     )
     print(
         f"\n{len(requests)} requests, {len(step_times)} batched steps ({steps} request-tokens), "

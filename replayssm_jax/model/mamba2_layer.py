@@ -9,8 +9,9 @@ Per token, from the block input u `[D]` (d_inner = H P, C = d_inner + 2 G N conv
   out            = RMSNorm(y * SiLU(z)) * norm_weight W_out   gated RMSNorm over d_inner
 
 `mamba2_replay` decodes one token per row through a ReplaySSM state (`decode.layer_step`,
-gate "mamba2"); `mamba2_plain` runs the plain recurrence (`mamba2_reference`) over T tokens
-from an explicit state: the prefill and the plain-decode reference.
+gate "mamba2"); `mamba2_verify` scores a speculative window of T tokens per row
+(`speculative.verify_step`); `mamba2_plain` runs the plain recurrence (`mamba2_reference`)
+over T tokens from an explicit state: the prefill and the plain-decode reference.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from replayssm_jax.decode import layer_step
 from replayssm_jax.model.layer import causal_conv, matmul, rms_norm
 from replayssm_jax.plan import StepPlan
 from replayssm_jax.reference import mamba2_reference
+from replayssm_jax.speculative import verify_step
 from replayssm_jax.state import ReplayState
 from replayssm_jax.tokens import Mamba2Params, Mamba2Tokens
 
@@ -92,10 +94,15 @@ def ssm_params(params: Mamba2LayerParams) -> Mamba2Params:
     return Mamba2Params(A=-jnp.exp(params.A_log), D=params.D, dt_bias=params.dt_bias)
 
 
+def _split_in(params: Mamba2LayerParams, dims: Mamba2Dims, u: Float[Array, "B T D"]):
+    """`u W_in` split into `(z [.., d_inner], xBC [.., C] (the conv inputs), dt_raw [.., H])`."""
+    return jnp.split(matmul(u, params.w_in), [dims.d_inner, dims.d_inner + dims.conv_channels], axis=-1)
+
+
 def _project(params: Mamba2LayerParams, dims: Mamba2Dims, u: Float[Array, "B T D"], conv_state, lengths):
     """Layer inputs of T tokens: `Mamba2Tokens` (raw dt) `[B, T, ...]`, z `[B,T,H,P]`, conv state."""
     batch, steps = u.shape[:2]
-    z, xbc, dt = jnp.split(matmul(u, params.w_in), [dims.d_inner, dims.d_inner + dims.conv_channels], axis=-1)
+    z, xbc, dt = _split_in(params, dims, u)
     xbc, conv_state = causal_conv(conv_state, xbc, params.conv_weight, lengths)
     x, b, c = jnp.split(jax.nn.silu(xbc), [dims.d_inner, dims.d_inner + dims.num_groups * dims.state_size],
                         axis=-1)
@@ -157,3 +164,23 @@ def mamba2_replay(
     target = jnp.where(plan.valid, plan.slot, conv_pool.shape[0])
     conv_pool = conv_pool.at[target].set(conv_rows.astype(conv_pool.dtype), mode="drop")
     return _output(params, y, z[:, 0]), state, conv_pool
+
+
+def mamba2_verify(
+    params: Mamba2LayerParams,
+    dims: Mamba2Dims,
+    u: Float[Array, "B T D"],
+    state: ReplayState,
+    conv_pool: Float[Array, "N Km1 C"],
+    slots: Int[Array, " B"],
+) -> tuple[Float[Array, "B T D"], ReplayState, Float[Array, "B T C"]]:
+    """A draft window of T tokens per row through `speculative.verify_step` (slots index
+    `state` and `conv_pool`; negative: padding row, output 0). As `layer.gdn_verify`: the
+    conv pool is not written, the window's conv inputs are returned for `accept_conv`.
+
+    Returns:
+      `(out [B, T, D], state with the window's records appended, conv inputs [B, T, C])`.
+    """
+    tokens, z, _ = _project(params, dims, u, conv_pool[jnp.where(slots >= 0, slots, 0)], None)
+    y, state = verify_step(state, tokens, slots, gate_params=ssm_params(params))
+    return _output(params, y, z), state, _split_in(params, dims, u)[1]

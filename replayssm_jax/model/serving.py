@@ -11,7 +11,8 @@
   steps whose forced flush landed on one (`snapshot` of the flushed slot).
 
 Each request records its tokens, logits, flushes and replay state traffic; `reference_decode`
-decodes requests on their own plain-recurrence states for comparison.
+decodes requests on their own plain-recurrence states for comparison. The model may be a
+hybrid stack (`DecoderConfig(layers=...)`: GDN and Mamba-2 layers, one device).
 
 Speculative decoding (`Engine(speculate=T, drafter=...)`, `Engine.speculative_step`): a
 drafter proposes T - 1 tokens per row, the model verifies the window (the row's next input
@@ -39,7 +40,7 @@ from jaxtyping import Array, Float, Int
 
 from replayssm_jax import cost, sharding
 from replayssm_jax.model import decoder, slots as slot_ops
-from replayssm_jax.model.state import ModelState, Snapshot
+from replayssm_jax.model.state import HybridState, ModelState, Snapshot, layer_configs
 from replayssm_jax.plan import FlushPolicy, as_policy
 
 
@@ -87,21 +88,20 @@ class Request:
 
 @dataclasses.dataclass(frozen=True)
 class StateTraffic:
-    """Bytes of recurrent (SSM) state moved per token per layer.
+    """Bytes of recurrent (SSM) state moved per token, summed over the model's layers.
 
-    `checkpoint`: one slot's checkpoint; `entry`: one cache record (u, k, g) of one slot.
-    Plain decode reads and writes the full state every token: `2 * checkpoint`.
+    `checkpoint`: one slot's checkpoints; `entry`: one cache record (u, k, g; Mamba-2: x, B,
+    dt) of one slot, every layer. Plain decode reads and writes the full state every token:
+    `2 * checkpoint`.
     """
 
     checkpoint: int
     entry: int
 
     @classmethod
-    def of(cls, state: ModelState) -> StateTraffic:
-        c = state.config
-        cache = np.dtype(c.cache_dtype).itemsize
-        entry = c.num_v_heads * c.head_v_dim * cache + c.num_k_heads * c.head_k_dim * cache
-        return cls(c.state_bytes_per_slot(), entry + c.num_v_heads * 4)
+    def of(cls, state: ModelState | HybridState) -> StateTraffic:
+        configs = layer_configs(state)
+        return cls(sum(cost.state_bytes(c) for c in configs), sum(cost.entry_bytes(c) for c in configs))
 
     def replay(self, pos: int, flush: bool) -> tuple[int, int]:
         """(read, written) by one ReplaySSM step with `pos` cached entries."""
@@ -184,8 +184,7 @@ class NgramDrafter:
 @functools.partial(jax.jit, static_argnames=("count",))
 def _self_draft(params, state, tokens, slots, *, count: int):
     """Greedy plain decode of `count` tokens per row from a copy of each slot's live state."""
-    slot = jnp.where(slots >= 0, slots, 0)
-    plain = decoder.PlainState(ssm=slot_ops.live_states(state, slots), conv=state.conv_state[:, slot])
+    plain = decoder.plain_from_slots(params, state, slots)
 
     def one(carry, _):
         token, plain = carry
@@ -214,7 +213,8 @@ _snapshot = jax.jit(slot_ops.snapshot)
 
 
 class Engine:
-    """Continuous-batching server over one `ModelState` pool (see the module docstring).
+    """Continuous-batching server over one `ModelState` pool (a `HybridState` for a hybrid
+    stack; see the module docstring).
 
     With a `mesh` (`replayssm_jax.sharding`) the pool is sharded (heads over tp, slots over
     dp), the decode step runs under `shard_map`, and a request in row r gets a slot of row
@@ -250,6 +250,9 @@ class Engine:
         self.params, self.config = params, config
         self.max_batch, self.track_interval = max_batch, track_interval
         self.mesh = mesh
+        self.cache_len = cache_len
+        if mesh is not None and config.hybrid:
+            raise ValueError("a mesh shards GDN stacks only; a hybrid stack serves on one device")
         state = config.init_state(num_slots, cache_len, state_dtype)
         if mesh is not None:
             sharding.check_fits(state.config, num_slots, mesh, max_batch)
@@ -380,16 +383,15 @@ class Engine:
         )
         next_tokens, logits, pos, flush = jax.device_get((next_tokens, logits, pos, flush))
         seconds = time.perf_counter() - start
-        layers = self.state.num_layers
         for row, request in enumerate(self.rows):
             if request is None:
                 continue
-            natural = bool(flush[row]) and pos[row] >= self.state.config.cache_len - 1
+            natural = bool(flush[row]) and pos[row] >= self.cache_len - 1
             request.natural_flushes += natural
             request.forced_flushes += bool(flush[row]) and not natural
             read, written = self.traffic.replay(int(pos[row]), bool(flush[row]))
-            request.replay_read += layers * read
-            request.replay_written += layers * written
+            request.replay_read += read
+            request.replay_written += written
             request.decode_steps += 1
             request.step_seconds.append(seconds)
             if seq_lens[row] % self.track_interval == 0:
@@ -422,8 +424,7 @@ class Engine:
         self.state = decoder.jitted_accept_window(self.state, slots_d, jnp.asarray(kept), conv_inputs)
         logits, folded = jax.device_get((logits, folded))
         seconds = time.perf_counter() - start
-        layers, config = self.state.num_layers, self.state.config
-        records, checkpoint = width * cost.entry_bytes(config), cost.state_bytes(config)
+        records, checkpoint = width * self.traffic.entry, self.traffic.checkpoint
         for row, request in enumerate(self.rows):
             if request is None:
                 continue
@@ -431,8 +432,8 @@ class Engine:
             request.verify_steps += 1
             request.drafted += width - 1
             request.accepted_drafts += int(kept[row]) - 1
-            request.spec_written += layers * (records + checkpoint * bool(folded[row]))
-            request.conventional_written += layers * width * checkpoint
+            request.spec_written += records + checkpoint * bool(folded[row])
+            request.conventional_written += width * checkpoint
             request.natural_flushes += bool(folded[row])  # a verify step folds only when the ring is full
             request.step_seconds.append(seconds)
             request.generated.extend(int(t) for t in argmax[row, :n])

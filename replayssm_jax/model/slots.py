@@ -18,6 +18,13 @@ Validation happens twice:
 
 Without the checks, under `jit`, a slot >= N is padding everywhere: its writes are dropped
 and its reads give zeros (live state, checkpoint, conv state), never another slot's data.
+
+Every op takes a `ModelState` or a `HybridState` (a stack of layers of different kinds,
+`model.state`): on a hybrid state it runs layer by layer on one-layer views, and the
+per-layer arrays it takes or returns (checkpoints, conv states, live states, `Snapshot`
+fields) are tuples with one `[B, ...]` array per layer instead of `[Y, B, ...]` stacks.
+Ops that rebuild a live state (`flush_slots`, `copy_slots`, `live_states`) need each Mamba-2
+layer's decay rates: `gate_params`, see `live_states`.
 """
 
 from __future__ import annotations
@@ -29,10 +36,19 @@ import jax.numpy as jnp
 from jax.experimental import checkify
 from jaxtyping import Array, Bool, Float, Int
 
-from replayssm_jax.backends.xla import replay_state
-from replayssm_jax.model.state import ModelState, Snapshot, check_model_state
+from replayssm_jax.backends.xla import mamba2_replay_state, replay_state
+from replayssm_jax.model.state import (
+    HybridState,
+    ModelState,
+    Snapshot,
+    check_hybrid_state,
+    check_model_state,
+    from_layer_views,
+    layer_views,
+)
 from replayssm_jax.plan import plan_step
 from replayssm_jax.state import ReplayState
+from replayssm_jax.tokens import Mamba2Params
 from replayssm_jax.validation import check_array, concrete_or_none, debug_check_slots
 
 
@@ -71,28 +87,89 @@ def keep_rows(valid: Bool[Array, " B"], x: Array) -> Array:
     return jnp.where(valid.reshape(1, -1, *([1] * (x.ndim - 2))), x, 0)
 
 
-def live_states(state: ModelState, slots: Int[Array, " B"]) -> Float[Array, "Y B Hv Dv Dk"]:
-    """Every layer's live state of each slot (checkpoint replayed with its valid cache), float32.
+def check_gate_params(state: ModelState | HybridState, gate_params) -> None:
+    """`gate_params` of the ops that rebuild live states (see `live_states`)."""
+    if isinstance(state, HybridState):
+        if not isinstance(gate_params, tuple) or len(gate_params) != state.num_layers:
+            raise ValueError(f"gate_params must be a tuple with one entry per layer ({state.num_layers}: None for "
+                             f"the delta-rule layers, Mamba2Params for the Mamba-2 layers) for a hybrid state, "
+                             f"got {type(gate_params).__name__}")
+        for i, (view, params) in enumerate(zip(layer_views(state), gate_params)):
+            _check_layer_gate_params(f"gate_params[{i}]", view, params, ())
+        return
+    _check_layer_gate_params("gate_params", state, gate_params, (state.num_layers,))
 
-    Padding entries give zeros. Slots are not validated here (see the public ops).
+
+def _check_layer_gate_params(name: str, state: ModelState, params, lead: tuple[int, ...]) -> None:
+    if not state.config.gate_kind.additive:
+        if params is not None:
+            raise ValueError(f"{name} must be None for a layer of gate {state.config.gate!r}")
+        return
+    if not isinstance(params, Mamba2Params):
+        raise ValueError(f"{name} must be the Mamba-2 layer's Mamba2Params (its A sets the replay weights), got "
+                         f"{type(params).__name__}")
+    want = (*lead, state.config.num_v_heads)
+    if tuple(jnp.shape(params.A)) != want:
+        raise ValueError(f"{name}.A must have shape {want}, got {tuple(jnp.shape(params.A))}")
+
+
+def live_states(state: ModelState | HybridState, slots: Int[Array, " B"], gate_params=None):
+    """Every layer's live state of each slot (checkpoint replayed with its valid cache), float32:
+    `[Y, B, H_v, d_v, d_k]`, or for a `HybridState` a tuple of one `[B, ...]` per layer.
+
+    `gate_params`: None for GDN/KDA layers. A Mamba-2 `ModelState` needs its layers'
+    `Mamba2Params` stacked over layers (`A [Y, H]`); a `HybridState` a tuple with one entry
+    per layer (None, or that Mamba-2 layer's `Mamba2Params`, `A [H]`).
+
+    Padding entries give zeros. Slots and params are not validated here (see the public ops).
     """
+    if isinstance(state, HybridState):
+        return tuple(live_states(view, slots, _stacked_params(params))[0]
+                     for view, params in zip(layer_views(state), gate_params))
     plan = plan_step(state.write_pos, slots, None, state.config.cache_len)
 
-    def one_layer(checkpoint, u_cache, k_cache, g_cache):
+    def one_layer(checkpoint, u_cache, k_cache, g_cache, *decay_rates):
         layer = ReplayState(
             checkpoint, u_cache, k_cache, g_cache, state.write_pos, config=state.config
         )
-        return replay_state(layer, plan)
+        return mamba2_replay_state(layer, plan, *decay_rates) if decay_rates else replay_state(layer, plan)
 
-    return jax.vmap(one_layer)(state.checkpoint, state.u_cache, state.k_cache, state.g_cache)
+    decay_rates = (gate_params.A,) if state.config.gate_kind.additive else ()
+    return jax.vmap(one_layer)(state.checkpoint, state.u_cache, state.k_cache, state.g_cache, *decay_rates)
+
+
+def _per_layer(state: HybridState, op, layer_args) -> HybridState:
+    """`op(view, *args)` on each layer's one-layer view; the cursor from the first result
+    (every layer's op moves it the same way)."""
+    views = [op(view, *args) for view, args in zip(layer_views(state), layer_args)]
+    return from_layer_views(state, views, views[0].write_pos)
+
+
+def _stacked(x) -> Array | None:
+    """One layer's `[B, ...]` array (or None) as a one-layer stack `[1, B, ...]`."""
+    return None if x is None else jnp.asarray(x)[None]
+
+
+def _stacked_params(params):
+    return None if params is None else jax.tree.map(lambda a: a[None], params)
+
+
+def _per_layer_arrays(name: str, state: HybridState, arrays) -> tuple:
+    """A hybrid op's per-layer argument: None (every layer None) or a tuple of one per layer."""
+    if arrays is None:
+        return (None,) * state.num_layers
+    if not isinstance(arrays, (tuple, list)) or len(arrays) != state.num_layers:
+        raise ValueError(f"{name} must be a tuple with one [B, ...] array per layer ({state.num_layers}) for a "
+                         f"hybrid state, got {type(arrays).__name__}")
+    return tuple(arrays)
 
 
 def reset_slots(
-    state: ModelState,
+    state: ModelState | HybridState,
     slots: Int[Array, " B"],
-    checkpoint: Float[Array, "Y B Hv Dv Dk"] | None = None,
-    conv_state: Float[Array, "Y B Km1 C"] | None = None,
-) -> ModelState:
+    checkpoint: Float[Array, "Y B Hv Dv Dk"] | tuple | None = None,
+    conv_state: Float[Array, "Y B Km1 C"] | tuple | None = None,
+) -> ModelState | HybridState:
     """Start `slots` afresh: zero (or given) checkpoint and conv state, empty cache (cursor 0).
 
     Restoring a prefix snapshot is `reset_slots(state, slots, snap.checkpoint,
@@ -100,8 +177,13 @@ def reset_slots(
 
     Raises:
       ValueError: slot >= N, a slot named twice, or a checkpoint / conv state whose shape
-        is not `[Y, B, ...]` for this state.
+        is not `[Y, B, ...]` for this state (per layer `[B, ...]` for a hybrid state).
     """
+    if isinstance(state, HybridState):
+        check_hybrid_state(state)
+        checkpoints = _per_layer_arrays("checkpoint", state, checkpoint)
+        convs = _per_layer_arrays("conv_state", state, conv_state)
+        return _per_layer(state, reset_slots, [(slots, _stacked(c), _stacked(v)) for c, v in zip(checkpoints, convs)])
     check_model_state(state)
     slots = check_slots_arg("slots", slots, state.num_slots, unique=True)
     rows = (state.num_layers, slots.shape[0])
@@ -124,15 +206,21 @@ def reset_slots(
     )
 
 
-def flush_slots(state: ModelState, slots: Int[Array, " B"]) -> ModelState:
+def flush_slots(state: ModelState | HybridState, slots: Int[Array, " B"], gate_params=None) -> ModelState | HybridState:
     """Write each slot's live state into its checkpoint in every layer; cursor 0, no token.
+    `gate_params`: as in `live_states` (Mamba-2 layers only).
 
     Raises:
-      ValueError: slot >= N or a slot named twice.
+      ValueError: slot >= N, a slot named twice, or gate_params missing or not matching.
     """
+    if isinstance(state, HybridState):
+        check_hybrid_state(state)
+        check_gate_params(state, gate_params)
+        return _per_layer(state, flush_slots, [(slots, _stacked_params(p)) for p in gate_params])
     check_model_state(state)
+    check_gate_params(state, gate_params)
     slots = check_slots_arg("slots", slots, state.num_slots, unique=True)
-    live = live_states(state, slots).astype(state.checkpoint.dtype)
+    live = live_states(state, slots, gate_params).astype(state.checkpoint.dtype)
     target = _target(slots, state.num_slots)
     return dataclasses.replace(
         state,
@@ -142,20 +230,25 @@ def flush_slots(state: ModelState, slots: Int[Array, " B"]) -> ModelState:
 
 
 def copy_slots(
-    state: ModelState, src: Int[Array, " B"], dst: Int[Array, " B"]
-) -> ModelState:
+    state: ModelState | HybridState, src: Int[Array, " B"], dst: Int[Array, " B"], gate_params=None
+) -> ModelState | HybridState:
     """`dst[i]` gets `src[i]`'s LIVE state (its cache replayed) and conv state, empty cache.
 
     Works whatever the source's cursor; the source is left as it is. All sources are read
     before any destination is written. A pair with `dst[i] < 0` is padding. Under `jit`
     (values unchecked) a `src[i] >= N` reads as zeros: `dst[i]` gets a zero checkpoint and
-    conv state.
+    conv state. `gate_params`: as in `live_states` (Mamba-2 layers only).
 
     Raises:
-      ValueError: src and dst of different lengths, a slot >= N, a dst named twice, or a
-        padding src paired with a live dst.
+      ValueError: src and dst of different lengths, a slot >= N, a dst named twice, a
+        padding src paired with a live dst, or gate_params missing or not matching.
     """
+    if isinstance(state, HybridState):
+        check_hybrid_state(state)
+        check_gate_params(state, gate_params)
+        return _per_layer(state, copy_slots, [(src, dst, _stacked_params(p)) for p in gate_params])
     check_model_state(state)
+    check_gate_params(state, gate_params)
     if jnp.shape(src) != jnp.shape(dst):
         raise ValueError(
             f"src and dst must have the same shape, got {tuple(jnp.shape(src))} and "
@@ -170,7 +263,7 @@ def copy_slots(
     checkify.debug_check(
         jnp.all((src >= 0) | (dst < 0)), "src has padding where dst names a slot: {s}", s=src
     )
-    live = live_states(state, src).astype(state.checkpoint.dtype)
+    live = live_states(state, src, gate_params).astype(state.checkpoint.dtype)
     valid, index = live_entries(src, state.num_slots)
     conv = keep_rows(valid, state.conv_state[:, index])
     target = _target(dst, state.num_slots)
@@ -198,7 +291,7 @@ def track_flush(seq_lens: Int[Array, " B"], track_interval: int) -> Bool[Array, 
     return (seq_lens > 0) & (seq_lens % track_interval == 0)
 
 
-def snapshot(state: ModelState, slots: Int[Array, " B"]) -> Snapshot:
+def snapshot(state: ModelState | HybridState, slots: Int[Array, " B"]) -> Snapshot:
     """Read the checkpoint and conv state of flushed slots (cursor 0); zeros for padding
     (and, under `jit` where the values are unchecked, for a slot >= N).
 
@@ -207,8 +300,13 @@ def snapshot(state: ModelState, slots: Int[Array, " B"]) -> Snapshot:
     under `jit` through `replayssm_jax.checked`. Without the checks, under `jit`, such a
     slot's snapshot is its checkpoint as stored (the state at its last flush, not the
     live one). Flush it first (`flush_slots`) or force the flush at the track position
-    (`track_flush`).
+    (`track_flush`). A hybrid state's snapshot holds tuples (one `[B, ...]` per layer).
     """
+    if isinstance(state, HybridState):
+        check_hybrid_state(state)
+        parts = [snapshot(view, slots) for view in layer_views(state)]
+        return Snapshot(checkpoint=tuple(p.checkpoint[0] for p in parts),
+                        conv_state=tuple(p.conv_state[0] for p in parts))
     check_model_state(state)
     slots = check_slots_arg("slots", slots, state.num_slots, unique=False)
     valid, slot = live_entries(slots, state.num_slots)

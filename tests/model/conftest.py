@@ -28,11 +28,11 @@ def params() -> decoder.DecoderParams:
     return decoder.init_params(TINY, seed=1)
 
 
-def run_plain(params, prompts: list[list[int]], num_new: int):
+def run_plain(params, prompts: list[list[int]], num_new: int, config: decoder.DecoderConfig = TINY):
     """Greedy decode of each prompt on its own plain state: (tokens [R, num_new], logits)."""
     tokens, logits = [], []
     for prompt in prompts:
-        plain = decoder.init_plain_state(TINY, 1)
+        plain = decoder.init_plain_state(config, 1)
         out, row_logits = [], []
         for t in prompt:
             lg, plain = decoder.plain_step(params, jnp.array([[t]], jnp.int32), plain)
