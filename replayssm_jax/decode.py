@@ -10,7 +10,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 # Imported eagerly, not on first use: importing Pallas registers jax config options, and a
 # first import during a trace would change the tracing context and cost one recompile.
-from replayssm_jax.backends import BACKENDS, pallas_triton, xla
+from replayssm_jax.backends import BACKENDS, mosaic_gpu, pallas_triton, xla
 from replayssm_jax.plan import FlushPolicy, StepPlan, advance_write_pos, as_policy, default_flush_policy, plan_step
 from replayssm_jax.state import ReplayState, check_state
 from replayssm_jax.tokens import Tokens, check_gate_params, check_tokens
@@ -46,6 +46,9 @@ def layer_step(
             raise ValueError("kernel_params applies to backend='pallas_triton' only")
         return xla.layer_step(state, tokens, plan, use_qk_l2norm=use_qk_l2norm, scale=scale,
                               gate_params=gate_params)
+    if backend == "mosaic_gpu":
+        return mosaic_gpu.layer_step(state, tokens, plan, use_qk_l2norm=use_qk_l2norm, scale=scale,
+                                     gate_params=gate_params, kernel_params=kernel_params)
     return pallas_triton.layer_step(state, tokens, plan, use_qk_l2norm=use_qk_l2norm, scale=scale,
                                     gate_params=gate_params, kernel_params=kernel_params)
 
@@ -58,6 +61,8 @@ def _mamba2_layer_step(state, tokens, plan, *, backend, use_qk_l2norm, scale, ga
         if kernel_params is not None:
             raise ValueError("kernel_params applies to backend='pallas_triton' only")
         return xla.mamba2_layer_step(state, tokens, plan, params=gate_params)
+    if backend == "mosaic_gpu":
+        raise ValueError("backend 'mosaic_gpu' supports gate 'gdn' only, got gate 'mamba2'")
     return pallas_triton.mamba2_layer_step(state, tokens, plan, params=gate_params, kernel_params=kernel_params)
 
 
@@ -82,8 +87,9 @@ def decode_step(
         gate "mamba2" a `Mamba2Tokens(x, B, C, dt, z)`.
       slots: `[B]` int, the physical slot of each row; negative = padding row.
       force_flush: optional `[B]` bool, flush these rows now whatever their cursor.
-      backend: "xla" (pure jax, the specification) or "pallas_triton" (fused kernels;
-        interpret mode off-GPU).
+      backend: "xla" (pure jax, the specification), "pallas_triton" (fused kernels;
+        interpret mode off-GPU) or "mosaic_gpu" (GDN on the Mosaic GPU kernel; interpret
+        mode off-GPU).
       policy: a `FlushPolicy` (or its value): NATURAL flushes a row when its slot holds
         L - 1 cached entries or when forced; EVERY_STEP flushes every live row. Default:
         `default_flush_policy(state.config, B)`, the same for every backend.
@@ -95,7 +101,8 @@ def decode_step(
         kernel on the pallas_triton backend). Gate "mamba2": a `Mamba2Params(A, D, dt_bias)`,
         required (tokens.dt is the raw dt).
       kernel_params: the pallas_triton backend's launch parameters (a kernel's parameter
-        class, e.g. `ReplayGroupedParams`); default: the launch table's row.
+        class, e.g. `ReplayGroupedParams`; default: the launch table's row), or a
+        `MosaicReplayParams` for mosaic_gpu.
 
     Returns:
       `(y, new_state)`: y `[B, H_v, d_v]` in v's dtype (Mamba-2: `[B, H, P]` in x's dtype),

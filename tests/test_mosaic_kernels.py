@@ -136,3 +136,41 @@ def test_shape_checks_name_the_bad_size(dims, match):
         check_shapes(*dims)
     with pytest.raises(ValueError, match="swizzle"):
         MosaicReplayParams(swizzle=48)
+
+
+@pytest.mark.parametrize("state_dtype", [jnp.float32, jnp.bfloat16])
+def test_backend_steps_match_xla(rng, state_dtype):
+    """`decode_step(backend="mosaic_gpu")` against the xla backend over a schedule that
+    crosses natural flushes, with a forced flush and a padding row, on its own state."""
+    from replayssm_jax import ReplayConfig, Tokens, decode_step, init_state, materialize_state
+
+    cfg = ReplayConfig(1, 2, 64, 64, 8, state_dtype=state_dtype, cache_dtype=state_dtype)
+    start = jnp.asarray(rng.standard_normal((4, 2, 64, 64)) * 0.1, state_dtype)
+    states = {b: init_state(cfg, 4, checkpoint=start) for b in ("xla", "mosaic_gpu")}
+    slots = jnp.asarray([2, -1, 0], jnp.int32)
+    for step in range(cfg.cache_len + 3):
+        f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
+        tokens = Tokens(f(3, 1, 64), f(3, 1, 64), f(3, 2, 64), -jnp.abs(f(3, 2)) * 0.2, jax.nn.sigmoid(f(3, 2)))
+        force = jnp.asarray([False, False, step == 3])
+        ys = {}
+        for b in states:
+            ys[b], states[b] = decode_step(states[b], tokens, slots, force, backend=b, policy="natural",
+                                           use_qk_l2norm=True)
+        # fp32: two summation orders (~1e-7 relative). bf16: the stores round to bf16 on
+        # both backends, and an entry that rounds differently differs by one bf16 ulp.
+        tol = 1e-5 if state_dtype == jnp.float32 else 2e-2
+        np.testing.assert_allclose(np.asarray(ys["mosaic_gpu"], np.float32), np.asarray(ys["xla"], np.float32),
+                                   atol=tol, rtol=tol, err_msg=f"y at step {step}")
+        np.testing.assert_array_equal(np.asarray(states["mosaic_gpu"].write_pos), np.asarray(states["xla"].write_pos))
+    live = {b: materialize_state(s, jnp.arange(4, dtype=jnp.int32)) for b, s in states.items()}
+    np.testing.assert_allclose(np.asarray(live["mosaic_gpu"]), np.asarray(live["xla"]), atol=tol, rtol=tol)
+
+
+def test_backend_refuses_other_gates():
+    from replayssm_jax import ReplayConfig
+    from replayssm_jax.backends import mosaic_gpu
+
+    with pytest.raises(ValueError, match="gate 'gdn' only"):
+        mosaic_gpu.check_config(ReplayConfig(1, 2, 64, 64, 8, gate="kda"))
+    with pytest.raises(ValueError, match="cache_len a multiple of 8"):
+        mosaic_gpu.check_config(ReplayConfig(1, 2, 64, 64, 4))

@@ -1,0 +1,54 @@
+"""The Mosaic GPU backend: GDN decode steps on `pallas_kernels.mosaic_gpu`.
+
+One kernel serves every row mode (padding, append, flush), so both flush policies run
+through it: under EVERY_STEP every live row is a flush row. GDN only (per-head decay);
+shapes as `pallas_kernels.mosaic_gpu.replay_decode.check_shapes` allows (d_k, d_v
+multiples of 64, L a multiple of 8 up to 256).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxtyping import Array, Float
+
+from pallas_kernels import common
+from pallas_kernels.mosaic_gpu.replay_decode import MosaicReplayParams, check_shapes, replay_decode_mgpu
+from replayssm_jax.plan import StepPlan
+from replayssm_jax.state import ReplayState
+from replayssm_jax.tokens import Tokens
+
+
+def check_config(cfg) -> None:
+    """Raise ValueError unless the layer's config runs on this backend."""
+    if cfg.gate != "gdn":
+        raise ValueError(f"backend 'mosaic_gpu' supports gate 'gdn' only, got {cfg.gate!r}")
+    check_shapes(cfg.head_k_dim, cfg.head_v_dim, cfg.cache_len, cfg.state_dtype.itemsize)
+
+
+def layer_step(
+    state: ReplayState,
+    tokens: Tokens,
+    plan: StepPlan,
+    *,
+    use_qk_l2norm: bool,
+    scale: float | None,
+    gate_params: tuple[Array, Array] | None = None,
+    kernel_params: MosaicReplayParams | None = None,
+    interpret: bool | None = None,
+) -> tuple[Float[Array, "B Hv Dv"], ReplayState]:
+    """`backends.xla.layer_step` on the Mosaic GPU kernel; same arguments and results, plus
+    `kernel_params` (default `MosaicReplayParams()`) and `interpret` (default: off GPU)."""
+    cfg = state.config
+    check_config(cfg)
+    if kernel_params is not None and not isinstance(kernel_params, MosaicReplayParams):
+        raise ValueError(f"kernel_params must be a MosaicReplayParams for backend 'mosaic_gpu', "
+                         f"got {type(kernel_params).__name__}")
+    y, checkpoint, u_cache, k_cache, g_cache = replay_decode_mgpu(
+        state.checkpoint, state.u_cache, state.k_cache, state.g_cache,
+        tokens.q, tokens.k, tokens.v, tokens.g, tokens.beta,
+        plan.slot, plan.pos, common.row_modes(plan.valid, plan.flush),
+        use_qk_l2norm=use_qk_l2norm, scale=scale, gate_params=gate_params,
+        params=kernel_params or MosaicReplayParams(), interpret=interpret,
+    )
+    return y, dataclasses.replace(state, checkpoint=checkpoint, u_cache=u_cache, k_cache=k_cache, g_cache=g_cache)
