@@ -154,11 +154,7 @@ def _column(x, j):
 
 def _inverse_unit_lower(a, width: int):
     """`(I + A)^{-1}` for strictly lower-triangular A `[R, R]` with `A^width = 0`:
-    `(I - A)(I + A^2)(I + A^4)...` up to the power that reaches `width` (2 log2 T small
-    dots instead of T dependent steps). The powers' entries grow with T where every
-    |A_ij| is near 1 (equal keys, beta and decays near 1): in float32 the worst such case
-    measured 4e-7 relative at T = 8 and 7e-5 at T = 16 (numpy, against a float64 inverse);
-    random keys of d_k = 128 keep |A_ij| ~ 0.1."""
+    `(I - A)(I + A^2)(I + A^4)...` up to the power that reaches `width`."""
     rows = jnp.arange(a.shape[0])
     power = -a
     inv = (rows[:, None] == rows[None, :]).astype(jnp.float32) + power
@@ -174,6 +170,7 @@ class _Window:
     """Row indices of the stacked window tile for T = `width` (see the module doc)."""
 
     def __init__(self, width: int):
+        self.width = width
         self.rows = jnp.arange(window_rows(width))
         self.is_key = self.rows < width
         self.is_query = (self.rows >= width) & (self.rows < 2 * width)
