@@ -1,7 +1,7 @@
-"""The `verify_decode` kernel on its own (interpret mode off GPU, compiled on a GPU), arrays
-in and out, against an independent float64 model: the live state replayed entry by entry
-from the checkpoint and the valid cache entries (`S <- S diag(alpha_j) + u_j k_j^T`),
-then the delta rule token by token along each window position's branch.
+"""The `verify_decode` kernel on its own (interpret mode), arrays in and out, against an
+independent float64 model: the live state replayed entry by entry from the checkpoint and
+the valid cache entries (`S <- S diag(alpha_j) + u_j k_j^T`), then the delta rule token by
+token along each window position's branch.
 
 Every case has folding rows (one full ring, one overflowing through its length), a row that
 fills the ring exactly, an empty history, a row with no window (length 0), a padding row,
@@ -115,7 +115,6 @@ def test_kernel_matches_the_float64_model(case, rng):
     gate, state_dtype, tree, params, *norm = CASES[case]
     l2norm, scale = norm[0] if norm else (True, None)
     per_channel = gate == "kda"
-    # fp32: the interpreter's fp32 dots, or tf32x3 on a GPU (~1e-6 relative), reorder sums.
     tol = FP32_TOL if state_dtype == jnp.float32 else BF16_TOL
     x = random_inputs(rng, per_channel, state_dtype, tree)
     if not l2norm:  # raw keys of norm ~1, as the delta rule needs
@@ -127,7 +126,7 @@ def test_kernel_matches_the_float64_model(case, rng):
     window = tuple(jnp.asarray(x[name]) for name in ("q", "k", "v", "g", "beta"))
     y, *after = kernel(*state, *window, jnp.asarray(ancestors(x["parents"])), jnp.asarray(x["slots"]),
                        jnp.asarray(CURSORS, jnp.int32), mode, jnp.asarray(LENGTHS, jnp.int32),
-                       use_qk_l2norm=l2norm, scale=scale, params=params)
+                       use_qk_l2norm=l2norm, scale=scale, params=params, interpret=True)
     y = np.asarray(y)
     ckpt, u_cache, k_cache, g_cache = (np.asarray(a) for a in after)
 
