@@ -6,9 +6,8 @@ token along each window position's branch.
 Every case has folding rows (one full ring, one overflowing through its length), a row that
 fills the ring exactly, an empty history, a row with no window (length 0), a padding row,
 rows on shuffled slots, and NaN in every stale cache entry (at and past each slot's cursor);
-chains and trees, GDN and KDA, fp32 and bf16 state and caches, raw keys with a custom scale
-(no L2 norm), and launch variants (column chunks, several tiles per program, the dot fold,
-ieee dots).
+chains and trees, GDN and KDA, fp32 and bf16 state and caches, and launch variants (column
+chunks, several tiles per program, the dot fold, ieee dots).
 """
 
 from __future__ import annotations
@@ -71,7 +70,7 @@ def ancestors(parents: np.ndarray) -> np.ndarray:
     return anc
 
 
-def model_row(x: dict, r: int, per_channel: bool, state_dtype, l2norm: bool = True, scale: float = DK**-0.5):
+def model_row(x: dict, r: int, per_channel: bool, state_dtype):
     """float64 `(y [T, HV, DV] (zeros past the length), u [T, HV, DV], live state before
     the window as the window's computation starts from it)` of row r."""
     f64 = lambda a: np.asarray(a, np.float64)
@@ -85,8 +84,8 @@ def model_row(x: dict, r: int, per_channel: bool, state_dtype, l2norm: bool = Tr
             f64(x["u_cache"][slot][:, j])[:, :, None] * k_j[:, None, :]
     if pos + length > L:  # a folding row reads out from its checkpoint as stored
         live = f64(live.astype(state_dtype))
-    norm = (lambda a: a / np.sqrt(np.sum(a * a, axis=-1, keepdims=True) + 1e-6)) if l2norm else (lambda a: a)
-    q = np.repeat(norm(f64(x["q"][r])), group, axis=1) * scale
+    norm = lambda a: a / np.sqrt(np.sum(a * a, axis=-1, keepdims=True) + 1e-6)
+    q = np.repeat(norm(f64(x["q"][r])), group, axis=1) * DK**-0.5
     k = np.repeat(norm(f64(x["k"][r])), group, axis=1)
     ys, us, states = np.zeros((T, HV, DV)), np.zeros((T, HV, DV)), []
     for i in range(length):
@@ -98,9 +97,8 @@ def model_row(x: dict, r: int, per_channel: bool, state_dtype, l2norm: bool = Tr
     return ys, us, live
 
 
-CASES = {  # gate, state dtype, tree, params, (use_qk_l2norm, scale)
+CASES = {
     "gdn-fp32-chain": ("gdn", jnp.float32, False, VerifyDecodeParams()),
-    "gdn-fp32-tree-no-norm": ("gdn", jnp.float32, True, VerifyDecodeParams(), (False, 0.5)),
     "gdn-fp32-tree-dotfold-chunks-tiles": (
         "gdn", jnp.float32, True, VerifyDecodeParams(block_v=16, tiles_per_program=2, fold_by_dot=True)),
     "gdn-bf16-tree": ("gdn", jnp.bfloat16, True, VerifyDecodeParams(column_chunk=0)),
@@ -112,13 +110,10 @@ CASES = {  # gate, state dtype, tree, params, (use_qk_l2norm, scale)
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_kernel_matches_the_float64_model(case, rng):
-    gate, state_dtype, tree, params, *norm = CASES[case]
-    l2norm, scale = norm[0] if norm else (True, None)
+    gate, state_dtype, tree, params = CASES[case]
     per_channel = gate == "kda"
     tol = FP32_TOL if state_dtype == jnp.float32 else BF16_TOL
     x = random_inputs(rng, per_channel, state_dtype, tree)
-    if not l2norm:  # raw keys of norm ~1, as the delta rule needs
-        x["q"], x["k"] = x["q"] / np.sqrt(DK), x["k"] / np.sqrt(DK)
     fold = CURSORS + LENGTHS > L
     live_rows = np.arange(CURSORS.size) < CURSORS.size - 1
     mode = common.row_modes(jnp.asarray(live_rows), jnp.asarray(fold & live_rows))
@@ -126,7 +121,7 @@ def test_kernel_matches_the_float64_model(case, rng):
     window = tuple(jnp.asarray(x[name]) for name in ("q", "k", "v", "g", "beta"))
     y, *after = kernel(*state, *window, jnp.asarray(ancestors(x["parents"])), jnp.asarray(x["slots"]),
                        jnp.asarray(CURSORS, jnp.int32), mode, jnp.asarray(LENGTHS, jnp.int32),
-                       use_qk_l2norm=l2norm, scale=scale, params=params, interpret=True)
+                       use_qk_l2norm=True, params=params, interpret=True)
     y = np.asarray(y)
     ckpt, u_cache, k_cache, g_cache = (np.asarray(a) for a in after)
 
@@ -139,7 +134,7 @@ def test_kernel_matches_the_float64_model(case, rng):
     for r in np.flatnonzero(live_rows):
         slot, n = x["slots"][r], LENGTHS[r]
         base = 0 if fold[r] else CURSORS[r]
-        want_y, want_u, live = model_row(x, r, per_channel, state_dtype, l2norm, DK**-0.5 if scale is None else scale)
+        want_y, want_u, live = model_row(x, r, per_channel, state_dtype)
         assert np.all(y[r, n:] == 0), f"row {r}: output past its length"
         for i in range(n):
             assert rel_err(y[r, i][None], want_y[i][None]).max() < tol, (r, i)
