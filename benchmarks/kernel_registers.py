@@ -43,7 +43,7 @@ from pallas_kernels.fold_decode import FoldParams  # noqa: E402
 from pallas_kernels.plain_decode import PlainParams  # noqa: E402
 from pallas_kernels.replay_decode import ReplayTileParams  # noqa: E402
 from pallas_kernels.replay_decode_grouped import ReplayGroupedParams  # noqa: E402
-from pallas_kernels.verify_decode import VerifyDecodeParams  # noqa: E402
+from pallas_kernels.verify_readout import VerifyReadoutParams  # noqa: E402
 from replayssm_jax.backends import pallas_triton  # noqa: E402
 from replayssm_jax.config import ReplayConfig  # noqa: E402
 from replayssm_jax.plan import FlushPolicy, plan_step  # noqa: E402
@@ -52,7 +52,7 @@ from replayssm_jax.state import init_state  # noqa: E402
 from replayssm_jax.tokens import Mamba2Params, Mamba2Tokens, Tokens  # noqa: E402
 
 PARAM_KINDS = {"plain": PlainParams, "fold": FoldParams, "tile": ReplayTileParams, "grouped": ReplayGroupedParams,
-               "verify": VerifyDecodeParams}
+               "verify": VerifyReadoutParams}
 VERIFY_WIDTH = 4  # draft tokens per row of the verify step lowered here
 
 _H200 = jax.sharding.AbstractMesh(
@@ -90,14 +90,14 @@ def params_policy(params) -> FlushPolicy:
 
 def kernel_ir(cfg: ReplayConfig, params, batch: int) -> str:
     """Triton IR of the decode kernel of one pallas_triton layer step (lowered for an H200),
-    or with `VerifyDecodeParams` of a verify step of `VERIFY_WIDTH` tokens per row.
+    or with `VerifyReadoutParams` of a verify step of `VERIFY_WIDTH` tokens per row.
     `cfg.cache_len` must be 1 for `PlainParams` and above 1 for the other kernels."""
     state = jax.eval_shape(lambda: init_state(cfg, 2 * batch))
     if cfg.gate_kind.additive:
         return _mamba2_kernel_ir(cfg, params, batch, state)
     sds = jax.ShapeDtypeStruct
     hk, hv, dk, dv = cfg.num_k_heads, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim
-    verify = isinstance(params, VerifyDecodeParams)
+    verify = isinstance(params, VerifyReadoutParams)
     lead = (batch, VERIFY_WIDTH) if verify else (batch,)
     g_shape = (*lead, *cfg.g_shape(batch)[1:])
     tokens = Tokens(sds((*lead, hk, dk), jnp.bfloat16), sds((*lead, hk, dk), jnp.bfloat16),

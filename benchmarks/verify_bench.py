@@ -11,8 +11,7 @@ Per (state dtype, L, T, B), GDN H_k = 16, H_v = 32, d = 128:
                 values are not used), so no buffer is copied between launches.
   nonflush      `verify_step(backend="pallas_triton")` with every row at write_pos = L - T
                 (the longest history that still fits the window: the costliest non-flush
-                step), all of its kernels (the fused `verify_decode` kernel and XLA's k and
-                g appends and row bookkeeping); `*_kernel_us` is the fused kernel alone.
+                step), all of its kernels (the readout kernel and XLA's solve and appends).
   flush         the same with write_pos = L (every row folds its whole ring first).
   amortised     per verify step at acceptance 50 / 75 / 100 % of T (the bonus token
                 included, n = max(1, round(a T)) records accepted per step): the flush
@@ -23,19 +22,11 @@ Per (state dtype, L, T, B), GDN H_k = 16, H_v = 32, d = 128:
 Bytes (d): conventional T (read + write) states per row; non-flush one checkpoint read,
 `L - T` cache entries read and T records written per row; flush that plus one checkpoint
 write and L entries read. The byte floor is bytes / copy bandwidth (measured at the start).
-`plain_step_us` is one plain decode step of the batch (the conventional verify over T);
-`flush_vs_plain` the flush step over it.
-
-Variants (`--variant`, repeatable: `VerifyDecodeParams` fields as `field=value,...`, as
-`kernel_registers.py --params verify:...` takes them; none given: the launch table's row)
-are timed in the same process, each row checked against the xla backend's verify (`y` and
-the folded checkpoints, relative error) before it is timed.
 
 Timing: CUPTI kernel times of a jitted `lax.scan` over R disjoint slot sets (R * B * slot
 bytes >= 3x the L2), as `decode_bench.py`; a verify step's time is the sum of its kernels.
 
   python benchmarks/verify_bench.py --out verify.json     # on the GPU
-  python benchmarks/verify_bench.py --variant block_v=32 --variant block_v=64,num_warps=8 --out v.json
   python benchmarks/verify_bench.py --smoke --out x.json  # CPU, interpret mode
 """
 
@@ -57,7 +48,6 @@ warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecat
 
 import replayssm_jax as R  # noqa: E402
 from decode_bench import (  # noqa: E402
-    rel_err,
     PLAIN_KERNEL,
     Shape,
     Timer,
@@ -67,12 +57,10 @@ from decode_bench import (  # noqa: E402
     slot_sets,
     versions,
 )
-from kernel_registers import parse_params  # noqa: E402
 from pallas_kernels.plain_decode import plain_decode  # noqa: E402
-from replayssm_jax.backends import pallas_triton  # noqa: E402
 
 ACCEPTANCE = (0.5, 0.75, 1.0)
-VERIFY_KERNEL = "replayssm_verify_decode"
+READOUT_KERNEL = "replayssm_verify_readout"
 
 
 def random_window(cfg: R.ReplayConfig, batch: int, width: int, key) -> R.Tokens:
@@ -89,7 +77,7 @@ def random_window(cfg: R.ReplayConfig, batch: int, width: int, key) -> R.Tokens:
 
 
 @functools.lru_cache(maxsize=None)
-def verify_fn(params, interpret: bool, reps: int):
+def verify_fn(interpret: bool, reps: int):
     """jit: `reps` rounds of one verify step over each slot set in turn. No accept, and
     every step starts from the given cursors (a folding step's reset cursor is dropped), so
     every step is the same kind. Steps alternate between two windows (`windows` has a
@@ -103,7 +91,7 @@ def verify_fn(params, interpret: bool, reps: int):
             st = dataclasses.replace(state, checkpoint=arrays[0], u_cache=arrays[1], k_cache=arrays[2],
                                      g_cache=arrays[3])
             y, st = R.verify_step(st, window, slots, backend="pallas_triton", use_qk_l2norm=True,
-                                  kernel_params=params, interpret=interpret)
+                                  interpret=interpret)
             return (st.checkpoint, st.u_cache, st.k_cache, st.g_cache), y[0, 0, 0, 0]
 
         arrays = (state.checkpoint, state.u_cache, state.k_cache, state.g_cache)
@@ -112,26 +100,6 @@ def verify_fn(params, interpret: bool, reps: int):
         return arrays
 
     return jax.jit(run)
-
-
-@functools.lru_cache(maxsize=None)
-def checked_fn(backend: str, params, interpret: bool):
-    """jit: one verify step, `(y, checkpoint)`."""
-    extra = dict(kernel_params=params, interpret=interpret) if backend == "pallas_triton" else {}
-
-    def run(state, slots, window):
-        y, st = R.verify_step(state, window, slots, backend=backend, use_qk_l2norm=True, **extra)
-        return y, st.checkpoint
-
-    return jax.jit(run)
-
-
-def check_row(state, slots, window, params, interpret: bool) -> dict:
-    """Relative errors of the kernel's `y` and checkpoints of the step's slots against the
-    xla backend's verify."""
-    y_x, ckpt_x = checked_fn("xla", None, False)(state, slots, window)
-    y_p, ckpt_p = checked_fn("pallas_triton", params, interpret)(state, slots, window)
-    return dict(y_rel_err=rel_err(y_p, y_x), checkpoint_rel_err=rel_err(ckpt_p[slots], ckpt_x[slots]))
 
 
 @functools.lru_cache(maxsize=None)
@@ -205,9 +173,7 @@ def conventional_bytes(cfg: R.ReplayConfig, batch: int, width: int) -> int:
     return batch * width * (2 * hv * dv * dk * cfg.state_dtype.itemsize + tokens)
 
 
-def bench_rows(timer, shape, dtype, cache_len, width, batch, bandwidth, iterations, smoke, variants) -> list[dict]:
-    """One row per kernel variant `(label, params or None: the launch table's row)` of one
-    configuration."""
+def bench_row(timer, shape, dtype, cache_len, width, batch, bandwidth, iterations, smoke) -> dict:
     cfg = shape.config(cache_len, dtype)
     rng = np.random.default_rng(batch * 100 + cache_len * 10 + width)
     sets, num_slots = slot_sets(batch, cfg.state_bytes_per_slot(), rng, smoke)
@@ -215,70 +181,57 @@ def bench_rows(timer, shape, dtype, cache_len, width, batch, bandwidth, iteratio
     windows = jax.tree.map(lambda a, b: jnp.stack([a, b]), window, random_window(cfg, batch, width, jax.random.key(3)))
     reps = 1 if smoke else max(1, -(-8 // len(sets)))  # >= 8 steps per run: one-off copies stand out
     steps = reps * len(sets)
-    config = dict(gate=shape.gate, state_dtype=jnp.dtype(dtype).name, L=cache_len, T=width, B=batch,
-                  H_k=shape.num_k_heads, H_v=shape.num_v_heads, d=shape.head_dim, slot_sets=len(sets))
+    row = dict(gate=shape.gate, state_dtype=jnp.dtype(dtype).name, L=cache_len, T=width, B=batch,
+               H_k=shape.num_k_heads, H_v=shape.num_v_heads, d=shape.head_dim, slot_sets=len(sets))
 
     plain_cfg = shape.config(1, dtype)
+    params = plain_params(plain_cfg, batch)
     pool = random_pool(plain_cfg, num_slots, jax.random.key(1), np.zeros(num_slots)).checkpoint
     buffers = tuple(pool + 0 for _ in range(width))
-    times = timer.kernel_times(conventional_fn(plain_params(plain_cfg, batch), width, smoke),
-                               (buffers, jnp.asarray(sets), window), PLAIN_KERNEL, iterations)
-    del buffers, pool
+    times = timer.kernel_times(conventional_fn(params, width, smoke), (buffers, jnp.asarray(sets), window),
+                               PLAIN_KERNEL, iterations)
     # One run serves len(sets) verify steps of T launches each.
-    config["conventional_us"] = times[0] if smoke else sum(times) / (iterations * len(sets))
-    config["plain_step_us"] = config["conventional_us"] / width
-    config["conventional_bytes"] = conventional_bytes(cfg, batch, width)
-    config["conventional_floor_fraction"] = (config["conventional_bytes"] / (bandwidth * 1e9) * 1e6
-                                             / config["conventional_us"])
-    states = {kind: random_pool(cfg, num_slots, jax.random.key(1), np.full(num_slots, cursor))
-              for kind, cursor in (("nonflush", cache_len - width), ("flush", cache_len))}
+    row["conventional_us"] = times[0] if smoke else sum(times) / (iterations * len(sets))
 
-    rows = []
-    for label, variant in variants:
-        params = pallas_triton.verify_params(cfg, batch, variant)
-        row = dict(config, variant=label, params=repr(params))
-        for kind, state in states.items():
-            for name, err in check_row(state, jnp.asarray(sets[0]), window, params, smoke).items():
-                row[f"{kind}_{name}"] = err
-            fn = verify_fn(params, smoke, reps)  # one jit: the flush step reuses the non-flush compile
-            verify_args = (state, jnp.asarray(sets), windows)
-            if smoke:
-                row[f"{kind}_us"] = timer.kernel_times(fn, verify_args, "", 1)[0] / steps
-                row[f"{kind}_kernel_us"] = None
-            else:
-                runs = kernel_runs(fn, verify_args, iterations)
-                row[f"{kind}_us"], row[f"{kind}_kernels"] = per_step_us(runs, steps)
-                # Every kernel of a run, one-off copies included, over its steps: an upper
-                # bound that shows what the per-step filter left out.
-                row[f"{kind}_all_kernels_us"] = statistics.median(sum(us for _, us in run) / steps for run in runs)
-                row[f"{kind}_kernel_us"] = statistics.median(
-                    us for run in runs for name, us in run if VERIFY_KERNEL in name)
-            nbytes = verify_bytes(cfg, batch, width, kind == "flush")
-            row[f"{kind}_bytes"] = nbytes
-            row[f"{kind}_floor_us"] = nbytes / (bandwidth * 1e9) * 1e6
-            row[f"{kind}_floor_fraction"] = row[f"{kind}_floor_us"] / row[f"{kind}_us"]
-        row["flush_vs_plain"] = row["flush_us"] / row["plain_step_us"]
-        for a in ACCEPTANCE:
-            accepted = max(1, round(a * width))
-            f = flush_fraction(cache_len, width, accepted)
-            amortised = f * row["flush_us"] + (1 - f) * row["nonflush_us"]
-            key = f"acc{round(a * 100)}"
-            row[f"{key}_flush_fraction"] = f
-            row[f"{key}_amortised_us"] = amortised
-            row[f"{key}_speedup_vs_conventional"] = row["conventional_us"] / amortised
-        rows.append(row)
-    return rows
+    for kind, cursor in (("nonflush", cache_len - width), ("flush", cache_len)):
+        state = random_pool(cfg, num_slots, jax.random.key(1), np.full(num_slots, cursor))
+        fn = verify_fn(smoke, reps)  # one jit: the flush step reuses the non-flush compile
+        verify_args = (state, jnp.asarray(sets), windows)
+        if smoke:
+            row[f"{kind}_us"] = timer.kernel_times(fn, verify_args, "", 1)[0] / steps
+            row[f"{kind}_readout_us"] = None
+        else:
+            runs = kernel_runs(fn, verify_args, iterations)
+            row[f"{kind}_us"], row[f"{kind}_kernels"] = per_step_us(runs, steps)
+            # Every kernel of a run, one-off copies included, over its steps: an upper bound
+            # that shows what the per-step filter left out.
+            row[f"{kind}_all_kernels_us"] = statistics.median(sum(us for _, us in run) / steps for run in runs)
+            row[f"{kind}_readout_us"] = statistics.median(
+                us for run in runs for name, us in run if READOUT_KERNEL in name)
+        nbytes = verify_bytes(cfg, batch, width, kind == "flush")
+        row[f"{kind}_bytes"] = nbytes
+        row[f"{kind}_floor_us"] = nbytes / (bandwidth * 1e9) * 1e6
+        row[f"{kind}_floor_fraction"] = row[f"{kind}_floor_us"] / row[f"{kind}_us"]
+    row["conventional_bytes"] = conventional_bytes(cfg, batch, width)
+    row["conventional_floor_fraction"] = row["conventional_bytes"] / (bandwidth * 1e9) * 1e6 / row["conventional_us"]
+    for a in ACCEPTANCE:
+        accepted = max(1, round(a * width))
+        f = flush_fraction(cache_len, width, accepted)
+        amortised = f * row["flush_us"] + (1 - f) * row["nonflush_us"]
+        key = f"acc{round(a * 100)}"
+        row[f"{key}_flush_fraction"] = f
+        row[f"{key}_amortised_us"] = amortised
+        row[f"{key}_speedup_vs_conventional"] = row["conventional_us"] / amortised
+    return row
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'dtype':>8} {'L':>3} {'T':>2} {'B':>4} {'conv':>8} {'nonfl':>8} {'kernel':>8} {'flush':>8} "
-          f"{'nf floor':>8} {'fl/plain':>8} {'amort75':>8} {'x conv':>6} {'y err':>8}  variant")
+    print(f"{'dtype':>8} {'L':>3} {'T':>2} {'B':>4} {'conv':>8} {'nonfl':>8} {'flush':>8} {'nf floor':>8} "
+          f"{'amort75':>8} {'x conv':>6}")
     for r in rows:
-        kernel = r["nonflush_kernel_us"] or float("nan")
         print(f"{r['state_dtype']:>8} {r['L']:>3} {r['T']:>2} {r['B']:>4} {r['conventional_us']:8.1f} "
-              f"{r['nonflush_us']:8.1f} {kernel:8.1f} {r['flush_us']:8.1f} {r['nonflush_floor_fraction']:8.2f} "
-              f"{r['flush_vs_plain']:8.2f} {r['acc75_amortised_us']:8.1f} {r['acc75_speedup_vs_conventional']:6.2f} "
-              f"{max(r['nonflush_y_rel_err'], r['flush_y_rel_err']):8.1e}  {r['variant']}")
+              f"{r['nonflush_us']:8.1f} {r['flush_us']:8.1f} {r['nonflush_floor_fraction']:8.2f} "
+              f"{r['acc75_amortised_us']:8.1f} {r['acc75_speedup_vs_conventional']:6.2f}")
 
 
 def main(argv=None) -> dict:
@@ -290,14 +243,11 @@ def main(argv=None) -> dict:
     p.add_argument("--widths", default="4,8,2")
     p.add_argument("--dtypes", default="float32", help="state dtypes, e.g. float32,bfloat16")
     p.add_argument("--iterations", type=int, default=3)
-    p.add_argument("--variant", action="append", default=[], metavar="FIELD=VALUE,...",
-                   help="a VerifyDecodeParams variant (repeatable; '' is the table's row); default: the table's row")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode, wall clock (CPU)")
     args = p.parse_args(argv)
     start = time.time()
     timer = Timer(args.smoke)
     ints = lambda s: [int(x) for x in s.split(",") if x]
-    variants = [(v or "table", parse_params(f"verify:{v}") if v else None) for v in args.variant] or [("table", None)]
     shape = Shape(2, 4, 16) if args.smoke else Shape()
     meta = versions()
     meta["copy_bandwidth_GBps"] = 1000.0 if args.smoke else copy_bandwidth_GBps(timer)
@@ -314,14 +264,12 @@ def main(argv=None) -> dict:
             print(f"budget reached: {len(result['rows'])} rows done", flush=True)
             break
         try:
-            rows = bench_rows(timer, shape, dt, L, t, b, meta["copy_bandwidth_GBps"], args.iterations, args.smoke,
-                              variants)
+            row = bench_row(timer, shape, dt, L, t, b, meta["copy_bandwidth_GBps"], args.iterations, args.smoke)
         except Exception as err:  # keep the rest of the grid; the error is in the log
             print(f"FAILED {dt.name} L={L} T={t} B={b}: {err!r}"[:2000], flush=True)
             continue
-        for row in rows:
-            print(f"row {json.dumps(row)}", flush=True)
-        result["rows"] += rows
+        print(f"row {json.dumps(row)}", flush=True)
+        result["rows"].append(row)
         with open(args.out, "w") as f:  # partial results survive a timeout
             json.dump(result, f, indent=1)
     with open(args.out, "w") as f:

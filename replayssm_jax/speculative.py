@@ -61,7 +61,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from replayssm_jax import gating
 from pallas_kernels import common
-from pallas_kernels.verify_decode import VerifyDecodeParams, verify_decode
+from pallas_kernels.verify_readout import VerifyReadoutParams, verify_readout
 from replayssm_jax.backends import pallas_triton, xla
 from replayssm_jax.plan import plan_step
 from replayssm_jax.state import ReplayState, check_state
@@ -201,7 +201,7 @@ def verify_step(
     use_qk_l2norm: bool = False,
     scale: float | None = None,
     gate_params: tuple[Array, Array] | Mamba2Params | None = None,
-    kernel_params: VerifyDecodeParams | None = None,
+    kernel_params: VerifyReadoutParams | None = None,
     interpret: bool | None = None,
 ) -> tuple[Float[Array, "B T Hv Dv"], ReplayState]:
     """Verify a draft window of T tokens per row (see the module doc for the math and the
@@ -216,18 +216,18 @@ def verify_step(
         `[B, T, H]`, optional z), with `gate_params=Mamba2Params(...)` (required).
       slots: `[B]` int, the physical slot of each row; negative = padding row (output 0,
         nothing written).
-      backend: "xla" (the readable specification) or "pallas_triton": one `verify_decode`
-        launch reads each checkpoint tile and the valid cache entries once, never forms
-        the live state in memory, solves the window on chip and writes the outputs, the
-        u records and the folded checkpoints in place; the k and g records (small) are
-        appended by XLA after it.
+      backend: "xla" (the readable specification) or "pallas_triton": the readouts
+        `S (exp(G_i) * k_i)`, `S (exp(G_i) * q_i)` of the live state (and, for folding rows,
+        the folded checkpoint) from one `verify_readout` kernel launch, which reads each
+        checkpoint tile once and never forms the live state in memory; the T x T solve,
+        the outputs and the appends stay in XLA (they touch only `[B, H_v, T, .]` arrays).
       lengths: optional `[B]` int in [0, T]: positions >= lengths[b] are padding (output 0,
         no record written, no effect on the capacity rule). Default: T for every row.
       parents: optional `[B, T]` int tree: `parents[b, i]` in [-1, i), -1 for a child of
         the current state. Default: a chain (`parents[b, i] = i - 1`).
       use_qk_l2norm, scale, gate_params: as in `decode_step` (Mamba-2 takes no
         use_qk_l2norm or scale).
-      kernel_params: with "pallas_triton", a `VerifyDecodeParams` in place of the launch
+      kernel_params: with "pallas_triton", a `VerifyReadoutParams` in place of the launch
         table's row (step "verify").
       interpret: with "pallas_triton", run the kernel in the Pallas interpreter (default:
         off GPU).
@@ -313,14 +313,12 @@ def _delta_window(state, window: Tokens, plan, fold, in_window, anc, *, backend,
     """The delta-rule window (GDN, KDA): `(y [B, T, H_v, d_v], records (u, k, g) [B, T, ...],
     checkpoint, (u, k, g cache pools to append to))`."""
     cfg = state.config
-    window = xla.gate_tokens(cfg, window, gate_params)
-    if backend == "pallas_triton":
-        return _pallas_window(state, window, plan, fold, in_window, anc, use_qk_l2norm=use_qk_l2norm,
-                              scale=scale, params=kernel_params, interpret=interpret)
+    batch, width = in_window.shape
     # Padding positions and rows are zeroed first: their garbage must not reach the solve
     # (a blocked triangular solve multiplies the zero entries of A with them).
     keep = _keeper(in_window)
     out_dtype = window.v.dtype
+    window = xla.gate_tokens(cfg, window, gate_params)
     window = jax.tree.map(lambda x: keep(x.astype(jnp.float32)), window)
     q, k = gating.prepare_qk(window.q, window.k, use_qk_l2norm=use_qk_l2norm, scale=scale)
     heads = lambda x: jnp.moveaxis(xla.expand_heads(x, cfg.group_size, axis=2), 1, 2)
@@ -328,13 +326,17 @@ def _delta_window(state, window: Tokens, plan, fold, in_window, anc, *, backend,
 
     qh, kh, gh = heads(q), heads(k), jnp.moveaxis(g, 1, 2)
     vh, betah = jnp.moveaxis(window.v, 1, 2), jnp.moveaxis(window.beta, 1, 2)
-    live, checkpoint = _folded_live(state, plan, fold, xla.replay_state(state, plan))
-    # The appends do not depend on the replay's reads of the caches; tie the caches to
-    # `live` so XLA orders the reads first and updates donated buffers in place (as in
-    # `xla.layer_step`; without it the caches are copied every step).
-    live, k_pool, g_pool = jax.lax.optimization_barrier((live, state.k_cache, state.g_cache))
-    pools = (state.u_cache, k_pool, g_pool)
-    y, u = window_outputs(live, qh, kh, vh, gh, betah, anc)
+    if backend == "xla":
+        live, checkpoint = _folded_live(state, plan, fold, xla.replay_state(state, plan))
+        # The appends do not depend on the replay's reads of the caches; tie the caches to
+        # `live` so XLA orders the reads first and updates donated buffers in place (as in
+        # `xla.layer_step`; without it the caches are copied every step).
+        live, k_pool, g_pool = jax.lax.optimization_barrier((live, state.k_cache, state.g_cache))
+        pools = (state.u_cache, k_pool, g_pool)
+        y, u = window_outputs(live, qh, kh, vh, gh, betah, anc)
+    else:
+        y, u, checkpoint, pools = _pallas_window(
+            state, plan, fold, qh, kh, vh, gh, betah, anc, kernel_params, interpret)
     y = keep(jnp.moveaxis(y, 2, 1)).astype(out_dtype)
     return y, (jnp.moveaxis(u, 2, 1), k, window.g), checkpoint, pools
 
@@ -394,8 +396,7 @@ def _mamba2_window(state, window: Mamba2Tokens, params: Mamba2Params, plan, fold
 def _append_window(state: ReplayState, plan, fold, in_window, checkpoint, pools, records) -> ReplayState:
     """The window's records `(u, k, g)` (Mamba-2: `(x, B, dt)`), each `[B, T, heads, ...]`,
     appended at `base .. base + length - 1` (`base` = 0 on folding rows, else the cursor);
-    folding rows' cursors become 0, others stay. `u` None: already written (the fused
-    kernel's records)."""
+    folding rows' cursors become 0, others stay."""
     cfg, num_slots = state.config, state.num_slots
     width = in_window.shape[1]
     u_pool, k_pool, g_pool = pools
@@ -405,7 +406,7 @@ def _append_window(state: ReplayState, plan, fold, in_window, checkpoint, pools,
     slot_bt = jnp.where(writes, plan.slot[:, None], num_slots)  # out of range: dropped
     pos_bt = base[:, None] + jnp.arange(width)[None, :]
     fold_slot = jnp.where(fold, plan.slot, num_slots)
-    u_cache = u_pool if u is None else u_pool.at[slot_bt, :, pos_bt].set(u.astype(cfg.cache_dtype), mode="drop")
+    u_cache = u_pool.at[slot_bt, :, pos_bt].set(u.astype(cfg.cache_dtype), mode="drop")
     k_cache = k_pool.at[slot_bt, :, pos_bt].set(k.astype(cfg.cache_dtype), mode="drop")
     g_cache = g_pool.at[slot_bt, :, pos_bt].set(g, mode="drop")
     write_pos = state.write_pos.at[fold_slot].set(0, mode="drop")
@@ -413,19 +414,19 @@ def _append_window(state: ReplayState, plan, fold, in_window, checkpoint, pools,
                                g_cache=g_cache, write_pos=write_pos)
 
 
-def _pallas_window(state, window: Tokens, plan, fold, in_window, anc, *, use_qk_l2norm, scale, params,
-                   interpret):
-    """`_delta_window` on one `verify_decode` launch: the outputs, the folding rows'
-    checkpoints and the u records come from the kernel (in place: the u record is None
-    here); the k and g records are left to `_append_window` (the kernel's doc says why)."""
-    length = jnp.sum(in_window, axis=1, dtype=jnp.int32)  # 0 on padding rows
-    y, checkpoint, *pools = verify_decode(
-        state.checkpoint, state.u_cache, state.k_cache, state.g_cache,
-        window.q, window.k, window.v, window.g, window.beta, anc.astype(jnp.int32),
-        plan.slot, plan.pos, common.row_modes(plan.valid, fold), length,
-        use_qk_l2norm=use_qk_l2norm, scale=scale, params=params, interpret=interpret)
-    _, k = gating.prepare_qk(window.q, window.k, use_qk_l2norm=use_qk_l2norm, scale=scale)
-    return y, (None, k, window.g), checkpoint, tuple(pools)
+def _pallas_window(state, plan, fold, q, k, v, g, beta, anc, params, interpret):
+    """`window_outputs` with the live state's readouts from the `verify_readout` kernel:
+    `(y, u, checkpoint with the folding rows' live states, (u, k, g caches))`."""
+    G = window_decay(g, anc)
+    decay = jnp.exp(G)
+    SK, SQ, checkpoint = verify_readout(
+        state.checkpoint, state.u_cache, state.k_cache, state.g_cache, decay * k, decay * q,
+        plan.slot, plan.pos, common.row_modes(plan.valid, fold), params=params, interpret=interpret)
+    # The appends do not depend on the kernel's reads of the caches: tie the caches to its
+    # results so XLA orders those reads first and updates donated caches in place.
+    SK, SQ, pools = jax.lax.optimization_barrier((SK, SQ, (state.u_cache, state.k_cache, state.g_cache)))
+    y, u = window_solve(SK, SQ, q, k, v, G, beta, anc)
+    return y, u, checkpoint, pools
 
 
 def accept(

@@ -86,7 +86,7 @@ def test_table_cases_list_each_reachable_row_once():
     assert len(params) == len(set(params)), "a row listed twice"
     for batch, p, length in cases:
         step = {"PlainParams": "plain", "FoldParams": "fold",
-                "VerifyDecodeParams": "verify"}.get(type(p).__name__, "replay")
+                "VerifyReadoutParams": "verify"}.get(type(p).__name__, "replay")
         assert pallas_triton.launch_row(step, "gdn", 4, batch, length).params == p
     gdn_fp32_rows = {row.params for row in pallas_triton.LAUNCH_TABLE
                      if row.gate in (None, "gdn") and row.state_bytes in (None, 4)}
@@ -95,20 +95,14 @@ def test_table_cases_list_each_reachable_row_once():
 
 def test_verify_bench_smoke_writes_its_rows(tmp_path):
     out = tmp_path / "verify.json"
-    result = verify_bench.main(["--smoke", "--batches", "2", "--cache-lens", "4", "--widths", "2", "--variant", "",
-                                "--variant", "block_v=16,fold_by_dot=1", "--out", str(out)])
+    result = verify_bench.main(["--smoke", "--batches", "2", "--cache-lens", "4", "--widths", "2", "--out", str(out)])
     saved = json.loads(out.read_text())
     assert saved["rows"] == json.loads(json.dumps(result["rows"]))
-    assert [r["variant"] for r in saved["rows"]] == ["table", "block_v=16,fold_by_dot=1"]
-    for row in saved["rows"]:
-        assert (row["L"], row["T"], row["B"]) == (4, 2, 2)
-        for key in ("conventional_us", "nonflush_us", "flush_us", "acc75_amortised_us", "flush_vs_plain"):
-            assert row[key] > 0, key
-        assert row["flush_bytes"] > row["nonflush_bytes"]
-        # Against the xla verify: y is rounded once to the inputs' bf16; the fp32 checkpoint
-        # of a fold differs by reordered fp32 sums only.
-        for kind in ("nonflush", "flush"):
-            assert row[f"{kind}_y_rel_err"] < 2.0**-8 and row[f"{kind}_checkpoint_rel_err"] < 1e-5, (kind, row)
+    (row,) = saved["rows"]
+    assert (row["L"], row["T"], row["B"]) == (4, 2, 2)
+    for key in ("conventional_us", "nonflush_us", "flush_us", "acc75_amortised_us"):
+        assert row[key] > 0, key
+    assert row["flush_bytes"] > row["nonflush_bytes"]
 
 
 @pytest.mark.parametrize("cache_len,width,accepted,want", [

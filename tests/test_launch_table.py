@@ -22,7 +22,7 @@ from pallas_kernels.mamba2_decode import Mamba2PlainParams, Mamba2ReplayParams
 from pallas_kernels.plain_decode import PlainParams
 from pallas_kernels.replay_decode import ReplayTileParams
 from pallas_kernels.replay_decode_grouped import ReplayGroupedParams
-from pallas_kernels.verify_decode import VerifyDecodeParams
+from pallas_kernels.verify_readout import VerifyReadoutParams
 from replayssm_jax.backends import pallas_triton
 from replayssm_jax.backends.pallas_triton import LAUNCH_TABLE, launch_row
 
@@ -31,7 +31,7 @@ RAW = ROOT / "benchmarks" / "results" / "raw"
 GATES, STATE_BYTES = ("gdn", "kda", "mamba2"), (4, 2)
 BATCHES = [*range(1, 300), 511, 512, 513, 1024, 4096]
 DELTA_STEP_TYPES = {"plain": (PlainParams,), "fold": (FoldParams,), "replay": (ReplayGroupedParams, ReplayTileParams),
-                    "verify": (VerifyDecodeParams,)}
+                    "verify": (VerifyReadoutParams,)}
 MAMBA2_STEP_TYPES = {"plain": (Mamba2PlainParams,), "fold": (Mamba2ReplayParams,), "replay": (Mamba2ReplayParams,)}
 
 
@@ -101,7 +101,7 @@ import kernel_registers  # noqa: E402
 KERNEL_NAMES = {PlainParams: "plain_decode", FoldParams: "replayssm_fold_decode",
                 ReplayTileParams: "replayssm_replay_decode", ReplayGroupedParams: "replayssm_replay_decode_grouped",
                 Mamba2PlainParams: "mamba2_plain_decode", Mamba2ReplayParams: "replayssm_mamba2_decode",
-                VerifyDecodeParams: "replayssm_verify_decode"}
+                VerifyReadoutParams: "replayssm_verify_readout"}
 
 
 def _h200_config(gate: str, nbytes: int, cache_len: int) -> R.ReplayConfig:
@@ -113,7 +113,7 @@ def _h200_config(gate: str, nbytes: int, cache_len: int) -> R.ReplayConfig:
 
 
 @pytest.mark.parametrize("params", [PlainParams(), FoldParams(), ReplayTileParams(), ReplayGroupedParams(),
-                                    Mamba2PlainParams(), Mamba2ReplayParams(), VerifyDecodeParams()], ids=repr)
+                                    Mamba2PlainParams(), Mamba2ReplayParams(), VerifyReadoutParams()], ids=repr)
 def test_each_kernel_lowers_under_its_own_name(params):
     # A profile tells the kernels apart by their pallas_call names.
     gate = "mamba2" if isinstance(params, (Mamba2PlainParams, Mamba2ReplayParams)) else "gdn"

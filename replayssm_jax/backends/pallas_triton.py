@@ -22,7 +22,7 @@ from pallas_kernels.mamba2_decode import Mamba2PlainParams, Mamba2ReplayParams, 
 from pallas_kernels.plain_decode import PlainParams, plain_decode
 from pallas_kernels.replay_decode import ReplayTileParams, replay_decode
 from pallas_kernels.replay_decode_grouped import ReplayGroupedParams, replay_decode_grouped
-from pallas_kernels.verify_decode import VerifyDecodeParams
+from pallas_kernels.verify_readout import VerifyReadoutParams
 from replayssm_jax.config import ReplayConfig
 from replayssm_jax.plan import FlushPolicy, StepPlan
 from replayssm_jax.state import ReplayState
@@ -30,13 +30,13 @@ from replayssm_jax.tokens import Tokens
 
 Step = Literal["plain", "fold", "replay", "verify"]
 KernelParams = (PlainParams | FoldParams | ReplayTileParams | ReplayGroupedParams | Mamba2PlainParams
-                | Mamba2ReplayParams | VerifyDecodeParams)
+                | Mamba2ReplayParams | VerifyReadoutParams)
 # The parameter classes each step accepts from a caller (the table's rows use the first).
 STEP_PARAMS: dict[str, tuple[type, ...]] = {
     "plain": (PlainParams,),
     "fold": (FoldParams,),
     "replay": (ReplayGroupedParams, ReplayTileParams, FoldParams),
-    "verify": (VerifyDecodeParams,),
+    "verify": (VerifyReadoutParams,),
 }
 # Mamba-2 (the additive rule) has its own kernels; a fold-every-step plan runs the replay
 # kernel with every live row flushing.
@@ -144,9 +144,9 @@ LAUNCH_TABLE: tuple[LaunchRow, ...] = (
               "h200_2026-11-30_v28_launch_order.json"),
     LaunchRow("replay", ANY, ANY, (257, None), _ALL, ReplayGroupedParams(32, 4, 8, rebuild_unroll=2, grid_order=_ROWS),
               "h200_2026-11-30_v28d_hv64.json"),
-    # speculative verify (`speculative.verify_step`): the fused kernel
-    *(LaunchRow("verify", gate, ANY, (1, None), _ALL, VerifyDecodeParams(),
-                "untuned: BV = 32, 4 warps, tf32x3 dots, exact fold, before any measurement of the fused kernel")
+    # speculative verify readouts (`speculative.verify_step`)
+    *(LaunchRow("verify", gate, ANY, (1, None), _ALL, VerifyReadoutParams(),
+                "untuned: the grouped replay rows' tile (BV = 32, 4 warps), before any verify measurement")
       for gate in ("gdn", "kda")),
 )
 
@@ -189,13 +189,13 @@ def launch_params(config: ReplayConfig, batch: int, policy: FlushPolicy,
 
 
 def verify_params(config: ReplayConfig, batch: int,
-                  kernel_params: VerifyDecodeParams | None = None) -> VerifyDecodeParams:
+                  kernel_params: VerifyReadoutParams | None = None) -> VerifyReadoutParams:
     """`kernel_params` (checked) or the table's row for a verify step of `batch` rows."""
     if kernel_params is None:
         return launch_row("verify", config.gate, config.state_dtype.itemsize, batch, config.cache_len).params
-    if not isinstance(kernel_params, VerifyDecodeParams):
-        raise ValueError(f"a verify step runs the verify_decode kernel: kernel_params must be "
-                         f"VerifyDecodeParams, got {type(kernel_params).__name__}")
+    if not isinstance(kernel_params, VerifyReadoutParams):
+        raise ValueError(f"a verify step runs the verify_readout kernel: kernel_params must be "
+                         f"VerifyReadoutParams, got {type(kernel_params).__name__}")
     return kernel_params
 
 
