@@ -15,6 +15,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks
 
 import decode_bench  # noqa: E402
 import kernel_registers  # noqa: E402
+import mosaic_bench  # noqa: E402
 import verify_bench  # noqa: E402
 from pallas_kernels.common import GridOrder  # noqa: E402
 from pallas_kernels.fold_decode import FoldParams  # noqa: E402
@@ -43,6 +44,17 @@ def test_decode_bench_smoke_writes_every_section(tmp_path):
     assert {r["kernel"] for r in saved["rows"] if r["gate"] == "kda" and r["policy"] == "natural"} == {
         "ReplayGroupedParams"}
     assert len(saved["steps"][0]["replay_step_us"]) == 4
+
+
+def test_mosaic_bench_smoke(tmp_path):
+    """The Mosaic GPU bench end to end in interpret mode: the check agrees with xla and the
+    sweep row carries both backends' cycles."""
+    out = tmp_path / "mosaic.json"
+    mosaic_bench.main(["--smoke", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert all(row["checkpoint"] < 1e-5 and row["write_pos_equal"] for row in result["check"])
+    assert {row["cursors"] for row in result["sweep"]} == {"sync", "staggered"}
+    assert all(row["mosaic_cycle_us"] > 0 and row["triton_cycle_us"] > 0 for row in result["sweep"])
 
 
 def test_decode_bench_mamba2_smoke(tmp_path):
