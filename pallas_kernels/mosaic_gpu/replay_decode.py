@@ -4,9 +4,10 @@ Grid `(B, H_v * d_v / BV)`, one warpgroup (128 threads) per CTA, BV = 64: CTA (b
 serves value rows `t*BV .. t*BV + BV - 1` of value head h of row b, whose slot, cursor
 `pos` and mode (padding / append / flush) it reads from `[B]` arrays.
 
-Data movement (TMA, one barrier): the checkpoint tile `S_c [BV, d_k]` (swizzled), the
-slot's u records `[L, BV]` of this tile, its key records `[L, d_k]` (key head h // G) and
-its log-decays `[L]` land in shared memory; everything else is registers.
+Data movement (TMA, one barrier): the checkpoint tile `S_c [BV, d_k]`, the slot's u
+records `[L, BV]` of this tile and its key records `[L, d_k]` (key head h // G), all
+swizzled, and its log-decays `[L]` land in shared memory; flush rows fetch a second,
+untiled copy of the records for the rebuild; everything else is registers.
 
 Layouts (Hopper WGMMA family, `m % 64 == 0 == n % 8`):
 - `S_c` in `WGMMA` `[BV, d_k]`; `S_c x` is a row reduction into `ROW = WGMMA.reduce(1)`
@@ -154,7 +155,7 @@ def _rebuild_exact(s_c, decay_total, u_smem, k_smem, g_smem, pos):
 def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, q_row_ref, k_row_ref, v_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref,
             ckpt_ref, ucache_ref, kcache_ref, gcache_ref,
             y_ref,
-            t_smem, u_smem, k_smem, g_smem, o_smem, barrier,
+            t_smem, u_smem, k_smem, g_smem, o_smem, u_rows, k_rows, barrier, rows_barrier,
             *, group_size, tiles, use_qk_l2norm, scale, raw_gates):
     b = lax.axis_index("b")
     hv = lax.axis_index("hv")
@@ -236,7 +237,12 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, q_row_ref, k_row_ref, v_r
 
         @pl.when(mode == MODE_FLUSH)
         def _flush():
-            prev = _rebuild_exact(s_c, decay_total, u_smem, k_smem, g_smem, pos)
+            # The rebuild reads single records at a dynamic index, which the swizzled
+            # buffers cannot serve: flush rows fetch an untiled copy (L2-resident).
+            plgpu.copy_gmem_to_smem(ucache_ref.at[slot, h, :, rows], u_rows, rows_barrier)
+            plgpu.copy_gmem_to_smem(kcache_ref.at[slot, hk], k_rows, rows_barrier)
+            plgpu.barrier_wait(rows_barrier)
+            prev = _rebuild_exact(s_c, decay_total, u_rows, k_rows, g_smem, pos)
             new = alpha * prev + _bcast_rows(u, prev.shape) * _bcast_cols(k_col, prev.shape)
             t_smem[...] = new.astype(t_smem.dtype)
             plgpu.commit_smem()
@@ -256,12 +262,16 @@ def _build(batch, num_v_heads, head_v_dim, head_k_dim, cache_len, state_dtype, c
         out_type=jax.ShapeDtypeStruct((batch, num_v_heads, head_v_dim), y_dtype),
         scratch_types=[
             plgpu.SMEM((BLOCK_V, head_k_dim), state_dtype, transforms=_tiled(swizzle, state_dtype)),
-            # Untiled: the flush rebuild reads single records at a dynamic index.
-            plgpu.SMEM((cache_len, BLOCK_V), cache_dtype),
-            plgpu.SMEM((cache_len, head_k_dim), cache_dtype),
+            # Swizzled record tiles for the transposed readout loads (untiled ones
+            # conflict on shared-memory banks); untiled copies for the flush rebuild.
+            plgpu.SMEM((cache_len, BLOCK_V), cache_dtype, transforms=_tiled(128, cache_dtype)),
+            plgpu.SMEM((cache_len, head_k_dim), cache_dtype, transforms=_tiled(128, cache_dtype)),
             plgpu.SMEM((cache_len,), _F32),
             plgpu.SMEM((BLOCK_V,), y_dtype),
+            plgpu.SMEM((cache_len, BLOCK_V), cache_dtype),
+            plgpu.SMEM((cache_len, head_k_dim), cache_dtype),
             plgpu.Barrier(num_arrivals=4),
+            plgpu.Barrier(num_arrivals=2),
         ],
         grid=(batch, num_v_heads * tiles),
         grid_names=("b", "hv"),
