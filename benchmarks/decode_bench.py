@@ -289,12 +289,18 @@ def time_replay(timer, cfg, batch, params, policy, rng, iterations, smoke, stagg
         return None, statistics.median(times), statistics.median(times)
     if staggered or timer.smoke:
         return None, None, statistics.median(times)
-    per_run = rotations * L
-    step_of = lambda i: (i % per_run) // rotations
+    if L == 1:
+        return None, statistics.median(times), statistics.median(times)
+    return split_cycle(times, rotations, L)
+
+
+def split_cycle(times: list[float], rotations: int, cache_len: int) -> tuple[float, float, float]:
+    """(non-flush, flush, cycle-amortised) median µs of synchronised cycles given in launch
+    order (step L - 1 flushes every row)."""
+    L = cache_len
+    step_of = lambda i: (i % (rotations * L)) // rotations
     flush = [t for i, t in enumerate(times) if step_of(i) == L - 1]
     nonflush = [t for i, t in enumerate(times) if step_of(i) != L - 1]
-    if L == 1:
-        return None, statistics.median(flush), statistics.median(flush)
     nf, fl = statistics.median(nonflush), statistics.median(flush)
     return nf, fl, ((L - 1) * nf + fl) / L
 

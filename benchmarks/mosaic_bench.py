@@ -73,12 +73,7 @@ def time_mosaic(timer, cfg, batch, rng, iterations, smoke, staggered):
                                "" if smoke else MOSAIC_KERNEL, iterations)
     if staggered or smoke:
         return None, None, statistics.median(times)
-    L, rotations = cfg.cache_len, len(sets)
-    step_of = lambda i: (i % (rotations * L)) // rotations
-    flush = [t for i, t in enumerate(times) if step_of(i) == L - 1]
-    nonflush = [t for i, t in enumerate(times) if step_of(i) != L - 1]
-    nf, fl = statistics.median(nonflush), statistics.median(flush)
-    return nf, fl, ((L - 1) * nf + fl) / L
+    return db.split_cycle(times, len(sets), cfg.cache_len)
 
 
 def rel(a, b) -> float:
