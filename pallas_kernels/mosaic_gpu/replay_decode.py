@@ -49,13 +49,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels.common import L2NORM_EPS, MODE_APPEND, MODE_FLUSH, MODE_PAD, SOFTPLUS_THRESHOLD
+from pallas_kernels.common import L2NORM_EPS, MODE_APPEND, MODE_FLUSH, MODE_PAD
+from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA, bcast_cols, bcast_rows, col_sum,
+                                              load_transposed, row_sum, softplus, tiled)
 
-_WGMMA = plgpu.Layout.WGMMA
-_ROW = _WGMMA.reduce(1)
-_COL = _WGMMA.reduce(0)
-_F32 = jnp.float32
-BLOCK_V = 64  # one warpgroup's WGMMA tile height
+BLOCK_V = BLOCK_ROWS
 MAX_CACHE_LEN = 256  # shared memory per CTA: the u and k records of the whole ring
 
 
@@ -87,32 +85,14 @@ def check_shapes(head_k_dim: int, head_v_dim: int, cache_len: int, state_itemsiz
         raise ValueError(f"mosaic_gpu needs cache_len a multiple of 8 in [8, {MAX_CACHE_LEN}], got {cache_len}")
 
 
-def _tiled(swizzle: int, dtype) -> tuple:
-    return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
-def _bcast_rows(x, shape):
-    """A `ROW` vector `[M]` repeated along the columns of `[M, N]` (`WGMMA`)."""
-    return plgpu.layout_cast(lax.broadcast_in_dim(plgpu.layout_cast(x, _ROW), shape, [0]), _WGMMA)
 
 
-def _bcast_cols(x, shape):
-    """A `COL` vector `[N]` repeated along the rows of `[M, N]` (`WGMMA`)."""
-    return plgpu.layout_cast(lax.broadcast_in_dim(plgpu.layout_cast(x, _COL), shape, [1]), _WGMMA)
 
 
-def _row_sum(x):
-    """`[M, N]` (`WGMMA`) summed over N: `ROW [M]`."""
-    return plgpu.layout_cast(jnp.sum(x, axis=1), _ROW)
 
 
-def _col_sum(x):
-    """`[M, N]` (`WGMMA`) summed over M: `COL [N]`."""
-    return plgpu.layout_cast(jnp.sum(x, axis=0), _COL)
-
-
-def _softplus(x):
-    return jnp.where(x > SOFTPLUS_THRESHOLD, x, jnp.log(1.0 + jnp.exp(jnp.minimum(x, SOFTPLUS_THRESHOLD))))
 
 
 def _decay_weights(g_smem, pos, cache_len):
@@ -121,8 +101,8 @@ def _decay_weights(g_smem, pos, cache_len):
     The valid entries' decays are multiplied newest first as scalars (unrolled over the
     ring; an entry at or past `pos` leaves the product unchanged through a select, so a
     stale g, NaN included, is never used)."""
-    j = plgpu.broadcasted_iota(jnp.int32, (cache_len,), 0, layout=_COL)
-    weights = plgpu.layout_cast(jnp.zeros((cache_len,), _F32), _COL)
+    j = plgpu.broadcasted_iota(jnp.int32, (cache_len,), 0, layout=COL)
+    weights = plgpu.layout_cast(jnp.zeros((cache_len,), F32), COL)
     running = jnp.float32(1.0)
     for i in reversed(range(cache_len)):
         live = i < pos
@@ -131,10 +111,6 @@ def _decay_weights(g_smem, pos, cache_len):
     return weights, running
 
 
-def _load_transposed(smem):
-    """A `[R, C]` shared-memory buffer as a `[C, R]` `WGMMA`-layout array in fp32."""
-    x = plgpu.load(smem.T, layout=plgpu.Layout.WGMMA_TRANSPOSED, optimized=False)
-    return plgpu.layout_cast(x, _WGMMA).astype(_F32)
 
 
 def _rebuild_exact(s_c, decay_total, u_smem, k_smem, g_smem, pos):
@@ -143,9 +119,9 @@ def _rebuild_exact(s_c, decay_total, u_smem, k_smem, g_smem, pos):
     def body(i, carry):
         state, weight = carry
         j = pos - 1 - i
-        u_j = plgpu.load(u_smem.at[j], layout=_ROW, optimized=False).astype(_F32)
-        k_j = plgpu.load(k_smem.at[j], layout=_COL, optimized=False).astype(_F32)
-        state = state + _bcast_rows(weight * u_j, state.shape) * _bcast_cols(k_j, state.shape)
+        u_j = plgpu.load(u_smem.at[j], layout=ROW, optimized=False).astype(F32)
+        k_j = plgpu.load(k_smem.at[j], layout=COL, optimized=False).astype(F32)
+        state = state + bcast_rows(weight * u_j, state.shape) * bcast_cols(k_j, state.shape)
         return state, weight * jnp.exp(g_smem[j])
 
     state, _ = lax.fori_loop(0, pos, body, (s_c * decay_total, jnp.float32(1.0)))
@@ -167,7 +143,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, q_row_ref, k_row_ref, v_r
 
     @pl.when(mode == MODE_PAD)
     def _padding_row():
-        o_smem[...] = plgpu.layout_cast(jnp.zeros((BLOCK_V,), o_smem.dtype), _ROW)
+        o_smem[...] = plgpu.layout_cast(jnp.zeros((BLOCK_V,), o_smem.dtype), ROW)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_smem, y_ref.at[b, h, rows])
 
@@ -180,12 +156,12 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, q_row_ref, k_row_ref, v_r
         plgpu.copy_gmem_to_smem(gcache_ref.at[slot, h], g_smem, barrier)
 
         # The token, while the copies fly: q, k in both vector layouts, gates as scalars.
-        q_col = plgpu.load(q_ref.at[b, hk], layout=_COL, optimized=False).astype(_F32)
-        k_col = plgpu.load(k_ref.at[b, hk], layout=_COL, optimized=False).astype(_F32)
+        q_col = plgpu.load(q_ref.at[b, hk], layout=COL, optimized=False).astype(F32)
+        k_col = plgpu.load(k_ref.at[b, hk], layout=COL, optimized=False).astype(F32)
         # Layout inference cannot give two layouts to loads of one ref: the ROW copies
         # come from second refs to the same arrays.
-        q_row = plgpu.load(q_row_ref.at[b, hk], layout=_ROW, optimized=False).astype(_F32)
-        k_row = plgpu.load(k_row_ref.at[b, hk], layout=_ROW, optimized=False).astype(_F32)
+        q_row = plgpu.load(q_row_ref.at[b, hk], layout=ROW, optimized=False).astype(F32)
+        k_row = plgpu.load(k_row_ref.at[b, hk], layout=ROW, optimized=False).astype(F32)
         q_scale, k_scale = jnp.float32(scale), jnp.float32(1.0)
         if use_qk_l2norm:
             q_scale = q_scale * lax.rsqrt(jnp.sum(q_col * q_col) + L2NORM_EPS)
@@ -193,28 +169,28 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, q_row_ref, k_row_ref, v_r
         q_col, q_row = q_col * q_scale, q_row * q_scale
         k_col, k_row = k_col * k_scale, k_row * k_scale
         k_dot_q = jnp.sum(k_col * q_col)
-        g = g_ref[b, h].astype(_F32)
-        beta = beta_ref[b, h].astype(_F32)
+        g = g_ref[b, h].astype(F32)
+        beta = beta_ref[b, h].astype(F32)
         if raw_gates:
-            g = -jnp.exp(a_log_ref[h].astype(_F32)) * _softplus(g + dt_bias_ref[h].astype(_F32))
+            g = -jnp.exp(a_log_ref[h].astype(F32)) * softplus(g + dt_bias_ref[h].astype(F32))
             beta = 1.0 / (1.0 + jnp.exp(-beta))
         alpha = jnp.exp(g)
-        v_row = plgpu.load(v_ref.at[b, h, rows], layout=_ROW, optimized=False).astype(_F32)
+        v_row = plgpu.load(v_ref.at[b, h, rows], layout=ROW, optimized=False).astype(F32)
 
         plgpu.barrier_wait(barrier)
         weights, decay_total = _decay_weights(g_smem, pos, cache_len)
-        keys_t = _load_transposed(k_smem)  # [Dk, L]
-        j = plgpu.broadcasted_iota(jnp.int32, (BLOCK_V, cache_len), 1, layout=_WGMMA)
-        u_t = jnp.where(j < pos, _load_transposed(u_smem), 0.0)  # [BV, L], stale entries 0
-        valid = plgpu.broadcasted_iota(jnp.int32, (cache_len,), 0, layout=_COL) < pos
-        s_c = plgpu.load(t_smem, layout=_WGMMA).astype(_F32)  # [BV, Dk]
+        keys_t = load_transposed(k_smem)  # [Dk, L]
+        j = plgpu.broadcasted_iota(jnp.int32, (BLOCK_V, cache_len), 1, layout=WGMMA)
+        u_t = jnp.where(j < pos, load_transposed(u_smem), 0.0)  # [BV, L], stale entries 0
+        valid = plgpu.broadcasted_iota(jnp.int32, (cache_len,), 0, layout=COL) < pos
+        s_c = plgpu.load(t_smem, layout=WGMMA).astype(F32)  # [BV, Dk]
 
         def readout(x_col, x_row):
             """`S_{t-1} x` `[BV]` (ROW) for x given in both layouts."""
-            c = _col_sum(keys_t * _bcast_rows(x_row, keys_t.shape))  # K x, [L]
+            c = col_sum(keys_t * bcast_rows(x_row, keys_t.shape))  # K x, [L]
             c = jnp.where(valid, c * weights, 0.0)
-            history = _row_sum(u_t * _bcast_cols(c, u_t.shape))
-            return history + decay_total * _row_sum(s_c * _bcast_cols(x_col, s_c.shape))
+            history = row_sum(u_t * bcast_cols(c, u_t.shape))
+            return history + decay_total * row_sum(s_c * bcast_cols(x_col, s_c.shape))
 
         s_k = alpha * readout(k_col, k_row)
         s_q = alpha * readout(q_col, q_row)
@@ -243,7 +219,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, q_row_ref, k_row_ref, v_r
             plgpu.copy_gmem_to_smem(kcache_ref.at[slot, hk], k_rows, rows_barrier)
             plgpu.barrier_wait(rows_barrier)
             prev = _rebuild_exact(s_c, decay_total, u_rows, k_rows, g_smem, pos)
-            new = alpha * prev + _bcast_rows(u, prev.shape) * _bcast_cols(k_col, prev.shape)
+            new = alpha * prev + bcast_rows(u, prev.shape) * bcast_cols(k_col, prev.shape)
             t_smem[...] = new.astype(t_smem.dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(t_smem, ckpt_ref.at[slot, h, rows])
@@ -261,12 +237,12 @@ def _build(batch, num_v_heads, head_v_dim, head_k_dim, cache_len, state_dtype, c
         body,
         out_type=jax.ShapeDtypeStruct((batch, num_v_heads, head_v_dim), y_dtype),
         scratch_types=[
-            plgpu.SMEM((BLOCK_V, head_k_dim), state_dtype, transforms=_tiled(swizzle, state_dtype)),
+            plgpu.SMEM((BLOCK_V, head_k_dim), state_dtype, transforms=tiled(swizzle, state_dtype)),
             # Swizzled record tiles for the transposed readout loads (untiled ones
             # conflict on shared-memory banks); untiled copies for the flush rebuild.
-            plgpu.SMEM((cache_len, BLOCK_V), cache_dtype, transforms=_tiled(128, cache_dtype)),
-            plgpu.SMEM((cache_len, head_k_dim), cache_dtype, transforms=_tiled(128, cache_dtype)),
-            plgpu.SMEM((cache_len,), _F32),
+            plgpu.SMEM((cache_len, BLOCK_V), cache_dtype, transforms=tiled(128, cache_dtype)),
+            plgpu.SMEM((cache_len, head_k_dim), cache_dtype, transforms=tiled(128, cache_dtype)),
+            plgpu.SMEM((cache_len,), F32),
             plgpu.SMEM((BLOCK_V,), y_dtype),
             plgpu.SMEM((cache_len, BLOCK_V), cache_dtype),
             plgpu.SMEM((cache_len, head_k_dim), cache_dtype),
@@ -315,7 +291,7 @@ def replay_decode_mgpu(
     check_shapes(head_k_dim, head_v_dim, cache_len, checkpoint.dtype.itemsize, params.swizzle)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    a_log, dt_bias = gate_params if gate_params is not None else (jnp.zeros((1,), _F32),) * 2
+    a_log, dt_bias = gate_params if gate_params is not None else (jnp.zeros((1,), F32),) * 2
     kernel = _build(
         batch, num_v_heads, head_v_dim, head_k_dim, cache_len, checkpoint.dtype, u_cache.dtype, v.dtype,
         num_v_heads // q.shape[1], bool(use_qk_l2norm), float(head_k_dim ** -0.5 if scale is None else scale),
