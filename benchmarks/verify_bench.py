@@ -1,5 +1,5 @@
-"""GPU benchmark of speculative verify: ReplaySSM `verify_step` (pallas_triton) against the
-project's conventional verify (one process, table + JSON).
+"""GPU benchmark of speculative verify: ReplaySSM `verify_step` (pallas_triton and mosaic_gpu)
+against the project's conventional verify (one process, table + JSON).
 
 Per (state dtype, L, T, B), GDN H_k = 16, H_v = 32, d = 128:
 
@@ -9,9 +9,11 @@ Per (state dtype, L, T, B), GDN H_k = 16, H_v = 32, d = 128:
                 buffer t. Timing stand-in: launch t reads its input state from buffer t, not
                 from buffer t - 1 (the same bytes and work as the chained recurrence; the
                 values are not used), so no buffer is copied between launches.
-  nonflush      `verify_step(backend="pallas_triton")` with every row at write_pos = L - T
+  nonflush      `verify_step(backend=...)` per backend with every row at write_pos = L - T
                 (the longest history that still fits the window: the costliest non-flush
-                step), all of its kernels (the readout kernel and XLA's solve and appends).
+                step), all of its kernels (pallas_triton: the readout kernel and XLA's solve
+                and appends; mosaic_gpu: the one verify kernel and XLA's scatter of folding
+                rows' key and gate records).
   flush         the same with write_pos = L (every row folds its whole ring first).
   amortised     per verify step at acceptance 50 / 75 / 100 % of T (the bonus token
                 included, n = max(1, round(a T)) records accepted per step): the flush
@@ -60,7 +62,8 @@ from decode_bench import (  # noqa: E402
 from pallas_kernels.plain_decode import plain_decode  # noqa: E402
 
 ACCEPTANCE = (0.5, 0.75, 1.0)
-READOUT_KERNEL = "replayssm_verify_readout"
+BACKENDS = ("pallas_triton", "mosaic_gpu")
+MAIN_KERNEL = {"pallas_triton": "replayssm_verify_readout", "mosaic_gpu": "replayssm_verify_decode_mgpu"}
 
 
 def random_window(cfg: R.ReplayConfig, batch: int, width: int, key) -> R.Tokens:
@@ -77,7 +80,7 @@ def random_window(cfg: R.ReplayConfig, batch: int, width: int, key) -> R.Tokens:
 
 
 @functools.lru_cache(maxsize=None)
-def verify_fn(interpret: bool, reps: int):
+def verify_fn(backend: str, interpret: bool, reps: int):
     """jit: `reps` rounds of one verify step over each slot set in turn. No accept, and
     every step starts from the given cursors (a folding step's reset cursor is dropped), so
     every step is the same kind. Steps alternate between two windows (`windows` has a
@@ -90,8 +93,7 @@ def verify_fn(interpret: bool, reps: int):
             window = jax.tree.map(lambda x: x[which], windows)
             st = dataclasses.replace(state, checkpoint=arrays[0], u_cache=arrays[1], k_cache=arrays[2],
                                      g_cache=arrays[3])
-            y, st = R.verify_step(st, window, slots, backend="pallas_triton", use_qk_l2norm=True,
-                                  interpret=interpret)
+            y, st = R.verify_step(st, window, slots, backend=backend, use_qk_l2norm=True, interpret=interpret)
             return (st.checkpoint, st.u_cache, st.k_cache, st.g_cache), y[0, 0, 0, 0]
 
         arrays = (state.checkpoint, state.u_cache, state.k_cache, state.g_cache)
@@ -173,14 +175,13 @@ def conventional_bytes(cfg: R.ReplayConfig, batch: int, width: int) -> int:
     return batch * width * (2 * hv * dv * dk * cfg.state_dtype.itemsize + tokens)
 
 
-def bench_row(timer, shape, dtype, cache_len, width, batch, bandwidth, iterations, smoke) -> dict:
+def bench_row(timer, shape, dtype, cache_len, width, batch, bandwidth, iterations, smoke, backends) -> dict:
     cfg = shape.config(cache_len, dtype)
     rng = np.random.default_rng(batch * 100 + cache_len * 10 + width)
     sets, num_slots = slot_sets(batch, cfg.state_bytes_per_slot(), rng, smoke)
     window = random_window(cfg, batch, width, jax.random.key(2))
     windows = jax.tree.map(lambda a, b: jnp.stack([a, b]), window, random_window(cfg, batch, width, jax.random.key(3)))
     reps = 1 if smoke else max(1, -(-8 // len(sets)))  # >= 8 steps per run: one-off copies stand out
-    steps = reps * len(sets)
     row = dict(gate=shape.gate, state_dtype=jnp.dtype(dtype).name, L=cache_len, T=width, B=batch,
                H_k=shape.num_k_heads, H_v=shape.num_v_heads, d=shape.head_dim, slot_sets=len(sets))
 
@@ -193,45 +194,87 @@ def bench_row(timer, shape, dtype, cache_len, width, batch, bandwidth, iteration
     # One run serves len(sets) verify steps of T launches each.
     row["conventional_us"] = times[0] if smoke else sum(times) / (iterations * len(sets))
 
-    for kind, cursor in (("nonflush", cache_len - width), ("flush", cache_len)):
-        state = random_pool(cfg, num_slots, jax.random.key(1), np.full(num_slots, cursor))
-        fn = verify_fn(smoke, reps)  # one jit: the flush step reuses the non-flush compile
-        verify_args = (state, jnp.asarray(sets), windows)
-        if smoke:
-            row[f"{kind}_us"] = timer.kernel_times(fn, verify_args, "", 1)[0] / steps
-            row[f"{kind}_readout_us"] = None
-        else:
-            runs = kernel_runs(fn, verify_args, iterations)
-            row[f"{kind}_us"], row[f"{kind}_kernels"] = per_step_us(runs, steps)
-            # Every kernel of a run, one-off copies included, over its steps: an upper bound
-            # that shows what the per-step filter left out.
-            row[f"{kind}_all_kernels_us"] = statistics.median(sum(us for _, us in run) / steps for run in runs)
-            row[f"{kind}_readout_us"] = statistics.median(
-                us for run in runs for name, us in run if READOUT_KERNEL in name)
+    for kind in ("nonflush", "flush"):
         nbytes = verify_bytes(cfg, batch, width, kind == "flush")
         row[f"{kind}_bytes"] = nbytes
         row[f"{kind}_floor_us"] = nbytes / (bandwidth * 1e9) * 1e6
-        row[f"{kind}_floor_fraction"] = row[f"{kind}_floor_us"] / row[f"{kind}_us"]
     row["conventional_bytes"] = conventional_bytes(cfg, batch, width)
     row["conventional_floor_fraction"] = row["conventional_bytes"] / (bandwidth * 1e9) * 1e6 / row["conventional_us"]
-    for a in ACCEPTANCE:
-        accepted = max(1, round(a * width))
-        f = flush_fraction(cache_len, width, accepted)
-        amortised = f * row["flush_us"] + (1 - f) * row["nonflush_us"]
-        key = f"acc{round(a * 100)}"
-        row[f"{key}_flush_fraction"] = f
-        row[f"{key}_amortised_us"] = amortised
-        row[f"{key}_speedup_vs_conventional"] = row["conventional_us"] / amortised
+    row["backends"] = {b: backend_times(timer, b, cfg, num_slots, sets, windows, reps, row, iterations, smoke)
+                       for b in backends}
     return row
 
 
+def backend_times(timer, backend, cfg, num_slots, sets, windows, reps, row, iterations, smoke) -> dict:
+    """One backend's non-flush and flush step times, floor fractions and the amortised cost
+    per verify step at each acceptance rate (`row` holds the bytes and the conventional
+    time)."""
+    cache_len, width = row["L"], row["T"]
+    steps = reps * len(sets)
+    out = {}
+    for kind, cursor in (("nonflush", cache_len - width), ("flush", cache_len)):
+        state = random_pool(cfg, num_slots, jax.random.key(1), np.full(num_slots, cursor))
+        fn = verify_fn(backend, smoke, reps)  # one jit: the flush step reuses the non-flush compile
+        verify_args = (state, jnp.asarray(sets), windows)
+        if smoke:
+            out[f"{kind}_us"] = timer.kernel_times(fn, verify_args, "", 1)[0] / steps
+            out[f"{kind}_main_kernel_us"] = None
+        else:
+            runs = kernel_runs(fn, verify_args, iterations)
+            out[f"{kind}_us"], out[f"{kind}_kernels"] = per_step_us(runs, steps)
+            # Every kernel of a run, one-off copies included, over its steps: an upper bound
+            # that shows what the per-step filter left out.
+            out[f"{kind}_all_kernels_us"] = statistics.median(sum(us for _, us in run) / steps for run in runs)
+            out[f"{kind}_main_kernel_us"] = statistics.median(
+                us for run in runs for name, us in run if MAIN_KERNEL[backend] in name)
+        out[f"{kind}_floor_fraction"] = row[f"{kind}_floor_us"] / out[f"{kind}_us"]
+    for a in ACCEPTANCE:
+        accepted = max(1, round(a * width))
+        f = flush_fraction(cache_len, width, accepted)
+        amortised = f * out["flush_us"] + (1 - f) * out["nonflush_us"]
+        key = f"acc{round(a * 100)}"
+        out[f"{key}_flush_fraction"] = f
+        out[f"{key}_amortised_us"] = amortised
+        out[f"{key}_speedup_vs_conventional"] = row["conventional_us"] / amortised
+    return out
+
+
+def check(shape, backends, smoke) -> dict:
+    """Each backend's verify against xla on one state whose rows mix appending, folding
+    (history + window past the ring), empty and padding rows, with ragged lengths and a tree
+    window: the largest relative error of y and of every state array."""
+    cfg = shape.config(16 if not smoke else 8, jnp.float32)
+    batch, width, num_slots = 8, 4, 10
+    rng = np.random.default_rng(0)
+    cursors = rng.integers(0, cfg.cache_len + 1, num_slots)
+    state = random_pool(cfg, num_slots, jax.random.key(1), cursors)
+    slots = jnp.asarray(np.where(np.arange(batch) == 3, -1, rng.permutation(num_slots)[:batch]), jnp.int32)
+    window = random_window(cfg, batch, width, jax.random.key(4))
+    extra = dict(lengths=jnp.asarray(rng.integers(0, width + 1, batch), jnp.int32),
+                 parents=jnp.asarray(np.stack([rng.integers(-1, np.arange(width)) for _ in range(batch)]), jnp.int32))
+    run = jax.jit(R.verify_step, static_argnames=("backend", "use_qk_l2norm", "interpret"))
+    want = run(state, window, slots, backend="xla", use_qk_l2norm=True, **extra)
+    rel = lambda a, b: float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)))
+                             / (jnp.max(jnp.abs(b.astype(jnp.float32))) + 1e-30))
+    out = {}
+    for b in backends:
+        y, st = run(state, window, slots, backend=b, use_qk_l2norm=True, interpret=smoke, **extra)
+        out[b] = dict(y=rel(y, want[0]), **{name: rel(getattr(st, name), getattr(want[1], name))
+                                           for name in ("checkpoint", "u_cache", "k_cache", "g_cache")},
+                      write_pos_equal=bool(jnp.all(st.write_pos == want[1].write_pos)))
+    return dict(folding_rows=int(np.sum((np.asarray(slots) >= 0)
+                                        & (cursors[np.maximum(np.asarray(slots), 0)] + np.asarray(extra["lengths"])
+                                           > cfg.cache_len))), backends=out)
+
+
 def print_table(rows: list[dict]) -> None:
-    print(f"{'dtype':>8} {'L':>3} {'T':>2} {'B':>4} {'conv':>8} {'nonfl':>8} {'flush':>8} {'nf floor':>8} "
-          f"{'amort75':>8} {'x conv':>6}")
+    print(f"{'backend':>13} {'dtype':>8} {'L':>3} {'T':>2} {'B':>4} {'conv':>8} {'nonfl':>8} {'flush':>8} "
+          f"{'nf floor':>8} {'amort75':>8} {'x conv':>6}")
     for r in rows:
-        print(f"{r['state_dtype']:>8} {r['L']:>3} {r['T']:>2} {r['B']:>4} {r['conventional_us']:8.1f} "
-              f"{r['nonflush_us']:8.1f} {r['flush_us']:8.1f} {r['nonflush_floor_fraction']:8.2f} "
-              f"{r['acc75_amortised_us']:8.1f} {r['acc75_speedup_vs_conventional']:6.2f}")
+        for name, b in r["backends"].items():
+            print(f"{name:>13} {r['state_dtype']:>8} {r['L']:>3} {r['T']:>2} {r['B']:>4} {r['conventional_us']:8.1f} "
+                  f"{b['nonflush_us']:8.1f} {b['flush_us']:8.1f} {b['nonflush_floor_fraction']:8.2f} "
+                  f"{b['acc75_amortised_us']:8.1f} {b['acc75_speedup_vs_conventional']:6.2f}")
 
 
 def main(argv=None) -> dict:
@@ -242,20 +285,23 @@ def main(argv=None) -> dict:
     p.add_argument("--cache-lens", default="16,32")
     p.add_argument("--widths", default="4,8,2")
     p.add_argument("--dtypes", default="float32", help="state dtypes, e.g. float32,bfloat16")
+    p.add_argument("--backends", default=",".join(BACKENDS), help="verify backends, e.g. mosaic_gpu")
     p.add_argument("--iterations", type=int, default=3)
     p.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode, wall clock (CPU)")
     args = p.parse_args(argv)
     start = time.time()
     timer = Timer(args.smoke)
     ints = lambda s: [int(x) for x in s.split(",") if x]
-    shape = Shape(2, 4, 16) if args.smoke else Shape()
+    shape = Shape(1, 2, 64) if args.smoke else Shape()  # d = 64: the Mosaic kernel's smallest tile
     meta = versions()
     meta["copy_bandwidth_GBps"] = 1000.0 if args.smoke else copy_bandwidth_GBps(timer)
     meta["timing"] = ("wall clock, interpret mode (smoke)" if args.smoke else
                       "CUPTI kernel times summed per verify step; slot sets rotated past 3x L2")
     meta["conventional"] = "plain decode kernel launched T times, launch t on its own state buffer"
     print(f"meta {meta}", flush=True)
-    result = dict(meta=meta, rows=[])
+    backends = args.backends.split(",")
+    result = dict(meta=meta, check=check(shape, backends, args.smoke), rows=[])
+    print(f"check {json.dumps(result['check'])}", flush=True)
     # T = 4 first (the reference figures' window), so a budget stop loses the least.
     grid = [(jnp.dtype(dt), L, t, b) for dt in args.dtypes.split(",") for t in ints(args.widths)
             for L in ints(args.cache_lens) for b in ints(args.batches) if t <= L]
@@ -264,7 +310,8 @@ def main(argv=None) -> dict:
             print(f"budget reached: {len(result['rows'])} rows done", flush=True)
             break
         try:
-            row = bench_row(timer, shape, dt, L, t, b, meta["copy_bandwidth_GBps"], args.iterations, args.smoke)
+            row = bench_row(timer, shape, dt, L, t, b, meta["copy_bandwidth_GBps"], args.iterations, args.smoke,
+                            backends)
         except Exception as err:  # keep the rest of the grid; the error is in the log
             print(f"FAILED {dt.name} L={L} T={t} B={b}: {err!r}"[:2000], flush=True)
             continue

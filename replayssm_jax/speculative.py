@@ -61,14 +61,16 @@ from jaxtyping import Array, Bool, Float, Int
 
 from replayssm_jax import gating
 from pallas_kernels import common
+from pallas_kernels.mosaic_gpu.replay_decode import MosaicReplayParams
+from pallas_kernels.mosaic_gpu.verify_decode import verify_decode_mgpu
 from pallas_kernels.verify_readout import VerifyReadoutParams, verify_readout
-from replayssm_jax.backends import pallas_triton, xla
+from replayssm_jax.backends import mosaic_gpu, pallas_triton, xla
 from replayssm_jax.plan import plan_step
 from replayssm_jax.state import ReplayState, check_state
 from replayssm_jax.tokens import Mamba2Params, Mamba2Tokens, Tokens, check_gate_params
 from replayssm_jax.validation import check_array, check_slots, concrete_or_none
 
-VERIFY_BACKENDS = ("xla", "pallas_triton")
+VERIFY_BACKENDS = ("xla", "pallas_triton", "mosaic_gpu")
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
@@ -201,7 +203,7 @@ def verify_step(
     use_qk_l2norm: bool = False,
     scale: float | None = None,
     gate_params: tuple[Array, Array] | Mamba2Params | None = None,
-    kernel_params: VerifyReadoutParams | None = None,
+    kernel_params: VerifyReadoutParams | MosaicReplayParams | None = None,
     interpret: bool | None = None,
 ) -> tuple[Float[Array, "B T Hv Dv"], ReplayState]:
     """Verify a draft window of T tokens per row (see the module doc for the math and the
@@ -220,7 +222,10 @@ def verify_step(
         `S (exp(G_i) * k_i)`, `S (exp(G_i) * q_i)` of the live state (and, for folding rows,
         the folded checkpoint) from one `verify_readout` kernel launch, which reads each
         checkpoint tile once and never forms the live state in memory; the T x T solve,
-        the outputs and the appends stay in XLA (they touch only `[B, H_v, T, .]` arrays).
+        the outputs and the appends stay in XLA (they touch only `[B, H_v, T, .]` arrays);
+        or "mosaic_gpu" (GDN): the whole window in one `verify_decode_mgpu` launch (the
+        readouts, the T x T solve, the outputs, the records and the folds), plus XLA's
+        scatter of the folding rows' key and gate records.
       lengths: optional `[B]` int in [0, T]: positions >= lengths[b] are padding (output 0,
         no record written, no effect on the capacity rule). Default: T for every row.
       parents: optional `[B, T]` int tree: `parents[b, i]` in [-1, i), -1 for a child of
@@ -228,9 +233,9 @@ def verify_step(
       use_qk_l2norm, scale, gate_params: as in `decode_step` (Mamba-2 takes no
         use_qk_l2norm or scale).
       kernel_params: with "pallas_triton", a `VerifyReadoutParams` in place of the launch
-        table's row (step "verify").
-      interpret: with "pallas_triton", run the kernel in the Pallas interpreter (default:
-        off GPU).
+        table's row (step "verify"); with "mosaic_gpu", a `MosaicReplayParams`.
+      interpret: with a kernel backend, run the kernel in its interpreter (default: off
+        GPU).
 
     Returns:
       `(y, new_state)`: y `[B, T, H_v, d_v]` in v's dtype (Mamba-2: `[B, T, H, P]` in x's
@@ -241,7 +246,8 @@ def verify_step(
       checkpoints and every `write_pos` are otherwise unchanged: call `accept` next.
 
     Raises:
-      ValueError: on a wrong shape or dtype, an unknown backend (Mamba-2: any but "xla"),
+      ValueError: on a wrong shape or dtype, an unknown backend (Mamba-2: any but "xla";
+        "mosaic_gpu": any gate but GDN, or shapes its kernel cannot take),
         `T > L`, lengths outside [0, T], a parent that does not precede its child, or
         (when slots are concrete) a slot out of range or named twice.
     """
@@ -257,7 +263,7 @@ def verify_step(
     if width > cfg.cache_len:
         raise ValueError(f"window width T = {width} exceeds the ring (cache_len = {cfg.cache_len})")
     if backend == "xla" and (kernel_params is not None or interpret is not None):
-        raise ValueError("kernel_params and interpret apply to backend='pallas_triton' only")
+        raise ValueError("kernel_params and interpret apply to the kernel backends only")
     if cfg.gate_kind.additive:
         if backend != "xla":
             raise ValueError("verify_step for gate 'mamba2' runs on backend='xla' only (no Pallas kernel "
@@ -267,9 +273,20 @@ def verify_step(
     if backend == "pallas_triton":
         pallas_triton.check_kernel_shapes(cfg.head_k_dim, cfg.head_v_dim)
         kernel_params = pallas_triton.verify_params(cfg, batch, kernel_params)
+    if backend == "mosaic_gpu":
+        if cfg.gate != "gdn":
+            raise ValueError(f"verify_step on backend 'mosaic_gpu' supports gate 'gdn' only, got {cfg.gate!r}")
+        mosaic_gpu.check_config(cfg)
+        if kernel_params is not None and not isinstance(kernel_params, MosaicReplayParams):
+            raise ValueError(f"kernel_params must be a MosaicReplayParams for backend 'mosaic_gpu', "
+                             f"got {type(kernel_params).__name__}")
 
     plan, fold, in_window = _window_plan(state, slots, lengths, batch, width)
     anc = ancestors(parents, batch, width)
+    if backend == "mosaic_gpu":
+        return _mosaic_verify(state, window, plan, fold, in_window, anc, use_qk_l2norm=use_qk_l2norm, scale=scale,
+                              gate_params=gate_params, kernel_params=kernel_params or MosaicReplayParams(),
+                              interpret=interpret)
     if cfg.gate_kind.additive:
         y, records, checkpoint, pools = _mamba2_window(state, window, gate_params, plan, fold, in_window, anc)
     else:
@@ -412,6 +429,31 @@ def _append_window(state: ReplayState, plan, fold, in_window, checkpoint, pools,
     write_pos = state.write_pos.at[fold_slot].set(0, mode="drop")
     return dataclasses.replace(state, checkpoint=checkpoint, u_cache=u_cache, k_cache=k_cache,
                                g_cache=g_cache, write_pos=write_pos)
+
+
+def _mosaic_verify(state, window: Tokens, plan, fold, in_window, anc, *, use_qk_l2norm, scale, gate_params,
+                   kernel_params, interpret):
+    """`verify_step` on the Mosaic GPU kernel: `(y, new_state)`."""
+    cfg, num_slots = state.config, state.num_slots
+    width = in_window.shape[1]
+    y, checkpoint, u_cache, k_cache, g_cache = verify_decode_mgpu(
+        state.checkpoint, state.u_cache, state.k_cache, state.g_cache,
+        window.q, window.k, window.v, window.g, window.beta,
+        plan.slot, plan.pos, common.row_modes(plan.valid, fold), in_window.sum(axis=1), anc,
+        use_qk_l2norm=use_qk_l2norm, scale=scale, gate_params=gate_params, params=kernel_params,
+        interpret=interpret)
+    # The kernel leaves a folding row's key and gate records to us: its other CTAs may still
+    # read the history these records overwrite. They go to 0 .. length - 1.
+    _, k = gating.prepare_qk(window.q, window.k, use_qk_l2norm=use_qk_l2norm, scale=scale)
+    g = xla.gate_tokens(cfg, window, gate_params).g
+    writes = in_window & fold[:, None]
+    slot_bt = jnp.where(writes, plan.slot[:, None], num_slots)  # out of range: dropped
+    pos_bt = jnp.broadcast_to(jnp.arange(width)[None, :], writes.shape)
+    k_cache = k_cache.at[slot_bt, :, pos_bt].set(k.astype(cfg.cache_dtype), mode="drop")
+    g_cache = g_cache.at[slot_bt, :, pos_bt].set(g.astype(jnp.float32), mode="drop")
+    write_pos = state.write_pos.at[jnp.where(fold, plan.slot, num_slots)].set(0, mode="drop")
+    return y, dataclasses.replace(state, checkpoint=checkpoint, u_cache=u_cache, k_cache=k_cache, g_cache=g_cache,
+                                  write_pos=write_pos)
 
 
 def _pallas_window(state, plan, fold, q, k, v, g, beta, anc, params, interpret):

@@ -107,14 +107,21 @@ def test_table_cases_list_each_reachable_row_once():
 
 def test_verify_bench_smoke_writes_its_rows(tmp_path):
     out = tmp_path / "verify.json"
-    result = verify_bench.main(["--smoke", "--batches", "2", "--cache-lens", "4", "--widths", "2", "--out", str(out)])
+    result = verify_bench.main(["--smoke", "--batches", "2", "--cache-lens", "8", "--widths", "2", "--out", str(out)])
     saved = json.loads(out.read_text())
     assert saved["rows"] == json.loads(json.dumps(result["rows"]))
     (row,) = saved["rows"]
-    assert (row["L"], row["T"], row["B"]) == (4, 2, 2)
-    for key in ("conventional_us", "nonflush_us", "flush_us", "acc75_amortised_us"):
-        assert row[key] > 0, key
+    assert (row["L"], row["T"], row["B"]) == (8, 2, 2)
+    assert row["conventional_us"] > 0
+    assert set(row["backends"]) == set(verify_bench.BACKENDS)
+    for name, times in row["backends"].items():
+        for key in ("nonflush_us", "flush_us", "acc75_amortised_us"):
+            assert times[key] > 0, (name, key)
     assert row["flush_bytes"] > row["nonflush_bytes"]
+    assert saved["check"]["folding_rows"] > 0
+    for name, errors in saved["check"]["backends"].items():
+        assert errors.pop("write_pos_equal"), name
+        assert max(errors.values()) < 1e-4, (name, errors)  # fp32 against xla: summation order only
 
 
 @pytest.mark.parametrize("cache_len,width,accepted,want", [

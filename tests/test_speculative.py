@@ -367,9 +367,10 @@ def test_verify_and_accept_reject_bad_input(rng):
         (dict(lengths=jnp.full((BATCH,), 1.0)), "lengths must be an integer"),
         (dict(parents=jnp.zeros((BATCH, T), jnp.int32)), r"parents\[0, 0\] = 0"),
         (dict(parents=jnp.zeros((BATCH,), jnp.int32)), "parents must have shape"),
-        (dict(backend="mosaic_gpu"), "backend must be one of"),
+        (dict(backend="tpu"), "backend must be one of"),
+        (dict(backend="mosaic_gpu"), "multiple of 64"),
         (dict(backend="pallas_triton", kernel_params={"block_v": 16}), "kernel_params must be VerifyReadoutParams"),
-        (dict(interpret=True), "apply to backend='pallas_triton' only"),
+        (dict(interpret=True), "apply to the kernel backends only"),
         (dict(slots=jnp.array([0, 0, 1, 2, 3], jnp.int32)), "more than once"),
     ]
     for kwargs, match in cases:

@@ -85,17 +85,7 @@ def check_shapes(head_k_dim: int, head_v_dim: int, cache_len: int, state_itemsiz
         raise ValueError(f"mosaic_gpu needs cache_len a multiple of 8 in [8, {MAX_CACHE_LEN}], got {cache_len}")
 
 
-
-
-
-
-
-
-
-
-
-
-def _decay_weights(g_smem, pos, cache_len):
+def decay_weights(g_smem, pos, cache_len):
     """`(W [L] in COL, e^G)`: `W_j = exp(sum_{j<i<pos} g_i)` for j < pos, 0 past it.
 
     The valid entries' decays are multiplied newest first as scalars (unrolled over the
@@ -111,9 +101,7 @@ def _decay_weights(g_smem, pos, cache_len):
     return weights, running
 
 
-
-
-def _rebuild_exact(s_c, decay_total, u_smem, k_smem, g_smem, pos):
+def rebuild_exact(s_c, decay_total, u_smem, k_smem, g_smem, pos):
     """`S_{t-1} = e^G S_c + sum_j W_j u_j k_j^T` in fp32, newest entry first (running W)."""
 
     def body(i, carry):
@@ -178,7 +166,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, q_row_ref, k_row_ref, v_r
         v_row = plgpu.load(v_ref.at[b, h, rows], layout=ROW, optimized=False).astype(F32)
 
         plgpu.barrier_wait(barrier)
-        weights, decay_total = _decay_weights(g_smem, pos, cache_len)
+        weights, decay_total = decay_weights(g_smem, pos, cache_len)
         keys_t = load_transposed(k_smem)  # [Dk, L]
         j = plgpu.broadcasted_iota(jnp.int32, (BLOCK_V, cache_len), 1, layout=WGMMA)
         u_t = jnp.where(j < pos, load_transposed(u_smem), 0.0)  # [BV, L], stale entries 0
@@ -218,7 +206,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, q_row_ref, k_row_ref, v_r
             plgpu.copy_gmem_to_smem(ucache_ref.at[slot, h, :, rows], u_rows, rows_barrier)
             plgpu.copy_gmem_to_smem(kcache_ref.at[slot, hk], k_rows, rows_barrier)
             plgpu.barrier_wait(rows_barrier)
-            prev = _rebuild_exact(s_c, decay_total, u_rows, k_rows, g_smem, pos)
+            prev = rebuild_exact(s_c, decay_total, u_rows, k_rows, g_smem, pos)
             new = alpha * prev + bcast_rows(u, prev.shape) * bcast_cols(k_col, prev.shape)
             t_smem[...] = new.astype(t_smem.dtype)
             plgpu.commit_smem()

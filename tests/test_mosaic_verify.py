@@ -1,0 +1,227 @@
+"""The Mosaic GPU verify kernel against a float64 NumPy model that decodes each window
+position along its branch, token by token, from the row's live state.
+
+Interpret mode on CPU (tiny batch, the kernel's smallest tile shapes): appending, folding
+and padding rows in one call, slots != rows, ragged window lengths (0 included), tree
+windows, NaN / Inf in every stale cache entry, in positions past a row's length and in a
+padding row's inputs. A second test lowers the kernel for an abstract H200 at the
+benchmark shapes; a third runs `verify_step(backend="mosaic_gpu")` against the xla backend
+through verify / accept rounds.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import common
+from pallas_kernels.mosaic_gpu.verify_decode import verify_decode_mgpu
+
+NUM_SLOTS, H_K, H_V, D, L, T = 6, 1, 2, 64, 8, 3
+SLOTS = np.array([4, 0, 2, 5, 1, 3], np.int32)
+POS = np.array([5, 3, 7, 0, 6, 2], np.int32)
+LENGTHS = np.array([3, 3, 2, 3, 3, 0], np.int32)
+PAD = np.array([False, True, False, False, False, False])
+FOLD = ~PAD & (POS + LENGTHS > L)
+MODES = np.where(PAD, common.MODE_PAD, np.where(FOLD, common.MODE_FLUSH, common.MODE_APPEND)).astype(np.int32)
+EPS = 1e-6
+
+
+def _softplus(x):
+    return np.where(x > 20.0, x, np.log1p(np.exp(np.minimum(x, 20.0))))
+
+
+def _branch(parents, i):
+    """Window positions from the root to i (i's ancestors, then i)."""
+    path = [i]
+    while parents[path[-1]] >= 0:
+        path.append(parents[path[-1]])
+    return path[::-1]
+
+
+def _model(ckpt, u_c, k_c, g_c, q, k, v, g, beta, parents, a_log, dt_bias, *, raw, state_dtype):
+    """Float64 verify: `(y, checkpoint, u_cache, k_cache, g_cache)` as the kernel leaves them."""
+    ckpt, u_c, k_c, g_c = (np.array(x, np.float64) for x in (ckpt, u_c, k_c, g_c))
+    y = np.zeros(v.shape)
+    group = H_V // H_K
+    for b, (slot, pos, length) in enumerate(zip(SLOTS, POS, LENGTHS)):
+        if PAD[b]:
+            continue
+        base = 0 if FOLD[b] else pos
+        for h in range(H_V):
+            hk = h // group
+            live = ckpt[slot, h] * np.exp(g_c[slot, h, :pos].sum())
+            for j in range(pos):
+                live = live + np.exp(g_c[slot, h, j + 1:pos].sum()) * np.outer(u_c[slot, h, j], k_c[slot, hk, j])
+            if FOLD[b]:  # the folded checkpoint as stored, and the window read from it
+                live = np.asarray(jnp.asarray(live, jnp.float32).astype(state_dtype).astype(jnp.float32), np.float64)
+                ckpt[slot, h] = live
+            for i in range(length):
+                state = live
+                for t in _branch(parents[b], i):
+                    qt, kt = q[b, t, hk].astype(np.float64), k[b, t, hk].astype(np.float64)
+                    qt, kt = qt / np.sqrt(qt @ qt + EPS) * D ** -0.5, kt / np.sqrt(kt @ kt + EPS)
+                    gt, bt = float(g[b, t, h]), float(beta[b, t, h])
+                    if raw:
+                        gt, bt = -np.exp(a_log[h]) * _softplus(gt + dt_bias[h]), 1.0 / (1.0 + np.exp(-bt))
+                    u = bt * (v[b, t, h] - np.exp(gt) * state @ kt)
+                    state = np.exp(gt) * state + np.outer(u, kt)
+                y[b, i, h] = state @ qt
+                u_c[slot, h, base + i] = u
+                if not FOLD[b]:
+                    g_c[slot, h, base + i] = gt
+                    k_c[slot, hk, base + i] = kt
+    return y, ckpt, u_c, k_c, g_c
+
+
+def _inputs(rng, state_dtype, cache_dtype, raw):
+    f = lambda *s: rng.standard_normal(s).astype(np.float32)
+    ckpt = f(NUM_SLOTS, H_V, D, D) * 0.3
+    u_c, k_c = f(NUM_SLOTS, H_V, L, D), f(NUM_SLOTS, H_K, L, D) * 0.2
+    g_c = -np.abs(f(NUM_SLOTS, H_V, L)) * 0.2
+    for slot, pos in zip(SLOTS, POS):  # stale entries: never read
+        u_c[slot, :, pos:], k_c[slot, :, pos:], g_c[slot, :, pos:] = np.nan, np.inf, np.nan
+    ckpt, u_c, k_c = (np.asarray(jnp.asarray(x).astype(dt).astype(jnp.float32))
+                      for x, dt in ((ckpt, state_dtype), (u_c, cache_dtype), (k_c, cache_dtype)))
+    batch = len(SLOTS)
+    q, k, v = f(batch, T, H_K, D), f(batch, T, H_K, D), f(batch, T, H_V, D)
+    g = f(batch, T, H_V) if raw else -np.abs(f(batch, T, H_V)) * 0.3
+    beta = f(batch, T, H_V) if raw else rng.random((batch, T, H_V)).astype(np.float32)
+    past = np.arange(T)[None, :] >= np.where(PAD, 0, LENGTHS)[:, None]  # padding rows and positions
+    for x in (q, k, v, g, beta):
+        x[past] = np.nan
+    parents = np.stack([rng.integers(-1, np.arange(T)) for _ in range(batch)]).astype(np.int32)
+    return ckpt, u_c, k_c, g_c, q, k, v, g, beta, parents
+
+
+def _ancestors(parents):
+    anc = np.zeros((len(parents), T, T), np.int32)
+    for b, row in enumerate(parents):
+        for i in range(T):
+            for j in _branch(row, i)[:-1]:
+                anc[b, i, j] = 1
+    return anc
+
+
+@pytest.mark.parametrize("state_dtype,raw", [(jnp.float32, False), (jnp.bfloat16, True)])
+def test_verify_matches_the_float64_model(rng, state_dtype, raw):
+    ckpt, u_c, k_c, g_c, q, k, v, g, beta, parents = _inputs(rng, state_dtype, state_dtype, raw)
+    a_log, dt_bias = rng.standard_normal(H_V).astype(np.float32) * 0.3, rng.standard_normal(H_V).astype(np.float32)
+    out = verify_decode_mgpu(
+        jnp.asarray(ckpt, state_dtype), jnp.asarray(u_c, state_dtype), jnp.asarray(k_c, state_dtype),
+        jnp.asarray(g_c), *(jnp.asarray(x) for x in (q, k, v, g, beta)),
+        jnp.asarray(SLOTS), jnp.asarray(POS), jnp.asarray(MODES), jnp.asarray(LENGTHS),
+        jnp.asarray(_ancestors(parents)), use_qk_l2norm=True,
+        gate_params=(jnp.asarray(a_log), jnp.asarray(dt_bias)) if raw else None, interpret=True)
+    want = _model(ckpt, u_c, k_c, g_c, q, k, v, g, beta, parents, a_log, dt_bias, raw=raw, state_dtype=state_dtype)
+    # fp32: float64 sums vs fp32 FMAs in another order (~1e-6 of the largest entry).
+    # bf16 state and caches: the inputs are the rounded values in both, the stores round
+    # the new records (2^-9 of each value) and the folded state's rounding is modelled.
+    tol = 2e-5 if state_dtype == jnp.float32 else 1e-2
+    for name, got, ref in zip(("y", "checkpoint", "u_cache", "k_cache", "g_cache"), out, want):
+        got = np.asarray(jnp.asarray(got).astype(jnp.float32), np.float64)
+        stale = ~np.isfinite(ref)
+        np.testing.assert_array_equal(~np.isfinite(got), stale, err_msg=f"{name}: a non-finite value moved")
+        scale = np.max(np.abs(np.where(stale, 0.0, ref))) + 1e-30
+        np.testing.assert_allclose(np.where(stale, 0.0, got) / scale, np.where(stale, 0.0, ref) / scale,
+                                   atol=tol, err_msg=name)
+    y = np.asarray(out[0], np.float32)
+    assert not np.any(y[PAD]), "padding rows must output zeros"
+    assert not np.any(y[np.arange(T)[None, :] >= LENGTHS[:, None]]), "positions past a row's length output zeros"
+
+
+@pytest.mark.parametrize("state_dtype,cache_len,width,raw", [
+    (jnp.float32, 16, 4, False), (jnp.float32, 32, 8, True), (jnp.bfloat16, 16, 2, True), (jnp.float32, 32, 4, False),
+])
+def test_lowers_for_an_abstract_h200(state_dtype, cache_len, width, raw):
+    """GDN H_k = 16, H_v = 32, d = 128 (the benchmark shapes), lowered for CUDA on CPU."""
+    S = jax.ShapeDtypeStruct
+    n, b, hk, hv, d = 16, 8, 16, 32, 128
+    i32 = jnp.int32
+    args = [S((n, hv, d, d), state_dtype), S((n, hv, cache_len, d), state_dtype),
+            S((n, hk, cache_len, d), state_dtype), S((n, hv, cache_len), jnp.float32),
+            S((b, width, hk, d), jnp.bfloat16), S((b, width, hk, d), jnp.bfloat16), S((b, width, hv, d), jnp.bfloat16),
+            S((b, width, hv), jnp.float32), S((b, width, hv), jnp.float32),
+            S((b,), i32), S((b,), i32), S((b,), i32), S((b,), i32), S((b, width, width), i32)]
+    gate_params = (jnp.zeros((hv,)), jnp.zeros((hv,))) if raw else None
+    step = lambda *a: verify_decode_mgpu(*a, use_qk_l2norm=True, gate_params=gate_params, interpret=False)
+    text = jax.jit(step, donate_argnums=(0, 1, 2, 3)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+def test_refuses_shapes_it_cannot_take():
+    z = lambda *s: jnp.zeros(s)
+    args = [z(2, 2, 64, 64), z(2, 2, 8, 64), z(2, 1, 8, 64), z(2, 2, 8)]
+    window = lambda t: [z(1, t, 1, 64), z(1, t, 1, 64), z(1, t, 2, 64), z(1, t, 2), z(1, t, 2)]
+    rows = [jnp.zeros((1,), jnp.int32)] * 4
+    with pytest.raises(ValueError, match="window width T"):
+        verify_decode_mgpu(*args, *window(9), *rows, jnp.zeros((1, 9, 9), jnp.int32))
+    with pytest.raises(ValueError, match="anc must have shape"):
+        verify_decode_mgpu(*args, *window(2), *rows, jnp.zeros((1, 2, 3), jnp.int32))
+    with pytest.raises(ValueError, match="per-head"):
+        verify_decode_mgpu(*args[:3], z(2, 2, 8, 64), *window(2), *rows, jnp.zeros((1, 2, 2), jnp.int32))
+
+
+@pytest.mark.parametrize("state_dtype", [jnp.float32, jnp.bfloat16])
+def test_backend_verify_and_accept_match_xla(rng, state_dtype):
+    """`verify_step(backend="mosaic_gpu")` against the xla backend through rounds of
+    verify and accept (0..length tokens per row, chains and trees), with a padding row and
+    rows that fold by the capacity rule, each backend on its own state."""
+    from replayssm_jax import ReplayConfig, Tokens, accept, init_state, materialize_state, verify_step
+
+    cfg = ReplayConfig(1, 2, 64, 64, 8, state_dtype=state_dtype, cache_dtype=state_dtype)
+    start = jnp.asarray(rng.standard_normal((4, 2, 64, 64)) * 0.1, state_dtype)
+    states = {b: init_state(cfg, 4, checkpoint=start) for b in ("xla", "mosaic_gpu")}
+    slots = jnp.asarray([2, -1, 0, 3], jnp.int32)
+    verify = jax.jit(verify_step, static_argnames=("backend", "use_qk_l2norm"))
+    # fp32: two summation orders (~1e-7 relative). bf16: both backends round the stores to
+    # bf16, and an entry that rounds differently differs by one bf16 ulp.
+    tol = 1e-5 if state_dtype == jnp.float32 else 2e-2
+    folds = 0
+    for round_ in range(8):
+        f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
+        window = Tokens(f(4, T, 1, 64), f(4, T, 1, 64), f(4, T, 2, 64), -jnp.abs(f(4, T, 2)) * 0.2,
+                        jax.nn.sigmoid(f(4, T, 2)))
+        lengths = rng.integers(0, T + 1, 4).astype(np.int32)
+        parents = (np.stack([rng.integers(-1, np.arange(T)) for _ in range(4)]).astype(np.int32)
+                   if round_ % 2 else None)
+        extra = dict(lengths=jnp.asarray(lengths), parents=None if parents is None else jnp.asarray(parents))
+        cursors = np.asarray(states["xla"].write_pos)[np.asarray(slots)]
+        folds += int(np.sum((np.asarray(slots) >= 0) & (cursors + lengths > cfg.cache_len)))
+        ys = {}
+        for b in states:
+            ys[b], states[b] = verify(states[b], window, slots, backend=b, use_qk_l2norm=True, **extra)
+        np.testing.assert_allclose(np.asarray(ys["mosaic_gpu"], np.float32), np.asarray(ys["xla"], np.float32),
+                                   atol=tol, rtol=tol, err_msg=f"y in round {round_}")
+        counts = jnp.asarray(rng.integers(0, lengths + 1), jnp.int32)
+        # A tree's accepted path: the branch to the last accepted position (a chain: 0..n-1).
+        path = None
+        if parents is not None:
+            counts = jnp.asarray([len(_branch(parents[r], int(lengths[r]) - 1)) if lengths[r] else 0
+                                  for r in range(4)], jnp.int32)
+            path = jnp.asarray([((_branch(parents[r], int(lengths[r]) - 1) if lengths[r] else []) + [0] * T)[:T]
+                                for r in range(4)], jnp.int32)
+        for b in states:
+            states[b] = accept(states[b], slots, counts, path=path)
+        np.testing.assert_array_equal(np.asarray(states["mosaic_gpu"].write_pos), np.asarray(states["xla"].write_pos))
+        live = {b: materialize_state(s, jnp.arange(4, dtype=jnp.int32)) for b, s in states.items()}
+        np.testing.assert_allclose(np.asarray(live["mosaic_gpu"]), np.asarray(live["xla"]), atol=tol, rtol=tol,
+                                   err_msg=f"live states after round {round_}")
+    assert folds, "the schedule must cross the capacity rule"
+
+
+def test_verify_step_refuses_what_the_kernel_cannot_take(rng):
+    from replayssm_jax import ReplayConfig, Tokens, init_state, verify_step
+    from pallas_kernels.verify_readout import VerifyReadoutParams
+
+    f = lambda *s: jnp.zeros(s)
+    window = lambda g_shape: Tokens(f(1, 2, 1, 64), f(1, 2, 1, 64), f(1, 2, 2, 64), f(1, 2, *g_shape), f(1, 2, 2))
+    slots = jnp.zeros((1,), jnp.int32)
+    kda = ReplayConfig(1, 2, 64, 64, 8, gate="kda")
+    with pytest.raises(ValueError, match="gate 'gdn' only"):
+        verify_step(init_state(kda, 2), window((2, 64)), slots, backend="mosaic_gpu")
+    gdn = ReplayConfig(1, 2, 64, 64, 8)
+    with pytest.raises(ValueError, match="must be a MosaicReplayParams"):
+        verify_step(init_state(gdn, 2), window((2,)), slots, backend="mosaic_gpu", kernel_params=VerifyReadoutParams())
