@@ -436,21 +436,20 @@ def _mosaic_verify(state, window: Tokens, plan, fold, in_window, anc, *, use_qk_
     """`verify_step` on the Mosaic GPU kernel: `(y, new_state)`."""
     cfg, num_slots = state.config, state.num_slots
     width = in_window.shape[1]
+    window = xla.gate_tokens(cfg, window, gate_params)
     y, checkpoint, u_cache, k_cache, g_cache = verify_decode_mgpu(
         state.checkpoint, state.u_cache, state.k_cache, state.g_cache,
         window.q, window.k, window.v, window.g, window.beta,
         plan.slot, plan.pos, common.row_modes(plan.valid, fold), in_window.sum(axis=1), anc,
-        use_qk_l2norm=use_qk_l2norm, scale=scale, gate_params=gate_params, params=kernel_params,
-        interpret=interpret)
+        use_qk_l2norm=use_qk_l2norm, scale=scale, params=kernel_params, interpret=interpret)
     # The kernel leaves a folding row's key and gate records to us: its other CTAs may still
     # read the history these records overwrite. They go to 0 .. length - 1.
     _, k = gating.prepare_qk(window.q, window.k, use_qk_l2norm=use_qk_l2norm, scale=scale)
-    g = xla.gate_tokens(cfg, window, gate_params).g
     writes = in_window & fold[:, None]
     slot_bt = jnp.where(writes, plan.slot[:, None], num_slots)  # out of range: dropped
     pos_bt = jnp.broadcast_to(jnp.arange(width)[None, :], writes.shape)
     k_cache = k_cache.at[slot_bt, :, pos_bt].set(k.astype(cfg.cache_dtype), mode="drop")
-    g_cache = g_cache.at[slot_bt, :, pos_bt].set(g.astype(jnp.float32), mode="drop")
+    g_cache = g_cache.at[slot_bt, :, pos_bt].set(window.g.astype(jnp.float32), mode="drop")
     write_pos = state.write_pos.at[jnp.where(fold, plan.slot, num_slots)].set(0, mode="drop")
     return y, dataclasses.replace(state, checkpoint=checkpoint, u_cache=u_cache, k_cache=k_cache, g_cache=g_cache,
                                   write_pos=write_pos)

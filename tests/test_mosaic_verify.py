@@ -29,10 +29,6 @@ MODES = np.where(PAD, common.MODE_PAD, np.where(FOLD, common.MODE_FLUSH, common.
 EPS = 1e-6
 
 
-def _softplus(x):
-    return np.where(x > 20.0, x, np.log1p(np.exp(np.minimum(x, 20.0))))
-
-
 def _branch(parents, i):
     """Window positions from the root to i (i's ancestors, then i)."""
     path = [i]
@@ -41,7 +37,7 @@ def _branch(parents, i):
     return path[::-1]
 
 
-def _model(ckpt, u_c, k_c, g_c, q, k, v, g, beta, parents, a_log, dt_bias, *, raw, state_dtype):
+def _model(ckpt, u_c, k_c, g_c, q, k, v, g, beta, parents, *, state_dtype):
     """Float64 verify: `(y, checkpoint, u_cache, k_cache, g_cache)` as the kernel leaves them."""
     ckpt, u_c, k_c, g_c = (np.array(x, np.float64) for x in (ckpt, u_c, k_c, g_c))
     y = np.zeros(v.shape)
@@ -64,8 +60,6 @@ def _model(ckpt, u_c, k_c, g_c, q, k, v, g, beta, parents, a_log, dt_bias, *, ra
                     qt, kt = q[b, t, hk].astype(np.float64), k[b, t, hk].astype(np.float64)
                     qt, kt = qt / np.sqrt(qt @ qt + EPS) * D ** -0.5, kt / np.sqrt(kt @ kt + EPS)
                     gt, bt = float(g[b, t, h]), float(beta[b, t, h])
-                    if raw:
-                        gt, bt = -np.exp(a_log[h]) * _softplus(gt + dt_bias[h]), 1.0 / (1.0 + np.exp(-bt))
                     u = bt * (v[b, t, h] - np.exp(gt) * state @ kt)
                     state = np.exp(gt) * state + np.outer(u, kt)
                 y[b, i, h] = state @ qt
@@ -76,7 +70,7 @@ def _model(ckpt, u_c, k_c, g_c, q, k, v, g, beta, parents, a_log, dt_bias, *, ra
     return y, ckpt, u_c, k_c, g_c
 
 
-def _inputs(rng, state_dtype, cache_dtype, raw):
+def _inputs(rng, state_dtype, cache_dtype):
     f = lambda *s: rng.standard_normal(s).astype(np.float32)
     ckpt = f(NUM_SLOTS, H_V, D, D) * 0.3
     u_c, k_c = f(NUM_SLOTS, H_V, L, D), f(NUM_SLOTS, H_K, L, D) * 0.2
@@ -87,8 +81,7 @@ def _inputs(rng, state_dtype, cache_dtype, raw):
                       for x, dt in ((ckpt, state_dtype), (u_c, cache_dtype), (k_c, cache_dtype)))
     batch = len(SLOTS)
     q, k, v = f(batch, T, H_K, D), f(batch, T, H_K, D), f(batch, T, H_V, D)
-    g = f(batch, T, H_V) if raw else -np.abs(f(batch, T, H_V)) * 0.3
-    beta = f(batch, T, H_V) if raw else rng.random((batch, T, H_V)).astype(np.float32)
+    g, beta = -np.abs(f(batch, T, H_V)) * 0.3, rng.random((batch, T, H_V)).astype(np.float32)
     past = np.arange(T)[None, :] >= np.where(PAD, 0, LENGTHS)[:, None]  # padding rows and positions
     for x in (q, k, v, g, beta):
         x[past] = np.nan
@@ -105,17 +98,15 @@ def _ancestors(parents):
     return anc
 
 
-@pytest.mark.parametrize("state_dtype,raw", [(jnp.float32, False), (jnp.bfloat16, True)])
-def test_verify_matches_the_float64_model(rng, state_dtype, raw):
-    ckpt, u_c, k_c, g_c, q, k, v, g, beta, parents = _inputs(rng, state_dtype, state_dtype, raw)
-    a_log, dt_bias = rng.standard_normal(H_V).astype(np.float32) * 0.3, rng.standard_normal(H_V).astype(np.float32)
+@pytest.mark.parametrize("state_dtype", [jnp.float32, jnp.bfloat16])
+def test_verify_matches_the_float64_model(rng, state_dtype):
+    ckpt, u_c, k_c, g_c, q, k, v, g, beta, parents = _inputs(rng, state_dtype, state_dtype)
     out = verify_decode_mgpu(
         jnp.asarray(ckpt, state_dtype), jnp.asarray(u_c, state_dtype), jnp.asarray(k_c, state_dtype),
         jnp.asarray(g_c), *(jnp.asarray(x) for x in (q, k, v, g, beta)),
         jnp.asarray(SLOTS), jnp.asarray(POS), jnp.asarray(MODES), jnp.asarray(LENGTHS),
-        jnp.asarray(_ancestors(parents)), use_qk_l2norm=True,
-        gate_params=(jnp.asarray(a_log), jnp.asarray(dt_bias)) if raw else None, interpret=True)
-    want = _model(ckpt, u_c, k_c, g_c, q, k, v, g, beta, parents, a_log, dt_bias, raw=raw, state_dtype=state_dtype)
+        jnp.asarray(_ancestors(parents), bool), use_qk_l2norm=True, interpret=True)
+    want = _model(ckpt, u_c, k_c, g_c, q, k, v, g, beta, parents, state_dtype=state_dtype)
     # fp32: float64 sums vs fp32 FMAs in another order (~1e-6 of the largest entry).
     # bf16 state and caches: the inputs are the rounded values in both, the stores round
     # the new records (2^-9 of each value) and the folded state's rounding is modelled.
@@ -132,10 +123,10 @@ def test_verify_matches_the_float64_model(rng, state_dtype, raw):
     assert not np.any(y[np.arange(T)[None, :] >= LENGTHS[:, None]]), "positions past a row's length output zeros"
 
 
-@pytest.mark.parametrize("state_dtype,cache_len,width,raw", [
-    (jnp.float32, 16, 4, False), (jnp.float32, 32, 8, True), (jnp.bfloat16, 16, 2, True), (jnp.float32, 32, 4, False),
+@pytest.mark.parametrize("state_dtype,cache_len,width", [
+    (jnp.float32, 16, 4), (jnp.float32, 32, 8), (jnp.bfloat16, 16, 2), (jnp.float32, 32, 1),
 ])
-def test_lowers_for_an_abstract_h200(state_dtype, cache_len, width, raw):
+def test_lowers_for_an_abstract_h200(state_dtype, cache_len, width):
     """GDN H_k = 16, H_v = 32, d = 128 (the benchmark shapes), lowered for CUDA on CPU."""
     S = jax.ShapeDtypeStruct
     n, b, hk, hv, d = 16, 8, 16, 32, 128
@@ -144,9 +135,8 @@ def test_lowers_for_an_abstract_h200(state_dtype, cache_len, width, raw):
             S((n, hk, cache_len, d), state_dtype), S((n, hv, cache_len), jnp.float32),
             S((b, width, hk, d), jnp.bfloat16), S((b, width, hk, d), jnp.bfloat16), S((b, width, hv, d), jnp.bfloat16),
             S((b, width, hv), jnp.float32), S((b, width, hv), jnp.float32),
-            S((b,), i32), S((b,), i32), S((b,), i32), S((b,), i32), S((b, width, width), i32)]
-    gate_params = (jnp.zeros((hv,)), jnp.zeros((hv,))) if raw else None
-    step = lambda *a: verify_decode_mgpu(*a, use_qk_l2norm=True, gate_params=gate_params, interpret=False)
+            S((b,), i32), S((b,), i32), S((b,), i32), S((b,), i32), S((b, width, width), jnp.bool_)]
+    step = lambda *a: verify_decode_mgpu(*a, use_qk_l2norm=True, interpret=False)
     text = jax.jit(step, donate_argnums=(0, 1, 2, 3)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
 
@@ -157,18 +147,19 @@ def test_refuses_shapes_it_cannot_take():
     window = lambda t: [z(1, t, 1, 64), z(1, t, 1, 64), z(1, t, 2, 64), z(1, t, 2), z(1, t, 2)]
     rows = [jnp.zeros((1,), jnp.int32)] * 4
     with pytest.raises(ValueError, match="window width T"):
-        verify_decode_mgpu(*args, *window(9), *rows, jnp.zeros((1, 9, 9), jnp.int32))
+        verify_decode_mgpu(*args, *window(9), *rows, jnp.zeros((1, 9, 9), bool))
     with pytest.raises(ValueError, match="anc must have shape"):
-        verify_decode_mgpu(*args, *window(2), *rows, jnp.zeros((1, 2, 3), jnp.int32))
+        verify_decode_mgpu(*args, *window(2), *rows, jnp.zeros((1, 2, 3), bool))
     with pytest.raises(ValueError, match="per-head"):
-        verify_decode_mgpu(*args[:3], z(2, 2, 8, 64), *window(2), *rows, jnp.zeros((1, 2, 2), jnp.int32))
+        verify_decode_mgpu(*args[:3], z(2, 2, 8, 64), *window(2), *rows, jnp.zeros((1, 2, 2), bool))
 
 
-@pytest.mark.parametrize("state_dtype", [jnp.float32, jnp.bfloat16])
-def test_backend_verify_and_accept_match_xla(rng, state_dtype):
+@pytest.mark.parametrize("state_dtype,raw", [(jnp.float32, True), (jnp.bfloat16, False)])
+def test_backend_verify_and_accept_match_xla(rng, state_dtype, raw):
     """`verify_step(backend="mosaic_gpu")` against the xla backend through rounds of
     verify and accept (0..length tokens per row, chains and trees), with a padding row and
-    rows that fold by the capacity rule, each backend on its own state."""
+    rows that fold by the capacity rule, each backend on its own state; raw gates (gated
+    by the backend) or activated ones."""
     from replayssm_jax import ReplayConfig, Tokens, accept, init_state, materialize_state, verify_step
 
     cfg = ReplayConfig(1, 2, 64, 64, 8, state_dtype=state_dtype, cache_dtype=state_dtype)
@@ -182,12 +173,13 @@ def test_backend_verify_and_accept_match_xla(rng, state_dtype):
     folds = 0
     for round_ in range(8):
         f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
-        window = Tokens(f(4, T, 1, 64), f(4, T, 1, 64), f(4, T, 2, 64), -jnp.abs(f(4, T, 2)) * 0.2,
-                        jax.nn.sigmoid(f(4, T, 2)))
+        window = Tokens(f(4, T, 1, 64), f(4, T, 1, 64), f(4, T, 2, 64), *(
+            (f(4, T, 2), f(4, T, 2)) if raw else (-jnp.abs(f(4, T, 2)) * 0.2, jax.nn.sigmoid(f(4, T, 2)))))
         lengths = rng.integers(0, T + 1, 4).astype(np.int32)
         parents = (np.stack([rng.integers(-1, np.arange(T)) for _ in range(4)]).astype(np.int32)
                    if round_ % 2 else None)
-        extra = dict(lengths=jnp.asarray(lengths), parents=None if parents is None else jnp.asarray(parents))
+        extra = dict(lengths=jnp.asarray(lengths), parents=None if parents is None else jnp.asarray(parents),
+                     gate_params=(jnp.asarray([0.1, -0.4]), jnp.asarray([0.5, -1.0])) if raw else None)
         cursors = np.asarray(states["xla"].write_pos)[np.asarray(slots)]
         folds += int(np.sum((np.asarray(slots) >= 0) & (cursors + lengths > cfg.cache_len)))
         ys = {}

@@ -13,7 +13,9 @@ ancestors and i, and q_i, k_i after the L2 norm and the scale:
     u_i  = R_i - sum_{j in anc(i)} beta_i e^{G_i - G_j} (k_i . k_j) u_j      (forward substitution)
     y_i  = e^{G_i} S q_i + sum_{j in anc(i) + {i}} e^{G_i - G_j} (q_i . k_j) u_j
 
-`S x` is read out as in `replay_decode` without forming S: `e^G S_c x + U^T (W * (K x))`
+The scalars of these sums (the `T x T` products, decays and norms: `window_coefficients`,
+a few small XLA ops on `[B, T, H, d_k]` inputs) arrive packed per (row, value head); the
+kernel applies them to vectors. `S x` is read out as in `replay_decode` without forming S: `e^G S_c x + U^T (W * (K x))`
 over the row's `pos` valid cache entries (WGMMA-layout row and column reductions, records
 loaded transposed from swizzled buffers; entries at and past `pos` are masked with selects
 before any product). The checkpoint tile and the records are read once for all 2T vectors.
@@ -46,11 +48,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from pallas_kernels.common import L2NORM_EPS, MODE_APPEND, MODE_FLUSH, MODE_PAD
 from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA, bcast_cols, bcast_rows, col_sum,
-                                              load_transposed, row_sum, softplus, tiled)
+                                              load_transposed, row_sum, tiled)
 from pallas_kernels.mosaic_gpu.replay_decode import MosaicReplayParams, check_shapes, decay_weights, rebuild_exact
 
 MAX_WIDTH = 16  # the window is unrolled in the kernel: code size grows as T^2
@@ -64,33 +66,70 @@ def _keep(flag, x, layout):
     return jnp.where(mask, x, 0.0)
 
 
-def _token(i, in_window, b, hk, h, rows, refs, *, use_qk_l2norm, scale, raw_gates):
-    """Position i's `(q_col, q_row, k_col, k_row, v_row, g, beta)` in fp32, q and k normalised
-    and q scaled; zeros (and g = 0, beta = 0) past the row's length."""
-    q_ref, k_ref, q_row_ref, k_row_ref, v_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref = refs
-    load = lambda ref, layout: _keep(in_window, plgpu.load(ref, layout=layout, optimized=False).astype(F32), layout)
-    q_col, k_col = load(q_ref.at[b, i, hk], COL), load(k_ref.at[b, i, hk], COL)
-    q_row, k_row = load(q_row_ref.at[b, i, hk], ROW), load(k_row_ref.at[b, i, hk], ROW)
-    v_row = load(v_ref.at[b, i, h, rows], ROW)
-    keep = lambda x: jnp.where(in_window, x, 0.0)
-    q_scale, k_scale = jnp.float32(scale), jnp.float32(1.0)
+def coefficient_count(width: int) -> int:
+    """C, the length of one `(row, value head)` record of `window_coefficients` (a multiple
+    of 4 floats: TMA copies whole 16-byte units)."""
+    return -(-(2 * width * width + 5 * width) // 4) * 4
+
+
+def window_coefficients(
+    q: Float[Array, "B T Hk Dk"],
+    k: Float[Array, "B T Hk Dk"],
+    g: Float[Array, "B T Hv"],
+    beta: Float[Array, "B T Hv"],
+    anc: Bool[Array, "B T T"],
+    length: Int[Array, " B"],
+    *,
+    use_qk_l2norm: bool,
+    scale: float,
+) -> Float[Array, "B Hv C"]:
+    """The window's scalars per `(row, value head)`, packed for the kernel (fp32, C =
+    `coefficient_count(T)`): `A [T, T]`, `M [T, T]`, `e^{G} [T]`, `beta [T]`, `g [T]`,
+    `q_scale [T]`, `k_scale [T]`, then zeros, where
+
+        A_ij = beta_i e^{G_i - G_j} (k_i . k_j)   for j in anc(i), else 0
+        M_ij = e^{G_i - G_j} (q_i . k_j)          for j in anc(i) + {i}, else 0
+
+    with q_i, k_i normalised and q_i scaled (`q_scale`, `k_scale` give those factors for the
+    raw vectors). Positions at and past a row's length get zeros everywhere (their inputs,
+    NaN included, are dropped first)."""
+    batch, width, num_k_heads, _ = q.shape
+    group = g.shape[2] // num_k_heads
+    in_window = jnp.arange(width)[None, :] < length[:, None]  # [B, T]
+    keep = lambda x: jnp.where(in_window.reshape(batch, width, *[1] * (x.ndim - 2)), x.astype(F32), 0.0)
+    q, k, g, beta = keep(q), keep(k), keep(g), keep(beta)
+    q_scale = jnp.full(q.shape[:3], scale, F32)
+    k_scale = jnp.ones(k.shape[:3], F32)
     if use_qk_l2norm:
-        q_scale = q_scale * lax.rsqrt(jnp.sum(q_col * q_col) + L2NORM_EPS)
-        k_scale = lax.rsqrt(jnp.sum(k_col * k_col) + L2NORM_EPS)
-    g = keep(g_ref[b, i, h].astype(F32))
-    beta = keep(beta_ref[b, i, h].astype(F32))
-    if raw_gates:
-        g = keep(-jnp.exp(a_log_ref[h].astype(F32)) * softplus(g + dt_bias_ref[h].astype(F32)))
-        beta = keep(1.0 / (1.0 + jnp.exp(-beta)))
-    return q_col * q_scale, q_row * q_scale, k_col * k_scale, k_row * k_scale, v_row, g, beta
+        q_scale = q_scale * lax.rsqrt(jnp.sum(q * q, axis=-1) + L2NORM_EPS)
+        k_scale = lax.rsqrt(jnp.sum(k * k, axis=-1) + L2NORM_EPS)
+    q_scale, k_scale = keep(q_scale), keep(k_scale)
+    qn, kn = q * q_scale[..., None], k * k_scale[..., None]
+    heads = lambda x: jnp.repeat(x, group, axis=1)  # [B, Hk, ...] -> [B, Hv, ...]
+    kk = heads(jnp.einsum("bihc,bjhc->bhij", kn, kn, precision=lax.Precision.HIGHEST))
+    qk = heads(jnp.einsum("bihc,bjhc->bhij", qn, kn, precision=lax.Precision.HIGHEST))
+    seen = (anc | jnp.eye(width, dtype=bool)[None]) & in_window[:, :, None] & in_window[:, None, :]
+    g_t, beta_t = jnp.moveaxis(g, 1, 2), jnp.moveaxis(beta, 1, 2)  # [B, Hv, T]
+    G = jnp.einsum("bij,bhj->bhi", seen.astype(F32), g_t, precision=lax.Precision.HIGHEST)
+    # e^{G_i - G_j} only where j is on i's branch (<= 1 there); elsewhere the difference
+    # can be large and positive, so it is zeroed before the exponential.
+    mask = seen[:, None]
+    decay = jnp.where(mask, jnp.exp(jnp.where(mask, G[..., :, None] - G[..., None, :], 0.0)), 0.0)
+    strict = (anc & seen)[:, None]
+    A = jnp.where(strict, beta_t[..., :, None] * decay * kk, 0.0)
+    M = decay * qk
+    e_G = jnp.where(in_window[:, None, :], jnp.exp(G), 0.0)
+    flat = lambda x: x.reshape(*x.shape[:2], -1)
+    scales = [heads(jnp.moveaxis(x, 1, 2)) for x in (q_scale, k_scale)]
+    packed = jnp.concatenate([flat(A), flat(M), e_G, beta_t, g_t, *scales], axis=-1)
+    return jnp.pad(packed, ((0, 0), (0, 0), (0, coefficient_count(width) - packed.shape[-1])))
 
 
-def _kernel(slot_ref, pos_ref, mode_ref, length_ref, anc_ref,
-            q_ref, k_ref, q_row_ref, k_row_ref, v_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref,
+def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, q_row_ref, k_row_ref, v_ref, coef_ref,
             ckpt_ref, ucache_ref, kcache_ref, gcache_ref,
             y_ref,
-            t_smem, u_smem, k_smem, g_smem, o_smem, u_rows, k_rows, barrier, rows_barrier,
-            *, width, group_size, tiles, use_qk_l2norm, scale, raw_gates):
+            t_smem, u_smem, k_smem, g_smem, c_smem, o_smem, u_rows, k_rows, barrier, rows_barrier,
+            *, width, group_size, tiles):
     b = lax.axis_index("b")
     hv = lax.axis_index("hv")
     h, tile = hv // tiles, hv % tiles
@@ -101,7 +140,8 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, anc_ref,
 
     @pl.when(mode == MODE_PAD)
     def _padding_row():
-        o_smem[...] = jnp.zeros(o_smem.shape, o_smem.dtype)
+        for i in range(width):
+            o_smem[i] = plgpu.layout_cast(jnp.zeros((BLOCK_ROWS,), o_smem.dtype), ROW)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_smem, y_ref.at[b, :, h, rows])
 
@@ -113,6 +153,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, anc_ref,
         plgpu.copy_gmem_to_smem(ucache_ref.at[slot, h, :, rows], u_smem, barrier)
         plgpu.copy_gmem_to_smem(kcache_ref.at[slot, hk], k_smem, barrier)
         plgpu.copy_gmem_to_smem(gcache_ref.at[slot, h], g_smem, barrier)
+        plgpu.copy_gmem_to_smem(coef_ref.at[b, h], c_smem, barrier)
 
         @pl.when(fold)
         def _fetch_rows():
@@ -120,19 +161,6 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, anc_ref,
             # buffers cannot serve: folding rows fetch an untiled copy (L2-resident).
             plgpu.copy_gmem_to_smem(ucache_ref.at[slot, h, :, rows], u_rows, rows_barrier)
             plgpu.copy_gmem_to_smem(kcache_ref.at[slot, hk], k_rows, rows_barrier)
-
-        refs = (q_ref, k_ref, q_row_ref, k_row_ref, v_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref)
-        tokens = [_token(i, i < length, b, hk, h, rows, refs, use_qk_l2norm=use_qk_l2norm, scale=scale,
-                         raw_gates=raw_gates) for i in range(width)]
-        q_col, q_row, k_col, k_row, v_row, g, beta = (list(x) for x in zip(*tokens))
-        # anc[i][j] for j < i (a position's ancestors precede it).
-        anc = [[anc_ref[b, i, j] != 0 for j in range(i)] for i in range(width)]
-        G = []
-        for i in range(width):
-            total = g[i]
-            for j in range(i):
-                total = total + jnp.where(anc[i][j], g[j], 0.0)
-            G.append(total)
 
         plgpu.barrier_wait(barrier)
         weights, decay_total = decay_weights(g_smem, pos, cache_len)
@@ -168,32 +196,42 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, anc_ref,
             history = row_sum(u_t * bcast_cols(c, u_t.shape))
             return history + decay_eff * row_sum(s_eff * bcast_cols(x_col, s_eff.shape))
 
+        T = width
+        A = lambda i, j: c_smem[i * T + j]
+        M = lambda i, j: c_smem[T * T + i * T + j]
+        e_G, beta, g, q_scale, k_scale = (
+            (lambda i, o=o: c_smem[2 * T * T + o * T + i]) for o in range(5))
         base = jnp.where(fold, 0, pos)
         u = []
-        for i in range(width):
-            decay_i = jnp.exp(G[i])
-            u_i = beta[i] * (v_row[i] - decay_i * readout(k_col[i], k_row[i]))
+        for i in range(T):
+            # One position's vectors at a time, loaded when used: keeping all 2T of them
+            # in registers would spill.
+            in_window = i < length
+            load = lambda ref, layout: _keep(in_window, plgpu.load(ref, layout=layout, optimized=False).astype(F32),
+                                             layout)
+            k_col = k_scale(i) * load(k_ref.at[b, i, hk], COL)
+            r_k = readout(k_col, k_scale(i) * load(k_row_ref.at[b, i, hk], ROW))
+            u_i = beta(i) * (load(v_ref.at[b, i, h, rows], ROW) - e_G(i) * r_k)
             for j in range(i):
-                coef = jnp.where(anc[i][j], jnp.exp(jnp.where(anc[i][j], G[i] - G[j], 0.0)), 0.0)
-                u_i = u_i - (beta[i] * coef * jnp.sum(k_col[i] * k_col[j])) * u[j]
+                u_i = u_i - A(i, j) * u[j]
             u.append(u_i)
-            y_i = decay_i * readout(q_col[i], q_row[i]) + jnp.sum(q_col[i] * k_col[i]) * u_i
-            for j in range(i):
-                coef = jnp.where(anc[i][j], jnp.exp(jnp.where(anc[i][j], G[i] - G[j], 0.0)), 0.0)
-                y_i = y_i + (coef * jnp.sum(q_col[i] * k_col[j])) * u[j]
-            o_smem[i] = _keep(i < length, y_i, ROW).astype(o_smem.dtype)
+            y_i = e_G(i) * readout(q_scale(i) * load(q_ref.at[b, i, hk], COL),
+                                   q_scale(i) * load(q_row_ref.at[b, i, hk], ROW))
+            for j in range(i + 1):
+                y_i = y_i + M(i, j) * u[j]
+            o_smem[i] = _keep(in_window, y_i, ROW).astype(o_smem.dtype)
 
-            @pl.when(i < length)
+            @pl.when(in_window)
             def _append_u():
                 ucache_ref[slot, h, base + i, rows] = u_i.astype(ucache_ref.dtype)
 
-            @pl.when((i < length) & (mode == MODE_APPEND) & (tile == 0))
+            @pl.when(in_window & (mode == MODE_APPEND) & (tile == 0))
             def _append_gate():
-                gcache_ref[slot, h, base + i] = g[i]
+                gcache_ref[slot, h, base + i] = g(i)
 
-            @pl.when((i < length) & (mode == MODE_APPEND) & (tile == 0) & (h % group_size == 0))
+            @pl.when(in_window & (mode == MODE_APPEND) & (tile == 0) & (h % group_size == 0))
             def _append_key():
-                kcache_ref[slot, hk, base + i] = k_col[i].astype(kcache_ref.dtype)
+                kcache_ref[slot, hk, base + i] = k_col.astype(kcache_ref.dtype)
 
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_smem, y_ref.at[b, :, h, rows])
@@ -203,10 +241,9 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, anc_ref,
 
 @functools.lru_cache(maxsize=None)
 def _build(batch, width, num_v_heads, head_v_dim, head_k_dim, cache_len, state_dtype, cache_dtype, y_dtype,
-           group_size, use_qk_l2norm, scale, raw_gates, swizzle, interpret):
+           group_size, swizzle, interpret):
     tiles = head_v_dim // BLOCK_ROWS
-    body = functools.partial(_kernel, width=width, group_size=group_size, tiles=tiles,
-                             use_qk_l2norm=use_qk_l2norm, scale=scale, raw_gates=raw_gates)
+    body = functools.partial(_kernel, width=width, group_size=group_size, tiles=tiles)
     return plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((batch, width, num_v_heads, head_v_dim), y_dtype),
@@ -215,10 +252,11 @@ def _build(batch, width, num_v_heads, head_v_dim, head_k_dim, cache_len, state_d
             plgpu.SMEM((cache_len, BLOCK_ROWS), cache_dtype, transforms=tiled(128, cache_dtype)),
             plgpu.SMEM((cache_len, head_k_dim), cache_dtype, transforms=tiled(128, cache_dtype)),
             plgpu.SMEM((cache_len,), F32),
+            plgpu.SMEM((coefficient_count(width),), F32),
             plgpu.SMEM((width, BLOCK_ROWS), y_dtype),
             plgpu.SMEM((cache_len, BLOCK_ROWS), cache_dtype),
             plgpu.SMEM((cache_len, head_k_dim), cache_dtype),
-            plgpu.Barrier(num_arrivals=4),
+            plgpu.Barrier(num_arrivals=5),
             plgpu.Barrier(num_arrivals=2),
         ],
         grid=(batch, num_v_heads * tiles),
@@ -242,27 +280,25 @@ def verify_decode_mgpu(
     pos: Int[Array, " B"],
     mode: Int[Array, " B"],
     length: Int[Array, " B"],
-    anc: Int[Array, "B T T"],
+    anc: Bool[Array, "B T T"],
     *,
     use_qk_l2norm: bool = False,
     scale: float | None = None,
-    gate_params: tuple[Array, Array] | None = None,
     params: MosaicReplayParams = MosaicReplayParams(),
     interpret: bool | None = None,
 ):
-    """Verify one GDN draft window per row on Mosaic GPU (one launch).
+    """Verify one GDN draft window per row on Mosaic GPU: `window_coefficients` in XLA, then
+    one kernel launch.
 
     Args:
       checkpoint, u_cache, k_cache, g_cache: the layer's state pools (GDN: per-head decays).
-      q, k, v, g, beta: the window's tokens, raw q/k (normalised in the kernel when
-        `use_qk_l2norm`), g and beta activated, or raw `a`, `b` with `gate_params =
-        (A_log [H_v], dt_bias [H_v])`.
+      q, k, v: the window's tokens, raw q/k (normalised when `use_qk_l2norm`).
+      g, beta: activated gates (log-decay and write strength).
       slot, pos, mode: per row its slot, cursor and `common.MODE_*` (`MODE_FLUSH`: fold the
         history into the checkpoint first).
       length: per row the valid window length in [0, T] (`pos + length <= L` unless folding).
-      anc: `[B, T, T]` int, nonzero where position j precedes position i on i's branch
-        (only j < i is read).
-      use_qk_l2norm, scale, gate_params: as `replay_decode_mgpu`.
+      anc: `[B, T, T]` bool, True where position j precedes position i on i's branch.
+      use_qk_l2norm, scale: as `replay_decode_mgpu`.
       params: the checkpoint tile's swizzle (`MosaicReplayParams`).
       interpret: run in Mosaic GPU interpret mode (default: off GPU).
 
@@ -284,13 +320,12 @@ def verify_decode_mgpu(
     check_shapes(head_k_dim, head_v_dim, cache_len, checkpoint.dtype.itemsize, params.swizzle)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    a_log, dt_bias = gate_params if gate_params is not None else (jnp.zeros((1,), F32),) * 2
-    kernel = _build(
-        batch, width, num_v_heads, head_v_dim, head_k_dim, cache_len, checkpoint.dtype, u_cache.dtype, v.dtype,
-        num_v_heads // q.shape[2], bool(use_qk_l2norm), float(head_k_dim ** -0.5 if scale is None else scale),
-        gate_params is not None, params.swizzle, bool(interpret),
-    )
+    length = length.astype(jnp.int32)
+    coef = window_coefficients(q, k, g, beta, anc.astype(bool), length, use_qk_l2norm=bool(use_qk_l2norm),
+                               scale=float(head_k_dim ** -0.5 if scale is None else scale))
+    kernel = _build(batch, width, num_v_heads, head_v_dim, head_k_dim, cache_len, checkpoint.dtype, u_cache.dtype,
+                    v.dtype, num_v_heads // q.shape[2], params.swizzle, bool(interpret))
     refs = [jax.new_ref(x) for x in (checkpoint, u_cache, k_cache, g_cache)]
     i32 = lambda x: x.astype(jnp.int32)
-    y = kernel(i32(slot), i32(pos), i32(mode), i32(length), i32(anc), q, k, q, k, v, g, beta, a_log, dt_bias, *refs)
+    y = kernel(i32(slot), i32(pos), i32(mode), length, q, k, q, k, v, coef, *refs)
     return (y, *(jax.freeze(r) for r in refs))
