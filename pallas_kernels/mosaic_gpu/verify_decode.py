@@ -125,10 +125,10 @@ def window_coefficients(
     return jnp.pad(packed, ((0, 0), (0, 0), (0, coefficient_count(width) - packed.shape[-1])))
 
 
-def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, q_row_ref, k_row_ref, v_ref, coef_ref,
+def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_ref,
             ckpt_ref, ucache_ref, kcache_ref, gcache_ref,
             y_ref,
-            t_smem, u_smem, k_smem, g_smem, c_smem, o_smem, u_rows, k_rows, barrier, rows_barrier,
+            t_smem, u_smem, k_smem, g_smem, c_smem, o_smem, u_rows, k_rows, window_smem, barrier, rows_barrier,
             *, width, group_size, tiles):
     b = lax.axis_index("b")
     hv = lax.axis_index("hv")
@@ -154,6 +154,13 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, q_row_ref, k_
         plgpu.copy_gmem_to_smem(kcache_ref.at[slot, hk], k_smem, barrier)
         plgpu.copy_gmem_to_smem(gcache_ref.at[slot, h], g_smem, barrier)
         plgpu.copy_gmem_to_smem(coef_ref.at[b, h], c_smem, barrier)
+        # The window's vectors, each for loads in one layout (layout inference cannot give
+        # two layouts to loads of one buffer): per-position loads then hit shared memory
+        # instead of waiting on global memory one position after another.
+        q_cols, k_cols, q_rows, k_rows_w, v_rows = window_smem
+        for src, dst in ((q_ref.at[b, :, hk], q_cols), (k_ref.at[b, :, hk], k_cols), (q_ref.at[b, :, hk], q_rows),
+                         (k_ref.at[b, :, hk], k_rows_w), (v_ref.at[b, :, h, rows], v_rows)):
+            plgpu.copy_gmem_to_smem(src, dst, barrier)
 
         @pl.when(fold)
         def _fetch_rows():
@@ -205,18 +212,17 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, q_row_ref, k_
         u = []
         for i in range(T):
             # One position's vectors at a time, loaded when used: keeping all 2T of them
-            # in registers would spill.
+            # in registers spills.
             in_window = i < length
             load = lambda ref, layout: _keep(in_window, plgpu.load(ref, layout=layout, optimized=False).astype(F32),
                                              layout)
-            k_col = k_scale(i) * load(k_ref.at[b, i, hk], COL)
-            r_k = readout(k_col, k_scale(i) * load(k_row_ref.at[b, i, hk], ROW))
-            u_i = beta(i) * (load(v_ref.at[b, i, h, rows], ROW) - e_G(i) * r_k)
+            k_col = k_scale(i) * load(k_cols.at[i], COL)
+            r_k = readout(k_col, k_scale(i) * load(k_rows_w.at[i], ROW))
+            u_i = beta(i) * (load(v_rows.at[i], ROW) - e_G(i) * r_k)
             for j in range(i):
                 u_i = u_i - A(i, j) * u[j]
             u.append(u_i)
-            y_i = e_G(i) * readout(q_scale(i) * load(q_ref.at[b, i, hk], COL),
-                                   q_scale(i) * load(q_row_ref.at[b, i, hk], ROW))
+            y_i = e_G(i) * readout(q_scale(i) * load(q_cols.at[i], COL), q_scale(i) * load(q_rows.at[i], ROW))
             for j in range(i + 1):
                 y_i = y_i + M(i, j) * u[j]
             o_smem[i] = _keep(in_window, y_i, ROW).astype(o_smem.dtype)
@@ -240,7 +246,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, q_row_ref, k_
 
 
 @functools.lru_cache(maxsize=None)
-def _build(batch, width, num_v_heads, head_v_dim, head_k_dim, cache_len, state_dtype, cache_dtype, y_dtype,
+def _build(batch, width, num_v_heads, head_v_dim, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y_dtype,
            group_size, swizzle, interpret):
     tiles = head_v_dim // BLOCK_ROWS
     body = functools.partial(_kernel, width=width, group_size=group_size, tiles=tiles)
@@ -256,7 +262,8 @@ def _build(batch, width, num_v_heads, head_v_dim, head_k_dim, cache_len, state_d
             plgpu.SMEM((width, BLOCK_ROWS), y_dtype),
             plgpu.SMEM((cache_len, BLOCK_ROWS), cache_dtype),
             plgpu.SMEM((cache_len, head_k_dim), cache_dtype),
-            plgpu.Barrier(num_arrivals=5),
+            [plgpu.SMEM((width, head_k_dim), qk_dtype) for _ in range(4)] + [plgpu.SMEM((width, BLOCK_ROWS), y_dtype)],
+            plgpu.Barrier(num_arrivals=10),
             plgpu.Barrier(num_arrivals=2),
         ],
         grid=(batch, num_v_heads * tiles),
@@ -323,9 +330,11 @@ def verify_decode_mgpu(
     length = length.astype(jnp.int32)
     coef = window_coefficients(q, k, g, beta, anc.astype(bool), length, use_qk_l2norm=bool(use_qk_l2norm),
                                scale=float(head_k_dim ** -0.5 if scale is None else scale))
+    if q.dtype != k.dtype:
+        raise ValueError(f"q and k must share a dtype, got {q.dtype} and {k.dtype}")
     kernel = _build(batch, width, num_v_heads, head_v_dim, head_k_dim, cache_len, checkpoint.dtype, u_cache.dtype,
-                    v.dtype, num_v_heads // q.shape[2], params.swizzle, bool(interpret))
+                    q.dtype, v.dtype, num_v_heads // q.shape[2], params.swizzle, bool(interpret))
     refs = [jax.new_ref(x) for x in (checkpoint, u_cache, k_cache, g_cache)]
     i32 = lambda x: x.astype(jnp.int32)
-    y = kernel(i32(slot), i32(pos), i32(mode), length, q, k, q, k, v, coef, *refs)
+    y = kernel(i32(slot), i32(pos), i32(mode), length, q, k, v, coef, *refs)
     return (y, *(jax.freeze(r) for r in refs))
