@@ -116,14 +116,15 @@ def test_step_matches_the_float64_model(rng, state_dtype, heads, groups, use_z):
     assert np.all(np.isfinite(y)), "a stale entry or a padding input reached an output"
 
 
-NEMOTRON_H_8B, MAMBA2_2_7B = (128, 8), (80, 1)  # (H, G); P = 64, N = 128
+# (H, G, z gate, dt clamp); P = 64, N = 128. The two option sets lower both ways of each option.
+NEMOTRON_H_8B, MAMBA2_2_7B = (128, 8, True, (0.0, float("inf"))), (80, 1, False, (1e-4, 0.1))
 
 
 @pytest.mark.parametrize("cache_len", [8, 16, 32])
 @pytest.mark.parametrize("state_dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("heads,groups", [NEMOTRON_H_8B, MAMBA2_2_7B])
-def test_lowers_for_an_abstract_h200(heads, groups, state_dtype, cache_len):
-    """The benchmark shapes (caches in the state dtype, bf16 token, z on), lowered for CUDA on CPU."""
+@pytest.mark.parametrize("heads,groups,use_z,dt_limit", [NEMOTRON_H_8B, MAMBA2_2_7B])
+def test_lowers_for_an_abstract_h200(heads, groups, use_z, dt_limit, state_dtype, cache_len):
+    """The benchmark shapes (caches in the state dtype, bf16 token), lowered for CUDA on CPU."""
     S = jax.ShapeDtypeStruct
     n, b, p, ns = 16, 8, 64, 128
     f32, bf16 = jnp.float32, jnp.bfloat16
@@ -132,7 +133,8 @@ def test_lowers_for_an_abstract_h200(heads, groups, state_dtype, cache_len):
             S((b, heads, p), bf16), S((b, groups, ns), bf16), S((b, groups, ns), bf16), S((b, heads), f32),
             S((heads,), f32), S((heads,), f32), S((heads,), f32), S((b,), jnp.int32), S((b,), jnp.int32),
             S((b,), jnp.int32), S((b, heads, p), bf16)]
-    step = lambda *a: mamba2_replay_decode_mgpu(*a[:-1], z=a[-1], interpret=False)
+    step = lambda *a: mamba2_replay_decode_mgpu(*a[:-1], z=a[-1] if use_z else None, dt_limit=dt_limit,
+                                                interpret=False)
     text = jax.jit(step, donate_argnums=(0, 1, 2, 3)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "replayssm_mamba2_decode_mgpu" in text
 
