@@ -3,7 +3,8 @@
 Sections:
   check         GDN: one GPU step per backend (xla, pallas_triton, mosaic_gpu) on the same
                 state and tokens, with padding, append and flush rows: outputs and every
-                state array against xla (relative max error).
+                state array against xla (relative max error), and the copies of a state
+                array in the donated step's compiled HLO (0: updated in place).
   sweep         GDN H_k = 16, H_v = 32, d = 128, for each state dtype (--dtypes), L
                 (--cache-lens) and B (--batches): the plain kernel, the Triton replay cycle
                 (the launch table's row, natural policy) and the Mosaic replay cycle, sync
@@ -28,6 +29,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import re
 import statistics
 import sys
 import time
@@ -117,6 +119,14 @@ def rel(a, b) -> float:
     return float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-30))
 
 
+def pool_copies(hlo_text: str, state: R.ReplayState) -> int:
+    """HLO `copy` instructions with the shape of a state array: 0 when the donated step
+    updates the pool in place (interpret mode copies its operands by construction)."""
+    shapes = {tuple(leaf.shape) for leaf in jax.tree.leaves(state)}
+    results = (re.search(r"= \w+\[([\d,]*)\]\S* copy\(", line) for line in hlo_text.splitlines())
+    return sum(1 for m in results if m and tuple(int(d) for d in m.group(1).split(",") if d) in shapes)
+
+
 def check_cases(smoke: bool, gate: str) -> list[tuple[R.ReplayConfig, int]]:
     """(config, batch) of the check section of `gate`."""
     config = mamba2_config if gate == "mamba2" else gdn_config
@@ -135,10 +145,12 @@ def check_section(smoke: bool, gate: str = "gdn") -> list[dict]:
         token = db.random_token(cfg, batch, jax.random.key(4))
         slots = jnp.asarray(np.where(np.arange(batch) % 5 == 4, -1, rng.permutation(num_slots)[:batch]), jnp.int32)
         force = jnp.asarray(np.arange(batch) % 3 == 0)
-        outs = {}
+        outs, copies = {}, {}
         for backend in ("xla", "pallas_triton", "mosaic_gpu"):
             step = functools.partial(R.decode_step, backend=backend, policy="natural", **step_options(cfg))
-            outs[backend] = jax.jit(step)(pool, token, slots, force)
+            compiled = jax.jit(step, donate_argnums=0).lower(pool, token, slots, force).compile()
+            outs[backend] = compiled(jax.tree.map(jnp.copy, pool), token, slots, force)
+            copies[backend] = pool_copies(compiled.as_text(), pool)
         ref_y, ref_state = outs["xla"]
         for backend in ("pallas_triton", "mosaic_gpu"):
             y, st = outs[backend]
@@ -146,7 +158,8 @@ def check_section(smoke: bool, gate: str = "gdn") -> list[dict]:
                        cache_len=cfg.cache_len, y=rel(y, ref_y), checkpoint=rel(st.checkpoint, ref_state.checkpoint),
                        u_cache=rel(st.u_cache, ref_state.u_cache), k_cache=rel(st.k_cache, ref_state.k_cache),
                        g_cache=rel(st.g_cache, ref_state.g_cache),
-                       write_pos_equal=bool(np.array_equal(st.write_pos, ref_state.write_pos)))
+                       write_pos_equal=bool(np.array_equal(st.write_pos, ref_state.write_pos)),
+                       pool_copies=copies[backend])
             print(f"check {json.dumps(row)}", flush=True)
             rows.append(row)
     return rows

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import replayssm_jax as R
+from helpers import aliased_parameters, state_sized_copies
 from pallas_kernels import common
 from pallas_kernels.mosaic_gpu.mamba2_decode import MosaicMamba2Params, check_shapes, mamba2_replay_decode_mgpu
 from pallas_kernels.mosaic_gpu.replay_decode import MosaicReplayParams
@@ -153,8 +154,8 @@ def test_shape_checks_name_the_bad_size(dims, match):
 
 def test_backend_steps_match_xla(rng):
     """`decode_step(backend="mosaic_gpu")` against the xla backend over a schedule that
-    crosses natural flushes, with a forced flush and a padding row, on its own state (bf16
-    and G = 1 are the kernel test's; this one checks the backend's plumbing)."""
+    crosses natural flushes, with a forced flush and a padding row, on its own state, and
+    the donated step's HLO (bf16 and G = 1 are the kernel test's)."""
     heads, groups, p, n, L = 2, 2, 64, 64, 8
     cfg = R.ReplayConfig.mamba2(heads, p, n, groups, L)
     params = R.Mamba2Params(A=jnp.asarray(-rng.uniform(0.5, 8.0, heads), jnp.float32),
@@ -179,6 +180,11 @@ def test_backend_steps_match_xla(rng):
         np.testing.assert_array_equal(np.asarray(states["mosaic_gpu"].write_pos), np.asarray(states["xla"].write_pos))
     relative(np.asarray(states["mosaic_gpu"].checkpoint), np.asarray(states["xla"].checkpoint),
              "checkpoints (two flushes)")
+    # In place: the donated state is aliased to the outputs and never copied (the kernel's
+    # state refs hold in interpret mode too).
+    hlo = steps["mosaic_gpu"].lower(states["mosaic_gpu"], tokens, slots, force, gate_params=params).compile().as_text()
+    assert len(aliased_parameters(hlo)) == len(jax.tree.leaves(states["mosaic_gpu"]))  # only the state is donated
+    assert not state_sized_copies(hlo, states["mosaic_gpu"]), state_sized_copies(hlo, states["mosaic_gpu"])
     live = {b: np.asarray(R.materialize_state(s, jnp.arange(4, dtype=jnp.int32), params)) for b, s in states.items()}
     relative(live["mosaic_gpu"], live["xla"], "live states")
 
