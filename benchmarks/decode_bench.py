@@ -131,11 +131,12 @@ class Timer:
 
 
 def copy_bandwidth_GBps(timer: Timer, num_bytes: int = 2 << 30) -> float:
-    """Device-to-device streaming bandwidth: read + write of a `num_bytes` f32 buffer."""
-    x = jax.random.normal(jax.random.key(0), (num_bytes // 4,), jnp.float32)
-    fn = jax.jit(lambda a: a * 1.0001 + 1.0)
+    """Device-to-device streaming bandwidth: read + write of a `num_bytes` f32 buffer (NaN
+    in smoke mode, before the buffer is made: 2 GiB on a CPU costs half a minute)."""
     if timer.smoke:
         return float("nan")
+    x = jax.random.normal(jax.random.key(0), (num_bytes // 4,), jnp.float32)
+    fn = jax.jit(lambda a: a * 1.0001 + 1.0)
     from jax.experimental.mosaic.gpu import profiler
 
     _, runs = profiler.measure(fn, aggregate=True, iterations=10)(x)

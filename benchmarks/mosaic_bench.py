@@ -1,17 +1,26 @@
-"""The Mosaic GPU decode kernel beside the Pallas-Triton kernels, one process (H200).
+"""The Mosaic GPU decode kernels beside the Pallas-Triton kernels, one process (H200).
 
 Sections:
-  check  one GPU step per backend (xla, pallas_triton, mosaic_gpu) on the same state and
-         tokens, with padding, append and flush rows: outputs and every state array against
-         xla (relative max error).
-  sweep  GDN H_k = 16, H_v = 32, d = 128, for each state dtype, L and B: the plain kernel,
-         the Triton replay cycle (the launch table's row, natural policy) and the Mosaic
-         replay cycle, sync cursors (non-flush, flush, cycle-amortised) and staggered
-         cursors (per step), bytes counted and the fraction of the byte floor from the copy
-         bandwidth measured in the same run.
+  check         GDN: one GPU step per backend (xla, pallas_triton, mosaic_gpu) on the same
+                state and tokens, with padding, append and flush rows: outputs and every
+                state array against xla (relative max error), and the copies of a state
+                array in the donated step's compiled HLO (0: updated in place).
+  sweep         GDN H_k = 16, H_v = 32, d = 128, for each state dtype (--dtypes), L
+                (--cache-lens) and B (--batches): the plain kernel, the Triton replay cycle
+                (the launch table's row, natural policy) and the Mosaic replay cycle, sync
+                cursors (non-flush, flush, cycle-amortised) and staggered cursors (per
+                step), bytes counted and the fraction of the byte floor from the copy
+                bandwidth measured in the same run.
+  mamba2-check  the check for Mamba-2 (Nemotron-H-8B heads: H = 128, P = 64, N = 128, G = 8;
+                z gate on).
+  mamba2        the sweep for Mamba-2 at Nemotron-H-8B shapes: --dtypes, L in
+                --mamba2-cache-lens, B in --batches (L = 16 first, then fp32 first).
 
-Timing as `decode_bench.py`: CUPTI kernel times, medians, slot sets rotated past the L2.
-`--smoke` runs tiny shapes in interpret mode on CPU (wall clock) so CI exercises the code.
+Each sweep section stops starting new cells --budget-s after it began. Timing as
+`decode_bench.py`: CUPTI kernel times, medians, slot sets rotated past the L2. `--smoke`
+runs tiny shapes in interpret mode on CPU (wall clock) so CI exercises the code.
+
+  python benchmarks/mosaic_bench.py --sections mamba2-check,mamba2 --budget-s 170 --out mamba2_mosaic.json
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import re
 import statistics
 import sys
 import time
@@ -36,7 +46,30 @@ from replayssm_jax import cost  # noqa: E402
 from replayssm_jax.backends import mosaic_gpu  # noqa: E402
 from replayssm_jax.plan import FlushPolicy  # noqa: E402
 
-MOSAIC_KERNEL = "replayssm_replay_decode_mgpu"
+MOSAIC_KERNELS = {"gdn": "replayssm_replay_decode_mgpu", "mamba2": "replayssm_mamba2_decode_mgpu"}
+
+
+def gdn_config(smoke: bool, cache_len: int, state_dtype) -> R.ReplayConfig:
+    """GDN H_k = 16, H_v = 32, d = 128 (smoke: the kernel's smallest tiles, L = 8)."""
+    sd = jnp.dtype(state_dtype)
+    return (R.ReplayConfig(1, 2, 64, 64, 8, state_dtype=sd, cache_dtype=sd) if smoke else
+            R.ReplayConfig(16, 32, 128, 128, cache_len, state_dtype=sd, cache_dtype=sd))
+
+
+def mamba2_config(smoke: bool, cache_len: int, state_dtype) -> R.ReplayConfig:
+    """Mamba-2 at Nemotron-H-8B shapes (smoke: two heads of the smallest tiles, L = 8)."""
+    sd = jnp.dtype(state_dtype)
+    if smoke:
+        return R.ReplayConfig.mamba2(2, 64, 64, 1, 8, state_dtype=sd, cache_dtype=sd)
+    return db.NEMOTRON_H_8B.config(cache_len, sd)
+
+
+def step_options(cfg: R.ReplayConfig) -> dict:
+    """`decode_step` / `layer_step` options of the benchmark's layers: q/k L2 norm for GDN,
+    the fixed layer parameters for Mamba-2."""
+    if cfg.gate_kind.additive:
+        return dict(gate_params=db.mamba2_params(cfg.num_v_heads))
+    return dict(use_qk_l2norm=True)
 
 
 @functools.lru_cache(maxsize=None)
@@ -45,7 +78,12 @@ def mosaic_cycle_fn(cfg: R.ReplayConfig, interpret: bool):
 
     def one_step(token, state, slots):
         plan = R.plan_step(state.write_pos, slots, None, cfg.cache_len, FlushPolicy.NATURAL)
-        y, state = mosaic_gpu.layer_step(state, token, plan, use_qk_l2norm=True, scale=None, interpret=interpret)
+        if cfg.gate_kind.additive:
+            y, state = mosaic_gpu.mamba2_layer_step(state, token, plan, params=db.mamba2_params(cfg.num_v_heads),
+                                                    interpret=interpret)
+        else:
+            y, state = mosaic_gpu.layer_step(state, token, plan, use_qk_l2norm=True, scale=None,
+                                             interpret=interpret)
         state = dataclasses.replace(state, write_pos=R.advance_write_pos(state.write_pos, plan))
         return state, y[0, 0, 0]
 
@@ -70,7 +108,7 @@ def time_mosaic(timer, cfg, batch, rng, iterations, smoke, staggered):
     # The cycle donates its state: time it on a fresh pool per call (the copies are other
     # kernels, not counted).
     times = timer.kernel_times(lambda s, t: fn(jax.tree.map(jnp.copy, pool), s, t), (jnp.asarray(sets), token),
-                               "" if smoke else MOSAIC_KERNEL, iterations)
+                               "" if smoke else MOSAIC_KERNELS[cfg.gate], iterations)
     if staggered or smoke:
         return None, None, statistics.median(times)
     return db.split_cycle(times, len(sets), cfg.cache_len)
@@ -81,113 +119,144 @@ def rel(a, b) -> float:
     return float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-30))
 
 
-def check_section(smoke: bool) -> list[dict]:
+def pool_copies(hlo_text: str, state: R.ReplayState) -> int:
+    """HLO `copy` instructions with the shape of a state array: 0 when the donated step
+    updates the pool in place (interpret mode copies its operands by construction)."""
+    shapes = {tuple(leaf.shape) for leaf in jax.tree.leaves(state)}
+    results = (re.search(r"= \w+\[([\d,]*)\]\S* copy\(", line) for line in hlo_text.splitlines())
+    return sum(1 for m in results if m and tuple(int(d) for d in m.group(1).split(",") if d) in shapes)
+
+
+def check_cases(smoke: bool, gate: str) -> list[tuple[R.ReplayConfig, int]]:
+    """(config, batch) of the check section of `gate`."""
+    config = mamba2_config if gate == "mamba2" else gdn_config
+    if smoke:
+        return [(config(True, 8, jnp.float32), 3)]
+    return [(config(False, L, dtype), batch) for dtype, batch, L in
+            ((jnp.float32, 8, 16), (jnp.float32, 64, 32), (jnp.bfloat16, 8, 16))]
+
+
+def check_section(smoke: bool, gate: str = "gdn") -> list[dict]:
     rows = []
-    for state_dtype, batch, L in ((jnp.float32, 8, 16), (jnp.float32, 64, 32), (jnp.bfloat16, 8, 16)):
-        if smoke:
-            cfg = R.ReplayConfig(1, 2, 64, 64, 8, state_dtype=state_dtype, cache_dtype=state_dtype)
-            batch = 3
-        else:
-            cfg = R.ReplayConfig(16, 32, 128, 128, L, state_dtype=state_dtype, cache_dtype=state_dtype)
+    for cfg, batch in check_cases(smoke, gate):
         rng = np.random.default_rng(batch)
         num_slots = 2 * batch
         pool = db.random_pool(cfg, num_slots, jax.random.key(3), rng.integers(0, cfg.cache_len, num_slots))
         token = db.random_token(cfg, batch, jax.random.key(4))
         slots = jnp.asarray(np.where(np.arange(batch) % 5 == 4, -1, rng.permutation(num_slots)[:batch]), jnp.int32)
         force = jnp.asarray(np.arange(batch) % 3 == 0)
-        outs = {}
+        outs, copies = {}, {}
         for backend in ("xla", "pallas_triton", "mosaic_gpu"):
-            outs[backend] = jax.jit(functools.partial(R.decode_step, backend=backend, policy="natural",
-                                                      use_qk_l2norm=True))(pool, token, slots, force)
+            step = functools.partial(R.decode_step, backend=backend, policy="natural", **step_options(cfg))
+            compiled = jax.jit(step, donate_argnums=0).lower(pool, token, slots, force).compile()
+            outs[backend] = compiled(jax.tree.map(jnp.copy, pool), token, slots, force)
+            copies[backend] = pool_copies(compiled.as_text(), pool)
         ref_y, ref_state = outs["xla"]
         for backend in ("pallas_triton", "mosaic_gpu"):
             y, st = outs[backend]
-            row = dict(backend=backend, state_dtype=cfg.state_dtype.name, batch=batch, cache_len=cfg.cache_len,
-                       y=rel(y, ref_y), checkpoint=rel(st.checkpoint, ref_state.checkpoint),
+            row = dict(gate=cfg.gate, backend=backend, state_dtype=cfg.state_dtype.name, batch=batch,
+                       cache_len=cfg.cache_len, y=rel(y, ref_y), checkpoint=rel(st.checkpoint, ref_state.checkpoint),
                        u_cache=rel(st.u_cache, ref_state.u_cache), k_cache=rel(st.k_cache, ref_state.k_cache),
                        g_cache=rel(st.g_cache, ref_state.g_cache),
-                       write_pos_equal=bool(np.array_equal(st.write_pos, ref_state.write_pos)))
+                       write_pos_equal=bool(np.array_equal(st.write_pos, ref_state.write_pos)),
+                       pool_copies=copies[backend])
             print(f"check {json.dumps(row)}", flush=True)
             rows.append(row)
     return rows
 
 
-def sweep_section(timer, args, bandwidth) -> list[dict]:
+def sweep_cells(args, gate: str) -> list[R.ReplayConfig]:
+    """The configs of a sweep section (each timed at every batch): GDN in dtype-major
+    order; Mamba-2 with the headline cells first (L = 16 before the other lengths, fp32
+    before bf16)."""
+    if gate == "mamba2":
+        lengths = sorted(map(int, args.mamba2_cache_lens.split(",")), key=lambda L: (L != 16, L))
+        return [mamba2_config(args.smoke, L, dt) for L in lengths for dt in args.dtypes.split(",")]
+    lengths = [int(L) for L in args.cache_lens.split(",")]
+    return [gdn_config(args.smoke, L, dt) for dt in args.dtypes.split(",") for L in lengths]
+
+
+def sweep_section(timer, args, bandwidth, gate: str = "gdn") -> list[dict]:
     rows = []
     deadline = time.time() + args.budget_s
-    for dtype in args.dtypes.split(","):
-        for L in map(int, args.cache_lens.split(",")):
-            for batch in map(int, args.batches.split(",")):
-                if time.time() > deadline:
-                    print(f"budget spent: skipping {dtype} L={L} B={batch}", flush=True)
-                    continue
-                sd = jnp.dtype(dtype)
-                cfg = (R.ReplayConfig(1, 2, 64, 64, 8, state_dtype=sd, cache_dtype=sd) if args.smoke else
-                       R.ReplayConfig(16, 32, 128, 128, L, state_dtype=sd, cache_dtype=sd))
-                rng = np.random.default_rng(batch * 100 + L)
-                plain_cfg = dataclasses.replace(cfg, cache_len=1)
-                plain_us = db.time_plain(timer, plain_cfg, batch, db.plain_params(plain_cfg, batch), rng, 3, args.smoke)
-                params = db.table_params(cfg, batch, FlushPolicy.NATURAL)
-                cycle_bytes = cost.replay_cycle_bytes(cfg, batch).total
-                floor = cost.floor_us(cycle_bytes, bandwidth)
-                nf_bytes = statistics.mean(cost.replay_step_bytes(cfg, [p] * batch).total for p in range(cfg.cache_len - 1))
-                fl_bytes = cost.replay_step_bytes(cfg, [cfg.cache_len - 1] * batch).total
-                for staggered in (False, True):
-                    t_nf, t_fl, t_cyc = db.time_replay(timer, cfg, batch, params, FlushPolicy.NATURAL, rng, 3,
-                                                       args.smoke, staggered)
-                    m_nf, m_fl, m_cyc = time_mosaic(timer, cfg, batch, rng, 3, args.smoke, staggered)
-                    row = dict(state_dtype=cfg.state_dtype.name, cache_len=cfg.cache_len, batch=batch,
-                               cursors="staggered" if staggered else "sync", triton_params=repr(params),
-                               plain_us=plain_us, triton_nonflush_us=t_nf, triton_flush_us=t_fl,
-                               triton_cycle_us=t_cyc, mosaic_nonflush_us=m_nf, mosaic_flush_us=m_fl,
-                               mosaic_cycle_us=m_cyc, cycle_bytes=cycle_bytes, nonflush_bytes=nf_bytes,
-                               flush_bytes=fl_bytes, cycle_floor_us=floor,
-                               nonflush_floor_us=cost.floor_us(nf_bytes, bandwidth),
-                               flush_floor_us=cost.floor_us(fl_bytes, bandwidth),
-                               mosaic_floor_fraction=floor / m_cyc, triton_floor_fraction=floor / t_cyc,
-                               mosaic_vs_plain=plain_us / m_cyc, triton_vs_plain=plain_us / t_cyc,
-                               mosaic_vs_triton=t_cyc / m_cyc)
-                    print(f"sweep {json.dumps(row)}", flush=True)
-                    rows.append(row)
+    for cfg in sweep_cells(args, gate):
+        for batch in map(int, args.batches.split(",")):
+            if time.time() > deadline:
+                print(f"budget spent: skipping {gate} {cfg.state_dtype.name} L={cfg.cache_len} B={batch}", flush=True)
+                continue
+            rng = np.random.default_rng(batch * 100 + cfg.cache_len)
+            plain_cfg = dataclasses.replace(cfg, cache_len=1)
+            plain_us = db.time_plain(timer, plain_cfg, batch, db.plain_params(plain_cfg, batch), rng, 3, args.smoke)
+            params = db.table_params(cfg, batch, FlushPolicy.NATURAL)
+            cycle_bytes = cost.replay_cycle_bytes(cfg, batch).total
+            floor = cost.floor_us(cycle_bytes, bandwidth)
+            nf_bytes = statistics.mean(cost.replay_step_bytes(cfg, [p] * batch).total for p in range(cfg.cache_len - 1))
+            fl_bytes = cost.replay_step_bytes(cfg, [cfg.cache_len - 1] * batch).total
+            for staggered in (False, True):
+                t_nf, t_fl, t_cyc = db.time_replay(timer, cfg, batch, params, FlushPolicy.NATURAL, rng, 3,
+                                                   args.smoke, staggered)
+                m_nf, m_fl, m_cyc = time_mosaic(timer, cfg, batch, rng, 3, args.smoke, staggered)
+                row = dict(gate=cfg.gate, num_k_heads=cfg.num_k_heads, num_v_heads=cfg.num_v_heads,
+                           head_k_dim=cfg.head_k_dim, head_v_dim=cfg.head_v_dim,
+                           state_dtype=cfg.state_dtype.name, cache_len=cfg.cache_len, batch=batch,
+                           cursors="staggered" if staggered else "sync", triton_params=repr(params),
+                           plain_us=plain_us, triton_nonflush_us=t_nf, triton_flush_us=t_fl,
+                           triton_cycle_us=t_cyc, mosaic_nonflush_us=m_nf, mosaic_flush_us=m_fl,
+                           mosaic_cycle_us=m_cyc, cycle_bytes=cycle_bytes, nonflush_bytes=nf_bytes,
+                           flush_bytes=fl_bytes, cycle_floor_us=floor,
+                           nonflush_floor_us=cost.floor_us(nf_bytes, bandwidth),
+                           flush_floor_us=cost.floor_us(fl_bytes, bandwidth),
+                           mosaic_floor_fraction=floor / m_cyc, triton_floor_fraction=floor / t_cyc,
+                           mosaic_vs_plain=plain_us / m_cyc, triton_vs_plain=plain_us / t_cyc,
+                           mosaic_vs_triton=t_cyc / m_cyc)
+                print(f"sweep {json.dumps(row)}", flush=True)
+                rows.append(row)
     return rows
 
 
 def print_table(rows):
-    print(f"{'dtype':>8} {'L':>3} {'B':>4} {'cursors':>9} {'plain':>8} {'tri cyc':>8} {'mgpu nf':>8} {'mgpu fl':>8} "
-          f"{'mgpu cyc':>8} {'floor':>8} {'m/floor':>7} {'m vs pl':>7} {'m vs tri':>8}")
+    print(f"{'gate':>6} {'dtype':>8} {'L':>3} {'B':>4} {'cursors':>9} {'plain':>8} {'tri cyc':>8} {'mgpu nf':>8} "
+          f"{'mgpu fl':>8} {'mgpu cyc':>8} {'floor':>8} {'m/floor':>7} {'m vs pl':>7} {'m vs tri':>8}")
     for r in rows:
         f = lambda x: f"{x:8.1f}" if x is not None else f"{'-':>8}"
-        print(f"{r['state_dtype']:>8} {r['cache_len']:>3} {r['batch']:>4} {r['cursors']:>9} {f(r['plain_us'])} "
-              f"{f(r['triton_cycle_us'])} {f(r['mosaic_nonflush_us'])} {f(r['mosaic_flush_us'])} {f(r['mosaic_cycle_us'])} "
-              f"{f(r['cycle_floor_us'])} {r['mosaic_floor_fraction']:7.2f} {r['mosaic_vs_plain']:7.2f} "
-              f"{r['mosaic_vs_triton']:8.2f}")
+        print(f"{r['gate']:>6} {r['state_dtype']:>8} {r['cache_len']:>3} {r['batch']:>4} {r['cursors']:>9} "
+              f"{f(r['plain_us'])} {f(r['triton_cycle_us'])} {f(r['mosaic_nonflush_us'])} {f(r['mosaic_flush_us'])} "
+              f"{f(r['mosaic_cycle_us'])} {f(r['cycle_floor_us'])} {r['mosaic_floor_fraction']:7.2f} "
+              f"{r['mosaic_vs_plain']:7.2f} {r['mosaic_vs_triton']:8.2f}")
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sections", default="check,sweep")
+    p.add_argument("--sections", default="check,sweep", help="comma-separated: check, sweep, mamba2-check, mamba2")
     p.add_argument("--out", default="mosaic_bench.json")
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--cache-lens", default="16,32")
+    p.add_argument("--mamba2-cache-lens", default="8,16,32", help="cache lengths of the mamba2 section")
     p.add_argument("--batches", default="1,8,32,128,512")
-    p.add_argument("--budget-s", type=float, default=420.0, help="stop starting new sweep cells after this")
+    p.add_argument("--budget-s", type=float, default=420.0,
+                   help="each sweep section stops starting new cells this long after it began")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode, wall clock (CPU)")
     args = p.parse_args(argv)
     if args.smoke:
-        args.batches, args.cache_lens, args.dtypes = "2", "8", "float32"
+        args.batches, args.cache_lens, args.mamba2_cache_lens, args.dtypes = "2", "8", "8", "float32"
     timer = db.Timer(args.smoke)
     result = dict(versions=db.versions(), args=vars(args))
     sections = args.sections.split(",")
     bandwidth = db.copy_bandwidth_GBps(timer)
     result["copy_bandwidth_GBps"] = bandwidth
     print(f"copy bandwidth {bandwidth:.0f} GB/s", flush=True)
-    if "check" in sections:
-        result["check"] = check_section(args.smoke)
-    if "sweep" in sections:
-        result["sweep"] = sweep_section(timer, args, bandwidth)
-        print_table(result["sweep"])
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1, default=str)
+    parts = (("check", "check", lambda: check_section(args.smoke)),
+             ("sweep", "sweep", lambda: sweep_section(timer, args, bandwidth)),
+             ("mamba2-check", "mamba2_check", lambda: check_section(args.smoke, "mamba2")),
+             ("mamba2", "mamba2_sweep", lambda: sweep_section(timer, args, bandwidth, "mamba2")))
+    for section, key, run in parts:
+        if section not in sections:
+            continue
+        result[key] = run()
+        if key.endswith("sweep"):
+            print_table(result[key])
+        with open(args.out, "w") as f:  # after each section: a run cut short keeps what it finished
+            json.dump(result, f, indent=1, default=str)
     print(f"wrote {args.out}", flush=True)
 
 

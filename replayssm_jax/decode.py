@@ -62,7 +62,7 @@ def _mamba2_layer_step(state, tokens, plan, *, backend, use_qk_l2norm, scale, ga
             raise ValueError("kernel_params applies to backend='pallas_triton' only")
         return xla.mamba2_layer_step(state, tokens, plan, params=gate_params)
     if backend == "mosaic_gpu":
-        raise ValueError("backend 'mosaic_gpu' supports gate 'gdn' only, got gate 'mamba2'")
+        return mosaic_gpu.mamba2_layer_step(state, tokens, plan, params=gate_params, kernel_params=kernel_params)
     return pallas_triton.mamba2_layer_step(state, tokens, plan, params=gate_params, kernel_params=kernel_params)
 
 
@@ -88,8 +88,8 @@ def decode_step(
       slots: `[B]` int, the physical slot of each row; negative = padding row.
       force_flush: optional `[B]` bool, flush these rows now whatever their cursor.
       backend: "xla" (pure jax, the specification), "pallas_triton" (fused kernels;
-        interpret mode off-GPU) or "mosaic_gpu" (GDN on the Mosaic GPU kernel; interpret
-        mode off-GPU).
+        interpret mode off-GPU) or "mosaic_gpu" (GDN and Mamba-2 on the Mosaic GPU
+        kernels; interpret mode off-GPU).
       policy: a `FlushPolicy` (or its value): NATURAL flushes a row when its slot holds
         L - 1 cached entries or when forced; EVERY_STEP flushes every live row. Default:
         `default_flush_policy(state.config, B)`, the same for every backend.
@@ -102,7 +102,7 @@ def decode_step(
         required (tokens.dt is the raw dt).
       kernel_params: the pallas_triton backend's launch parameters (a kernel's parameter
         class, e.g. `ReplayGroupedParams`; default: the launch table's row), or a
-        `MosaicReplayParams` for mosaic_gpu.
+        `MosaicReplayParams` (GDN) or `MosaicMamba2Params` (Mamba-2) for mosaic_gpu.
 
     Returns:
       `(y, new_state)`: y `[B, H_v, d_v]` in v's dtype (Mamba-2: `[B, H, P]` in x's dtype),

@@ -47,14 +47,20 @@ def test_decode_bench_smoke_writes_every_section(tmp_path):
 
 
 def test_mosaic_bench_smoke(tmp_path):
-    """The Mosaic GPU bench end to end in interpret mode: the check agrees with xla and the
-    sweep row carries both backends' cycles."""
+    """The Mosaic GPU bench end to end in interpret mode, GDN and Mamba-2: the checks agree
+    with xla and the sweep rows carry both backends' cycles."""
     out = tmp_path / "mosaic.json"
-    mosaic_bench.main(["--smoke", "--out", str(out)])
+    mosaic_bench.main(["--smoke", "--sections", "check,sweep,mamba2-check,mamba2", "--out", str(out)])
     result = json.loads(out.read_text())
-    assert all(row["checkpoint"] < 1e-5 and row["write_pos_equal"] for row in result["check"])
-    assert {row["cursors"] for row in result["sweep"]} == {"sync", "staggered"}
-    assert all(row["mosaic_cycle_us"] > 0 and row["triton_cycle_us"] > 0 for row in result["sweep"])
+    for check, sweep, gate in (("check", "sweep", "gdn"), ("mamba2_check", "mamba2_sweep", "mamba2")):
+        assert {row["backend"] for row in result[check]} == {"pallas_triton", "mosaic_gpu"}
+        assert all(row["gate"] == gate and row["checkpoint"] < 1e-5 and row["write_pos_equal"]
+                   for row in result[check])
+        # the Mosaic kernels' state refs are updated in place even in interpret mode
+        assert all(row["pool_copies"] == 0 for row in result[check] if row["backend"] == "mosaic_gpu")
+        assert {row["cursors"] for row in result[sweep]} == {"sync", "staggered"}
+        assert all(row["gate"] == gate and row["mosaic_cycle_us"] > 0 and row["triton_cycle_us"] > 0
+                   for row in result[sweep])
 
 
 def test_decode_bench_mamba2_smoke(tmp_path):

@@ -166,11 +166,14 @@ def test_backend_steps_match_xla(rng, state_dtype):
     np.testing.assert_allclose(np.asarray(live["mosaic_gpu"]), np.asarray(live["xla"]), atol=tol, rtol=tol)
 
 
-def test_backend_refuses_other_gates():
+def test_backend_refuses_other_gates_and_shapes():
     from replayssm_jax import ReplayConfig
     from replayssm_jax.backends import mosaic_gpu
 
-    with pytest.raises(ValueError, match="gate 'gdn' only"):
+    with pytest.raises(ValueError, match=r"supports gates \('gdn', 'mamba2'\), got 'kda'"):
         mosaic_gpu.check_config(ReplayConfig(1, 2, 64, 64, 8, gate="kda"))
     with pytest.raises(ValueError, match="cache_len a multiple of 8"):
         mosaic_gpu.check_config(ReplayConfig(1, 2, 64, 64, 4))
+    mosaic_gpu.check_config(ReplayConfig.mamba2(2, 64, 128, 1, 16))
+    with pytest.raises(ValueError, match="head dim P a multiple of 64"):  # P and N are not swapped
+        mosaic_gpu.check_config(ReplayConfig.mamba2(2, 32, 128, 1, 16))

@@ -4,8 +4,8 @@ computing one layer's step, with the same arguments and results.
   xla            `backends.xla`: plain jax.numpy / lax, the readable specification.
   pallas_triton  `backends.pallas_triton`: the Pallas (Triton lowering) kernels of
                  `pallas_kernels`, with the launch table.
-  mosaic_gpu     `backends.mosaic_gpu`: the Mosaic GPU kernel of `pallas_kernels.mosaic_gpu`
-                 (GDN; TMA tiles, WGMMA-layout readout, in-place flush).
+  mosaic_gpu     `backends.mosaic_gpu`: the Mosaic GPU kernels of `pallas_kernels.mosaic_gpu`
+                 (GDN and Mamba-2; TMA tiles, WGMMA-layout readout, in-place flush).
 """
 
 BACKENDS: tuple[str, ...] = ("xla", "pallas_triton", "mosaic_gpu")

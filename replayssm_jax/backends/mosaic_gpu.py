@@ -1,9 +1,10 @@
-"""The Mosaic GPU backend: GDN decode steps on `pallas_kernels.mosaic_gpu`.
+"""The Mosaic GPU backend: GDN and Mamba-2 decode steps on `pallas_kernels.mosaic_gpu`.
 
-One kernel serves every row mode (padding, append, flush), so both flush policies run
-through it: under EVERY_STEP every live row is a flush row. GDN only (per-head decay);
-shapes as `pallas_kernels.mosaic_gpu.replay_decode.check_shapes` allows (d_k, d_v
-multiples of 64, L a multiple of 8 up to 256).
+One kernel per gate serves every row mode (padding, append, flush), so both flush policies
+run through it: under EVERY_STEP every live row is a flush row. Gates "gdn" (per-head
+decay; shapes as `replay_decode.check_shapes` allows: d_k, d_v multiples of 64, L a
+multiple of 8 up to 256) and "mamba2" (`mamba2_decode.check_shapes`: P and N multiples of
+64, L a multiple of 8 within the kernel's shared memory).
 """
 
 from __future__ import annotations
@@ -13,17 +14,32 @@ import dataclasses
 from jaxtyping import Array, Float
 
 from pallas_kernels import common
+from pallas_kernels.mosaic_gpu import mamba2_decode
+from pallas_kernels.mosaic_gpu.mamba2_decode import MosaicMamba2Params, mamba2_replay_decode_mgpu
 from pallas_kernels.mosaic_gpu.replay_decode import MosaicReplayParams, check_shapes, replay_decode_mgpu
 from replayssm_jax.plan import StepPlan
 from replayssm_jax.state import ReplayState
 from replayssm_jax.tokens import Tokens
 
 
+GATES = ("gdn", "mamba2")
+
+
 def check_config(cfg) -> None:
     """Raise ValueError unless the layer's config runs on this backend."""
-    if cfg.gate != "gdn":
-        raise ValueError(f"backend 'mosaic_gpu' supports gate 'gdn' only, got {cfg.gate!r}")
-    check_shapes(cfg.head_k_dim, cfg.head_v_dim, cfg.cache_len, cfg.state_dtype.itemsize)
+    if cfg.gate not in GATES:
+        raise ValueError(f"backend 'mosaic_gpu' supports gates {GATES}, got {cfg.gate!r}")
+    if cfg.gate == "mamba2":
+        mamba2_decode.check_shapes(cfg.head_v_dim, cfg.head_k_dim, cfg.cache_len, cfg.state_dtype.itemsize,
+                                   cfg.cache_dtype.itemsize)
+    else:
+        check_shapes(cfg.head_k_dim, cfg.head_v_dim, cfg.cache_len, cfg.state_dtype.itemsize)
+
+
+def _check_params(kernel_params, want: type) -> None:
+    if kernel_params is not None and not isinstance(kernel_params, want):
+        raise ValueError(f"kernel_params must be a {want.__name__} for backend 'mosaic_gpu' and this gate, "
+                         f"got {type(kernel_params).__name__}")
 
 
 def layer_step(
@@ -41,9 +57,7 @@ def layer_step(
     `kernel_params` (default `MosaicReplayParams()`) and `interpret` (default: off GPU)."""
     cfg = state.config
     check_config(cfg)
-    if kernel_params is not None and not isinstance(kernel_params, MosaicReplayParams):
-        raise ValueError(f"kernel_params must be a MosaicReplayParams for backend 'mosaic_gpu', "
-                         f"got {type(kernel_params).__name__}")
+    _check_params(kernel_params, MosaicReplayParams)
     y, checkpoint, u_cache, k_cache, g_cache = replay_decode_mgpu(
         state.checkpoint, state.u_cache, state.k_cache, state.g_cache,
         tokens.q, tokens.k, tokens.v, tokens.g, tokens.beta,
@@ -52,3 +66,28 @@ def layer_step(
         params=kernel_params or MosaicReplayParams(), interpret=interpret,
     )
     return y, dataclasses.replace(state, checkpoint=checkpoint, u_cache=u_cache, k_cache=k_cache, g_cache=g_cache)
+
+
+def mamba2_layer_step(
+    state: ReplayState,
+    tokens,
+    plan: StepPlan,
+    *,
+    params,
+    kernel_params: MosaicMamba2Params | None = None,
+    interpret: bool | None = None,
+) -> tuple[Float[Array, "B H P"], ReplayState]:
+    """`backends.xla.mamba2_layer_step` on the Mosaic GPU kernel (`tokens: Mamba2Tokens`,
+    `params: Mamba2Params`); plus `kernel_params` (default `MosaicMamba2Params()`) and
+    `interpret` (default: off GPU)."""
+    cfg = state.config
+    check_config(cfg)
+    _check_params(kernel_params, MosaicMamba2Params)
+    y, checkpoint, x_cache, b_cache, dt_cache = mamba2_replay_decode_mgpu(
+        state.checkpoint, state.u_cache, state.k_cache, state.g_cache,
+        tokens.x, tokens.B, tokens.C, tokens.dt, params.A, params.D, params.dt_bias,
+        plan.slot, plan.pos, common.row_modes(plan.valid, plan.flush),
+        z=tokens.z, dt_softplus=params.dt_softplus, dt_limit=params.dt_limit,
+        params=kernel_params or MosaicMamba2Params(), interpret=interpret,
+    )
+    return y, dataclasses.replace(state, checkpoint=checkpoint, u_cache=x_cache, k_cache=b_cache, g_cache=dt_cache)

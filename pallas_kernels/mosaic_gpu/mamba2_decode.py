@@ -1,0 +1,323 @@
+"""Fused Mamba-2 ReplaySSM decode step on Mosaic GPU (`plgpu.kernel`), one launch per step.
+
+Per head h (H heads, head dim P, state size N, G groups; head h uses group h // (H/G)):
+`dt = clip(softplus(dt_raw + dt_bias_h))`, `S_t = exp(A_h dt) S_{t-1} + dt x B^T` (`S [P, N]`),
+`y = S_t C + D_h x`, times `silu(z)` when z is given (as `pallas_kernels.mamba2_decode`).
+
+Grid `(B, H * P / BP)`, one warpgroup (128 threads) per CTA, BP = 64: CTA (b, h, t)
+serves state rows `t*BP .. t*BP + BP - 1` of head h of row b, whose slot, cursor `pos`
+and mode (padding / append / flush) it reads from `[B]` arrays.
+
+Data movement (TMA, one barrier): the checkpoint tile `S_c [BP, N]`, the slot's x records
+`[L, BP]` of this tile and its B records `[L, N]` (group h // (H/G)), all swizzled, and
+its time steps dt `[L]` land in shared memory; flush rows fetch a second, untiled copy of
+the records for the rebuild; everything else is registers. C is never cached.
+
+Layouts (Hopper WGMMA family, `m % 64 == 0 == n % 8`):
+- `S_c` in `WGMMA` `[BP, N]`; `S_c C` is a row reduction into `ROW = WGMMA.reduce(1)`
+  `[BP]`, with C broadcast from `COL = WGMMA.reduce(0)` `[N]`.
+- B records read transposed, `B^T [N, L]` (`WGMMA_TRANSPOSED` load, cast to `WGMMA`):
+  `B_j . C` for every j is a column reduction into `COL [L]`, C broadcast from `ROW [N]`
+  (C comes in twice, once per layout: layout inference gives one ref one layout).
+- x records read transposed, `X^T [BP, L]`: `X^T (w * (B C))` is a row reduction into
+  `ROW [BP]`, the layout of `S_c C` and of this token's x, so the parts add as they are.
+- weights `w_j = dt_j exp(A sum_{j<i<pos} dt_i)` `COL [L]`: a running product of the
+  valid entries' decays `exp(A dt_i)`, newest first, scalars read from shared memory.
+
+Step math (method note §14): with the live state
+`S_{t-1} = e^{A Gamma} S_c + sum_{j<pos} w_j x_j B_j^T` (Gamma the sum of the valid dt),
+`y = exp(A dt) (e^{A Gamma} S_c C + X^T (w * (B C))) + dt (B . C) x + D x`, never forming
+`S_{t-1}`. Entries at and past `pos` are masked with selects before any sum over entries,
+so a stale record (NaN included) cannot reach an output.
+
+Append rows store x at `pos` (each tile its rows; dt from tile 0; B from tile 0 of the
+first head of each group). Flush rows rebuild `S_{t-1}` from the `S_c` tile already in
+registers, in exact fp32 on CUDA cores (one fused multiply-add per element and entry,
+newest entry first with a running decay), and store `S_t = exp(A dt) S_{t-1} + dt x B^T`
+in place through shared memory and TMA; the checkpoint is read from memory once per step,
+flush or not. Padding rows write y = 0 and nothing else.
+
+The state arrays are mutable refs (`jax.new_ref`): under a donated `jit` the kernel
+updates them in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxtyping import Array, Float, Int
+
+from pallas_kernels.common import MODE_APPEND, MODE_FLUSH, MODE_PAD
+from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA, bcast_cols, bcast_rows, col_sum,
+                                              load_transposed, row_sum, softplus, tiled)
+
+BLOCK_P = BLOCK_ROWS
+# Shared memory per CTA on Hopper (the opt-in maximum); Mosaic aligns every buffer to 1 KiB
+# and adds its cross-warp reduction scratch (`CompilerParams.reduction_scratch_bytes`).
+SMEM_LIMIT = 227 * 1024
+_SMEM_ALIGN = 1024
+_REDUCTION_SCRATCH = 2048
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicMamba2Params:
+    """Launch parameters of `mamba2_replay_decode_mgpu`.
+
+    Attributes:
+      swizzle: shared-memory swizzle of the checkpoint tile in bytes (32, 64 or 128).
+    """
+
+    swizzle: int = 128
+
+    def __post_init__(self) -> None:
+        if self.swizzle not in (32, 64, 128):
+            raise ValueError(f"swizzle must be 32, 64 or 128 bytes, got {self.swizzle!r}")
+
+
+def smem_bytes(state_size: int, cache_len: int, state_itemsize: int, cache_itemsize: int, y_itemsize: int) -> int:
+    """Shared memory of one CTA: the buffers of `_build`, each rounded up to 1 KiB."""
+    align = lambda n: -(-n // _SMEM_ALIGN) * _SMEM_ALIGN
+    records = cache_len * (BLOCK_P + state_size) * cache_itemsize  # x and B records, one copy
+    buffers = (BLOCK_P * state_size * state_itemsize, cache_len * BLOCK_P * cache_itemsize,
+               cache_len * state_size * cache_itemsize, cache_len * 4, BLOCK_P * y_itemsize)
+    return sum(map(align, buffers)) + align(records) + align(2 * 8) + _REDUCTION_SCRATCH
+
+
+def check_shapes(head_dim: int, state_size: int, cache_len: int, state_itemsize: int, cache_itemsize: int,
+                 y_itemsize: int = 4, swizzle: int = 128) -> None:
+    """Raise ValueError unless the shapes (P, N, L and the itemsizes) fit the kernel."""
+    if head_dim % BLOCK_P:
+        raise ValueError(f"mosaic_gpu needs the Mamba-2 head dim P a multiple of {BLOCK_P}, got P = {head_dim}")
+    if state_size % 64:
+        raise ValueError(f"mosaic_gpu needs the Mamba-2 state size N a multiple of 64, got N = {state_size}")
+    if (state_size * state_itemsize) % swizzle:
+        raise ValueError(f"an N = {state_size} state row is not a multiple of the {swizzle}-byte swizzle")
+    if cache_len % 8 or cache_len < 8:
+        raise ValueError(f"mosaic_gpu needs cache_len a multiple of 8 (at least 8), got {cache_len}")
+    used = smem_bytes(state_size, cache_len, state_itemsize, cache_itemsize, y_itemsize)
+    if used > SMEM_LIMIT:
+        raise ValueError(f"cache_len = {cache_len} needs {used} bytes of shared memory per CTA at N = {state_size} "
+                         f"(limit {SMEM_LIMIT}): use a shorter cache")
+
+
+def _time_step(dt_raw, dt_bias, dt_softplus, dt_limit):
+    """`clip(softplus(dt_raw + dt_bias))` (scalars), the gating of the Triton kernels."""
+    dt = dt_raw + dt_bias
+    if dt_softplus:
+        dt = softplus(dt)
+    lo, hi = dt_limit
+    if (lo, hi) != (0.0, float("inf")):
+        dt = jnp.minimum(jnp.maximum(dt, lo), hi)
+    return dt
+
+
+def _window_weights(dt_smem, a, pos, cache_len):
+    """`(w [L] in COL, e^{A Gamma})`: `w_j = dt_j exp(A sum_{j<i<pos} dt_i)` for j < pos, 0 past it.
+
+    The valid entries' decays are multiplied newest first as scalars (unrolled over the
+    ring; an entry at or past `pos` leaves the product unchanged through a select, so a
+    stale dt, NaN included, is never used)."""
+    j = plgpu.broadcasted_iota(jnp.int32, (cache_len,), 0, layout=COL)
+    weights = plgpu.layout_cast(jnp.zeros((cache_len,), F32), COL)
+    running = jnp.float32(1.0)
+    for i in reversed(range(cache_len)):
+        live = i < pos
+        dt_i = dt_smem[i]
+        weights = jnp.where(live & (j == i), dt_i * running, weights)
+        running = jnp.where(live, running * jnp.exp(a * dt_i), running)
+    return weights, running
+
+
+def _rebuild_exact(s_c, decay_total, x_smem, b_smem, dt_smem, a, pos):
+    """`S_{t-1} = e^{A Gamma} S_c + sum_j w_j x_j B_j^T` in fp32, newest entry first (the
+    running decay of `_window_weights`, so both see the same weights)."""
+
+    def body(i, carry):
+        state, running = carry
+        j = pos - 1 - i
+        dt_j = dt_smem[j]
+        x_j = plgpu.load(x_smem.at[j], layout=ROW, optimized=False).astype(F32)
+        b_j = plgpu.load(b_smem.at[j], layout=COL, optimized=False).astype(F32)
+        state = state + bcast_rows((dt_j * running) * x_j, state.shape) * bcast_cols(b_j, state.shape)
+        return state, running * jnp.exp(a * dt_j)
+
+    state, _ = lax.fori_loop(0, pos, body, (s_c * decay_total, jnp.float32(1.0)))
+    return state
+
+
+def _kernel(slot_ref, pos_ref, mode_ref, x_ref, b_ref, c_ref, c_row_ref, dt_ref, z_ref, a_ref, d_ref, dt_bias_ref,
+            ckpt_ref, xcache_ref, bcache_ref, dtcache_ref,
+            y_ref,
+            t_smem, x_smem, b_smem, dt_smem, o_smem, x_rows, b_rows, barrier, rows_barrier,
+            *, group_size, tiles, dt_softplus, dt_limit, has_z):
+    b = lax.axis_index("b")
+    hp = lax.axis_index("hp")
+    h, tile = hp // tiles, hp % tiles
+    grp = h // group_size
+    rows = pl.ds(tile * BLOCK_P, BLOCK_P)
+    mode = mode_ref[b]
+    cache_len = x_smem.shape[0]
+
+    @pl.when(mode == MODE_PAD)
+    def _padding_row():
+        o_smem[...] = plgpu.layout_cast(jnp.zeros((BLOCK_P,), o_smem.dtype), ROW)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, y_ref.at[b, h, rows])
+
+    @pl.when(mode != MODE_PAD)
+    def _live_row():
+        slot, pos = slot_ref[b], pos_ref[b]
+        plgpu.copy_gmem_to_smem(ckpt_ref.at[slot, h, rows], t_smem, barrier)
+        plgpu.copy_gmem_to_smem(xcache_ref.at[slot, h, :, rows], x_smem, barrier)
+        plgpu.copy_gmem_to_smem(bcache_ref.at[slot, grp], b_smem, barrier)
+        plgpu.copy_gmem_to_smem(dtcache_ref.at[slot, h], dt_smem, barrier)
+
+        # The token, while the copies fly: B and C in COL, C again in ROW (a second ref),
+        # x and z on this tile's rows, the gates as scalars.
+        b_col = plgpu.load(b_ref.at[b, grp], layout=COL, optimized=False).astype(F32)
+        c_col = plgpu.load(c_ref.at[b, grp], layout=COL, optimized=False).astype(F32)
+        c_row = plgpu.load(c_row_ref.at[b, grp], layout=ROW, optimized=False).astype(F32)
+        x_row = plgpu.load(x_ref.at[b, h, rows], layout=ROW, optimized=False).astype(F32)
+        dt = _time_step(dt_ref[b, h].astype(F32), dt_bias_ref[h].astype(F32), dt_softplus, dt_limit)
+        a, d = a_ref[h].astype(F32), d_ref[h].astype(F32)
+        alpha = jnp.exp(a * dt)
+        b_dot_c = jnp.sum(b_col * c_col)
+
+        plgpu.barrier_wait(barrier)
+        weights, decay_total = _window_weights(dt_smem, a, pos, cache_len)
+        b_t = load_transposed(b_smem)  # [N, L]
+        j = plgpu.broadcasted_iota(jnp.int32, (BLOCK_P, cache_len), 1, layout=WGMMA)
+        x_t = jnp.where(j < pos, load_transposed(x_smem), 0.0)  # [BP, L], stale entries 0
+        valid = plgpu.broadcasted_iota(jnp.int32, (cache_len,), 0, layout=COL) < pos
+        s_c = plgpu.load(t_smem, layout=WGMMA).astype(F32)  # [BP, N]
+
+        b_dot_c_records = col_sum(b_t * bcast_rows(c_row, b_t.shape))  # B_j . C, [L]
+        coef = jnp.where(valid, b_dot_c_records * weights, 0.0)
+        prev_readout = decay_total * row_sum(s_c * bcast_cols(c_col, s_c.shape)) + row_sum(
+            x_t * bcast_cols(coef, x_t.shape))  # S_{t-1} C, [BP]
+        y = alpha * prev_readout + (dt * b_dot_c + d) * x_row
+        if has_z:
+            z = plgpu.load(z_ref.at[b, h, rows], layout=ROW, optimized=False).astype(F32)
+            y = y * (z / (1.0 + jnp.exp(-z)))
+        o_smem[...] = y.astype(o_smem.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, y_ref.at[b, h, rows])
+
+        @pl.when(mode == MODE_APPEND)
+        def _append():
+            xcache_ref[slot, h, pos, rows] = x_row.astype(xcache_ref.dtype)
+
+            @pl.when(tile == 0)
+            def _append_dt():
+                dtcache_ref[slot, h, pos] = dt
+
+            @pl.when((tile == 0) & (h % group_size == 0))
+            def _append_b():
+                bcache_ref[slot, grp, pos] = b_col.astype(bcache_ref.dtype)
+
+        @pl.when(mode == MODE_FLUSH)
+        def _flush():
+            # The rebuild reads single records at a dynamic index, which the swizzled
+            # buffers cannot serve: flush rows fetch an untiled copy (L2-resident).
+            plgpu.copy_gmem_to_smem(xcache_ref.at[slot, h, :, rows], x_rows, rows_barrier)
+            plgpu.copy_gmem_to_smem(bcache_ref.at[slot, grp], b_rows, rows_barrier)
+            plgpu.barrier_wait(rows_barrier)
+            prev = _rebuild_exact(s_c, decay_total, x_rows, b_rows, dt_smem, a, pos)
+            new = alpha * prev + bcast_rows(dt * x_row, prev.shape) * bcast_cols(b_col, prev.shape)
+            t_smem[...] = new.astype(t_smem.dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(t_smem, ckpt_ref.at[slot, h, rows])
+
+    plgpu.wait_smem_to_gmem(0)
+
+
+@functools.lru_cache(maxsize=None)
+def _build(batch, heads, head_dim, state_size, cache_len, state_dtype, cache_dtype, y_dtype,
+           group_size, dt_softplus, dt_limit, has_z, swizzle, interpret):
+    tiles = head_dim // BLOCK_P
+    body = functools.partial(_kernel, group_size=group_size, tiles=tiles, dt_softplus=dt_softplus,
+                             dt_limit=dt_limit, has_z=has_z)
+    return plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((batch, heads, head_dim), y_dtype),
+        scratch_types=[
+            plgpu.SMEM((BLOCK_P, state_size), state_dtype, transforms=tiled(swizzle, state_dtype)),
+            # Swizzled record tiles for the transposed readout loads (untiled ones
+            # conflict on shared-memory banks); untiled copies for the flush rebuild.
+            plgpu.SMEM((cache_len, BLOCK_P), cache_dtype, transforms=tiled(128, cache_dtype)),
+            plgpu.SMEM((cache_len, state_size), cache_dtype, transforms=tiled(128, cache_dtype)),
+            plgpu.SMEM((cache_len,), F32),
+            plgpu.SMEM((BLOCK_P,), y_dtype),
+            plgpu.SMEM((cache_len, BLOCK_P), cache_dtype),
+            plgpu.SMEM((cache_len, state_size), cache_dtype),
+            plgpu.Barrier(num_arrivals=4),
+            plgpu.Barrier(num_arrivals=2),
+        ],
+        grid=(batch, heads * tiles),
+        grid_names=("b", "hp"),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+        kernel_name="replayssm_mamba2_decode_mgpu",
+    )
+
+
+def mamba2_replay_decode_mgpu(
+    state: Float[Array, "N H P Ns"],
+    x_cache: Float[Array, "N H L P"],
+    b_cache: Float[Array, "N G L Ns"],
+    dt_cache: Float[Array, "N H L"],
+    x: Float[Array, "B H P"],
+    B: Float[Array, "B G Ns"],
+    C: Float[Array, "B G Ns"],
+    dt: Float[Array, "B H"],
+    A: Float[Array, " H"],
+    D: Float[Array, " H"],
+    dt_bias: Float[Array, " H"],
+    slot: Int[Array, " B"],
+    pos: Int[Array, " B"],
+    mode: Int[Array, " B"],
+    *,
+    z: Float[Array, "B H P"] | None = None,
+    dt_softplus: bool = True,
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
+    params: MosaicMamba2Params = MosaicMamba2Params(),
+    interpret: bool | None = None,
+):
+    """One fused Mamba-2 ReplaySSM step on Mosaic GPU: `(y, state, x_cache, b_cache, dt_cache)`.
+
+    Args and returns as `pallas_kernels.mamba2_decode.mamba2_replay_decode`: y `[B, H, P]`
+    in x's dtype (0 on padding rows), the state arrays updated in place when the caller
+    donates them. `params`: the checkpoint tile's swizzle. `interpret`: run in Mosaic GPU
+    interpret mode (default: off GPU).
+
+    Raises:
+      ValueError: on shapes the kernel cannot take (`check_shapes`), a dt_cache that is not
+        float32, caches of two dtypes or a group count that does not divide H.
+    """
+    batch, heads, head_dim = x.shape
+    num_groups, state_size = B.shape[1], B.shape[2]
+    cache_len = x_cache.shape[2]
+    if dt_cache.dtype != F32:
+        raise ValueError(f"dt_cache must be float32 (dt after the softplus), got {dt_cache.dtype}")
+    if b_cache.dtype != x_cache.dtype:
+        raise ValueError(f"b_cache ({b_cache.dtype}) and x_cache ({x_cache.dtype}) must share one dtype")
+    if heads % num_groups:
+        raise ValueError(f"the head count H = {heads} must be a multiple of the group count G = {num_groups}")
+    check_shapes(head_dim, state_size, cache_len, state.dtype.itemsize, x_cache.dtype.itemsize,
+                 x.dtype.itemsize, params.swizzle)
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    kernel = _build(
+        batch, heads, head_dim, state_size, cache_len, state.dtype, x_cache.dtype, x.dtype, heads // num_groups,
+        bool(dt_softplus), tuple(float(v) for v in dt_limit), z is not None, params.swizzle, bool(interpret),
+    )
+    z = jnp.zeros((1,), x.dtype) if z is None else z
+    refs = [jax.new_ref(a) for a in (state, x_cache, b_cache, dt_cache)]
+    y = kernel(slot.astype(jnp.int32), pos.astype(jnp.int32), mode.astype(jnp.int32), x, B, C, C, dt, z,
+               A, D, dt_bias, *refs)
+    return (y, *(jax.freeze(r) for r in refs))
