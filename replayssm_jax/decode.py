@@ -62,7 +62,7 @@ def _mamba2_layer_step(state, tokens, plan, *, backend, use_qk_l2norm, scale, ga
             raise ValueError("kernel_params applies to backend='pallas_triton' only")
         return xla.mamba2_layer_step(state, tokens, plan, params=gate_params)
     if backend == "mosaic_gpu":
-        raise ValueError("backend 'mosaic_gpu' supports gate 'gdn' only, got gate 'mamba2'")
+        raise ValueError(f"backend 'mosaic_gpu' supports gates {mosaic_gpu.GATES}, got gate 'mamba2'")
     return pallas_triton.mamba2_layer_step(state, tokens, plan, params=gate_params, kernel_params=kernel_params)
 
 
@@ -88,8 +88,8 @@ def decode_step(
       slots: `[B]` int, the physical slot of each row; negative = padding row.
       force_flush: optional `[B]` bool, flush these rows now whatever their cursor.
       backend: "xla" (pure jax, the specification), "pallas_triton" (fused kernels;
-        interpret mode off-GPU) or "mosaic_gpu" (GDN on the Mosaic GPU kernel; interpret
-        mode off-GPU).
+        interpret mode off-GPU) or "mosaic_gpu" (GDN and KDA on the Mosaic GPU kernels;
+        interpret mode off-GPU).
       policy: a `FlushPolicy` (or its value): NATURAL flushes a row when its slot holds
         L - 1 cached entries or when forced; EVERY_STEP flushes every live row. Default:
         `default_flush_policy(state.config, B)`, the same for every backend.

@@ -14,11 +14,14 @@ for x = alpha * k and alpha * q, never forming `S_{t-1}`; then
 `u = beta (v - S_{t-1}(alpha k))`, `y = S_{t-1}(alpha q) + u (k . q)`.
 
 Decay weights (the part GDN does not have): the suffix sums `log W_j` run along the ring
-in the `CHANNELS` layout of the untiled g records `[L, d_k]`, where thread c % 128 holds
+in `channel_layout` over the untiled g records `[L, d_k]`, where thread c % 128 holds
 channel c of every entry in registers: newest entry first, each step one shared-memory
-load, one select (stale entries, NaN included, add 0) and one add per thread; exact fp32
-sums, no cross-thread work. `W` (`[L, d_k]`, 0 at and past `pos`) is stored to a swizzled
-buffer and read back transposed, `W^T [d_k, L]` in `WGMMA` like the key records, and
+load, one select (stale entries, NaN included, add 0), one add and one exp per thread, in
+fp32 (the spec's `exp(G - c_j)` summed in another order); no cross-thread work, O(L) per
+thread where a running sum in `ROW` writing each column of `W^T` by selects costs
+O(L^2). `W` (`[L, d_k]`; 1 at and past `pos`, where the readout
+selects c to 0 and the rebuild never reads) is stored to a swizzled buffer and read back
+transposed, `W^T [d_k, L]` in `WGMMA` like the key records, and
 `e^G` and alpha go through a `[2, d_k]` buffer into `COL` (one warpgroup barrier serves
 all three).
 
@@ -32,8 +35,8 @@ Layouts of the readout (`WGMMA` family as in the GDN kernel):
 Append rows store u at `pos` (and g `[d_k]` from tile 0, k from tile 0 of the first value
 head of each key head). Flush rows rebuild `S_{t-1} = e^G S_c + sum_j u_j (W_j * k_j)^T`
 from the `S_c` tile already in registers in exact fp32 on CUDA cores (one fused
-multiply-add per element and entry, newest entry first): `W_j * k_j` is formed in the
-`CHANNELS` layout and written over the g records' buffer (its rows are read at a dynamic
+multiply-add per element and entry, newest entry first): `W_j * k_j` is formed in
+`channel_layout` and written over the g records' buffer (its rows are read at a dynamic
 index, which swizzled buffers cannot serve), and the u records come in an untiled copy.
 They store `S_t = S_{t-1} diag(alpha) + u k^T` in place; the checkpoint is read from
 memory once per step.
@@ -60,7 +63,7 @@ SMEM_BYTES = 227 * 1024  # shared memory one CTA may use on the H100 / H200
 
 
 def channel_layout(head_k_dim: int):
-    """`CHANNELS`: an `[R, d_k]` array with channel c of every row in thread c % 128
+    """The layout of an `[R, d_k]` array with channel c of every row in thread c % 128
     (warp c // 32 % 4, lane c % 32) and the rows in registers, so that sums along R are
     thread-local. d_k = 64 fills two warps, which the other two replicate."""
     width = min(head_k_dim, 128)
@@ -91,7 +94,7 @@ def check_kda_shapes(head_k_dim: int, head_v_dim: int, cache_len: int, state_ite
 
 
 def _decay_weights(g_smem, w_smem, chan_smem, pos, channels):
-    """`W [L, d_k]` into `w_smem` (`W_j = exp(sum_{j<i<pos} g_i)` for j < pos, 0 past it)
+    """`W [L, d_k]` into `w_smem` (`W_j = exp(sum_{j<i<pos} g_i)` for j < pos, 1 past it)
     and `e^G` into row 0 of `chan_smem`, from the g records `g_smem [L, d_k]`.
 
     The suffix sums run newest entry first in `channels`; an entry at or past `pos` adds 0
@@ -101,20 +104,18 @@ def _decay_weights(g_smem, w_smem, chan_smem, pos, channels):
     weights = [None] * cache_len
     for i in reversed(range(cache_len)):
         live = jnp.broadcast_to(i < pos, (1, head_k_dim))
-        weights[i] = jnp.where(live, jnp.exp(running), 0.0)
+        weights[i] = jnp.exp(running)
         g_i = plgpu.load(g_smem.at[pl.ds(i, 1)], layout=channels, optimized=False)
         running = running + jnp.where(live, g_i, 0.0)
     w_smem[...] = jnp.concatenate(weights, axis=0)
     chan_smem[pl.ds(0, 1)] = jnp.exp(running)
 
 
-def _weighted_keys(w_smem, k_smem, wk_rows, pos, channels):
-    """`W_j * k_j` `[L, d_k]` (0 at and past `pos`) into `wk_rows`, for the rebuild."""
-    shape = w_smem.shape
-    live = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=channels) < pos
+def _weighted_keys(w_smem, k_smem, wk_rows, channels):
+    """`W_j * k_j` `[L, d_k]` into `wk_rows`, for the rebuild, which reads the rows
+    below `pos` only (a stale row may hold NaN)."""
     weights = plgpu.load(w_smem, layout=channels)
-    keys = plgpu.load(k_smem, layout=channels).astype(F32)
-    wk_rows[...] = jnp.where(live, weights * keys, 0.0)  # a stale key (Inf, NaN) is selected away
+    wk_rows[...] = weights * plgpu.load(k_smem, layout=channels).astype(F32)
 
 
 def _rebuild_exact(state, u_rows, wk_rows, pos):
@@ -200,7 +201,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, q_row_ref, k_row_ref, v_r
         def _flush():
             plgpu.copy_gmem_to_smem(ucache_ref.at[slot, h, :, rows], u_rows, rows_barrier)
             # The g records were last read before the barrier above: their buffer takes W * K.
-            _weighted_keys(w_smem, k_smem, g_smem, pos, channels)
+            _weighted_keys(w_smem, k_smem, g_smem, channels)
             plgpu.commit_smem()
             plgpu.barrier_wait(rows_barrier)
             # e^G and alpha again from shared memory rather than held in registers through the readout.

@@ -1,9 +1,11 @@
-"""The Mosaic GPU backend: GDN decode steps on `pallas_kernels.mosaic_gpu`.
+"""The Mosaic GPU backend: GDN and KDA decode steps on `pallas_kernels.mosaic_gpu`.
 
-One kernel serves every row mode (padding, append, flush), so both flush policies run
-through it: under EVERY_STEP every live row is a flush row. GDN only (per-head decay);
-shapes as `pallas_kernels.mosaic_gpu.replay_decode.check_shapes` allows (d_k, d_v
-multiples of 64, L a multiple of 8 up to 256).
+One kernel per gate serves every row mode (padding, append, flush), so both flush policies
+run through it: under EVERY_STEP every live row is a flush row. GDN (per-head decay) runs
+`replay_decode.replay_decode_mgpu`, KDA (per-channel decay) `replay_decode_kda.
+replay_decode_kda_mgpu`; shapes as their `check_shapes` / `check_kda_shapes` allow (d_k,
+d_v multiples of 64, L a multiple of 8 up to 256; KDA: d_k = 64 or a multiple of 128, and
+the CTA's shared memory bounds L).
 """
 
 from __future__ import annotations
@@ -14,16 +16,23 @@ from jaxtyping import Array, Float
 
 from pallas_kernels import common
 from pallas_kernels.mosaic_gpu.replay_decode import MosaicReplayParams, check_shapes, replay_decode_mgpu
+from pallas_kernels.mosaic_gpu.replay_decode_kda import check_kda_shapes, replay_decode_kda_mgpu
 from replayssm_jax.plan import StepPlan
 from replayssm_jax.state import ReplayState
 from replayssm_jax.tokens import Tokens
 
+GATES: tuple[str, ...] = ("gdn", "kda")
+
 
 def check_config(cfg) -> None:
     """Raise ValueError unless the layer's config runs on this backend."""
-    if cfg.gate != "gdn":
-        raise ValueError(f"backend 'mosaic_gpu' supports gate 'gdn' only, got {cfg.gate!r}")
-    check_shapes(cfg.head_k_dim, cfg.head_v_dim, cfg.cache_len, cfg.state_dtype.itemsize)
+    if cfg.gate not in GATES:
+        raise ValueError(f"backend 'mosaic_gpu' supports gates {GATES}, got {cfg.gate!r}")
+    if cfg.per_channel_gate:
+        check_kda_shapes(cfg.head_k_dim, cfg.head_v_dim, cfg.cache_len, cfg.state_dtype.itemsize,
+                         cfg.cache_dtype.itemsize)
+    else:
+        check_shapes(cfg.head_k_dim, cfg.head_v_dim, cfg.cache_len, cfg.state_dtype.itemsize)
 
 
 def layer_step(
@@ -37,14 +46,15 @@ def layer_step(
     kernel_params: MosaicReplayParams | None = None,
     interpret: bool | None = None,
 ) -> tuple[Float[Array, "B Hv Dv"], ReplayState]:
-    """`backends.xla.layer_step` on the Mosaic GPU kernel; same arguments and results, plus
+    """`backends.xla.layer_step` on the Mosaic GPU kernels; same arguments and results, plus
     `kernel_params` (default `MosaicReplayParams()`) and `interpret` (default: off GPU)."""
     cfg = state.config
     check_config(cfg)
     if kernel_params is not None and not isinstance(kernel_params, MosaicReplayParams):
         raise ValueError(f"kernel_params must be a MosaicReplayParams for backend 'mosaic_gpu', "
                          f"got {type(kernel_params).__name__}")
-    y, checkpoint, u_cache, k_cache, g_cache = replay_decode_mgpu(
+    kernel = replay_decode_kda_mgpu if cfg.per_channel_gate else replay_decode_mgpu
+    y, checkpoint, u_cache, k_cache, g_cache = kernel(
         state.checkpoint, state.u_cache, state.k_cache, state.g_cache,
         tokens.q, tokens.k, tokens.v, tokens.g, tokens.beta,
         plan.slot, plan.pos, common.row_modes(plan.valid, plan.flush),
