@@ -47,14 +47,17 @@ def test_decode_bench_smoke_writes_every_section(tmp_path):
 
 
 def test_mosaic_bench_smoke(tmp_path):
-    """The Mosaic GPU bench end to end in interpret mode: the check agrees with xla and the
-    sweep row carries both backends' cycles."""
+    """The Mosaic GPU bench end to end in interpret mode: the check agrees with xla for both
+    gates (KDA with raw gates too) and the sweep and KDA rows carry both backends' times."""
     out = tmp_path / "mosaic.json"
     mosaic_bench.main(["--smoke", "--out", str(out)])
     result = json.loads(out.read_text())
     assert all(row["checkpoint"] < 1e-5 and row["write_pos_equal"] for row in result["check"])
-    assert {row["cursors"] for row in result["sweep"]} == {"sync", "staggered"}
-    assert all(row["mosaic_cycle_us"] > 0 and row["triton_cycle_us"] > 0 for row in result["sweep"])
+    assert {(row["gate"], row["raw_gates"]) for row in result["check"]} == {("gdn", False), ("kda", False), ("kda", True)}
+    for section in ("sweep", "kda"):
+        assert {row["cursors"] for row in result[section]} == {"sync", "staggered"}
+        assert all(row["mosaic_cycle_us"] > 0 and row["triton_cycle_us"] > 0 for row in result[section])
+    assert {row["triton_policy"] for row in result["kda"]} == {"every_step"}  # a 4-byte KDA state folds by default
 
 
 def test_decode_bench_mamba2_smoke(tmp_path):

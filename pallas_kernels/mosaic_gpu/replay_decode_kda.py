@@ -238,7 +238,7 @@ def _build(batch, num_v_heads, head_v_dim, head_k_dim, cache_len, state_dtype, c
         grid=(batch, num_v_heads * tiles),
         grid_names=("b", "hv"),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-        kernel_name="replayssm_replay_decode_kda_mgpu",
+        kernel_name="replayssm_replay_decode_mgpu_kda",
     )
 
 
