@@ -11,6 +11,11 @@ Sections:
                 cursors (non-flush, flush, cycle-amortised) and staggered cursors (per
                 step), bytes counted and the fraction of the byte floor from the copy
                 bandwidth measured in the same run.
+  kda-check     the check for KDA (H_k = H_v = 32, d = 128; a row with raw gates and one
+                at d = 64, two warps per key channel).
+  kda           the sweep for KDA, H_k = H_v = 32, d = 128 (--kda-*): the plain kernel,
+                Triton under the launch table's default policy (a 4-byte state folds every
+                step) and the Mosaic replay cycle.
   mamba2-check  the check for Mamba-2 (Nemotron-H-8B heads: H = 128, P = 64, N = 128, G = 8;
                 z gate on).
   mamba2        the sweep for Mamba-2 at Nemotron-H-8B shapes: --dtypes, L in
@@ -46,7 +51,8 @@ from replayssm_jax import cost  # noqa: E402
 from replayssm_jax.backends import mosaic_gpu  # noqa: E402
 from replayssm_jax.plan import FlushPolicy  # noqa: E402
 
-MOSAIC_KERNELS = {"gdn": "replayssm_replay_decode_mgpu", "mamba2": "replayssm_mamba2_decode_mgpu"}
+MOSAIC_KERNELS = {"gdn": "replayssm_replay_decode_mgpu", "kda": "replayssm_replay_decode_mgpu_kda",
+                  "mamba2": "replayssm_mamba2_decode_mgpu"}
 
 
 def gdn_config(smoke: bool, cache_len: int, state_dtype) -> R.ReplayConfig:
@@ -54,6 +60,22 @@ def gdn_config(smoke: bool, cache_len: int, state_dtype) -> R.ReplayConfig:
     sd = jnp.dtype(state_dtype)
     return (R.ReplayConfig(1, 2, 64, 64, 8, state_dtype=sd, cache_dtype=sd) if smoke else
             R.ReplayConfig(16, 32, 128, 128, cache_len, state_dtype=sd, cache_dtype=sd))
+
+
+def kda_config(smoke: bool, cache_len: int, state_dtype, head_dim: int = 128) -> R.ReplayConfig:
+    """KDA H_k = H_v = 32 at d = 128 (4 heads at d = 64; smoke: the smallest tiles, L = 8)."""
+    sd = jnp.dtype(state_dtype)
+    if smoke:
+        return R.ReplayConfig(1, 2, 64, 64, 8, gate="kda", state_dtype=sd, cache_dtype=sd)
+    heads = 32 if head_dim == 128 else 4
+    return R.ReplayConfig(heads, heads, head_dim, head_dim, cache_len, gate="kda", state_dtype=sd, cache_dtype=sd)
+
+
+def gate_params(cfg: R.ReplayConfig, key):
+    """Random `(A_log, dt_bias)`: the step then reads the token's g and beta as raw inputs."""
+    ka, kb = jax.random.split(key)
+    channels = (cfg.head_k_dim,) if cfg.per_channel_gate else ()
+    return 0.3 * jax.random.normal(ka, (cfg.num_v_heads,)), jax.random.normal(kb, (cfg.num_v_heads, *channels))
 
 
 def mamba2_config(smoke: bool, cache_len: int, state_dtype) -> R.ReplayConfig:
@@ -64,12 +86,13 @@ def mamba2_config(smoke: bool, cache_len: int, state_dtype) -> R.ReplayConfig:
     return db.NEMOTRON_H_8B.config(cache_len, sd)
 
 
-def step_options(cfg: R.ReplayConfig) -> dict:
-    """`decode_step` / `layer_step` options of the benchmark's layers: q/k L2 norm for GDN,
-    the fixed layer parameters for Mamba-2."""
+def step_options(cfg: R.ReplayConfig, raw_gates: bool = False) -> dict:
+    """`decode_step` / `layer_step` options of the benchmark's layers: q/k L2 norm for GDN
+    and KDA (with `raw_gates`, random gate parameters), the fixed layer parameters for
+    Mamba-2."""
     if cfg.gate_kind.additive:
         return dict(gate_params=db.mamba2_params(cfg.num_v_heads))
-    return dict(use_qk_l2norm=True)
+    return dict(use_qk_l2norm=True, gate_params=gate_params(cfg, jax.random.key(5)) if raw_gates else None)
 
 
 @functools.lru_cache(maxsize=None)
@@ -127,18 +150,23 @@ def pool_copies(hlo_text: str, state: R.ReplayState) -> int:
     return sum(1 for m in results if m and tuple(int(d) for d in m.group(1).split(",") if d) in shapes)
 
 
-def check_cases(smoke: bool, gate: str) -> list[tuple[R.ReplayConfig, int]]:
-    """(config, batch) of the check section of `gate`."""
+def check_cases(smoke: bool, gate: str) -> list[tuple[R.ReplayConfig, int, bool]]:
+    """(config, batch, raw gates) of the check section of `gate`."""
+    if gate == "kda":
+        if smoke:
+            return [(kda_config(True, 8, jnp.float32), 3, False), (kda_config(True, 8, jnp.float32), 3, True)]
+        return [(kda_config(False, 16, jnp.float32), 8, False), (kda_config(False, 32, jnp.float32), 64, True),
+                (kda_config(False, 16, jnp.bfloat16), 8, False), (kda_config(False, 16, jnp.float32, 64), 8, False)]
     config = mamba2_config if gate == "mamba2" else gdn_config
     if smoke:
-        return [(config(True, 8, jnp.float32), 3)]
-    return [(config(False, L, dtype), batch) for dtype, batch, L in
+        return [(config(True, 8, jnp.float32), 3, False)]
+    return [(config(False, L, dtype), batch, False) for dtype, batch, L in
             ((jnp.float32, 8, 16), (jnp.float32, 64, 32), (jnp.bfloat16, 8, 16))]
 
 
 def check_section(smoke: bool, gate: str = "gdn") -> list[dict]:
     rows = []
-    for cfg, batch in check_cases(smoke, gate):
+    for cfg, batch, raw in check_cases(smoke, gate):
         rng = np.random.default_rng(batch)
         num_slots = 2 * batch
         pool = db.random_pool(cfg, num_slots, jax.random.key(3), rng.integers(0, cfg.cache_len, num_slots))
@@ -147,7 +175,7 @@ def check_section(smoke: bool, gate: str = "gdn") -> list[dict]:
         force = jnp.asarray(np.arange(batch) % 3 == 0)
         outs, copies = {}, {}
         for backend in ("xla", "pallas_triton", "mosaic_gpu"):
-            step = functools.partial(R.decode_step, backend=backend, policy="natural", **step_options(cfg))
+            step = functools.partial(R.decode_step, backend=backend, policy="natural", **step_options(cfg, raw))
             compiled = jax.jit(step, donate_argnums=0).lower(pool, token, slots, force).compile()
             outs[backend] = compiled(jax.tree.map(jnp.copy, pool), token, slots, force)
             copies[backend] = pool_copies(compiled.as_text(), pool)
@@ -155,7 +183,7 @@ def check_section(smoke: bool, gate: str = "gdn") -> list[dict]:
         for backend in ("pallas_triton", "mosaic_gpu"):
             y, st = outs[backend]
             row = dict(gate=cfg.gate, backend=backend, state_dtype=cfg.state_dtype.name, batch=batch,
-                       cache_len=cfg.cache_len, y=rel(y, ref_y), checkpoint=rel(st.checkpoint, ref_state.checkpoint),
+                       cache_len=cfg.cache_len, head_dim=cfg.head_k_dim, raw_gates=raw, y=rel(y, ref_y), checkpoint=rel(st.checkpoint, ref_state.checkpoint),
                        u_cache=rel(st.u_cache, ref_state.u_cache), k_cache=rel(st.k_cache, ref_state.k_cache),
                        g_cache=rel(st.g_cache, ref_state.g_cache),
                        write_pos_equal=bool(np.array_equal(st.write_pos, ref_state.write_pos)),
@@ -214,6 +242,41 @@ def sweep_section(timer, args, bandwidth, gate: str = "gdn") -> list[dict]:
     return rows
 
 
+def kda_section(timer, args, bandwidth) -> list[dict]:
+    """KDA rows: the plain kernel, Triton under the launch table's default policy and the
+    Mosaic replay cycle, sync and staggered cursors (keys as the sweep's rows)."""
+    rows = []
+    deadline = time.time() + args.budget_s
+    for dtype in args.kda_dtypes.split(","):
+        for L in map(int, args.kda_cache_lens.split(",")):
+            for batch in map(int, args.kda_batches.split(",")):
+                if time.time() > deadline:
+                    print(f"budget spent: skipping KDA {dtype} L={L} B={batch}", flush=True)
+                    continue
+                sd = jnp.dtype(dtype)
+                cfg = kda_config(args.smoke, L, sd)
+                rng = np.random.default_rng(batch * 100 + L + 1)
+                plain_cfg = dataclasses.replace(cfg, cache_len=1)
+                plain_us = db.time_plain(timer, plain_cfg, batch, db.plain_params(plain_cfg, batch), rng, 3, args.smoke)
+                policy = R.default_flush_policy(cfg, batch)
+                params = db.table_params(cfg, batch, policy)
+                cycle_bytes = cost.replay_cycle_bytes(cfg, batch).total
+                floor = cost.floor_us(cycle_bytes, bandwidth)
+                for staggered in (False, True):
+                    _, _, t_step = db.time_replay(timer, cfg, batch, params, policy, rng, 3, args.smoke, staggered)
+                    m_nf, m_fl, m_cyc = time_mosaic(timer, cfg, batch, rng, 3, args.smoke, staggered)
+                    row = dict(gate="kda", state_dtype=cfg.state_dtype.name, cache_len=cfg.cache_len, batch=batch,
+                               cursors="staggered" if staggered else "sync", triton_policy=policy.value,
+                               triton_params=repr(params), plain_us=plain_us, triton_cycle_us=t_step,
+                               mosaic_nonflush_us=m_nf, mosaic_flush_us=m_fl, mosaic_cycle_us=m_cyc,
+                               cycle_bytes=cycle_bytes, cycle_floor_us=floor, mosaic_floor_fraction=floor / m_cyc,
+                               mosaic_vs_plain=plain_us / m_cyc, triton_vs_plain=plain_us / t_step,
+                               mosaic_vs_triton=t_step / m_cyc)
+                    print(f"kda {json.dumps(row)}", flush=True)
+                    rows.append(row)
+    return rows
+
+
 def print_table(rows):
     print(f"{'gate':>6} {'dtype':>8} {'L':>3} {'B':>4} {'cursors':>9} {'plain':>8} {'tri cyc':>8} {'mgpu nf':>8} "
           f"{'mgpu fl':>8} {'mgpu cyc':>8} {'floor':>8} {'m/floor':>7} {'m vs pl':>7} {'m vs tri':>8}")
@@ -227,18 +290,23 @@ def print_table(rows):
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sections", default="check,sweep", help="comma-separated: check, sweep, mamba2-check, mamba2")
+    p.add_argument("--sections", default="check,sweep,kda-check,kda",
+                   help="comma-separated: check, sweep, kda-check, kda, mamba2-check, mamba2")
     p.add_argument("--out", default="mosaic_bench.json")
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--cache-lens", default="16,32")
     p.add_argument("--mamba2-cache-lens", default="8,16,32", help="cache lengths of the mamba2 section")
     p.add_argument("--batches", default="1,8,32,128,512")
+    p.add_argument("--kda-dtypes", default="float32")
+    p.add_argument("--kda-cache-lens", default="16")
+    p.add_argument("--kda-batches", default="1,8,128,512")
     p.add_argument("--budget-s", type=float, default=420.0,
                    help="each sweep section stops starting new cells this long after it began")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode, wall clock (CPU)")
     args = p.parse_args(argv)
     if args.smoke:
         args.batches, args.cache_lens, args.mamba2_cache_lens, args.dtypes = "2", "8", "8", "float32"
+        args.kda_batches, args.kda_cache_lens, args.kda_dtypes = "2", "8", "float32"
     timer = db.Timer(args.smoke)
     result = dict(versions=db.versions(), args=vars(args))
     sections = args.sections.split(",")
@@ -247,6 +315,8 @@ def main(argv=None) -> None:
     print(f"copy bandwidth {bandwidth:.0f} GB/s", flush=True)
     parts = (("check", "check", lambda: check_section(args.smoke)),
              ("sweep", "sweep", lambda: sweep_section(timer, args, bandwidth)),
+             ("kda-check", "kda_check", lambda: check_section(args.smoke, "kda")),
+             ("kda", "kda_sweep", lambda: kda_section(timer, args, bandwidth)),
              ("mamba2-check", "mamba2_check", lambda: check_section(args.smoke, "mamba2")),
              ("mamba2", "mamba2_sweep", lambda: sweep_section(timer, args, bandwidth, "mamba2")))
     for section, key, run in parts:

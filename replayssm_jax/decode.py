@@ -88,7 +88,7 @@ def decode_step(
       slots: `[B]` int, the physical slot of each row; negative = padding row.
       force_flush: optional `[B]` bool, flush these rows now whatever their cursor.
       backend: "xla" (pure jax, the specification), "pallas_triton" (fused kernels;
-        interpret mode off-GPU) or "mosaic_gpu" (GDN and Mamba-2 on the Mosaic GPU
+        interpret mode off-GPU) or "mosaic_gpu" (GDN, KDA and Mamba-2 on the Mosaic GPU
         kernels; interpret mode off-GPU).
       policy: a `FlushPolicy` (or its value): NATURAL flushes a row when its slot holds
         L - 1 cached entries or when forced; EVERY_STEP flushes every live row. Default:

@@ -47,12 +47,13 @@ def test_decode_bench_smoke_writes_every_section(tmp_path):
 
 
 def test_mosaic_bench_smoke(tmp_path):
-    """The Mosaic GPU bench end to end in interpret mode, GDN and Mamba-2: the checks agree
-    with xla and the sweep rows carry both backends' cycles."""
+    """The Mosaic GPU bench end to end in interpret mode, GDN, KDA (raw gates too) and Mamba-2:
+    the checks agree with xla and the sweep rows carry both backends' cycles."""
     out = tmp_path / "mosaic.json"
-    mosaic_bench.main(["--smoke", "--sections", "check,sweep,mamba2-check,mamba2", "--out", str(out)])
+    mosaic_bench.main(["--smoke", "--sections", "check,sweep,kda-check,kda,mamba2-check,mamba2", "--out", str(out)])
     result = json.loads(out.read_text())
-    for check, sweep, gate in (("check", "sweep", "gdn"), ("mamba2_check", "mamba2_sweep", "mamba2")):
+    for check, sweep, gate in (("check", "sweep", "gdn"), ("kda_check", "kda_sweep", "kda"),
+                               ("mamba2_check", "mamba2_sweep", "mamba2")):
         assert {row["backend"] for row in result[check]} == {"pallas_triton", "mosaic_gpu"}
         assert all(row["gate"] == gate and row["checkpoint"] < 1e-5 and row["write_pos_equal"]
                    for row in result[check])
@@ -61,6 +62,8 @@ def test_mosaic_bench_smoke(tmp_path):
         assert {row["cursors"] for row in result[sweep]} == {"sync", "staggered"}
         assert all(row["gate"] == gate and row["mosaic_cycle_us"] > 0 and row["triton_cycle_us"] > 0
                    for row in result[sweep])
+    assert {row["raw_gates"] for row in result["kda_check"]} == {False, True}
+    assert {row["triton_policy"] for row in result["kda_sweep"]} == {"every_step"}  # a 4-byte KDA state folds by default
 
 
 def test_decode_bench_mamba2_smoke(tmp_path):

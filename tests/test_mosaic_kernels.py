@@ -1,13 +1,17 @@
-"""The Mosaic GPU decode kernel against a float64 NumPy model of one step.
+"""The Mosaic GPU decode kernels (GDN, and KDA's per-channel decay) against a float64 NumPy
+model of one step.
 
-Runs in Mosaic GPU interpret mode on CPU (tiny batch, the kernel's smallest tile shapes),
+Runs in Mosaic GPU interpret mode on CPU (tiny batch, the kernels' smallest tile shapes),
 with padding, append and flush rows in one call, slots != rows, and NaN / Inf planted in
-every stale cache entry and in a padding row's inputs. A second test lowers the kernel for
-an abstract H200 at the benchmark shapes (layout inference and shared-memory transforms
-run there), so a layout the hardware cannot take fails CI without a GPU.
+every stale cache entry (g records included) and in a padding row's inputs. Other tests
+lower the kernels for an abstract H200 at the benchmark shapes (layout inference and
+shared-memory transforms run there), so a layout the hardware cannot take fails CI without
+a GPU, and run the backend against xla over steps that cross natural and forced flushes.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +20,7 @@ import pytest
 
 from pallas_kernels import common
 from pallas_kernels.mosaic_gpu.replay_decode import MosaicReplayParams, check_shapes, replay_decode_mgpu
+from pallas_kernels.mosaic_gpu.replay_decode_kda import check_kda_shapes, replay_decode_kda_mgpu
 
 NUM_SLOTS, H_K, H_V, D, L = 6, 1, 2, 64, 8
 SLOTS = np.array([4, 0, 2, 5, 1], np.int32)
@@ -30,31 +35,36 @@ def _softplus(x):
 
 
 def _model_step(ckpt, u_c, k_c, g_c, q, k, v, g, beta, a_log, dt_bias, *, l2norm, raw):
-    """Float64 step: `(y, checkpoint, u_cache, k_cache, g_cache)` after the step."""
+    """Float64 step: `(y, checkpoint, u_cache, k_cache, g_cache)` after the step. A GDN
+    log-decay (g_c `[N, H_v, L]`, g `[B, H_v]`) is the per-channel one with every channel
+    equal, so one model serves both gates."""
     ckpt, u_c, k_c, g_c = (np.array(x, np.float64) for x in (ckpt, u_c, k_c, g_c))
+    per_channel = g_c.ndim == 4
+    channels = (lambda x: x) if per_channel else (lambda x: np.asarray(x)[..., None])  # [.., d_k] or [.., 1]
     y = np.zeros(v.shape)
     for b, (slot, pos, mode) in enumerate(zip(SLOTS, POS, MODES)):
         if mode == common.MODE_PAD:
             continue
         for h in range(H_V):
-            qh, kh = q[b, h // (H_V // H_K)].astype(np.float64), k[b, h // (H_V // H_K)].astype(np.float64)
+            hk = h // (H_V // H_K)
+            qh, kh = q[b, hk].astype(np.float64), k[b, hk].astype(np.float64)
             if l2norm:
                 qh, kh = qh / np.sqrt(qh @ qh + EPS), kh / np.sqrt(kh @ kh + EPS)
             qh = qh * D ** -0.5
-            gh, bh = float(g[b, h]), float(beta[b, h])
+            gh, bh = g[b, h].astype(np.float64), float(beta[b, h])
             if raw:
                 gh = -np.exp(a_log[h]) * _softplus(gh + dt_bias[h])
                 bh = 1.0 / (1.0 + np.exp(-bh))
-            hk = h // (H_V // H_K)
-            live = ckpt[slot, h] * np.exp(g_c[slot, h, :pos].sum())
+            g_rec = channels(g_c[slot, h])  # [L, d_k] or [L, 1]
+            live = ckpt[slot, h] * np.exp(g_rec[:pos].sum(0))
             for j in range(pos):
-                w = np.exp(g_c[slot, h, j + 1:pos].sum())
-                live = live + w * np.outer(u_c[slot, h, j], k_c[slot, hk, j])
-            alpha = np.exp(gh)
-            u = bh * (v[b, h] - alpha * live @ kh)
-            y[b, h] = alpha * live @ qh + u * (kh @ qh)
+                w = np.exp(g_rec[j + 1:pos].sum(0))
+                live = live + np.outer(u_c[slot, h, j], w * k_c[slot, hk, j])
+            alpha = np.exp(channels(gh))
+            u = bh * (v[b, h] - live @ (alpha * kh))
+            y[b, h] = live @ (alpha * qh) + u * (kh @ qh)
             if mode == common.MODE_FLUSH:
-                ckpt[slot, h] = alpha * live + np.outer(u, kh)
+                ckpt[slot, h] = live * alpha + np.outer(u, kh)
             else:
                 u_c[slot, h, pos] = u
                 g_c[slot, h, pos] = gh
@@ -62,11 +72,12 @@ def _model_step(ckpt, u_c, k_c, g_c, q, k, v, g, beta, a_log, dt_bias, *, l2norm
     return y, ckpt, u_c, k_c, g_c
 
 
-def _inputs(rng, state_dtype, cache_dtype):
+def _inputs(rng, state_dtype, cache_dtype, per_channel):
     f = lambda *s: rng.standard_normal(s).astype(np.float32)
+    channels = (D,) if per_channel else ()
     ckpt = f(NUM_SLOTS, H_V, D, D)
     u_c, k_c = f(NUM_SLOTS, H_V, L, D), f(NUM_SLOTS, H_K, L, D) * 0.2
-    g_c = -np.abs(f(NUM_SLOTS, H_V, L)) * 0.2
+    g_c = -np.abs(f(NUM_SLOTS, H_V, L, *channels)) * 0.2
     # Stale entries (at and past each row's cursor) hold NaN / Inf: they must never be read.
     for slot, pos in zip(SLOTS, POS):
         u_c[slot, :, pos:], k_c[slot, :, pos:], g_c[slot, :, pos:] = np.nan, np.inf, np.nan
@@ -74,7 +85,7 @@ def _inputs(rng, state_dtype, cache_dtype):
                       for x, dt in ((ckpt, state_dtype), (u_c, cache_dtype), (k_c, cache_dtype)))
     batch = len(SLOTS)
     q, k, v = f(batch, H_K, D), f(batch, H_K, D), f(batch, H_V, D)
-    g, beta = -np.abs(f(batch, H_V)) * 0.3, rng.random((batch, H_V)).astype(np.float32)
+    g, beta = -np.abs(f(batch, H_V, *channels)) * 0.3, rng.random((batch, H_V)).astype(np.float32)
     pad = MODES == common.MODE_PAD
     q[pad], v[pad], g[pad] = np.nan, np.inf, np.nan  # a padding row's inputs reach nothing
     return ckpt, u_c, k_c, g_c, q, k, v, g, beta
@@ -82,13 +93,17 @@ def _inputs(rng, state_dtype, cache_dtype):
 
 @pytest.mark.parametrize("state_dtype,cache_dtype", [(jnp.float32, jnp.float32), (jnp.bfloat16, jnp.bfloat16)])
 @pytest.mark.parametrize("l2norm,raw", [(True, False), (False, True)])
-def test_step_matches_the_float64_model(rng, state_dtype, cache_dtype, l2norm, raw):
-    ckpt, u_c, k_c, g_c, q, k, v, g, beta = _inputs(rng, state_dtype, cache_dtype)
-    a_log, dt_bias = rng.standard_normal(H_V).astype(np.float32) * 0.3, rng.standard_normal(H_V).astype(np.float32)
+@pytest.mark.parametrize("gate", ["gdn", "kda"])
+def test_step_matches_the_float64_model(rng, gate, state_dtype, cache_dtype, l2norm, raw):
+    per_channel = gate == "kda"
+    kernel = replay_decode_kda_mgpu if per_channel else replay_decode_mgpu
+    ckpt, u_c, k_c, g_c, q, k, v, g, beta = _inputs(rng, state_dtype, cache_dtype, per_channel)
+    a_log = rng.standard_normal(H_V).astype(np.float32) * 0.3
+    dt_bias = rng.standard_normal((H_V, D) if per_channel else H_V).astype(np.float32)
     if raw:
         g = rng.standard_normal(g.shape).astype(np.float32)
         g[MODES == common.MODE_PAD] = np.nan
-    out = replay_decode_mgpu(
+    out = kernel(
         jnp.asarray(ckpt, state_dtype), jnp.asarray(u_c, cache_dtype), jnp.asarray(k_c, cache_dtype),
         jnp.asarray(g_c), jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(g), jnp.asarray(beta),
         jnp.asarray(SLOTS), jnp.asarray(POS), jnp.asarray(MODES), use_qk_l2norm=l2norm,
@@ -109,21 +124,41 @@ def test_step_matches_the_float64_model(rng, state_dtype, cache_dtype, l2norm, r
     assert not np.any(np.asarray(out[0])[MODES == common.MODE_PAD]), "padding rows must output zeros"
 
 
+def _lower_for_h200(kernel, state_dtype, cache_dtype, cache_len, raw, *, per_channel, head_dim=128):
+    """The jitted, donated step at H_k = 16, H_v = 32 (the benchmark shapes), lowered for
+    CUDA on CPU: the Mosaic GPU module text."""
+    S = jax.ShapeDtypeStruct
+    n, b, hk, hv, d = 16, 8, 16, 32, head_dim
+    channels = (d,) if per_channel else ()
+    args = [S((n, hv, d, d), state_dtype), S((n, hv, cache_len, d), cache_dtype),
+            S((n, hk, cache_len, d), cache_dtype), S((n, hv, cache_len, *channels), jnp.float32),
+            S((b, hk, d), jnp.bfloat16), S((b, hk, d), jnp.bfloat16), S((b, hv, d), jnp.bfloat16),
+            S((b, hv, *channels), jnp.float32), S((b, hv), jnp.float32), S((b,), jnp.int32), S((b,), jnp.int32),
+            S((b,), jnp.int32)]
+    gate_params = (jnp.zeros((hv,)), jnp.zeros((hv, *channels))) if raw else None
+    step = lambda *a: kernel(*a, use_qk_l2norm=True, gate_params=gate_params, interpret=False)
+    return jax.jit(step, donate_argnums=(0, 1, 2, 3)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
 @pytest.mark.parametrize("state_dtype,cache_dtype,cache_len,raw", [
     (jnp.float32, jnp.float32, 16, False), (jnp.bfloat16, jnp.bfloat16, 16, True),
     (jnp.float32, jnp.bfloat16, 32, True), (jnp.float32, jnp.float32, 8, False), (jnp.float32, jnp.float32, 64, False),
 ])
 def test_lowers_for_an_abstract_h200(state_dtype, cache_dtype, cache_len, raw):
-    """GDN H_k = 16, H_v = 32, d = 128 (the benchmark shapes), lowered for CUDA on CPU."""
-    S = jax.ShapeDtypeStruct
-    n, b, hk, hv, d = 16, 8, 16, 32, 128
-    args = [S((n, hv, d, d), state_dtype), S((n, hv, cache_len, d), cache_dtype),
-            S((n, hk, cache_len, d), cache_dtype), S((n, hv, cache_len), jnp.float32),
-            S((b, hk, d), jnp.bfloat16), S((b, hk, d), jnp.bfloat16), S((b, hv, d), jnp.bfloat16),
-            S((b, hv), jnp.float32), S((b, hv), jnp.float32), S((b,), jnp.int32), S((b,), jnp.int32), S((b,), jnp.int32)]
-    gate_params = (jnp.zeros((hv,)), jnp.zeros((hv,))) if raw else None
-    step = lambda *a: replay_decode_mgpu(*a, use_qk_l2norm=True, gate_params=gate_params, interpret=False)
-    text = jax.jit(step, donate_argnums=(0, 1, 2, 3)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    """GDN at the benchmark shapes (d = 128)."""
+    text = _lower_for_h200(replay_decode_mgpu, state_dtype, cache_dtype, cache_len, raw, per_channel=False)
+    assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("state_dtype,cache_dtype,cache_len,raw,head_dim", [
+    (jnp.float32, jnp.float32, 8, False, 128), (jnp.float32, jnp.float32, 16, True, 128),
+    (jnp.bfloat16, jnp.bfloat16, 16, False, 128), (jnp.float32, jnp.bfloat16, 32, True, 128),
+    (jnp.bfloat16, jnp.bfloat16, 32, True, 128), (jnp.float32, jnp.float32, 16, False, 64),
+])
+def test_kda_lowers_for_an_abstract_h200(state_dtype, cache_dtype, cache_len, raw, head_dim):
+    """KDA at the benchmark shapes (d = 128; and d = 64, where two warps hold each channel)."""
+    text = _lower_for_h200(replay_decode_kda_mgpu, state_dtype, cache_dtype, cache_len, raw, per_channel=True,
+                           head_dim=head_dim)
     assert "mosaic_gpu" in text
 
 
@@ -138,24 +173,31 @@ def test_shape_checks_name_the_bad_size(dims, match):
         MosaicReplayParams(swizzle=48)
 
 
-@pytest.mark.parametrize("state_dtype", [jnp.float32, jnp.bfloat16])
-def test_backend_steps_match_xla(rng, state_dtype):
+@pytest.mark.parametrize("gate,state_dtype,raw", [
+    ("gdn", jnp.float32, False), ("gdn", jnp.bfloat16, False), ("kda", jnp.float32, True),
+])
+def test_backend_steps_match_xla(rng, gate, state_dtype, raw):
     """`decode_step(backend="mosaic_gpu")` against the xla backend over a schedule that
-    crosses natural flushes, with a forced flush and a padding row, on its own state."""
+    crosses natural flushes, with a forced flush and a padding row, on its own state
+    (jitted: interpret mode runs a compiled step in a fraction of the eager time)."""
     from replayssm_jax import ReplayConfig, Tokens, decode_step, init_state, materialize_state
 
-    cfg = ReplayConfig(1, 2, 64, 64, 8, state_dtype=state_dtype, cache_dtype=state_dtype)
+    cfg = ReplayConfig(1, 2, 64, 64, 8, gate=gate, state_dtype=state_dtype, cache_dtype=state_dtype)
+    channels = (64,) if gate == "kda" else ()
     start = jnp.asarray(rng.standard_normal((4, 2, 64, 64)) * 0.1, state_dtype)
     states = {b: init_state(cfg, 4, checkpoint=start) for b in ("xla", "mosaic_gpu")}
+    f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
+    gate_params = (f(2) * 0.3, f(2, *channels)) if raw else None
+    steps = {b: jax.jit(functools.partial(decode_step, backend=b, policy="natural", use_qk_l2norm=True))
+             for b in states}
     slots = jnp.asarray([2, -1, 0], jnp.int32)
     for step in range(cfg.cache_len + 3):
-        f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
-        tokens = Tokens(f(3, 1, 64), f(3, 1, 64), f(3, 2, 64), -jnp.abs(f(3, 2)) * 0.2, jax.nn.sigmoid(f(3, 2)))
+        g = f(3, 2, *channels) if raw else -jnp.abs(f(3, 2, *channels)) * 0.2
+        tokens = Tokens(f(3, 1, 64), f(3, 1, 64), f(3, 2, 64), g, f(3, 2) if raw else jax.nn.sigmoid(f(3, 2)))
         force = jnp.asarray([False, False, step == 3])
         ys = {}
         for b in states:
-            ys[b], states[b] = decode_step(states[b], tokens, slots, force, backend=b, policy="natural",
-                                           use_qk_l2norm=True)
+            ys[b], states[b] = steps[b](states[b], tokens, slots, force, gate_params=gate_params)
         # fp32: two summation orders (~1e-7 relative). bf16: the stores round to bf16 on
         # both backends, and an entry that rounds differently differs by one bf16 ulp.
         tol = 1e-5 if state_dtype == jnp.float32 else 2e-2
@@ -170,10 +212,23 @@ def test_backend_refuses_other_gates_and_shapes():
     from replayssm_jax import ReplayConfig
     from replayssm_jax.backends import mosaic_gpu
 
-    with pytest.raises(ValueError, match=r"supports gates \('gdn', 'mamba2'\), got 'kda'"):
-        mosaic_gpu.check_config(ReplayConfig(1, 2, 64, 64, 8, gate="kda"))
     with pytest.raises(ValueError, match="cache_len a multiple of 8"):
         mosaic_gpu.check_config(ReplayConfig(1, 2, 64, 64, 4))
+    with pytest.raises(ValueError, match="d_k = 64 or a multiple of 128"):
+        mosaic_gpu.check_config(ReplayConfig(1, 2, 192, 64, 8, gate="kda"))
+    mosaic_gpu.check_config(ReplayConfig(1, 2, 192, 64, 8))  # GDN takes any multiple of 64
     mosaic_gpu.check_config(ReplayConfig.mamba2(2, 64, 128, 1, 16))
     with pytest.raises(ValueError, match="head dim P a multiple of 64"):  # P and N are not swapped
         mosaic_gpu.check_config(ReplayConfig.mamba2(2, 32, 128, 1, 16))
+
+
+def test_kda_shape_checks_name_the_bad_size():
+    check_kda_shapes(128, 128, 64, 4, 4)
+    with pytest.raises(ValueError, match="needs .* bytes of shared memory per CTA"):
+        check_kda_shapes(128, 128, 128, 4, 4)
+    with pytest.raises(ValueError, match="cache_len a multiple of 8"):
+        check_kda_shapes(128, 128, 12, 4, 4)
+    with pytest.raises(ValueError, match=r"g_cache \[N, H_v, L, d_k\]"):
+        replay_decode_kda_mgpu(*(jnp.zeros(s) for s in ((2, 2, 64, 64), (2, 2, 8, 64), (2, 1, 8, 64), (2, 2, 8),
+                                                        (1, 1, 64), (1, 1, 64), (1, 2, 64), (1, 2), (1, 2))),
+                               *(jnp.zeros((1,), jnp.int32),) * 3)

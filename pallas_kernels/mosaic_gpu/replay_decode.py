@@ -35,6 +35,9 @@ checkpoint is read from memory once per step, flush or not.
 
 The state arrays are mutable refs (`jax.new_ref`): under a donated `jit` the kernel
 updates them in place.
+
+KDA (per-channel decay) has its own kernel, `replay_decode_kda.py`, sharing this file's
+q / k loading, output, append and tile-store helpers.
 """
 
 from __future__ import annotations
@@ -116,6 +119,56 @@ def rebuild_exact(s_c, decay_total, u_smem, k_smem, g_smem, pos):
     return state
 
 
+def load_qk(q_ref, k_ref, q_row_ref, k_row_ref, b, hk, *, use_qk_l2norm, scale):
+    """Row b's q, k of key head hk in both vector layouts, normalised (if asked) and q
+    scaled: `(q_col, k_col, q_row, k_row, k . q)`, fp32, `[d_k]` in COL and ROW.
+
+    Layout inference cannot give two layouts to loads of one ref: the ROW copies come
+    from second refs to the same arrays."""
+    q_col = plgpu.load(q_ref.at[b, hk], layout=COL, optimized=False).astype(F32)
+    k_col = plgpu.load(k_ref.at[b, hk], layout=COL, optimized=False).astype(F32)
+    q_row = plgpu.load(q_row_ref.at[b, hk], layout=ROW, optimized=False).astype(F32)
+    k_row = plgpu.load(k_row_ref.at[b, hk], layout=ROW, optimized=False).astype(F32)
+    q_scale, k_scale = jnp.float32(scale), jnp.float32(1.0)
+    if use_qk_l2norm:
+        q_scale = q_scale * lax.rsqrt(jnp.sum(q_col * q_col) + L2NORM_EPS)
+        k_scale = lax.rsqrt(jnp.sum(k_col * k_col) + L2NORM_EPS)
+    q_col, q_row = q_col * q_scale, q_row * q_scale
+    k_col, k_row = k_col * k_scale, k_row * k_scale
+    return q_col, k_col, q_row, k_row, jnp.sum(k_col * q_col)
+
+
+def store_output(o_smem, y_ref, y, b, h, rows):
+    """`y [BV]` (ROW) into `y_ref[b, h, rows]` through shared memory and TMA."""
+    o_smem[...] = y.astype(o_smem.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, y_ref.at[b, h, rows])
+
+
+def store_tile(t_smem, ckpt_ref, new, slot, h, rows):
+    """The new state tile `[BV, d_k]` (WGMMA) into the checkpoint in place, through the
+    checkpoint tile's shared-memory buffer and TMA."""
+    t_smem[...] = new.astype(t_smem.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(t_smem, ckpt_ref.at[slot, h, rows])
+
+
+def append_entry(ucache_ref, kcache_ref, gcache_ref, slot, h, tile, pos, u, k, g, *, group_size):
+    """Store this token's cache entry at `pos`: u rows from every tile, g (a scalar, or a
+    `[d_k]` vector for KDA) from tile 0, k from tile 0 of the first value head of each key
+    head (once per key head)."""
+    rows = pl.ds(tile * BLOCK_V, BLOCK_V)
+    ucache_ref[slot, h, pos, rows] = u.astype(ucache_ref.dtype)
+
+    @pl.when(tile == 0)
+    def _append_gate():
+        gcache_ref[slot, h, pos] = g
+
+    @pl.when((tile == 0) & (h % group_size == 0))
+    def _append_key():
+        kcache_ref[slot, h // group_size, pos] = k.astype(kcache_ref.dtype)
+
+
 def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, q_row_ref, k_row_ref, v_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref,
             ckpt_ref, ucache_ref, kcache_ref, gcache_ref,
             y_ref,
@@ -131,9 +184,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, q_row_ref, k_row_ref, v_r
 
     @pl.when(mode == MODE_PAD)
     def _padding_row():
-        o_smem[...] = plgpu.layout_cast(jnp.zeros((BLOCK_V,), o_smem.dtype), ROW)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, y_ref.at[b, h, rows])
+        store_output(o_smem, y_ref, plgpu.layout_cast(jnp.zeros((BLOCK_V,), o_smem.dtype), ROW), b, h, rows)
 
     @pl.when(mode != MODE_PAD)
     def _live_row():
@@ -144,19 +195,8 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, q_row_ref, k_row_ref, v_r
         plgpu.copy_gmem_to_smem(gcache_ref.at[slot, h], g_smem, barrier)
 
         # The token, while the copies fly: q, k in both vector layouts, gates as scalars.
-        q_col = plgpu.load(q_ref.at[b, hk], layout=COL, optimized=False).astype(F32)
-        k_col = plgpu.load(k_ref.at[b, hk], layout=COL, optimized=False).astype(F32)
-        # Layout inference cannot give two layouts to loads of one ref: the ROW copies
-        # come from second refs to the same arrays.
-        q_row = plgpu.load(q_row_ref.at[b, hk], layout=ROW, optimized=False).astype(F32)
-        k_row = plgpu.load(k_row_ref.at[b, hk], layout=ROW, optimized=False).astype(F32)
-        q_scale, k_scale = jnp.float32(scale), jnp.float32(1.0)
-        if use_qk_l2norm:
-            q_scale = q_scale * lax.rsqrt(jnp.sum(q_col * q_col) + L2NORM_EPS)
-            k_scale = lax.rsqrt(jnp.sum(k_col * k_col) + L2NORM_EPS)
-        q_col, q_row = q_col * q_scale, q_row * q_scale
-        k_col, k_row = k_col * k_scale, k_row * k_scale
-        k_dot_q = jnp.sum(k_col * q_col)
+        q_col, k_col, q_row, k_row, k_dot_q = load_qk(q_ref, k_ref, q_row_ref, k_row_ref, b, hk,
+                                                      use_qk_l2norm=use_qk_l2norm, scale=scale)
         g = g_ref[b, h].astype(F32)
         beta = beta_ref[b, h].astype(F32)
         if raw_gates:
@@ -183,21 +223,11 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, q_row_ref, k_row_ref, v_r
         s_k = alpha * readout(k_col, k_row)
         s_q = alpha * readout(q_col, q_row)
         u = beta * (v_row - s_k)
-        o_smem[...] = (s_q + u * k_dot_q).astype(o_smem.dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, y_ref.at[b, h, rows])
+        store_output(o_smem, y_ref, s_q + u * k_dot_q, b, h, rows)
 
         @pl.when(mode == MODE_APPEND)
         def _append():
-            ucache_ref[slot, h, pos, rows] = u.astype(ucache_ref.dtype)
-
-            @pl.when(tile == 0)
-            def _append_gate():
-                gcache_ref[slot, h, pos] = g
-
-            @pl.when((tile == 0) & (h % group_size == 0))
-            def _append_key():
-                kcache_ref[slot, hk, pos] = k_col.astype(kcache_ref.dtype)
+            append_entry(ucache_ref, kcache_ref, gcache_ref, slot, h, tile, pos, u, k_col, g, group_size=group_size)
 
         @pl.when(mode == MODE_FLUSH)
         def _flush():
@@ -208,9 +238,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, q_row_ref, k_row_ref, v_r
             plgpu.barrier_wait(rows_barrier)
             prev = rebuild_exact(s_c, decay_total, u_rows, k_rows, g_smem, pos)
             new = alpha * prev + bcast_rows(u, prev.shape) * bcast_cols(k_col, prev.shape)
-            t_smem[...] = new.astype(t_smem.dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(t_smem, ckpt_ref.at[slot, h, rows])
+            store_tile(t_smem, ckpt_ref, new, slot, h, rows)
 
     plgpu.wait_smem_to_gmem(0)
 
@@ -275,7 +303,8 @@ def replay_decode_mgpu(
     head_k_dim = q.shape[-1]
     cache_len = u_cache.shape[2]
     if g_cache.ndim != 3:
-        raise ValueError(f"mosaic_gpu supports per-head (GDN) decay only; g_cache has shape {g_cache.shape}")
+        raise ValueError(f"replay_decode_mgpu takes a per-head (GDN) decay, g_cache [N, H_v, L]; got shape "
+                         f"{g_cache.shape} (per-channel decay: replay_decode_kda.replay_decode_kda_mgpu)")
     check_shapes(head_k_dim, head_v_dim, cache_len, checkpoint.dtype.itemsize, params.swizzle)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"

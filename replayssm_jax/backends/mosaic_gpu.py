@@ -1,10 +1,12 @@
-"""The Mosaic GPU backend: GDN and Mamba-2 decode steps on `pallas_kernels.mosaic_gpu`.
+"""The Mosaic GPU backend: GDN, KDA and Mamba-2 decode steps on `pallas_kernels.mosaic_gpu`.
 
 One kernel per gate serves every row mode (padding, append, flush), so both flush policies
-run through it: under EVERY_STEP every live row is a flush row. Gates "gdn" (per-head
-decay; shapes as `replay_decode.check_shapes` allows: d_k, d_v multiples of 64, L a
-multiple of 8 up to 256) and "mamba2" (`mamba2_decode.check_shapes`: P and N multiples of
-64, L a multiple of 8 within the kernel's shared memory).
+run through it: under EVERY_STEP every live row is a flush row. GDN (per-head decay) runs
+`replay_decode.replay_decode_mgpu`, KDA (per-channel decay) `replay_decode_kda.
+replay_decode_kda_mgpu`, Mamba-2 `mamba2_decode.mamba2_replay_decode_mgpu`; shapes as
+their `check_shapes` / `check_kda_shapes` allow (d_k, d_v multiples of 64, L a multiple of
+8 up to 256; KDA: d_k = 64 or a multiple of 128, and the CTA's shared memory bounds L;
+Mamba-2: P and N multiples of 64, L a multiple of 8 within the kernel's shared memory).
 """
 
 from __future__ import annotations
@@ -17,12 +19,12 @@ from pallas_kernels import common
 from pallas_kernels.mosaic_gpu import mamba2_decode
 from pallas_kernels.mosaic_gpu.mamba2_decode import MosaicMamba2Params, mamba2_replay_decode_mgpu
 from pallas_kernels.mosaic_gpu.replay_decode import MosaicReplayParams, check_shapes, replay_decode_mgpu
+from pallas_kernels.mosaic_gpu.replay_decode_kda import check_kda_shapes, replay_decode_kda_mgpu
 from replayssm_jax.plan import StepPlan
 from replayssm_jax.state import ReplayState
 from replayssm_jax.tokens import Tokens
 
-
-GATES = ("gdn", "mamba2")
+GATES: tuple[str, ...] = ("gdn", "kda", "mamba2")
 
 
 def check_config(cfg) -> None:
@@ -32,6 +34,9 @@ def check_config(cfg) -> None:
     if cfg.gate == "mamba2":
         mamba2_decode.check_shapes(cfg.head_v_dim, cfg.head_k_dim, cfg.cache_len, cfg.state_dtype.itemsize,
                                    cfg.cache_dtype.itemsize)
+    elif cfg.per_channel_gate:
+        check_kda_shapes(cfg.head_k_dim, cfg.head_v_dim, cfg.cache_len, cfg.state_dtype.itemsize,
+                         cfg.cache_dtype.itemsize)
     else:
         check_shapes(cfg.head_k_dim, cfg.head_v_dim, cfg.cache_len, cfg.state_dtype.itemsize)
 
@@ -53,12 +58,13 @@ def layer_step(
     kernel_params: MosaicReplayParams | None = None,
     interpret: bool | None = None,
 ) -> tuple[Float[Array, "B Hv Dv"], ReplayState]:
-    """`backends.xla.layer_step` on the Mosaic GPU kernel; same arguments and results, plus
+    """`backends.xla.layer_step` on the Mosaic GPU kernels; same arguments and results, plus
     `kernel_params` (default `MosaicReplayParams()`) and `interpret` (default: off GPU)."""
     cfg = state.config
     check_config(cfg)
     _check_params(kernel_params, MosaicReplayParams)
-    y, checkpoint, u_cache, k_cache, g_cache = replay_decode_mgpu(
+    kernel = replay_decode_kda_mgpu if cfg.per_channel_gate else replay_decode_mgpu
+    y, checkpoint, u_cache, k_cache, g_cache = kernel(
         state.checkpoint, state.u_cache, state.k_cache, state.g_cache,
         tokens.q, tokens.k, tokens.v, tokens.g, tokens.beta,
         plan.slot, plan.pos, common.row_modes(plan.valid, plan.flush),
