@@ -315,7 +315,6 @@ def verify_decode_mgpu(
     use_qk_l2norm: bool = False,
     scale: float | None = None,
     params: MosaicReplayParams = MosaicReplayParams(),
-    programs: int = PROGRAMS,
     interpret: bool | None = None,
 ):
     """Verify one GDN draft window per row on Mosaic GPU: `window_coefficients` in XLA, then
@@ -331,8 +330,6 @@ def verify_decode_mgpu(
       anc: `[B, T, T]` bool, True where position j precedes position i on i's branch.
       use_qk_l2norm, scale: as `replay_decode_mgpu`.
       params: the checkpoint tile's swizzle (`MosaicReplayParams`).
-      programs: persistent CTAs, each serving every `programs`-th `[64, d_k]` tile
-        (`pipeline.persistent_tiles`).
       interpret: run in Mosaic GPU interpret mode (default: off GPU).
 
     Returns:
@@ -359,7 +356,7 @@ def verify_decode_mgpu(
     if q.dtype != k.dtype:
         raise ValueError(f"q and k must share a dtype, got {q.dtype} and {k.dtype}")
     kernel = _build(batch, width, num_v_heads, head_v_dim, head_k_dim, cache_len, checkpoint.dtype, u_cache.dtype,
-                    q.dtype, v.dtype, num_v_heads // q.shape[2], params.swizzle, int(programs), bool(interpret))
+                    q.dtype, v.dtype, num_v_heads // q.shape[2], params.swizzle, PROGRAMS, bool(interpret))
     refs = [jax.new_ref(x) for x in (checkpoint, u_cache, k_cache, g_cache)]
     i32 = lambda x: x.astype(jnp.int32)
     y = kernel(i32(slot), i32(pos), i32(mode), length, q, k, v, coef, *refs)
