@@ -53,10 +53,8 @@ from jaxtyping import Array, Bool, Float, Int
 from pallas_kernels.common import L2NORM_EPS, MODE_APPEND, MODE_FLUSH, MODE_PAD
 from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA, bcast_cols, bcast_rows, col_sum,
                                               load_transposed, row_sum, tiled)
-from pallas_kernels.mosaic_gpu.pipeline import STAGES, persistent_tiles
 from pallas_kernels.mosaic_gpu.replay_decode import MosaicReplayParams, check_shapes, decay_weights, rebuild_exact
 
-PROGRAMS = 2 * 132  # persistent CTAs: two per SM of an H200
 MAX_WIDTH = 16  # the window is unrolled in the kernel: code size grows as T^2
 
 
@@ -131,57 +129,38 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
             ckpt_ref, ucache_ref, kcache_ref, gcache_ref,
             y_ref,
             t_smem, u_smem, k_smem, g_smem, c_smem, o_smem, u_rows, k_rows, window_smem, barrier, rows_barrier,
-            *, width, group_size, tiles, num_programs):
-    num_heads = y_ref.shape[2]
-    cache_len = u_smem.shape[1]
+            *, width, group_size, tiles):
+    b = lax.axis_index("b")
+    hv = lax.axis_index("hv")
+    h, tile = hv // tiles, hv % tiles
+    hk = h // group_size
+    rows = pl.ds(tile * BLOCK_ROWS, BLOCK_ROWS)
+    mode = mode_ref[b]
+    cache_len = u_smem.shape[0]
 
-    def where(tile):
-        """`(b, h, t, hk, rows)` of a flat tile index (b slowest)."""
-        b, hv = tile // (num_heads * tiles), tile % (num_heads * tiles)
-        h, t = hv // tiles, hv % tiles
-        return b, h, t, h // group_size, pl.ds(t * BLOCK_ROWS, BLOCK_ROWS)
+    @pl.when(mode == MODE_PAD)
+    def _padding_row():
+        for i in range(width):
+            o_smem[i] = plgpu.layout_cast(jnp.zeros((BLOCK_ROWS,), o_smem.dtype), ROW)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, y_ref.at[b, :, h, rows])
 
-    def issue(tile, stage):
-        b, h, _, hk, rows = where(tile)
-
-        @pl.when(mode_ref[b] != MODE_PAD)
-        def _copies():
-            slot, bar = slot_ref[b], barrier.at[stage]
-            plgpu.copy_gmem_to_smem(ckpt_ref.at[slot, h, rows], t_smem.at[stage], bar)
-            plgpu.copy_gmem_to_smem(ucache_ref.at[slot, h, :, rows], u_smem.at[stage], bar)
-            plgpu.copy_gmem_to_smem(kcache_ref.at[slot, hk], k_smem.at[stage], bar)
-            plgpu.copy_gmem_to_smem(gcache_ref.at[slot, h], g_smem.at[stage], bar)
-            plgpu.copy_gmem_to_smem(coef_ref.at[b, h], c_smem.at[stage], bar)
-            # The window's vectors, each for loads in one layout (layout inference cannot
-            # give two layouts to loads of one buffer): per-position loads then hit shared
-            # memory instead of waiting on global memory one position after another.
-            q_cols, k_cols, q_rows, k_rows_w, v_rows = window_smem
-            for src, dst in ((q_ref.at[b, :, hk], q_cols), (k_ref.at[b, :, hk], k_cols),
-                             (q_ref.at[b, :, hk], q_rows), (k_ref.at[b, :, hk], k_rows_w),
-                             (v_ref.at[b, :, h, rows], v_rows)):
-                plgpu.copy_gmem_to_smem(src, dst.at[stage], bar)
-
-    def compute(tile, stage):
-        b, h, t, hk, rows = where(tile)
-        mode = mode_ref[b]
-        out = o_smem.at[stage]
-
-        @pl.when(mode == MODE_PAD)
-        def _padding_row():
-            for i in range(width):
-                out[i] = plgpu.layout_cast(jnp.zeros((BLOCK_ROWS,), out.dtype), ROW)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out, y_ref.at[b, :, h, rows])
-
-        @pl.when(mode != MODE_PAD)
-        def _live_row():
-            _window(b, h, t, hk, rows, mode, stage)
-
-    def _window(b, h, t, hk, rows, mode, stage):
+    @pl.when(mode != MODE_PAD)
+    def _live_row():
         slot, pos, length = slot_ref[b], pos_ref[b], length_ref[b]
         fold = mode == MODE_FLUSH
-        t_s, u_s, k_s, g_s, c_s, out = (x.at[stage] for x in (t_smem, u_smem, k_smem, g_smem, c_smem, o_smem))
-        q_cols, k_cols, q_rows, k_rows_w, v_rows = (x.at[stage] for x in window_smem)
+        plgpu.copy_gmem_to_smem(ckpt_ref.at[slot, h, rows], t_smem, barrier)
+        plgpu.copy_gmem_to_smem(ucache_ref.at[slot, h, :, rows], u_smem, barrier)
+        plgpu.copy_gmem_to_smem(kcache_ref.at[slot, hk], k_smem, barrier)
+        plgpu.copy_gmem_to_smem(gcache_ref.at[slot, h], g_smem, barrier)
+        plgpu.copy_gmem_to_smem(coef_ref.at[b, h], c_smem, barrier)
+        # The window's vectors, each for loads in one layout (layout inference cannot give
+        # two layouts to loads of one buffer): per-position loads then hit shared memory
+        # instead of waiting on global memory one position after another.
+        q_cols, k_cols, q_rows, k_rows_w, v_rows = window_smem
+        for src, dst in ((q_ref.at[b, :, hk], q_cols), (k_ref.at[b, :, hk], k_cols), (q_ref.at[b, :, hk], q_rows),
+                         (k_ref.at[b, :, hk], k_rows_w), (v_ref.at[b, :, h, rows], v_rows)):
+            plgpu.copy_gmem_to_smem(src, dst, barrier)
 
         @pl.when(fold)
         def _fetch_rows():
@@ -190,9 +169,9 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
             plgpu.copy_gmem_to_smem(ucache_ref.at[slot, h, :, rows], u_rows, rows_barrier)
             plgpu.copy_gmem_to_smem(kcache_ref.at[slot, hk], k_rows, rows_barrier)
 
-        plgpu.barrier_wait(barrier.at[stage])
-        weights, decay_total = decay_weights(g_s, pos, cache_len)
-        s_c = plgpu.load(t_s, layout=WGMMA).astype(F32)  # [BV, Dk]
+        plgpu.barrier_wait(barrier)
+        weights, decay_total = decay_weights(g_smem, pos, cache_len)
+        s_c = plgpu.load(t_smem, layout=WGMMA).astype(F32)  # [BV, Dk]
 
         @pl.when(fold)
         def _wait_rows():
@@ -200,21 +179,21 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
 
         # A folding row's live state, rebuilt with its whole history and rounded as stored;
         # other rows run the loop zero times and keep S_c (their history is read out below).
-        rebuilt = rebuild_exact(s_c, jnp.where(fold, decay_total, 1.0), u_rows, k_rows, g_s,
+        rebuilt = rebuild_exact(s_c, jnp.where(fold, decay_total, 1.0), u_rows, k_rows, g_smem,
                                 jnp.where(fold, pos, 0))
-        s_eff = rebuilt.astype(t_s.dtype).astype(F32)
+        s_eff = rebuilt.astype(t_smem.dtype).astype(F32)
         history_len = jnp.where(fold, 0, pos)
         decay_eff = jnp.where(fold, 1.0, decay_total)
 
         @pl.when(fold)
         def _store_checkpoint():
-            t_s[...] = s_eff.astype(t_s.dtype)
+            t_smem[...] = s_eff.astype(t_smem.dtype)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(t_s, ckpt_ref.at[slot, h, rows])
+            plgpu.copy_smem_to_gmem(t_smem, ckpt_ref.at[slot, h, rows])
 
-        keys_t = load_transposed(k_s)  # [Dk, L]
+        keys_t = load_transposed(k_smem)  # [Dk, L]
         j_tile = plgpu.broadcasted_iota(jnp.int32, (BLOCK_ROWS, cache_len), 1, layout=WGMMA)
-        u_t = jnp.where(j_tile < history_len, load_transposed(u_s), 0.0)  # [BV, L], stale entries 0
+        u_t = jnp.where(j_tile < history_len, load_transposed(u_smem), 0.0)  # [BV, L], stale entries 0
         valid = plgpu.broadcasted_iota(jnp.int32, (cache_len,), 0, layout=COL) < history_len
 
         def readout(x_col, x_row):
@@ -225,10 +204,10 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
             return history + decay_eff * row_sum(s_eff * bcast_cols(x_col, s_eff.shape))
 
         T = width
-        A = lambda i, j: c_s[i * T + j]
-        M = lambda i, j: c_s[T * T + i * T + j]
+        A = lambda i, j: c_smem[i * T + j]
+        M = lambda i, j: c_smem[T * T + i * T + j]
         e_G, beta, g, q_scale, k_scale = (
-            (lambda i, o=o: c_s[2 * T * T + o * T + i]) for o in range(5))
+            (lambda i, o=o: c_smem[2 * T * T + o * T + i]) for o in range(5))
         base = jnp.where(fold, 0, pos)
         u = []
         for i in range(T):
@@ -246,51 +225,49 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
             y_i = e_G(i) * readout(q_scale(i) * load(q_cols.at[i], COL), q_scale(i) * load(q_rows.at[i], ROW))
             for j in range(i + 1):
                 y_i = y_i + M(i, j) * u[j]
-            out[i] = _keep(in_window, y_i, ROW).astype(out.dtype)
+            o_smem[i] = _keep(in_window, y_i, ROW).astype(o_smem.dtype)
 
             @pl.when(in_window)
             def _append_u():
                 ucache_ref[slot, h, base + i, rows] = u_i.astype(ucache_ref.dtype)
 
-            @pl.when(in_window & (mode == MODE_APPEND) & (t == 0))
+            @pl.when(in_window & (mode == MODE_APPEND) & (tile == 0))
             def _append_gate():
                 gcache_ref[slot, h, base + i] = g(i)
 
-            @pl.when(in_window & (mode == MODE_APPEND) & (t == 0) & (h % group_size == 0))
+            @pl.when(in_window & (mode == MODE_APPEND) & (tile == 0) & (h % group_size == 0))
             def _append_key():
                 kcache_ref[slot, hk, base + i] = k_col.astype(kcache_ref.dtype)
 
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out, y_ref.at[b, :, h, rows])
+        plgpu.copy_smem_to_gmem(o_smem, y_ref.at[b, :, h, rows])
 
-    persistent_tiles(y_ref.shape[0] * num_heads * tiles, num_programs, issue, compute)
+    plgpu.wait_smem_to_gmem(0)
 
 
 @functools.lru_cache(maxsize=None)
 def _build(batch, width, num_v_heads, head_v_dim, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y_dtype,
-           group_size, swizzle, num_programs, interpret):
+           group_size, swizzle, interpret):
     tiles = head_v_dim // BLOCK_ROWS
-    num_programs = min(num_programs, batch * num_v_heads * tiles)
-    body = functools.partial(_kernel, width=width, group_size=group_size, tiles=tiles, num_programs=num_programs)
-    staged = lambda shape, dtype, **kw: plgpu.SMEM((STAGES, *shape), dtype, **kw)
+    body = functools.partial(_kernel, width=width, group_size=group_size, tiles=tiles)
     return plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((batch, width, num_v_heads, head_v_dim), y_dtype),
         scratch_types=[
-            staged((BLOCK_ROWS, head_k_dim), state_dtype, transforms=tiled(swizzle, state_dtype)),
-            staged((cache_len, BLOCK_ROWS), cache_dtype, transforms=tiled(128, cache_dtype)),
-            staged((cache_len, head_k_dim), cache_dtype, transforms=tiled(128, cache_dtype)),
-            staged((cache_len,), F32),
-            staged((coefficient_count(width),), F32),
-            staged((width, BLOCK_ROWS), y_dtype),
+            plgpu.SMEM((BLOCK_ROWS, head_k_dim), state_dtype, transforms=tiled(swizzle, state_dtype)),
+            plgpu.SMEM((cache_len, BLOCK_ROWS), cache_dtype, transforms=tiled(128, cache_dtype)),
+            plgpu.SMEM((cache_len, head_k_dim), cache_dtype, transforms=tiled(128, cache_dtype)),
+            plgpu.SMEM((cache_len,), F32),
+            plgpu.SMEM((coefficient_count(width),), F32),
+            plgpu.SMEM((width, BLOCK_ROWS), y_dtype),
             plgpu.SMEM((cache_len, BLOCK_ROWS), cache_dtype),
             plgpu.SMEM((cache_len, head_k_dim), cache_dtype),
-            [staged((width, head_k_dim), qk_dtype) for _ in range(4)] + [staged((width, BLOCK_ROWS), y_dtype)],
-            plgpu.Barrier(num_arrivals=10, num_barriers=STAGES),
+            [plgpu.SMEM((width, head_k_dim), qk_dtype) for _ in range(4)] + [plgpu.SMEM((width, BLOCK_ROWS), y_dtype)],
+            plgpu.Barrier(num_arrivals=10),
             plgpu.Barrier(num_arrivals=2),
         ],
-        grid=(num_programs,),
-        grid_names=("p",),
+        grid=(batch, num_v_heads * tiles),
+        grid_names=("b", "hv"),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
         kernel_name="replayssm_verify_decode_mgpu",
     )
@@ -356,7 +333,7 @@ def verify_decode_mgpu(
     if q.dtype != k.dtype:
         raise ValueError(f"q and k must share a dtype, got {q.dtype} and {k.dtype}")
     kernel = _build(batch, width, num_v_heads, head_v_dim, head_k_dim, cache_len, checkpoint.dtype, u_cache.dtype,
-                    q.dtype, v.dtype, num_v_heads // q.shape[2], params.swizzle, PROGRAMS, bool(interpret))
+                    q.dtype, v.dtype, num_v_heads // q.shape[2], params.swizzle, bool(interpret))
     refs = [jax.new_ref(x) for x in (checkpoint, u_cache, k_cache, g_cache)]
     i32 = lambda x: x.astype(jnp.int32)
     y = kernel(i32(slot), i32(pos), i32(mode), length, q, k, v, coef, *refs)
