@@ -27,7 +27,10 @@ append its window behind its history; it folds its history (accepted records onl
 window is not yet in the ring) into the checkpoint first, in the same step, and writes the
 window at `0 .. length - 1`; its cursor becomes 0 in the returned state. The decision is
 made per row on the device, so one compiled executable serves every mix of rows. A window
-wider than the ring (`T > L`) is refused.
+wider than the ring (`T > L`) is refused, and so is any window on a ring of one (`L = 1`):
+its accepted token would sit in the cache with the cursor at 1, but at L = 1 the
+pallas_triton decode step is the plain kernel on the checkpoint, which reads no cache (the
+next step would drop the token); with `T = L = 1` there is no draft to verify anyway.
 
 Flush policy: verify always plans by the capacity rule above (the natural policy for a
 window): a window is never folded before it is verified, since a fold writes only records
@@ -248,7 +251,7 @@ def verify_step(
     Raises:
       ValueError: on a wrong shape or dtype, an unknown backend (Mamba-2: any but "xla";
         "mosaic_gpu": any gate but GDN, or shapes its kernel cannot take),
-        `T > L`, lengths outside [0, T], a parent that does not precede its child, or
+        `T > L`, `L = 1`, lengths outside [0, T], a parent that does not precede its child, or
         (when slots are concrete) a slot out of range or named twice.
     """
     check_state(state)
@@ -260,6 +263,9 @@ def verify_step(
     check_gate_params(cfg, gate_params)
     if backend not in VERIFY_BACKENDS:
         raise ValueError(f"backend must be one of {VERIFY_BACKENDS} for verify_step, got {backend!r}")
+    if cfg.cache_len < 2:
+        raise ValueError("verify_step needs cache_len >= 2: at cache_len = 1 an accepted token stays in the "
+                         "cache, which the pallas_triton decode step (the plain kernel at L = 1) never reads")
     if width > cfg.cache_len:
         raise ValueError(f"window width T = {width} exceeds the ring (cache_len = {cfg.cache_len})")
     if backend == "xla" and (kernel_params is not None or interpret is not None):

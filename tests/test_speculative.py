@@ -27,6 +27,9 @@ from helpers import (
     to_device,
 )
 from replayssm_jax import (
+    Mamba2Params,
+    Mamba2Tokens,
+    ReplayConfig,
     Tokens,
     accept,
     decode_step,
@@ -351,6 +354,24 @@ def test_tree_window_matches_path_by_path_decode(gate, rng):
         yi, s = decode(s, column(nxt, i), jslots)
         ref.append(np.asarray(yi))
     assert rel_err(np.asarray(y_next)[active], np.stack(ref, 1)[active]).max() < FP32_TOL
+
+
+@pytest.mark.parametrize("gate", ["gdn", "mamba2"])
+def test_verify_on_a_ring_of_one_is_refused(gate, rng):
+    """Regression (found by tests/test_property.py): at L = 1 a verified token accepted with
+    `accept(.., 1)` stayed in the cache (cursor 1), and the next pallas_triton decode step, the
+    plain kernel at L = 1, ignored it (outputs off by O(1e-2) for GDN, O(1) for Mamba-2, while
+    the xla step replayed it). verify_step now refuses L = 1."""
+    if gate == "mamba2":
+        config = ReplayConfig.mamba2(2, 16, 16, 1, 1)
+        window = Mamba2Tokens(*(jnp.ones((BATCH, 1, *s), jnp.float32) for s in ((2, 16), (1, 16), (1, 16), (2,))))
+        gate_params = Mamba2Params(A=-jnp.ones(2), D=jnp.ones(2), dt_bias=jnp.zeros(2))
+    else:
+        config, gate_params = small_config(gate, 1), None
+        window = to_device(random_tokens(rng, config, (BATCH, 1)))
+    with pytest.raises(ValueError, match="cache_len >= 2"):
+        verify_step(init_state(config, NUM_SLOTS), window, jnp.arange(BATCH, dtype=jnp.int32),
+                    gate_params=gate_params)
 
 
 def test_verify_and_accept_reject_bad_input(rng):
