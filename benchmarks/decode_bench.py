@@ -8,6 +8,9 @@ Sections (check, tune, sweep by default; in this order):
   steps   (diagnostic) per-step replay kernel time across a synchronised cycle;
   sweep   the benchmark grid: per config the plain kernel, and the replay kernel with
           synchronised cursors (non-flush, flush, cycle-amortised) and staggered cursors.
+  debug   the cost of debug mode: wall time per decode step of `jit(decode_step)` and of
+          `checked(decode_step)` (its in-jit checks on), both synchronised every step (the
+          checked call must read its error back), and of `jit` pipelined as in serving.
   mamba2  Mamba-2 (gate "mamba2"): a GPU check of both Mamba-2 kernels against the scan
           reference, then the sweep's rows on Nemotron-H-8B (H = 128, P = 64, N = 128,
           G = 8) and Mamba-2 2.7B (H = 80, G = 1) shapes, fp32 and bf16 states,
@@ -589,6 +592,41 @@ def steps_section(timer, shape, cases, smoke, best, bandwidth_GBps: float) -> li
     return rows
 
 
+def debug_section(shape, batches: list[int], smoke: bool, steps: int = 100) -> list[dict]:
+    """Wall µs per donated decode step (GDN, fp32, L = 16, pallas_triton, natural policy):
+    plain jit and `checked` each synchronised per step, and plain jit pipelined; medians
+    over `steps` steps after a warm-up cycle."""
+    cfg = shape.config(4 if smoke else 16, jnp.float32)
+    step_fn = functools.partial(R.decode_step, backend="pallas_triton", policy="natural", use_qk_l2norm=True)
+    variants = {"jit": jax.jit(step_fn, donate_argnums=0), "checked": R.checked(step_fn, donate_argnums=0)}
+    rows = []
+    for batch in batches:
+        token = random_token(cfg, batch, jax.random.key(batch))
+        slots = jnp.arange(batch, dtype=jnp.int32)
+        row = dict(gate=cfg.gate, state_dtype=cfg.state_dtype.name, cache_len=cfg.cache_len, batch=batch)
+        for name, fn in variants.items():
+            state = random_pool(cfg, 2 * batch, jax.random.key(0), np.zeros(2 * batch, np.int32))
+            for _ in range(cfg.cache_len):
+                _, state = jax.block_until_ready(fn(state, token, slots))
+            times = []
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                _, state = jax.block_until_ready(fn(state, token, slots))
+                times.append((time.perf_counter() - t0) * 1e6)
+            row[f"{name}_sync_us"] = statistics.median(times)
+            if name == "jit":
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    _, state = fn(state, token, slots)
+                jax.block_until_ready(state)
+                row["jit_pipelined_us"] = (time.perf_counter() - t0) * 1e6 / steps
+        row["checked_vs_jit_sync"] = row["checked_sync_us"] / row["jit_sync_us"]
+        row["checked_vs_jit_pipelined"] = row["checked_sync_us"] / row["jit_pipelined_us"]
+        print(f"debug {json.dumps(row)}", flush=True)
+        rows.append(row)
+    return rows
+
+
 def mamba2_check(smoke: bool) -> list[dict]:
     """Both Mamba-2 kernels on the device against the scan reference: a few steps through
     a shuffled pool with a padding row and forced flushes; errors of y and the live state."""
@@ -704,6 +742,7 @@ def parse_args(argv):
     p.add_argument("--steps-cases", default="512:16,512:32,128:16,8:16")
     p.add_argument("--mamba2-batches", default="1,8,32,128,512", help="batches of the mamba2 section")
     p.add_argument("--mamba2-cache-lens", default="8,16,32", help="cache lengths of the mamba2 section")
+    p.add_argument("--debug-batches", default="1,8,128,512", help="batches of the debug section")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode, wall clock (CPU)")
     return p.parse_args(argv)
 
@@ -746,6 +785,9 @@ def main(argv=None) -> dict:
         if "mamba2" in extras:
             grid += mamba2_grid(args.smoke, ints(args.mamba2_cache_lens), ints(args.mamba2_batches))
         sweep_cells(result, grid, timer, args, best, deadline, args.policies.split(","))
+    if "debug" in sections:
+        result["debug"] = debug_section(shape, [2] if args.smoke else ints(args.debug_batches), args.smoke,
+                                         steps=3 if args.smoke else 100)
     if "mamba2" in sections:
         result["mamba2_checks"] = mamba2_check(args.smoke)
         # the replay cycle is timed under the natural policy beside the default everywhere

@@ -15,6 +15,10 @@ What is checked (each names the argument and its values):
 * slot operations (`reset_slots`, `flush_slots`, `copy_slots`, `snapshot`): a slot >= N,
   a destination named twice, a padding source paired with a live destination, a snapshot
   of a slot with cached entries (not flushed);
+* speculative verify (`verify_step`, `accept`): a slot >= N or named twice, lengths outside
+  `[0, T]`, a parent that does not precede its child, a negative accept count, a count that
+  moves a cursor past the ring (the window would outgrow it), an accepted path that is not
+  increasing or reaches past the ring;
 * the model decoder (`decode_step`, `prefill`): a token id outside `[0, vocab)` on a live
   row (live positions only in `prefill`), a prefill length outside `[0, T]`, a slot >= N.
 

@@ -26,7 +26,7 @@ from replayssm_jax.backends import pallas_triton  # noqa: E402
 def test_decode_bench_smoke_writes_every_section(tmp_path):
     out = tmp_path / "bench.json"
     result = decode_bench.main([
-        "--smoke", "--sections", "check,steps,sweep", "--batches", "2", "--cache-lens", "1,4",
+        "--smoke", "--sections", "check,steps,sweep,debug", "--batches", "2", "--cache-lens", "1,4",
         "--extra", "kda", "--policies", "default,natural", "--out", str(out),
     ])
     saved = json.loads(out.read_text())
@@ -44,6 +44,8 @@ def test_decode_bench_smoke_writes_every_section(tmp_path):
     assert {r["kernel"] for r in saved["rows"] if r["gate"] == "kda" and r["policy"] == "natural"} == {
         "ReplayGroupedParams"}
     assert len(saved["steps"][0]["replay_step_us"]) == 4
+    (debug,) = saved["debug"]  # wall times of jit and checked steps, both measured
+    assert debug["jit_sync_us"] > 0 and debug["checked_sync_us"] > 0 and debug["jit_pipelined_us"] > 0
 
 
 def test_mosaic_bench_smoke(tmp_path):

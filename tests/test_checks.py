@@ -13,7 +13,7 @@ import pytest
 from jax.experimental import checkify
 
 from helpers import random_tokens, small_config, to_device
-from replayssm_jax import checked, decode_step, init_state
+from replayssm_jax import accept, checked, decode_step, init_state, verify_step
 from replayssm_jax.model import copy_slots, decoder, flush_slots, reset_slots, snapshot
 
 N = 4
@@ -45,6 +45,21 @@ def prefill_case(tokens, lengths):
     return decoder.prefill, (params, TINY.init_state(N, 4), i32(tokens), i32(lengths), i32([0, 1]))
 
 
+def verify_case(lengths, parents=None, slots=(0, 1)):
+    config = small_config("gdn", 4)
+    window = to_device(random_tokens(np.random.default_rng(1), config, (len(slots), 3)))
+    fn = lambda state, window, slots, lengths, parents: verify_step(state, window, slots, lengths=lengths,
+                                                                       parents=parents)
+    maybe = lambda x: None if x is None else i32(x)
+    return fn, (init_state(config, N), window, i32(slots), maybe(lengths), maybe(parents))
+
+
+def accept_case(counts, write_pos=(0, 2, 0, 0), path=None):
+    state = dataclasses.replace(init_state(small_config("gdn", 4), N), write_pos=i32(write_pos))
+    fn = lambda state, slots, counts, path: accept(state, slots, counts, path=path)
+    return fn, (state, i32([0, 1]), i32(counts), None if path is None else i32(path))
+
+
 # Each case: (fn, args) that fails one check, the message, and the same call made valid.
 CASES = {
     "step slot >= N": (lambda: layer_case([0, N]), "holds a slot >= 4", lambda: layer_case([0, 3])),
@@ -73,6 +88,19 @@ CASES = {
                            lambda: prefill_case([[1, 2, 3], [4, 5, 6]], [3, 0])),
     "prefill token id": (lambda: prefill_case([[1, 99, 3], [4, 5, 6]], [3, 1]), "token id outside",
                          lambda: prefill_case([[1, 2, 99], [4, 99, 6]], [2, 1])),  # 99s past lengths
+    "verify slot twice": (lambda: verify_case(None, slots=(2, 2)), "names a slot twice",
+                          lambda: verify_case(None, slots=(2, -1))),
+    "verify length > T": (lambda: verify_case([3, 4]), "lengths must lie in \\[0, 3\\]",
+                          lambda: verify_case([3, 0])),
+    "verify parent": (lambda: verify_case(None, [[-1, 0, 2], [-1, 0, 0]]), "parents must be -1 or an earlier",
+                      lambda: verify_case(None, [[-1, 0, 1], [-1, 0, 0]])),
+    "accept past the ring": (lambda: accept_case([1, 3]), "moves a cursor past the ring",
+                             lambda: accept_case([4, 2])),
+    "accept negative": (lambda: accept_case([-1, 0]), "must be >= 0", lambda: accept_case([0, 0])),
+    "accept path order": (lambda: accept_case([2, 1], path=[[0, 0], [1, 0]]), "increasing window positions",
+                          lambda: accept_case([2, 1], path=[[0, 2], [1, 0]])),
+    "accept path past the ring": (lambda: accept_case([1, 1], path=[[0, 1], [2, 0]]), "inside the ring",
+                                  lambda: accept_case([1, 1], path=[[0, 1], [1, 0]])),
 }
 
 
