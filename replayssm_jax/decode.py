@@ -43,7 +43,7 @@ def layer_step(
                                   scale=scale, gate_params=gate_params, kernel_params=kernel_params)
     if backend == "xla":
         if kernel_params is not None:
-            raise ValueError("kernel_params applies to backend='pallas_triton' only")
+            raise ValueError("kernel_params applies to the kernel backends ('pallas_triton', 'mosaic_gpu') only")
         return xla.layer_step(state, tokens, plan, use_qk_l2norm=use_qk_l2norm, scale=scale,
                               gate_params=gate_params)
     if backend == "mosaic_gpu":
@@ -59,7 +59,7 @@ def _mamba2_layer_step(state, tokens, plan, *, backend, use_qk_l2norm, scale, ga
         raise ValueError("use_qk_l2norm and scale apply to the delta-rule gates, not to gate 'mamba2'")
     if backend == "xla":
         if kernel_params is not None:
-            raise ValueError("kernel_params applies to backend='pallas_triton' only")
+            raise ValueError("kernel_params applies to the kernel backends ('pallas_triton', 'mosaic_gpu') only")
         return xla.mamba2_layer_step(state, tokens, plan, params=gate_params)
     if backend == "mosaic_gpu":
         return mosaic_gpu.mamba2_layer_step(state, tokens, plan, params=gate_params, kernel_params=kernel_params)

@@ -400,7 +400,7 @@ def test_kernel_shape_and_option_errors():
     with pytest.raises(ValueError,
                        match="the pallas_triton backend needs head_k_dim to be a power of two >= 16, got 24"):
         decode.decode_step(state, *args, backend="pallas_triton")
-    with pytest.raises(ValueError, match="kernel_params applies to backend='pallas_triton' only"):
+    with pytest.raises(ValueError, match="kernel_params applies to the kernel backends"):
         decode.decode_step(state, *args, kernel_params=_GROUPED())
     with pytest.raises(ValueError, match=r"gate_params\[1\] \(dt_bias\) must have shape \(1,\)"):
         decode.decode_step(state, *args, gate_params=(z((1,)), z((1, 24))))
