@@ -164,13 +164,25 @@ def test_kda_lowers_for_an_abstract_h200(state_dtype, cache_dtype, cache_len, ra
 
 @pytest.mark.parametrize("dims,match", [
     ((64, 96, 16, 4), "d_v a multiple of 64"), ((96, 64, 16, 4), "d_k a multiple of 64"),
-    ((64, 64, 12, 4), "cache_len a multiple of 8"), ((64, 64, 512, 4), "cache_len a multiple of 8"),
+    ((64, 64, 12, 4), "cache_len a multiple of 8"), ((64, 64, 4, 4), "cache_len a multiple of 8"),
 ])
 def test_shape_checks_name_the_bad_size(dims, match):
     with pytest.raises(ValueError, match=match):
         check_shapes(*dims)
     with pytest.raises(ValueError, match="swizzle"):
         MosaicReplayParams(swizzle=48)
+
+
+@pytest.mark.parametrize("kernel,per_channel,cache_len", [
+    (replay_decode_mgpu, False, 128), (replay_decode_kda_mgpu, True, 96),
+])
+def test_a_ring_past_shared_memory_is_refused(kernel, per_channel, cache_len):
+    """fp32 records of the whole ring at d = 128 outgrow a CTA's 227 KiB (GDN: ~1.8 KiB per
+    entry, from L ~ 120; KDA's fp32 decay records and weights add 1 KiB, from L ~ 80): a
+    ValueError naming the size, not a failed compile."""
+    with pytest.raises(ValueError, match="bytes of shared memory per CTA"):
+        _lower_for_h200(kernel, jnp.float32, jnp.float32, cache_len, False, per_channel=per_channel)
+    _lower_for_h200(kernel, jnp.float32, jnp.float32, cache_len // 2, False, per_channel=per_channel)
 
 
 @pytest.mark.parametrize("gate,state_dtype,raw", [

@@ -8,6 +8,8 @@ warps through shared memory, so kernels prefer row sums on their hot path.
 
 from __future__ import annotations
 
+import math
+
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -19,6 +21,59 @@ ROW = WGMMA.reduce(1)
 COL = WGMMA.reduce(0)
 F32 = jnp.float32
 BLOCK_ROWS = 64  # one warpgroup's WGMMA tile height
+
+
+# Shared memory per CTA on Hopper (the opt-in maximum); Mosaic aligns every buffer to 1 KiB
+# and adds its cross-warp reduction scratch (`CompilerParams.reduction_scratch_bytes`).
+SMEM_LIMIT = 227 * 1024
+_SMEM_ALIGN = 1024
+_REDUCTION_SCRATCH = 2048
+
+
+def replay_scratch(rows: int, width: int, cache_len: int, state_dtype, cache_dtype, y_shape: tuple, y_dtype,
+                   swizzle: int) -> list:
+    """The shared buffers of a replay kernel's `[rows, width]` state tile, in kernel order:
+    the tile, swizzled u `[L, rows]` and k `[L, width]` records (the transposed readout
+    loads of untiled ones conflict on banks), the decays `[L]`, the output `y_shape`, and
+    untiled u and k copies (the flush rebuild reads rows of them by a dynamic index)."""
+    return [
+        plgpu.SMEM((rows, width), state_dtype, transforms=tiled(swizzle, state_dtype)),
+        plgpu.SMEM((cache_len, rows), cache_dtype, transforms=tiled(128, cache_dtype)),
+        plgpu.SMEM((cache_len, width), cache_dtype, transforms=tiled(128, cache_dtype)),
+        plgpu.SMEM((cache_len,), F32),
+        plgpu.SMEM(y_shape, y_dtype),
+        plgpu.SMEM((cache_len, rows), cache_dtype),
+        plgpu.SMEM((cache_len, width), cache_dtype),
+    ]
+
+
+def smem_bytes(scratch: list) -> int:
+    """Shared memory of one CTA for `scratch` (nested lists of `plgpu.SMEM` and barriers):
+    each buffer rounded up to 1 KiB, the barriers' 8 bytes each, the reduction scratch."""
+    align = lambda n: -(-n // _SMEM_ALIGN) * _SMEM_ALIGN
+    total, barriers = _REDUCTION_SCRATCH, 0
+    for ref in _flatten(scratch):
+        if isinstance(ref, plgpu.Barrier):
+            barriers += math.prod(ref.num_barriers)
+        else:
+            total += align(math.prod(ref.shape) * jnp.dtype(ref.dtype).itemsize)
+    return total + align(8 * barriers)
+
+
+def check_smem(scratch: list, what: str) -> None:
+    """Raise ValueError when `scratch` does not fit one CTA's shared memory."""
+    used = smem_bytes(scratch)
+    if used > SMEM_LIMIT:
+        raise ValueError(f"{what} needs {used} bytes of shared memory per CTA (limit {SMEM_LIMIT}): "
+                         "use a shorter cache or a narrower state dtype")
+
+
+def _flatten(items):
+    for item in items:
+        if isinstance(item, (list, tuple)):
+            yield from _flatten(item)
+        else:
+            yield item
 
 
 def tiled(swizzle: int, dtype) -> tuple:

@@ -55,14 +55,9 @@ from jaxtyping import Array, Float, Int
 
 from pallas_kernels.common import MODE_APPEND, MODE_FLUSH, MODE_PAD
 from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA, bcast_cols, bcast_rows, col_sum,
-                                              load_transposed, row_sum, softplus, tiled)
+                                              check_smem, load_transposed, replay_scratch, row_sum, softplus)
 
 BLOCK_P = BLOCK_ROWS
-# Shared memory per CTA on Hopper (the opt-in maximum); Mosaic aligns every buffer to 1 KiB
-# and adds its cross-warp reduction scratch (`CompilerParams.reduction_scratch_bytes`).
-SMEM_LIMIT = 227 * 1024
-_SMEM_ALIGN = 1024
-_REDUCTION_SCRATCH = 2048
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,13 +75,10 @@ class MosaicMamba2Params:
             raise ValueError(f"swizzle must be 32, 64 or 128 bytes, got {self.swizzle!r}")
 
 
-def smem_bytes(state_size: int, cache_len: int, state_itemsize: int, cache_itemsize: int, y_itemsize: int) -> int:
-    """Shared memory of one CTA: the buffers of `_build`, each rounded up to 1 KiB."""
-    align = lambda n: -(-n // _SMEM_ALIGN) * _SMEM_ALIGN
-    records = cache_len * (BLOCK_P + state_size) * cache_itemsize  # x and B records, one copy
-    buffers = (BLOCK_P * state_size * state_itemsize, cache_len * BLOCK_P * cache_itemsize,
-               cache_len * state_size * cache_itemsize, cache_len * 4, BLOCK_P * y_itemsize)
-    return sum(map(align, buffers)) + align(records) + align(2 * 8) + _REDUCTION_SCRATCH
+def _scratch(state_size, cache_len, state_dtype, cache_dtype, y_dtype, swizzle) -> list:
+    """The kernel's shared buffers: a `[64, N]` state tile's replay buffers and two barriers."""
+    return [*replay_scratch(BLOCK_P, state_size, cache_len, state_dtype, cache_dtype, (BLOCK_P,), y_dtype, swizzle),
+            plgpu.Barrier(num_arrivals=4), plgpu.Barrier(num_arrivals=2)]
 
 
 def check_shapes(head_dim: int, state_size: int, cache_len: int, state_itemsize: int, cache_itemsize: int,
@@ -100,10 +92,10 @@ def check_shapes(head_dim: int, state_size: int, cache_len: int, state_itemsize:
         raise ValueError(f"an N = {state_size} state row is not a multiple of the {swizzle}-byte swizzle")
     if cache_len % 8 or cache_len < 8:
         raise ValueError(f"mosaic_gpu needs cache_len a multiple of 8 (at least 8), got {cache_len}")
-    used = smem_bytes(state_size, cache_len, state_itemsize, cache_itemsize, y_itemsize)
-    if used > SMEM_LIMIT:
-        raise ValueError(f"cache_len = {cache_len} needs {used} bytes of shared memory per CTA at N = {state_size} "
-                         f"(limit {SMEM_LIMIT}): use a shorter cache")
+    as_dtype = lambda itemsize: jnp.dtype(f"float{8 * itemsize}")  # only the sizes matter here
+    check_smem(_scratch(state_size, cache_len, as_dtype(state_itemsize), as_dtype(cache_itemsize),
+                        as_dtype(y_itemsize), swizzle),
+               f"the Mamba-2 kernel at cache_len = {cache_len}, N = {state_size}")
 
 
 def _time_step(dt_raw, dt_bias, dt_softplus, dt_limit):
@@ -246,19 +238,7 @@ def _build(batch, heads, head_dim, state_size, cache_len, state_dtype, cache_dty
     return plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((batch, heads, head_dim), y_dtype),
-        scratch_types=[
-            plgpu.SMEM((BLOCK_P, state_size), state_dtype, transforms=tiled(swizzle, state_dtype)),
-            # Swizzled record tiles for the transposed readout loads (untiled ones
-            # conflict on shared-memory banks); untiled copies for the flush rebuild.
-            plgpu.SMEM((cache_len, BLOCK_P), cache_dtype, transforms=tiled(128, cache_dtype)),
-            plgpu.SMEM((cache_len, state_size), cache_dtype, transforms=tiled(128, cache_dtype)),
-            plgpu.SMEM((cache_len,), F32),
-            plgpu.SMEM((BLOCK_P,), y_dtype),
-            plgpu.SMEM((cache_len, BLOCK_P), cache_dtype),
-            plgpu.SMEM((cache_len, state_size), cache_dtype),
-            plgpu.Barrier(num_arrivals=4),
-            plgpu.Barrier(num_arrivals=2),
-        ],
+        scratch_types=_scratch(state_size, cache_len, state_dtype, cache_dtype, y_dtype, swizzle),
         grid=(batch, heads * tiles),
         grid_names=("b", "hp"),
         interpret=plgpu.InterpretGPUParams() if interpret else None,

@@ -54,10 +54,9 @@ from jaxtyping import Array, Float, Int
 
 from pallas_kernels.common import L2NORM_EPS, MODE_APPEND, MODE_FLUSH, MODE_PAD
 from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA, bcast_cols, bcast_rows, col_sum,
-                                              load_transposed, row_sum, softplus, tiled)
+                                              check_smem, load_transposed, replay_scratch, row_sum, softplus)
 
 BLOCK_V = BLOCK_ROWS
-MAX_CACHE_LEN = 256  # shared memory per CTA: the u and k records of the whole ring
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,8 +83,9 @@ def check_shapes(head_k_dim: int, head_v_dim: int, cache_len: int, state_itemsiz
         raise ValueError(f"mosaic_gpu needs d_k a multiple of 64, got d_k = {head_k_dim}")
     if (head_k_dim * state_itemsize) % swizzle:
         raise ValueError(f"a d_k = {head_k_dim} row is not a multiple of the {swizzle}-byte swizzle")
-    if cache_len % 8 or not 8 <= cache_len <= MAX_CACHE_LEN:
-        raise ValueError(f"mosaic_gpu needs cache_len a multiple of 8 in [8, {MAX_CACHE_LEN}], got {cache_len}")
+    # The ring's length is bounded by shared memory, which each kernel checks (`check_smem`).
+    if cache_len % 8 or cache_len < 8:
+        raise ValueError(f"mosaic_gpu needs cache_len a multiple of 8 (at least 8), got {cache_len}")
 
 
 def decay_weights(g_smem, pos, cache_len):
@@ -249,22 +249,16 @@ def _build(batch, num_v_heads, head_v_dim, head_k_dim, cache_len, state_dtype, c
     tiles = head_v_dim // BLOCK_V
     body = functools.partial(_kernel, group_size=group_size, tiles=tiles, use_qk_l2norm=use_qk_l2norm,
                              scale=scale, raw_gates=raw_gates)
+    scratch = [
+        *replay_scratch(BLOCK_V, head_k_dim, cache_len, state_dtype, cache_dtype, (BLOCK_V,), y_dtype, swizzle),
+        plgpu.Barrier(num_arrivals=4),
+        plgpu.Barrier(num_arrivals=2),
+    ]
+    check_smem(scratch, f"replay_decode_mgpu at cache_len = {cache_len}, d_k = {head_k_dim}")
     return plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((batch, num_v_heads, head_v_dim), y_dtype),
-        scratch_types=[
-            plgpu.SMEM((BLOCK_V, head_k_dim), state_dtype, transforms=tiled(swizzle, state_dtype)),
-            # Swizzled record tiles for the transposed readout loads (untiled ones
-            # conflict on shared-memory banks); untiled copies for the flush rebuild.
-            plgpu.SMEM((cache_len, BLOCK_V), cache_dtype, transforms=tiled(128, cache_dtype)),
-            plgpu.SMEM((cache_len, head_k_dim), cache_dtype, transforms=tiled(128, cache_dtype)),
-            plgpu.SMEM((cache_len,), F32),
-            plgpu.SMEM((BLOCK_V,), y_dtype),
-            plgpu.SMEM((cache_len, BLOCK_V), cache_dtype),
-            plgpu.SMEM((cache_len, head_k_dim), cache_dtype),
-            plgpu.Barrier(num_arrivals=4),
-            plgpu.Barrier(num_arrivals=2),
-        ],
+        scratch_types=scratch,
         grid=(batch, num_v_heads * tiles),
         grid_names=("b", "hv"),
         interpret=plgpu.InterpretGPUParams() if interpret else None,

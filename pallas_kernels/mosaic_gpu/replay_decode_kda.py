@@ -55,7 +55,7 @@ from jaxtyping import Array, Float, Int
 
 from pallas_kernels.common import MODE_APPEND, MODE_FLUSH, MODE_PAD
 from pallas_kernels.mosaic_gpu.layouts import (COL, F32, ROW, WGMMA, bcast_cols, bcast_rows, col_sum,
-                                              load_transposed, row_sum, softplus, tiled)
+                                              check_smem, load_transposed, row_sum, softplus, tiled)
 from pallas_kernels.mosaic_gpu.replay_decode import (BLOCK_V, MosaicReplayParams, append_entry, check_shapes,
                                                      load_qk, store_output, store_tile)
 
@@ -220,21 +220,23 @@ def _build(batch, num_v_heads, head_v_dim, head_k_dim, cache_len, state_dtype, c
     tiles = head_v_dim // BLOCK_V
     body = functools.partial(_kernel, group_size=group_size, tiles=tiles, use_qk_l2norm=use_qk_l2norm,
                              scale=scale, raw_gates=raw_gates)
+    scratch = [
+        plgpu.SMEM((BLOCK_V, head_k_dim), state_dtype, transforms=tiled(swizzle, state_dtype)),
+        plgpu.SMEM((cache_len, BLOCK_V), cache_dtype, transforms=tiled(128, cache_dtype)),
+        plgpu.SMEM((cache_len, head_k_dim), cache_dtype, transforms=tiled(128, cache_dtype)),
+        plgpu.SMEM((cache_len, head_k_dim), F32),  # g records, then W * K on flush rows
+        plgpu.SMEM((cache_len, head_k_dim), F32, transforms=tiled(128, F32)),  # W
+        plgpu.SMEM((2, head_k_dim), F32),  # e^G and alpha
+        plgpu.SMEM((BLOCK_V,), y_dtype),
+        plgpu.SMEM((cache_len, BLOCK_V), cache_dtype),
+        plgpu.Barrier(num_arrivals=4),
+        plgpu.Barrier(num_arrivals=1),
+    ]
+    check_smem(scratch, f"replay_decode_kda_mgpu at cache_len = {cache_len}, d_k = {head_k_dim}")
     return plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((batch, num_v_heads, head_v_dim), y_dtype),
-        scratch_types=[
-            plgpu.SMEM((BLOCK_V, head_k_dim), state_dtype, transforms=tiled(swizzle, state_dtype)),
-            plgpu.SMEM((cache_len, BLOCK_V), cache_dtype, transforms=tiled(128, cache_dtype)),
-            plgpu.SMEM((cache_len, head_k_dim), cache_dtype, transforms=tiled(128, cache_dtype)),
-            plgpu.SMEM((cache_len, head_k_dim), F32),  # g records, then W * K on flush rows
-            plgpu.SMEM((cache_len, head_k_dim), F32, transforms=tiled(128, F32)),  # W
-            plgpu.SMEM((2, head_k_dim), F32),  # e^G and alpha
-            plgpu.SMEM((BLOCK_V,), y_dtype),
-            plgpu.SMEM((cache_len, BLOCK_V), cache_dtype),
-            plgpu.Barrier(num_arrivals=4),
-            plgpu.Barrier(num_arrivals=1),
-        ],
+        scratch_types=scratch,
         grid=(batch, num_v_heads * tiles),
         grid_names=("b", "hv"),
         interpret=plgpu.InterpretGPUParams() if interpret else None,

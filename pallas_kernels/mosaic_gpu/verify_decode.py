@@ -52,7 +52,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from pallas_kernels.common import L2NORM_EPS, MODE_APPEND, MODE_FLUSH, MODE_PAD
 from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA, bcast_cols, bcast_rows, col_sum,
-                                              load_transposed, row_sum, tiled)
+                                              check_smem, load_transposed, row_sum, tiled)
 from pallas_kernels.mosaic_gpu.replay_decode import MosaicReplayParams, check_shapes, decay_weights, rebuild_exact
 
 MAX_WIDTH = 16  # the window is unrolled in the kernel: code size grows as T^2
@@ -250,22 +250,24 @@ def _build(batch, width, num_v_heads, head_v_dim, head_k_dim, cache_len, state_d
            group_size, swizzle, interpret):
     tiles = head_v_dim // BLOCK_ROWS
     body = functools.partial(_kernel, width=width, group_size=group_size, tiles=tiles)
+    scratch = [
+        plgpu.SMEM((BLOCK_ROWS, head_k_dim), state_dtype, transforms=tiled(swizzle, state_dtype)),
+        plgpu.SMEM((cache_len, BLOCK_ROWS), cache_dtype, transforms=tiled(128, cache_dtype)),
+        plgpu.SMEM((cache_len, head_k_dim), cache_dtype, transforms=tiled(128, cache_dtype)),
+        plgpu.SMEM((cache_len,), F32),
+        plgpu.SMEM((coefficient_count(width),), F32),
+        plgpu.SMEM((width, BLOCK_ROWS), y_dtype),
+        plgpu.SMEM((cache_len, BLOCK_ROWS), cache_dtype),
+        plgpu.SMEM((cache_len, head_k_dim), cache_dtype),
+        [plgpu.SMEM((width, head_k_dim), qk_dtype) for _ in range(4)] + [plgpu.SMEM((width, BLOCK_ROWS), y_dtype)],
+        plgpu.Barrier(num_arrivals=10),
+        plgpu.Barrier(num_arrivals=2),
+    ]
+    check_smem(scratch, f"verify_decode_mgpu at T = {width}, cache_len = {cache_len}, d_k = {head_k_dim}")
     return plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((batch, width, num_v_heads, head_v_dim), y_dtype),
-        scratch_types=[
-            plgpu.SMEM((BLOCK_ROWS, head_k_dim), state_dtype, transforms=tiled(swizzle, state_dtype)),
-            plgpu.SMEM((cache_len, BLOCK_ROWS), cache_dtype, transforms=tiled(128, cache_dtype)),
-            plgpu.SMEM((cache_len, head_k_dim), cache_dtype, transforms=tiled(128, cache_dtype)),
-            plgpu.SMEM((cache_len,), F32),
-            plgpu.SMEM((coefficient_count(width),), F32),
-            plgpu.SMEM((width, BLOCK_ROWS), y_dtype),
-            plgpu.SMEM((cache_len, BLOCK_ROWS), cache_dtype),
-            plgpu.SMEM((cache_len, head_k_dim), cache_dtype),
-            [plgpu.SMEM((width, head_k_dim), qk_dtype) for _ in range(4)] + [plgpu.SMEM((width, BLOCK_ROWS), y_dtype)],
-            plgpu.Barrier(num_arrivals=10),
-            plgpu.Barrier(num_arrivals=2),
-        ],
+        scratch_types=scratch,
         grid=(batch, num_v_heads * tiles),
         grid_names=("b", "hv"),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
