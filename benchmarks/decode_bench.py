@@ -665,12 +665,13 @@ def mamba2_check(smoke: bool) -> list[dict]:
     return rows
 
 
-def mamba2_grid(smoke: bool, cache_lens: list[int], batches: list[int]) -> list[tuple]:
+def mamba2_grid(smoke: bool, cache_lens: list[int], batches: list[int],
+                dtypes: tuple = (jnp.float32, jnp.bfloat16)) -> list[tuple]:
     """(shape, state dtype, L, B) cells, the issue's headline cells first: L = 16 before the
-    other lengths, fp32 before bf16, then Nemotron-H before Mamba-2 2.7B."""
+    other lengths, fp32 before bf16 (of `dtypes`), then Nemotron-H before Mamba-2 2.7B."""
     shapes = [Shape(2, 4, 32, "mamba2", 16)] if smoke else [NEMOTRON_H_8B, MAMBA2_2_7B]
     lengths = sorted(cache_lens, key=lambda L: (L != 16, L))
-    return [(shp, dt, L, b) for L in lengths for dt in (jnp.float32, jnp.bfloat16) for shp in shapes
+    return [(shp, dt, L, b) for L in lengths for dt in dtypes for shp in shapes
             for b in batches]
 
 
@@ -742,6 +743,7 @@ def parse_args(argv):
     p.add_argument("--steps-cases", default="512:16,512:32,128:16,8:16")
     p.add_argument("--mamba2-batches", default="1,8,32,128,512", help="batches of the mamba2 section")
     p.add_argument("--mamba2-cache-lens", default="8,16,32", help="cache lengths of the mamba2 section")
+    p.add_argument("--mamba2-dtypes", default="float32,bfloat16", help="state dtypes of the mamba2 section")
     p.add_argument("--debug-batches", default="1,8,128,512", help="batches of the debug section")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode, wall clock (CPU)")
     return p.parse_args(argv)
@@ -791,7 +793,8 @@ def main(argv=None) -> dict:
     if "mamba2" in sections:
         result["mamba2_checks"] = mamba2_check(args.smoke)
         # the replay cycle is timed under the natural policy beside the default everywhere
-        sweep_cells(result, mamba2_grid(args.smoke, ints(args.mamba2_cache_lens), ints(args.mamba2_batches)),
+        dtypes = tuple(jnp.dtype(d) for d in args.mamba2_dtypes.split(","))
+        sweep_cells(result, mamba2_grid(args.smoke, ints(args.mamba2_cache_lens), ints(args.mamba2_batches), dtypes),
                     timer, args, best, deadline, ["default", "natural"])
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
