@@ -427,28 +427,35 @@ def _append_window(state: ReplayState, plan, fold, in_window, checkpoint, pools,
     """The window's records `(u, k, g)` (Mamba-2: `(x, B, dt)`), each `[B, T, heads, ...]`,
     appended at `base .. base + length - 1` (`base` = 0 on folding rows, else the cursor);
     folding rows' cursors become 0, others stay."""
-    cfg, num_slots = state.config, state.num_slots
-    width = in_window.shape[1]
+    cfg = state.config
     u_pool, k_pool, g_pool = pools
     u, k, g = records
-    base = jnp.where(fold, 0, plan.pos)
-    writes = in_window & plan.valid[:, None]
-    slot_bt = jnp.where(writes, plan.slot[:, None], num_slots)  # out of range: dropped
-    pos_bt = base[:, None] + jnp.arange(width)[None, :]
-    fold_slot = jnp.where(fold, plan.slot, num_slots)
+    slot_bt, pos_bt = _window_targets(plan, fold, in_window, plan.valid, state.num_slots)
     u_cache = u_pool.at[slot_bt, :, pos_bt].set(u.astype(cfg.cache_dtype), mode="drop")
     k_cache = k_pool.at[slot_bt, :, pos_bt].set(k.astype(cfg.cache_dtype), mode="drop")
     g_cache = g_pool.at[slot_bt, :, pos_bt].set(g, mode="drop")
-    write_pos = state.write_pos.at[fold_slot].set(0, mode="drop")
     return dataclasses.replace(state, checkpoint=checkpoint, u_cache=u_cache, k_cache=k_cache,
-                               g_cache=g_cache, write_pos=write_pos)
+                               g_cache=g_cache, write_pos=_fold_cursors(state, plan, fold))
+
+
+def _window_targets(plan, fold, in_window, rows, num_slots) -> tuple[Int[Array, "B T"], Int[Array, "B T"]]:
+    """`(slot, position)` of each window record of `rows` (`[B]` bool) in the ring: from 0 on
+    folding rows, from the cursor on the others; positions past a row's length and rows not
+    in `rows` get slot N (the scatter drops them)."""
+    base = jnp.where(fold, 0, plan.pos)
+    slot_bt = jnp.where(in_window & rows[:, None], plan.slot[:, None], num_slots)
+    return slot_bt, base[:, None] + jnp.arange(in_window.shape[1])[None, :]
+
+
+def _fold_cursors(state: ReplayState, plan, fold) -> Int[Array, " N"]:
+    """`write_pos` with the folding rows' cursors at 0 (their windows start the ring)."""
+    return state.write_pos.at[jnp.where(fold, plan.slot, state.num_slots)].set(0, mode="drop")
 
 
 def _mosaic_verify(state, window: Tokens, plan, fold, in_window, anc, *, use_qk_l2norm, scale, gate_params,
                    kernel_params, interpret):
     """`verify_step` on the Mosaic GPU kernel: `(y, new_state)`."""
-    cfg, num_slots = state.config, state.num_slots
-    width = in_window.shape[1]
+    cfg = state.config
     window = xla.gate_tokens(cfg, window, gate_params)
     y, checkpoint, u_cache, k_cache, g_cache = verify_decode_mgpu(
         state.checkpoint, state.u_cache, state.k_cache, state.g_cache,
@@ -458,14 +465,11 @@ def _mosaic_verify(state, window: Tokens, plan, fold, in_window, anc, *, use_qk_
     # The kernel leaves a folding row's key and gate records to us: its other CTAs may still
     # read the history these records overwrite. They go to 0 .. length - 1.
     _, k = gating.prepare_qk(window.q, window.k, use_qk_l2norm=use_qk_l2norm, scale=scale)
-    writes = in_window & fold[:, None]
-    slot_bt = jnp.where(writes, plan.slot[:, None], num_slots)  # out of range: dropped
-    pos_bt = jnp.broadcast_to(jnp.arange(width)[None, :], writes.shape)
+    slot_bt, pos_bt = _window_targets(plan, fold, in_window, fold, state.num_slots)
     k_cache = k_cache.at[slot_bt, :, pos_bt].set(k.astype(cfg.cache_dtype), mode="drop")
     g_cache = g_cache.at[slot_bt, :, pos_bt].set(window.g.astype(jnp.float32), mode="drop")
-    write_pos = state.write_pos.at[jnp.where(fold, plan.slot, num_slots)].set(0, mode="drop")
     return y, dataclasses.replace(state, checkpoint=checkpoint, u_cache=u_cache, k_cache=k_cache, g_cache=g_cache,
-                                  write_pos=write_pos)
+                                  write_pos=_fold_cursors(state, plan, fold))
 
 
 def _pallas_window(state, plan, fold, q, k, v, g, beta, anc, params, interpret):
