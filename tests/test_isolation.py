@@ -445,13 +445,16 @@ def test_verify_non_finite_window_input_reaches_only_its_row_and_slot(gate, back
 # ------------------------------------------------------ point 3: out-of-range reads
 
 
-def test_out_of_range_sources_under_jit_read_zeros(rng):
+@pytest.mark.parametrize("gate", ["gdn", "mamba2"])
+def test_out_of_range_sources_under_jit_read_zeros(gate, rng):
     """Under jit (values unchecked) copy_slots from a slot >= N gives the destination zeros
     (checkpoint and conv state, cursor 0) and snapshot of a slot >= N returns zeros: never
     slot N-1's data."""
-    config = small_config("gdn", 4)
+    config = layer_config(gate, 4)
     state = random_model_state(rng, config, np.array([0, 1, 2, 3, 0, 1, 2, 0]))
-    copied = jax.jit(copy_slots)(state, jnp.asarray([NUM_SLOTS, 1], jnp.int32), jnp.asarray([0, 2], jnp.int32))
+    options = gate_options(rng, config, NUM_LAYERS)
+    copy = jax.jit(lambda s, src, dst: copy_slots(s, src, dst, **options))
+    copied = copy(state, jnp.asarray([NUM_SLOTS, 1], jnp.int32), jnp.asarray([0, 2], jnp.int32))
     np.testing.assert_array_equal(np.asarray(copied.checkpoint[:, 0]), 0.0)
     np.testing.assert_array_equal(np.asarray(copied.conv_state[:, 0]), 0.0)
     assert int(copied.write_pos[0]) == 0
