@@ -50,6 +50,7 @@ import replayssm_jax as R  # noqa: E402
 from replayssm_jax import cost  # noqa: E402
 from replayssm_jax.backends import mosaic_gpu  # noqa: E402
 from replayssm_jax.plan import FlushPolicy  # noqa: E402
+from pallas_kernels.mosaic_gpu.replay_decode import MosaicReplayParams, check_rebuild  # noqa: E402
 
 MOSAIC_KERNELS = {"gdn": "replayssm_replay_decode_mgpu", "kda": "replayssm_replay_decode_mgpu_kda",
                   "mamba2": "replayssm_mamba2_decode_mgpu"}
@@ -96,8 +97,9 @@ def step_options(cfg: R.ReplayConfig, raw_gates: bool = False) -> dict:
 
 
 @functools.lru_cache(maxsize=None)
-def mosaic_cycle_fn(cfg: R.ReplayConfig, interpret: bool):
-    """jit: L steps of the Mosaic kernel, each over every slot set in turn."""
+def mosaic_cycle_fn(cfg: R.ReplayConfig, interpret: bool, kernel_params=None):
+    """jit: L steps of the Mosaic kernel (`kernel_params`: the GDN kernel's), each over
+    every slot set in turn."""
 
     def one_step(token, state, slots):
         plan = R.plan_step(state.write_pos, slots, None, cfg.cache_len, FlushPolicy.NATURAL)
@@ -106,7 +108,7 @@ def mosaic_cycle_fn(cfg: R.ReplayConfig, interpret: bool):
                                                     interpret=interpret)
         else:
             y, state = mosaic_gpu.layer_step(state, token, plan, use_qk_l2norm=True, scale=None,
-                                             interpret=interpret)
+                                             kernel_params=kernel_params, interpret=interpret)
         state = dataclasses.replace(state, write_pos=R.advance_write_pos(state.write_pos, plan))
         return state, y[0, 0, 0]
 
@@ -118,14 +120,14 @@ def mosaic_cycle_fn(cfg: R.ReplayConfig, interpret: bool):
     return jax.jit(cycle, donate_argnums=0)
 
 
-def time_mosaic(timer, cfg, batch, rng, iterations, smoke, staggered):
+def time_mosaic(timer, cfg, batch, rng, iterations, smoke, staggered, kernel_params=None):
     """Median kernel µs: (non-flush, flush, cycle) for sync cursors, (None, None, per step)
     for staggered ones."""
     sets, num_slots = db.slot_sets(batch, cfg.state_bytes_per_slot(), rng, smoke)
     cursors = rng.integers(0, cfg.cache_len, num_slots) if staggered else np.zeros(num_slots)
     pool = db.random_pool(cfg, num_slots, jax.random.key(1), cursors)
     token = db.random_token(cfg, batch, jax.random.key(2))
-    fn = mosaic_cycle_fn(cfg, smoke)
+    fn = mosaic_cycle_fn(cfg, smoke, kernel_params)
     if not getattr(time_mosaic, "shown", False):  # list the kernels of one Mosaic cycle once
         timer._shown, time_mosaic.shown = False, True
     # The cycle donates its state: time it on a fresh pool per call (the copies are other
@@ -164,6 +166,21 @@ def check_cases(smoke: bool, gate: str) -> list[tuple[R.ReplayConfig, int, bool]
             ((jnp.float32, 8, 16), (jnp.float32, 64, 32), (jnp.bfloat16, 8, 16))]
 
 
+def tensor_core_rebuilds(smoke: bool, cfg: R.ReplayConfig) -> list[str]:
+    """The opt-in Mosaic rebuild modes a GDN check case also runs (GPU only: interpret mode
+    cannot run wgmma)."""
+    if smoke or cfg.gate != "gdn":
+        return []
+    modes = []
+    for mode in ("tf32", "bf16"):
+        try:
+            check_rebuild(mode, cfg.cache_len)
+        except ValueError:
+            continue
+        modes.append(mode)
+    return modes
+
+
 def check_section(smoke: bool, gate: str = "gdn") -> list[dict]:
     rows = []
     for cfg, batch, raw in check_cases(smoke, gate):
@@ -174,16 +191,24 @@ def check_section(smoke: bool, gate: str = "gdn") -> list[dict]:
         slots = jnp.asarray(np.where(np.arange(batch) % 5 == 4, -1, rng.permutation(num_slots)[:batch]), jnp.int32)
         force = jnp.asarray(np.arange(batch) % 3 == 0)
         outs, copies = {}, {}
-        for backend in ("xla", "pallas_triton", "mosaic_gpu"):
-            step = functools.partial(R.decode_step, backend=backend, policy="natural", **step_options(cfg, raw))
+        variants = {name: (name, None) for name in ("xla", "pallas_triton", "mosaic_gpu")}
+        variants.update({f"mosaic_gpu rebuild={mode}": ("mosaic_gpu", MosaicReplayParams(rebuild=mode))
+                         for mode in tensor_core_rebuilds(smoke, cfg)})
+        for name, (backend, kernel_params) in variants.items():
+            step = functools.partial(R.decode_step, backend=backend, policy="natural", kernel_params=kernel_params,
+                                     **step_options(cfg, raw))
             compiled = jax.jit(step, donate_argnums=0).lower(pool, token, slots, force).compile()
-            outs[backend] = compiled(jax.tree.map(jnp.copy, pool), token, slots, force)
-            copies[backend] = pool_copies(compiled.as_text(), pool)
+            outs[name] = compiled(jax.tree.map(jnp.copy, pool), token, slots, force)
+            copies[name] = pool_copies(compiled.as_text(), pool)
         ref_y, ref_state = outs["xla"]
-        for backend in ("pallas_triton", "mosaic_gpu"):
+        # the slots this step flushed (the others' checkpoints are unchanged, hence exact)
+        flushed = np.any(np.asarray(ref_state.checkpoint != pool.checkpoint), axis=(1, 2, 3))
+        for backend in list(variants)[1:]:
             y, st = outs[backend]
             row = dict(gate=cfg.gate, backend=backend, state_dtype=cfg.state_dtype.name, batch=batch,
-                       cache_len=cfg.cache_len, head_dim=cfg.head_k_dim, raw_gates=raw, y=rel(y, ref_y), checkpoint=rel(st.checkpoint, ref_state.checkpoint),
+                       cache_len=cfg.cache_len, head_dim=cfg.head_k_dim, raw_gates=raw, y=rel(y, ref_y),
+                       checkpoint=rel(st.checkpoint, ref_state.checkpoint),
+                       flushed_checkpoints=rel(st.checkpoint[flushed], ref_state.checkpoint[flushed]),
                        u_cache=rel(st.u_cache, ref_state.u_cache), k_cache=rel(st.k_cache, ref_state.k_cache),
                        g_cache=rel(st.g_cache, ref_state.g_cache),
                        write_pos_equal=bool(np.array_equal(st.write_pos, ref_state.write_pos)),
@@ -223,8 +248,10 @@ def sweep_section(timer, args, bandwidth, gate: str = "gdn") -> list[dict]:
             for staggered in (False, True):
                 t_nf, t_fl, t_cyc = db.time_replay(timer, cfg, batch, params, FlushPolicy.NATURAL, rng, 3,
                                                    args.smoke, staggered)
-                m_nf, m_fl, m_cyc = time_mosaic(timer, cfg, batch, rng, 3, args.smoke, staggered)
-                row = dict(gate=cfg.gate, num_k_heads=cfg.num_k_heads, num_v_heads=cfg.num_v_heads,
+                m_nf, m_fl, m_cyc = time_mosaic(timer, cfg, batch, rng, 3, args.smoke, staggered,
+                                                None if gate == "mamba2" else MosaicReplayParams(rebuild=args.rebuild))
+                row = dict(mosaic_rebuild=None if gate == "mamba2" else args.rebuild,
+                           gate=cfg.gate, num_k_heads=cfg.num_k_heads, num_v_heads=cfg.num_v_heads,
                            head_k_dim=cfg.head_k_dim, head_v_dim=cfg.head_v_dim,
                            state_dtype=cfg.state_dtype.name, cache_len=cfg.cache_len, batch=batch,
                            cursors="staggered" if staggered else "sync", triton_params=repr(params),
@@ -300,6 +327,7 @@ def main(argv=None) -> None:
     p.add_argument("--kda-dtypes", default="float32")
     p.add_argument("--kda-cache-lens", default="16")
     p.add_argument("--kda-batches", default="1,8,128,512")
+    p.add_argument("--rebuild", default="exact", help="the GDN sweep's Mosaic rebuild mode: exact, tf32, bf16")
     p.add_argument("--budget-s", type=float, default=420.0,
                    help="each sweep section stops starting new cells this long after it began")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode, wall clock (CPU)")

@@ -124,7 +124,8 @@ def test_step_matches_the_float64_model(rng, gate, state_dtype, cache_dtype, l2n
     assert not np.any(np.asarray(out[0])[MODES == common.MODE_PAD]), "padding rows must output zeros"
 
 
-def _lower_for_h200(kernel, state_dtype, cache_dtype, cache_len, raw, *, per_channel, head_dim=128):
+def _lower_for_h200(kernel, state_dtype, cache_dtype, cache_len, raw, *, per_channel, head_dim=128,
+                    params=MosaicReplayParams()):
     """The jitted, donated step at H_k = 16, H_v = 32 (the benchmark shapes), lowered for
     CUDA on CPU: the Mosaic GPU module text."""
     S = jax.ShapeDtypeStruct
@@ -136,7 +137,7 @@ def _lower_for_h200(kernel, state_dtype, cache_dtype, cache_len, raw, *, per_cha
             S((b, hv, *channels), jnp.float32), S((b, hv), jnp.float32), S((b,), jnp.int32), S((b,), jnp.int32),
             S((b,), jnp.int32)]
     gate_params = (jnp.zeros((hv,)), jnp.zeros((hv, *channels))) if raw else None
-    step = lambda *a: kernel(*a, use_qk_l2norm=True, gate_params=gate_params, interpret=False)
+    step = lambda *a: kernel(*a, use_qk_l2norm=True, gate_params=gate_params, params=params, interpret=False)
     return jax.jit(step, donate_argnums=(0, 1, 2, 3)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
@@ -171,6 +172,34 @@ def test_shape_checks_name_the_bad_size(dims, match):
         check_shapes(*dims)
     with pytest.raises(ValueError, match="swizzle"):
         MosaicReplayParams(swizzle=48)
+
+
+@pytest.mark.parametrize("rebuild,state_dtype,cache_len", [
+    ("tf32", jnp.float32, 16), ("tf32", jnp.float32, 8), ("bf16", jnp.float32, 16), ("bf16", jnp.bfloat16, 32),
+    ("tf32", jnp.bfloat16, 64),
+])
+def test_tensor_core_rebuilds_lower_for_an_abstract_h200(rebuild, state_dtype, cache_len):
+    """The opt-in rebuilds (one wgmma from swizzled K-major operands) lower for the H200;
+    interpret mode cannot run wgmma, so their numbers come from the GPU check
+    (`benchmarks/mosaic_bench.py`, check section)."""
+    text = _lower_for_h200(replay_decode_mgpu, state_dtype, state_dtype, cache_len, False, per_channel=False,
+                           params=MosaicReplayParams(rebuild=rebuild))
+    assert "wgmma" in text
+
+
+def test_tensor_core_rebuild_refusals(rng):
+    with pytest.raises(ValueError, match="rebuild must be one of"):
+        MosaicReplayParams(rebuild="fp16")
+    with pytest.raises(ValueError, match="needs cache_len a multiple of 16"):
+        _lower_for_h200(replay_decode_mgpu, jnp.float32, jnp.float32, 8, False, per_channel=False,
+                        params=MosaicReplayParams(rebuild="bf16"))
+    with pytest.raises(ValueError, match="interpret mode does not run"):
+        arrays = [jnp.asarray(x) for x in _inputs(rng, jnp.float32, jnp.float32, False)]
+        replay_decode_mgpu(*arrays, jnp.asarray(SLOTS), jnp.asarray(POS), jnp.asarray(MODES),
+                           params=MosaicReplayParams(rebuild="tf32"), interpret=True)
+    with pytest.raises(ValueError, match="exact fp32 only"):
+        _lower_for_h200(replay_decode_kda_mgpu, jnp.float32, jnp.float32, 16, False, per_channel=True,
+                        params=MosaicReplayParams(rebuild="tf32"))
 
 
 @pytest.mark.parametrize("kernel,per_channel,cache_len", [

@@ -54,9 +54,14 @@ from jaxtyping import Array, Float, Int
 
 from pallas_kernels.common import L2NORM_EPS, MODE_APPEND, MODE_FLUSH, MODE_PAD
 from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA, bcast_cols, bcast_rows, col_sum,
-                                              check_smem, load_transposed, replay_scratch, row_sum, softplus)
+                                              check_smem, load_transposed, replay_scratch, row_sum, softplus,
+                                              tiled)
 
 BLOCK_V = BLOCK_ROWS
+
+
+# The tensor-core rebuild's operand type per mode (fp32 operands are tf32 in `wgmma`).
+REBUILD_DTYPES = {"exact": None, "tf32": jnp.float32, "bf16": jnp.bfloat16}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,13 +70,31 @@ class MosaicReplayParams:
 
     Attributes:
       swizzle: shared-memory swizzle of the checkpoint tile in bytes (32, 64 or 128).
+      rebuild: how flush rows rebuild `S_{t-1} = e^G S_c + U^T diag(W) K` (GDN decode
+        only): "exact" (default) in fp32 on CUDA cores, one fused multiply-add per element
+        and entry in the Triton "ieee" order; "tf32" or "bf16" (opt-in) as one `wgmma` on
+        tensor cores with the operands `U^T diag(W)` and `K` rounded to that type (fp32
+        accumulation from `e^G S_c`), which leaves out the untiled record copies. Their
+        errors are measured by `benchmarks/mosaic_bench.py`'s check section.
     """
 
     swizzle: int = 128
+    rebuild: str = "exact"
 
     def __post_init__(self) -> None:
         if self.swizzle not in (32, 64, 128):
             raise ValueError(f"swizzle must be 32, 64 or 128 bytes, got {self.swizzle!r}")
+        if self.rebuild not in REBUILD_DTYPES:
+            raise ValueError(f"rebuild must be one of {tuple(REBUILD_DTYPES)}, got {self.rebuild!r}")
+
+
+def check_rebuild(rebuild: str, cache_len: int) -> None:
+    """Raise ValueError unless the tensor-core rebuild can take a ring of `cache_len`:
+    `wgmma` reduces over whole 32-byte rows of the operands (8 fp32 or 16 bf16 entries)."""
+    dtype = REBUILD_DTYPES[rebuild]
+    if dtype is not None and (cache_len * jnp.dtype(dtype).itemsize) % 32:
+        raise ValueError(f"rebuild={rebuild!r} needs cache_len a multiple of {32 // jnp.dtype(dtype).itemsize}, "
+                         f"got {cache_len}")
 
 
 def check_shapes(head_k_dim: int, head_v_dim: int, cache_len: int, state_itemsize: int,
@@ -117,6 +140,23 @@ def rebuild_exact(s_c, decay_total, u_smem, k_smem, g_smem, pos):
 
     state, _ = lax.fori_loop(0, pos, body, (s_c * decay_total, jnp.float32(1.0)))
     return state
+
+
+def rebuild_mma(s_c, decay_total, u_t, weights, keys_t, pos, a_smem, b_smem):
+    """`e^G S_c + (U^T diag(W)) K` as one `wgmma` accumulating in fp32 from `e^G S_c`, the
+    operands rounded to `a_smem`'s dtype: `U^T diag(W)` `[BV, L]` (stale entries already 0
+    in `u_t` and `W`) and `K^T` `[d_k, L]` with stale entries replaced by 0 (a NaN there
+    would reach every output through the product), both K-major (L contiguous)."""
+    a_smem[...] = (u_t * bcast_cols(weights, u_t.shape)).astype(a_smem.dtype)
+    j = plgpu.broadcasted_iota(jnp.int32, keys_t.shape, 1, layout=WGMMA)
+    b_smem[...] = jnp.where(j < pos, keys_t, 0.0).astype(b_smem.dtype)
+    plgpu.commit_smem()
+
+    def mma(acc_ref):
+        plgpu.wgmma(acc_ref, a_smem, b_smem.T)
+        return acc_ref[...]
+
+    return pl.run_state(mma)(plgpu.ACC.init(s_c * decay_total))
 
 
 def load_qk(q_ref, k_ref, q_row_ref, k_row_ref, b, hk, *, use_qk_l2norm, scale):
@@ -172,8 +212,8 @@ def append_entry(ucache_ref, kcache_ref, gcache_ref, slot, h, tile, pos, u, k, g
 def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, q_row_ref, k_row_ref, v_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref,
             ckpt_ref, ucache_ref, kcache_ref, gcache_ref,
             y_ref,
-            t_smem, u_smem, k_smem, g_smem, o_smem, u_rows, k_rows, barrier, rows_barrier,
-            *, group_size, tiles, use_qk_l2norm, scale, raw_gates):
+            t_smem, u_smem, k_smem, g_smem, o_smem, rebuild_bufs, barrier, rows_barrier,
+            *, group_size, tiles, use_qk_l2norm, scale, raw_gates, rebuild):
     b = lax.axis_index("b")
     hv = lax.axis_index("hv")
     h, tile = hv // tiles, hv % tiles
@@ -231,12 +271,16 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, q_row_ref, k_row_ref, v_r
 
         @pl.when(mode == MODE_FLUSH)
         def _flush():
-            # The rebuild reads single records at a dynamic index, which the swizzled
-            # buffers cannot serve: flush rows fetch an untiled copy (L2-resident).
-            plgpu.copy_gmem_to_smem(ucache_ref.at[slot, h, :, rows], u_rows, rows_barrier)
-            plgpu.copy_gmem_to_smem(kcache_ref.at[slot, hk], k_rows, rows_barrier)
-            plgpu.barrier_wait(rows_barrier)
-            prev = rebuild_exact(s_c, decay_total, u_rows, k_rows, g_smem, pos)
+            if rebuild == "exact":
+                # The rebuild reads single records at a dynamic index, which the swizzled
+                # buffers cannot serve: flush rows fetch an untiled copy (L2-resident).
+                u_rows, k_rows = rebuild_bufs
+                plgpu.copy_gmem_to_smem(ucache_ref.at[slot, h, :, rows], u_rows, rows_barrier)
+                plgpu.copy_gmem_to_smem(kcache_ref.at[slot, hk], k_rows, rows_barrier)
+                plgpu.barrier_wait(rows_barrier)
+                prev = rebuild_exact(s_c, decay_total, u_rows, k_rows, g_smem, pos)
+            else:
+                prev = rebuild_mma(s_c, decay_total, u_t, weights, keys_t, pos, *rebuild_bufs)
             new = alpha * prev + bcast_rows(u, prev.shape) * bcast_cols(k_col, prev.shape)
             store_tile(t_smem, ckpt_ref, new, slot, h, rows)
 
@@ -245,15 +289,19 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, q_row_ref, k_row_ref, v_r
 
 @functools.lru_cache(maxsize=None)
 def _build(batch, num_v_heads, head_v_dim, head_k_dim, cache_len, state_dtype, cache_dtype, y_dtype,
-           group_size, use_qk_l2norm, scale, raw_gates, swizzle, interpret):
+           group_size, use_qk_l2norm, scale, raw_gates, swizzle, rebuild, interpret):
     tiles = head_v_dim // BLOCK_V
     body = functools.partial(_kernel, group_size=group_size, tiles=tiles, use_qk_l2norm=use_qk_l2norm,
-                             scale=scale, raw_gates=raw_gates)
-    scratch = [
-        *replay_scratch(BLOCK_V, head_k_dim, cache_len, state_dtype, cache_dtype, (BLOCK_V,), y_dtype, swizzle),
-        plgpu.Barrier(num_arrivals=4),
-        plgpu.Barrier(num_arrivals=2),
-    ]
+                             scale=scale, raw_gates=raw_gates, rebuild=rebuild)
+    buffers = replay_scratch(BLOCK_V, head_k_dim, cache_len, state_dtype, cache_dtype, (BLOCK_V,), y_dtype, swizzle)
+    operand = REBUILD_DTYPES[rebuild]
+    if operand is None:  # the untiled record copies of the exact rebuild
+        rebuild_bufs = buffers[5:]
+    else:  # the wgmma operands, K-major: U^T diag(W) [BV, L] and K^T [d_k, L]
+        operand_swizzle = min(128, cache_len * jnp.dtype(operand).itemsize)
+        rebuild_bufs = [plgpu.SMEM((rows, cache_len), operand, transforms=tiled(operand_swizzle, operand))
+                        for rows in (BLOCK_V, head_k_dim)]
+    scratch = [*buffers[:5], rebuild_bufs, plgpu.Barrier(num_arrivals=4), plgpu.Barrier(num_arrivals=2)]
     check_smem(scratch, f"replay_decode_mgpu at cache_len = {cache_len}, d_k = {head_k_dim}")
     return plgpu.kernel(
         body,
@@ -300,13 +348,17 @@ def replay_decode_mgpu(
         raise ValueError(f"replay_decode_mgpu takes a per-head (GDN) decay, g_cache [N, H_v, L]; got shape "
                          f"{g_cache.shape} (per-channel decay: replay_decode_kda.replay_decode_kda_mgpu)")
     check_shapes(head_k_dim, head_v_dim, cache_len, checkpoint.dtype.itemsize, params.swizzle)
+    check_rebuild(params.rebuild, cache_len)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
+    if interpret and params.rebuild != "exact":
+        raise ValueError(f"rebuild={params.rebuild!r} runs on tensor cores (wgmma), which Mosaic GPU interpret "
+                         "mode does not run: use rebuild='exact' off GPU")
     a_log, dt_bias = gate_params if gate_params is not None else (jnp.zeros((1,), F32),) * 2
     kernel = _build(
         batch, num_v_heads, head_v_dim, head_k_dim, cache_len, checkpoint.dtype, u_cache.dtype, v.dtype,
         num_v_heads // q.shape[1], bool(use_qk_l2norm), float(head_k_dim ** -0.5 if scale is None else scale),
-        gate_params is not None, params.swizzle, bool(interpret),
+        gate_params is not None, params.swizzle, params.rebuild, bool(interpret),
     )
     refs = [jax.new_ref(x) for x in (checkpoint, u_cache, k_cache, g_cache)]
     y = kernel(slot.astype(jnp.int32), pos.astype(jnp.int32), mode.astype(jnp.int32), q, k, q, k, v, g, beta,

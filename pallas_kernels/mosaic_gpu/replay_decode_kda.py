@@ -280,6 +280,8 @@ def replay_decode_kda_mgpu(
                          f"got g_cache {g_cache.shape}, g {g.shape}")
     check_kda_shapes(head_k_dim, head_v_dim, cache_len, checkpoint.dtype.itemsize, u_cache.dtype.itemsize,
                      params.swizzle)
+    if params.rebuild != "exact":
+        raise ValueError(f"replay_decode_kda_mgpu rebuilds in exact fp32 only, got rebuild={params.rebuild!r}")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     a_log, dt_bias = gate_params if gate_params is not None else (jnp.zeros((1,), F32),) * 2

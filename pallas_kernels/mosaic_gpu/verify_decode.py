@@ -327,6 +327,8 @@ def verify_decode_mgpu(
     if anc.shape != (batch, width, width):
         raise ValueError(f"anc must have shape {(batch, width, width)}, got {anc.shape}")
     check_shapes(head_k_dim, head_v_dim, cache_len, checkpoint.dtype.itemsize, params.swizzle)
+    if params.rebuild != "exact":
+        raise ValueError(f"verify_decode_mgpu rebuilds in exact fp32 only, got rebuild={params.rebuild!r}")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     length = length.astype(jnp.int32)
