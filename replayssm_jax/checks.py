@@ -23,8 +23,13 @@ What is checked (each names the argument and its values):
   row (live positions only in `prefill`), a prefill length outside `[0, T]`, a slot >= N.
 
 A copy onto a slot that another row of the same step uses cannot happen: copies and steps
-are separate calls, each reading its whole input state. When the checks are off, plain
-`jit` compiles the same program as without them (the `debug_check`s lower to nothing).
+are separate calls, each reading its whole input state.
+
+The checks are traced only inside `checked` (`validation.debug_check`): a plain trace has
+none, so its jaxpr has no effects and jitted calls keep JAX's fast C++ dispatch (a check in
+a jaxpr, even one that lowers to nothing, sends every call down the Python dispatch path).
+Wrap the function itself, not an already-jitted one: a `jax.jit` function traced before
+keeps the trace it cached, without the checks.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ from collections.abc import Callable
 import jax
 from jax.experimental import checkify
 
+from replayssm_jax.validation import tracing_checks
+
 
 def checked(fn: Callable, **jit_kwargs) -> Callable:
     """`fn` jitted (with `jit_kwargs`, e.g. `donate_argnums`) with its debug checks on.
@@ -43,7 +50,12 @@ def checked(fn: Callable, **jit_kwargs) -> Callable:
     jitted call returns (the state arguments are then donated and gone, as for a
     successful call), and returns `fn`'s result otherwise.
     """
-    run = jax.jit(checkify.checkify(fn, errors=checkify.user_checks), **jit_kwargs)
+    @functools.wraps(fn)
+    def traced_with_checks(*args, **kwargs):
+        with tracing_checks():
+            return fn(*args, **kwargs)
+
+    run = jax.jit(checkify.checkify(traced_with_checks, errors=checkify.user_checks), **jit_kwargs)
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):

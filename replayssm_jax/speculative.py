@@ -60,7 +60,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import checkify
 from jaxtyping import Array, Bool, Float, Int
 
 from replayssm_jax import gating
@@ -72,7 +71,7 @@ from replayssm_jax.backends import mosaic_gpu, pallas_triton, xla
 from replayssm_jax.plan import plan_step
 from replayssm_jax.state import ReplayState, check_state
 from replayssm_jax.tokens import Mamba2Params, Mamba2Tokens, Tokens, check_gate_params
-from replayssm_jax.validation import check_array, check_slots, concrete_or_none
+from replayssm_jax.validation import check_array, check_slots, concrete_or_none, debug_check
 
 VERIFY_BACKENDS = ("xla", "pallas_triton", "mosaic_gpu")
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -108,7 +107,7 @@ def check_lengths(lengths: Array | None, batch: int, width: int) -> None:
         return
     values = _check_int_array("lengths", lengths, (batch,))
     n = jnp.asarray(lengths, jnp.int32)
-    checkify.debug_check(jnp.all((n >= 0) & (n <= width)),
+    debug_check(jnp.all((n >= 0) & (n <= width)),
                          f"lengths must lie in [0, {width}] (the window width): {{n}}", n=n)
     if values is not None and (np.any(values < 0) or np.any(values > width)):
         raise ValueError(f"lengths must lie in [0, {width}] (the window width), got {values.tolist()}")
@@ -120,7 +119,7 @@ def check_parents(parents: Array | None, batch: int, width: int) -> None:
         return
     values = _check_int_array("parents", parents, (batch, width))
     p = jnp.asarray(parents, jnp.int32)
-    checkify.debug_check(jnp.all((p >= -1) & (p < jnp.arange(width))),
+    debug_check(jnp.all((p >= -1) & (p < jnp.arange(width))),
                          "parents must be -1 or an earlier position: {p}", p=p)
     if values is None:
         return
@@ -529,8 +528,8 @@ def accept(
                 f"{pos.tolist()}, cache_len {length})"
             )
     n = jnp.where(plan.valid, num_accepted.astype(jnp.int32), 0)
-    checkify.debug_check(jnp.all(num_accepted >= 0), "num_accepted must be >= 0: {n}", n=num_accepted)
-    checkify.debug_check(jnp.all(plan.pos + n <= length),
+    debug_check(jnp.all(num_accepted >= 0), "num_accepted must be >= 0: {n}", n=num_accepted)
+    debug_check(jnp.all(plan.pos + n <= length),
                          f"num_accepted moves a cursor past the ring (cache_len {length}): {{n}} at write_pos {{p}}",
                          n=num_accepted, p=plan.pos)
     if path is not None:
@@ -559,8 +558,8 @@ def _compact_path(state, plan, n, path, counts, pos) -> ReplayState:
     moves = (steps < n[:, None]) & plan.valid[:, None]
     at = path.astype(jnp.int32)
     rising = at > jnp.concatenate([jnp.full((batch, 1), -1, jnp.int32), at[:, :-1]], axis=1)
-    checkify.debug_check(jnp.all(n <= width), f"num_accepted exceeds the path length {width}: {{n}}", n=n)
-    checkify.debug_check(jnp.all(~moves | (rising & (plan.pos[:, None] + at < length))),
+    debug_check(jnp.all(n <= width), f"num_accepted exceeds the path length {width}: {{n}}", n=n)
+    debug_check(jnp.all(~moves | (rising & (plan.pos[:, None] + at < length))),
                          "path must list increasing window positions inside the ring: {p}", p=at)
     src = jnp.clip(plan.pos[:, None] + path.astype(jnp.int32), 0, length - 1)
     dst = plan.pos[:, None] + steps

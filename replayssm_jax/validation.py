@@ -8,7 +8,9 @@ naming the argument. `chex.disable_asserts()` turns these shape and dtype checks
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import contextvars
+from collections.abc import Iterator, Sequence
 from types import EllipsisType
 
 import chex
@@ -117,16 +119,39 @@ def check_flags(name: str, flags: Array | None, batch: int) -> None:
     check_array(name, flags, (batch,), bool)
 
 
+# Set while `replayssm_jax.checked` traces a function (see `debug_check`).
+_TRACING_CHECKS = contextvars.ContextVar("replayssm_tracing_checks", default=False)
+
+
+@contextlib.contextmanager
+def tracing_checks() -> Iterator[None]:
+    """Emit the package's in-jit checks while tracing inside this context."""
+    token = _TRACING_CHECKS.set(True)
+    try:
+        yield
+    finally:
+        _TRACING_CHECKS.reset(token)
+
+
+def debug_check(pred: Array, message: str, **fmt_args) -> None:
+    """`checkify.debug_check(pred, message, **fmt_args)`, emitted only while
+    `replayssm_jax.checked` traces. A check in a jaxpr gives it an effect, and JAX sends
+    every call of a jitted function with effects down its slow Python dispatch path, so
+    the checks stay out of plain traces altogether."""
+    if _TRACING_CHECKS.get():
+        checkify.debug_check(pred, message, **fmt_args)
+
+
 def debug_check_slots(name: str, slots: Array, num_slots: int, *, unique: bool) -> None:
-    """In-jit checks (active under `checkify` only): every slot < N; with `unique`, no
+    """In-jit checks (traced under `replayssm_jax.checked` only): every slot < N; with `unique`, no
     live slot named twice."""
     slots = jnp.asarray(slots, jnp.int32)
-    checkify.debug_check(
+    debug_check(
         jnp.all(slots < num_slots), f"{name} holds a slot >= {num_slots}: {{s}}", s=slots
     )
     if unique and slots.shape[0] > 1:
         # Padding entries become distinct negatives so that only live duplicates count.
         keyed = jnp.sort(jnp.where(slots >= 0, slots, -1 - jnp.arange(slots.shape[0])))
-        checkify.debug_check(
+        debug_check(
             jnp.all(keyed[1:] != keyed[:-1]), f"{name} names a slot twice: {{s}}", s=slots
         )

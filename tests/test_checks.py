@@ -138,3 +138,12 @@ def test_prefill_length_past_the_chunk_raises_at_the_boundary():
     fn, args = prefill_case([[1, 2, 3], [4, 5, 6]], [3, 4])
     with pytest.raises(ValueError, match="lengths must be in"):
         fn(*args)
+
+
+@pytest.mark.parametrize("name", ["step slot >= N", "verify length > T", "accept past the ring", "copy src >= N",
+                                  "snapshot unflushed", "token id >= vocab", "prefill length > T"])
+def test_plain_traces_carry_no_checks(name):
+    """Off by default means absent from the trace: a jaxpr with a check has an effect, and
+    JAX dispatches every call of such a jitted function through its slow Python path."""
+    fn, args = CASES[name][0]()
+    assert not jax.make_jaxpr(fn)(*args).effects

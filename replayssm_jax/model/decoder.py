@@ -36,14 +36,13 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import checkify
 from jaxtyping import Array, Bool, Float, Int
 
 from replayssm_jax.config import ReplayConfig
 from replayssm_jax.decode import check_backend
 from replayssm_jax.plan import FlushPolicy, StepPlan, advance_write_pos, as_policy, default_flush_policy, plan_step
 from replayssm_jax import speculative
-from replayssm_jax.validation import check_array, check_slots, concrete_or_none
+from replayssm_jax.validation import check_array, check_slots, concrete_or_none, debug_check
 from replayssm_jax.model import slots as slot_ops
 from replayssm_jax.model.layer import (
     GDNDims,
@@ -367,10 +366,10 @@ def check_token_ids(name: str, tokens: Array, ndim: int) -> None:
 
 
 def _debug_check_token_ids(name: str, tokens: Array, live: Array, vocab_size: int) -> None:
-    """In-jit check (under `checkify` only): live tokens are ids in `[0, vocab)`; without it
+    """In-jit check (traced under `replayssm_jax.checked` only): live tokens are ids in `[0, vocab)`; without it
     an id outside is clipped to the nearest end of the table."""
     inside = (tokens >= 0) & (tokens < vocab_size)
-    checkify.debug_check(
+    debug_check(
         jnp.all(inside | ~live), f"{name} holds a token id outside [0, {vocab_size}): {{t}}", t=tokens
     )
 
@@ -655,7 +654,7 @@ def prefill(
     values = concrete_or_none(lengths)
     if values is not None and ((values < 0) | (values > chunk)).any():
         raise ValueError(f"lengths must be in [0, {chunk}] (the chunk length T), got {values.tolist()}")
-    checkify.debug_check(
+    debug_check(
         jnp.all((lengths >= 0) & (lengths <= chunk)),
         f"lengths must be in [0, {chunk}] (the chunk length T): {{n}}", n=lengths,
     )

@@ -8,13 +8,10 @@ Validation happens twice:
 
 * at the Python boundary, when the slot values are concrete (eager calls): a clear
   `ValueError` for a slot >= N, a duplicate where it matters, or mismatched lengths;
-* inside `jit` the values are tracers, so each op calls `checkify.debug_check`: run the
-  op (or your step) through `replayssm_jax.checked` (or wrap it in
-  `jax.experimental.checkify.checkify` yourself) to get the error, e.g.
-  `checked(reset_slots)(state, slots)` raises `checkify.JaxRuntimeError`.
-  (`debug_check` rather than `check`: a plain `check` that is not functionalized by
-  `checkify` makes `jit` fail to lower; `debug_check` is a no-op there, so the checks
-  are off by default.)
+* inside `jit` the values are tracers: run the op (or your step) through
+  `replayssm_jax.checked` to get the in-jit checks, e.g. `checked(reset_slots)(state,
+  slots)` raises `checkify.JaxRuntimeError`. The checks are traced only there
+  (`validation.debug_check`), so plain traces carry none.
 
 Without the checks, under `jit`, a slot >= N is padding everywhere: its writes are dropped
 and its reads give zeros (live state, checkpoint, conv state), never another slot's data.
@@ -33,7 +30,6 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import checkify
 from jaxtyping import Array, Bool, Float, Int
 
 from replayssm_jax.backends.xla import mamba2_replay_state, replay_state
@@ -49,7 +45,7 @@ from replayssm_jax.model.state import (
 from replayssm_jax.plan import plan_step
 from replayssm_jax.state import ReplayState
 from replayssm_jax.tokens import Mamba2Params
-from replayssm_jax.validation import check_array, concrete_or_none, debug_check_slots
+from replayssm_jax.validation import check_array, concrete_or_none, debug_check, debug_check_slots
 
 
 def check_slots_arg(name: str, slots: Array, num_slots: int, *, unique: bool) -> Int[Array, " B"]:
@@ -260,7 +256,7 @@ def copy_slots(
     if src_values is not None and dst_values is not None:
         if ((src_values < 0) & (dst_values >= 0)).any():
             raise ValueError(f"src has padding where dst names a slot: {src.tolist()} -> {dst.tolist()}")
-    checkify.debug_check(
+    debug_check(
         jnp.all((src >= 0) | (dst < 0)), "src has padding where dst names a slot: {s}", s=src
     )
     live = live_states(state, src, gate_params).astype(state.checkpoint.dtype)
@@ -317,7 +313,7 @@ def snapshot(state: ModelState | HybridState, slots: Int[Array, " B"]) -> Snapsh
             f"snapshot of unflushed slots: cursors {values.tolist()} for slots "
             f"{slots.tolist()} (must be 0; flush first)"
         )
-    checkify.debug_check(
+    debug_check(
         jnp.all(cursors == 0), "snapshot of unflushed slots, cursors {c}", c=cursors
     )
     return Snapshot(
