@@ -29,7 +29,8 @@ The checks are traced only inside `checked` (`validation.debug_check`): a plain 
 none, so its jaxpr has no effects and jitted calls keep JAX's fast C++ dispatch (a check in
 a jaxpr, even one that lowers to nothing, sends every call down the Python dispatch path).
 Wrap the function itself, not an already-jitted one: a `jax.jit` function traced before
-keeps the trace it cached, without the checks.
+keeps the trace it cached, without the checks; and `jax.experimental.checkify.checkify`
+applied directly sees none of them: use `checked`.
 """
 
 from __future__ import annotations

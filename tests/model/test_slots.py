@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from jax.experimental import checkify
 
+from replayssm_jax import checked
 from replayssm_jax.model import decoder
 from replayssm_jax.model import slots as slot_ops
 from replayssm_jax.model.slots import copy_slots, flush_slots, reset_slots, snapshot, track_flush
@@ -130,9 +131,8 @@ def test_snapshot_requires_a_flushed_slot(params, rng):
     state, _ = _busy_state(params, rng, steps=L + 1)
     with pytest.raises(ValueError, match="unflushed"):
         snapshot(state, jnp.array([0], jnp.int32))
-    err, _ = jax.jit(checkify.checkify(snapshot))(state, jnp.array([0], jnp.int32))
     with pytest.raises(checkify.JaxRuntimeError, match="unflushed"):
-        err.throw()
+        checked(snapshot)(state, jnp.array([0], jnp.int32))
     snap = jsnapshot(state, jnp.array([3, -1], jnp.int32))  # idle slot 3 is flushed
     assert snap.checkpoint.shape == (TINY.num_layers, 2, *state.checkpoint.shape[2:])
     assert not np.any(snap.checkpoint[:, 1]) and not np.any(snap.conv_state[:, 1])
@@ -158,9 +158,8 @@ def test_bad_slots_raise_at_the_boundary_and_under_checkify(op, args, message):
         op(state, *arrays)
     if message == "same shape":
         return  # a shape error is static: raised while tracing too
-    err, _ = jax.jit(checkify.checkify(op))(state, *arrays)
     with pytest.raises(checkify.JaxRuntimeError):
-        err.throw()
+        checked(op)(state, *arrays)
 
 
 def test_bad_restore_shapes_raise():
@@ -174,7 +173,5 @@ def test_bad_restore_shapes_raise():
 
 def test_valid_slot_ops_pass_checkify_under_jit(params, rng):
     state, _ = _busy_state(params, rng, steps=2)
-    err, _ = jax.jit(checkify.checkify(copy_slots))(
-        state, jnp.array([0, 0, -1], jnp.int32), jnp.array([3, 2, -1], jnp.int32)
-    )
-    err.throw()  # no error: duplicate sources and padding pairs are fine
+    # no error: duplicate sources and padding pairs are fine
+    checked(copy_slots)(state, jnp.array([0, 0, -1], jnp.int32), jnp.array([3, 2, -1], jnp.int32))
