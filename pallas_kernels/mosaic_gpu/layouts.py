@@ -34,17 +34,20 @@ def replay_scratch(rows: int, width: int, cache_len: int, state_dtype, cache_dty
                    swizzle: int) -> list:
     """The shared buffers of a replay kernel's `[rows, width]` state tile, in kernel order:
     the tile, swizzled u `[L, rows]` and k `[L, width]` records (the transposed readout
-    loads of untiled ones conflict on banks), the decays `[L]`, the output `y_shape`, and
-    untiled u and k copies (the flush rebuild reads rows of them by a dynamic index)."""
+    loads of untiled ones conflict on banks), the decays `[L]` and the output `y_shape`."""
     return [
         plgpu.SMEM((rows, width), state_dtype, transforms=tiled(swizzle, state_dtype)),
         plgpu.SMEM((cache_len, rows), cache_dtype, transforms=tiled(128, cache_dtype)),
         plgpu.SMEM((cache_len, width), cache_dtype, transforms=tiled(128, cache_dtype)),
         plgpu.SMEM((cache_len,), F32),
         plgpu.SMEM(y_shape, y_dtype),
-        plgpu.SMEM((cache_len, rows), cache_dtype),
-        plgpu.SMEM((cache_len, width), cache_dtype),
     ]
+
+
+def record_copies(rows: int, width: int, cache_len: int, cache_dtype) -> list:
+    """Untiled u `[L, rows]` and k `[L, width]` record buffers for the exact flush rebuild,
+    which reads single records at a dynamic index (swizzled buffers cannot serve that)."""
+    return [plgpu.SMEM((cache_len, rows), cache_dtype), plgpu.SMEM((cache_len, width), cache_dtype)]
 
 
 def smem_bytes(scratch: list) -> int:

@@ -55,7 +55,8 @@ from jaxtyping import Array, Float, Int
 
 from pallas_kernels.common import MODE_APPEND, MODE_FLUSH, MODE_PAD
 from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA, bcast_cols, bcast_rows, col_sum,
-                                              check_smem, load_transposed, replay_scratch, row_sum, softplus)
+                                              check_smem, load_transposed, record_copies, replay_scratch, row_sum,
+                                              softplus)
 
 BLOCK_P = BLOCK_ROWS
 
@@ -78,6 +79,7 @@ class MosaicMamba2Params:
 def _scratch(state_size, cache_len, state_dtype, cache_dtype, y_dtype, swizzle) -> list:
     """The kernel's shared buffers: a `[64, N]` state tile's replay buffers and two barriers."""
     return [*replay_scratch(BLOCK_P, state_size, cache_len, state_dtype, cache_dtype, (BLOCK_P,), y_dtype, swizzle),
+            *record_copies(BLOCK_P, state_size, cache_len, cache_dtype),
             plgpu.Barrier(num_arrivals=4), plgpu.Barrier(num_arrivals=2)]
 
 

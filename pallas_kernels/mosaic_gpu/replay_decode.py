@@ -54,8 +54,8 @@ from jaxtyping import Array, Float, Int
 
 from pallas_kernels.common import L2NORM_EPS, MODE_APPEND, MODE_FLUSH, MODE_PAD
 from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA, bcast_cols, bcast_rows, col_sum,
-                                              check_smem, load_transposed, replay_scratch, row_sum, softplus,
-                                              tiled)
+                                              check_smem, load_transposed, record_copies, replay_scratch, row_sum,
+                                              softplus, tiled)
 
 BLOCK_V = BLOCK_ROWS
 
@@ -295,13 +295,13 @@ def _build(batch, num_v_heads, head_v_dim, head_k_dim, cache_len, state_dtype, c
                              scale=scale, raw_gates=raw_gates, rebuild=rebuild)
     buffers = replay_scratch(BLOCK_V, head_k_dim, cache_len, state_dtype, cache_dtype, (BLOCK_V,), y_dtype, swizzle)
     operand = REBUILD_DTYPES[rebuild]
-    if operand is None:  # the untiled record copies of the exact rebuild
-        rebuild_bufs = buffers[5:]
+    if operand is None:
+        rebuild_bufs = record_copies(BLOCK_V, head_k_dim, cache_len, cache_dtype)
     else:  # the wgmma operands, K-major: U^T diag(W) [BV, L] and K^T [d_k, L]
         operand_swizzle = min(128, cache_len * jnp.dtype(operand).itemsize)
         rebuild_bufs = [plgpu.SMEM((rows, cache_len), operand, transforms=tiled(operand_swizzle, operand))
                         for rows in (BLOCK_V, head_k_dim)]
-    scratch = [*buffers[:5], rebuild_bufs, plgpu.Barrier(num_arrivals=4), plgpu.Barrier(num_arrivals=2)]
+    scratch = [*buffers, rebuild_bufs, plgpu.Barrier(num_arrivals=4), plgpu.Barrier(num_arrivals=2)]
     check_smem(scratch, f"replay_decode_mgpu at cache_len = {cache_len}, d_k = {head_k_dim}")
     return plgpu.kernel(
         body,

@@ -52,7 +52,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from pallas_kernels.common import L2NORM_EPS, MODE_APPEND, MODE_FLUSH, MODE_PAD
 from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA, bcast_cols, bcast_rows, col_sum,
-                                              check_smem, load_transposed, row_sum, tiled)
+                                              check_smem, load_transposed, record_copies, replay_scratch, row_sum)
 from pallas_kernels.mosaic_gpu.replay_decode import MosaicReplayParams, check_shapes, decay_weights, rebuild_exact
 
 MAX_WIDTH = 16  # the window is unrolled in the kernel: code size grows as T^2
@@ -128,7 +128,7 @@ def window_coefficients(
 def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_ref,
             ckpt_ref, ucache_ref, kcache_ref, gcache_ref,
             y_ref,
-            t_smem, u_smem, k_smem, g_smem, c_smem, o_smem, u_rows, k_rows, window_smem, barrier, rows_barrier,
+            t_smem, u_smem, k_smem, g_smem, o_smem, c_smem, u_rows, k_rows, window_smem, barrier, rows_barrier,
             *, width, group_size, tiles):
     b = lax.axis_index("b")
     hv = lax.axis_index("hv")
@@ -251,14 +251,10 @@ def _build(batch, width, num_v_heads, head_v_dim, head_k_dim, cache_len, state_d
     tiles = head_v_dim // BLOCK_ROWS
     body = functools.partial(_kernel, width=width, group_size=group_size, tiles=tiles)
     scratch = [
-        plgpu.SMEM((BLOCK_ROWS, head_k_dim), state_dtype, transforms=tiled(swizzle, state_dtype)),
-        plgpu.SMEM((cache_len, BLOCK_ROWS), cache_dtype, transforms=tiled(128, cache_dtype)),
-        plgpu.SMEM((cache_len, head_k_dim), cache_dtype, transforms=tiled(128, cache_dtype)),
-        plgpu.SMEM((cache_len,), F32),
+        *replay_scratch(BLOCK_ROWS, head_k_dim, cache_len, state_dtype, cache_dtype, (width, BLOCK_ROWS), y_dtype,
+                        swizzle),
         plgpu.SMEM((coefficient_count(width),), F32),
-        plgpu.SMEM((width, BLOCK_ROWS), y_dtype),
-        plgpu.SMEM((cache_len, BLOCK_ROWS), cache_dtype),
-        plgpu.SMEM((cache_len, head_k_dim), cache_dtype),
+        *record_copies(BLOCK_ROWS, head_k_dim, cache_len, cache_dtype),
         [plgpu.SMEM((width, head_k_dim), qk_dtype) for _ in range(4)] + [plgpu.SMEM((width, BLOCK_ROWS), y_dtype)],
         plgpu.Barrier(num_arrivals=10),
         plgpu.Barrier(num_arrivals=2),
