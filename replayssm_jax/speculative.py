@@ -108,7 +108,7 @@ def check_lengths(lengths: Array | None, batch: int, width: int) -> None:
     values = _check_int_array("lengths", lengths, (batch,))
     n = jnp.asarray(lengths, jnp.int32)
     debug_check(jnp.all((n >= 0) & (n <= width)),
-                         f"lengths must lie in [0, {width}] (the window width): {{n}}", n=n)
+                f"lengths must lie in [0, {width}] (the window width): {{n}}", n=n)
     if values is not None and (np.any(values < 0) or np.any(values > width)):
         raise ValueError(f"lengths must lie in [0, {width}] (the window width), got {values.tolist()}")
 
@@ -120,7 +120,7 @@ def check_parents(parents: Array | None, batch: int, width: int) -> None:
     values = _check_int_array("parents", parents, (batch, width))
     p = jnp.asarray(parents, jnp.int32)
     debug_check(jnp.all((p >= -1) & (p < jnp.arange(width))),
-                         "parents must be -1 or an earlier position: {p}", p=p)
+                "parents must be -1 or an earlier position: {p}", p=p)
     if values is None:
         return
     bad = (values < -1) | (values >= np.arange(width)[None, :])
@@ -530,8 +530,8 @@ def accept(
     n = jnp.where(plan.valid, num_accepted.astype(jnp.int32), 0)
     debug_check(jnp.all(num_accepted >= 0), "num_accepted must be >= 0: {n}", n=num_accepted)
     debug_check(jnp.all(plan.pos + n <= length),
-                         f"num_accepted moves a cursor past the ring (cache_len {length}): {{n}} at write_pos {{p}}",
-                         n=num_accepted, p=plan.pos)
+                f"num_accepted moves a cursor past the ring (cache_len {length}): {{n}} at write_pos {{p}}",
+                n=num_accepted, p=plan.pos)
     if path is not None:
         state = _compact_path(state, plan, n, path, counts, pos)
     target = jnp.where(plan.valid, plan.slot, state.num_slots)
@@ -560,7 +560,7 @@ def _compact_path(state, plan, n, path, counts, pos) -> ReplayState:
     rising = at > jnp.concatenate([jnp.full((batch, 1), -1, jnp.int32), at[:, :-1]], axis=1)
     debug_check(jnp.all(n <= width), f"num_accepted exceeds the path length {width}: {{n}}", n=n)
     debug_check(jnp.all(~moves | (rising & (plan.pos[:, None] + at < length))),
-                         "path must list increasing window positions inside the ring: {p}", p=at)
+                "path must list increasing window positions inside the ring: {p}", p=at)
     src = jnp.clip(plan.pos[:, None] + path.astype(jnp.int32), 0, length - 1)
     dst = plan.pos[:, None] + steps
     slot_bp = jnp.where(moves, plan.slot[:, None], state.num_slots)  # out of range: dropped

@@ -143,8 +143,8 @@ def debug_check(pred: Array, message: str, **fmt_args) -> None:
 
 
 def debug_check_slots(name: str, slots: Array, num_slots: int, *, unique: bool) -> None:
-    """In-jit checks (traced under `replayssm_jax.checked` only): every slot < N; with `unique`, no
-    live slot named twice."""
+    """In-jit checks (traced under `replayssm_jax.checked` only): every slot < N; with
+    `unique`, no live slot named twice."""
     slots = jnp.asarray(slots, jnp.int32)
     debug_check(
         jnp.all(slots < num_slots), f"{name} holds a slot >= {num_slots}: {{s}}", s=slots

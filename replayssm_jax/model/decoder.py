@@ -366,8 +366,8 @@ def check_token_ids(name: str, tokens: Array, ndim: int) -> None:
 
 
 def _debug_check_token_ids(name: str, tokens: Array, live: Array, vocab_size: int) -> None:
-    """In-jit check (traced under `replayssm_jax.checked` only): live tokens are ids in `[0, vocab)`; without it
-    an id outside is clipped to the nearest end of the table."""
+    """In-jit check (traced under `replayssm_jax.checked` only): live tokens are ids in
+    `[0, vocab)`; without it an id outside is clipped to the nearest end of the table."""
     inside = (tokens >= 0) & (tokens < vocab_size)
     debug_check(
         jnp.all(inside | ~live), f"{name} holds a token id outside [0, {vocab_size}): {{t}}", t=tokens
