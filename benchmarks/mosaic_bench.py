@@ -7,10 +7,10 @@ Sections:
                 array in the donated step's compiled HLO (0: updated in place).
   sweep         GDN H_k = 16, H_v = 32, d = 128, for each state dtype (--dtypes), L
                 (--cache-lens) and B (--batches): the plain kernel, the Triton replay cycle
-                (the launch table's row, natural policy) and the Mosaic replay cycle, sync
-                cursors (non-flush, flush, cycle-amortised) and staggered cursors (per
-                step), bytes counted and the fraction of the byte floor from the copy
-                bandwidth measured in the same run.
+                (the launch table's row, natural policy) and the Mosaic replay cycle of
+                each --variants entry, sync cursors (non-flush, flush, cycle-amortised)
+                and staggered cursors (per step; --cursors), bytes counted and the
+                fraction of the byte floor from the copy bandwidth measured in the same run.
   kda-check     the check for KDA (H_k = H_v = 32, d = 128; a row with raw gates and one
                 at d = 64, two warps per key channel).
   kda           the sweep for KDA, H_k = H_v = 32, d = 128 (--kda-*): the plain kernel,
@@ -50,8 +50,11 @@ import replayssm_jax as R  # noqa: E402
 from replayssm_jax import cost  # noqa: E402
 from replayssm_jax.backends import mosaic_gpu  # noqa: E402
 from replayssm_jax.plan import FlushPolicy  # noqa: E402
+from pallas_kernels.mosaic_gpu import mamba2_decode, replay_decode  # noqa: E402
+from pallas_kernels.mosaic_gpu.mamba2_decode import MosaicMamba2Params  # noqa: E402
 from pallas_kernels.mosaic_gpu.replay_decode import MosaicReplayParams, check_rebuild  # noqa: E402
 
+START = time.time()
 MOSAIC_KERNELS = {"gdn": "replayssm_replay_decode_mgpu", "kda": "replayssm_replay_decode_mgpu_kda",
                   "mamba2": "replayssm_mamba2_decode_mgpu"}
 
@@ -98,14 +101,14 @@ def step_options(cfg: R.ReplayConfig, raw_gates: bool = False) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def mosaic_cycle_fn(cfg: R.ReplayConfig, interpret: bool, kernel_params=None):
-    """jit: L steps of the Mosaic kernel (`kernel_params`: the GDN kernel's), each over
+    """jit: L steps of the Mosaic kernel (`kernel_params`: its params class), each over
     every slot set in turn."""
 
     def one_step(token, state, slots):
         plan = R.plan_step(state.write_pos, slots, None, cfg.cache_len, FlushPolicy.NATURAL)
         if cfg.gate_kind.additive:
             y, state = mosaic_gpu.mamba2_layer_step(state, token, plan, params=db.mamba2_params(cfg.num_v_heads),
-                                                    interpret=interpret)
+                                                    kernel_params=kernel_params, interpret=interpret)
         else:
             y, state = mosaic_gpu.layer_step(state, token, plan, use_qk_l2norm=True, scale=None,
                                              kernel_params=kernel_params, interpret=interpret)
@@ -142,6 +145,27 @@ def time_mosaic(timer, cfg, batch, rng, iterations, smoke, staggered, kernel_par
 def rel(a, b) -> float:
     a, b = np.asarray(jnp.asarray(a, jnp.float32), np.float64), np.asarray(jnp.asarray(b, jnp.float32), np.float64)
     return float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-30))
+
+
+def sm_count() -> int:
+    """SMs of the first device (132 on an H200; interpret mode on CPU reports none)."""
+    return int(getattr(jax.devices()[0], "core_count", 0) or 132)
+
+
+def mosaic_params(spec: str, cfg: R.ReplayConfig, batch: int):
+    """The Mosaic params of a variant spec (`default`, or comma-separated fields of the
+    gate's params class: `programs=N` or `programs=fit`, `rebuild=tf32`, `swizzle=64`)."""
+    cls = MosaicMamba2Params if cfg.gate_kind.additive else MosaicReplayParams
+    fields = {}
+    for item in ([] if spec == "default" else spec.split(",")):
+        name, value = item.split("=")
+        fields[name] = value if name == "rebuild" else value if value == "fit" else int(value)
+    if fields.get("programs") == "fit":
+        shape = (batch, cfg.num_v_heads, cfg.head_v_dim, cfg.head_k_dim, cfg.cache_len, cfg.state_dtype,
+                 cfg.cache_dtype, jnp.bfloat16, sm_count())
+        fields["programs"] = (mamba2_decode.persistent_programs(*shape) if cfg.gate_kind.additive else
+                              replay_decode.persistent_programs(*shape, rebuild=fields.get("rebuild", "exact")))
+    return cls(**fields)
 
 
 def pool_copies(hlo_text: str, state: R.ReplayState) -> int:
@@ -181,7 +205,9 @@ def tensor_core_rebuilds(smoke: bool, cfg: R.ReplayConfig) -> list[str]:
     return modes
 
 
-def check_section(smoke: bool, gate: str = "gdn") -> list[dict]:
+def check_section(smoke: bool, gate: str = "gdn", mosaic_variants: str = "default") -> list[dict]:
+    """`mosaic_variants` (GDN and Mamba-2): the sweep's variants, each run as one more
+    Mosaic backend."""
     rows = []
     for cfg, batch, raw in check_cases(smoke, gate):
         rng = np.random.default_rng(batch)
@@ -194,6 +220,9 @@ def check_section(smoke: bool, gate: str = "gdn") -> list[dict]:
         variants = {name: (name, None) for name in ("xla", "pallas_triton", "mosaic_gpu")}
         variants.update({f"mosaic_gpu rebuild={mode}": ("mosaic_gpu", MosaicReplayParams(rebuild=mode))
                          for mode in tensor_core_rebuilds(smoke, cfg)})
+        if gate != "kda":
+            variants.update({f"mosaic_gpu {spec}": ("mosaic_gpu", mosaic_params(spec, cfg, batch))
+                             for spec in mosaic_variants.split(";") if spec != "default"})
         for name, (backend, kernel_params) in variants.items():
             step = functools.partial(R.decode_step, backend=backend, policy="natural", kernel_params=kernel_params,
                                      **step_options(cfg, raw))
@@ -241,32 +270,40 @@ def sweep_section(timer, args, bandwidth, gate: str = "gdn") -> list[dict]:
             plain_cfg = dataclasses.replace(cfg, cache_len=1)
             plain_us = db.time_plain(timer, plain_cfg, batch, db.plain_params(plain_cfg, batch), rng, 3, args.smoke)
             params = db.table_params(cfg, batch, FlushPolicy.NATURAL)
-            cycle_bytes = cost.replay_cycle_bytes(cfg, batch).total
-            floor = cost.floor_us(cycle_bytes, bandwidth)
-            nf_bytes = statistics.mean(cost.replay_step_bytes(cfg, [p] * batch).total for p in range(cfg.cache_len - 1))
-            fl_bytes = cost.replay_step_bytes(cfg, [cfg.cache_len - 1] * batch).total
-            for staggered in (False, True):
+            for staggered in (cursors == "staggered" for cursors in args.cursors.split(",")):
                 t_nf, t_fl, t_cyc = db.time_replay(timer, cfg, batch, params, FlushPolicy.NATURAL, rng, 3,
                                                    args.smoke, staggered)
-                m_nf, m_fl, m_cyc = time_mosaic(timer, cfg, batch, rng, 3, args.smoke, staggered,
-                                                None if gate == "mamba2" else MosaicReplayParams(rebuild=args.rebuild))
-                row = dict(mosaic_rebuild=None if gate == "mamba2" else args.rebuild,
-                           gate=cfg.gate, num_k_heads=cfg.num_k_heads, num_v_heads=cfg.num_v_heads,
-                           head_k_dim=cfg.head_k_dim, head_v_dim=cfg.head_v_dim,
-                           state_dtype=cfg.state_dtype.name, cache_len=cfg.cache_len, batch=batch,
-                           cursors="staggered" if staggered else "sync", triton_params=repr(params),
-                           plain_us=plain_us, triton_nonflush_us=t_nf, triton_flush_us=t_fl,
-                           triton_cycle_us=t_cyc, mosaic_nonflush_us=m_nf, mosaic_flush_us=m_fl,
-                           mosaic_cycle_us=m_cyc, cycle_bytes=cycle_bytes, nonflush_bytes=nf_bytes,
-                           flush_bytes=fl_bytes, cycle_floor_us=floor,
-                           nonflush_floor_us=cost.floor_us(nf_bytes, bandwidth),
-                           flush_floor_us=cost.floor_us(fl_bytes, bandwidth),
-                           mosaic_floor_fraction=floor / m_cyc, triton_floor_fraction=floor / t_cyc,
-                           mosaic_vs_plain=plain_us / m_cyc, triton_vs_plain=plain_us / t_cyc,
-                           mosaic_vs_triton=t_cyc / m_cyc)
-                print(f"sweep {json.dumps(row)}", flush=True)
-                rows.append(row)
+                for variant in args.variants.split(";"):
+                    rows.append(sweep_row(timer, args, cfg, batch, rng, staggered, variant, bandwidth, plain_us,
+                                          params, (t_nf, t_fl, t_cyc)))
     return rows
+
+
+def sweep_row(timer, args, cfg, batch, rng, staggered, variant, bandwidth, plain_us, params, triton_us) -> dict:
+    """One Mosaic variant timed beside the cell's plain and Triton times."""
+    t_nf, t_fl, t_cyc = triton_us
+    kernel_params = mosaic_params(variant, cfg, batch)
+    m_nf, m_fl, m_cyc = time_mosaic(timer, cfg, batch, rng, 3, args.smoke, staggered, kernel_params)
+    cycle_bytes = cost.replay_cycle_bytes(cfg, batch).total
+    floor = cost.floor_us(cycle_bytes, bandwidth)
+    nf_bytes = statistics.mean(cost.replay_step_bytes(cfg, [p] * batch).total for p in range(cfg.cache_len - 1))
+    fl_bytes = cost.replay_step_bytes(cfg, [cfg.cache_len - 1] * batch).total
+    row = dict(mosaic_variant=variant, mosaic_params=repr(kernel_params),
+               gate=cfg.gate, num_k_heads=cfg.num_k_heads, num_v_heads=cfg.num_v_heads,
+               head_k_dim=cfg.head_k_dim, head_v_dim=cfg.head_v_dim,
+               state_dtype=cfg.state_dtype.name, cache_len=cfg.cache_len, batch=batch,
+               cursors="staggered" if staggered else "sync", triton_params=repr(params),
+               plain_us=plain_us, triton_nonflush_us=t_nf, triton_flush_us=t_fl,
+               triton_cycle_us=t_cyc, mosaic_nonflush_us=m_nf, mosaic_flush_us=m_fl,
+               mosaic_cycle_us=m_cyc, cycle_bytes=cycle_bytes, nonflush_bytes=nf_bytes,
+               flush_bytes=fl_bytes, cycle_floor_us=floor,
+               nonflush_floor_us=cost.floor_us(nf_bytes, bandwidth),
+               flush_floor_us=cost.floor_us(fl_bytes, bandwidth),
+               mosaic_floor_fraction=floor / m_cyc, triton_floor_fraction=floor / t_cyc,
+               mosaic_vs_plain=plain_us / m_cyc, triton_vs_plain=plain_us / t_cyc,
+               mosaic_vs_triton=t_cyc / m_cyc, elapsed_s=time.time() - START)
+    print(f"sweep {json.dumps(row)}", flush=True)
+    return row
 
 
 def kda_section(timer, args, bandwidth) -> list[dict]:
@@ -305,11 +342,12 @@ def kda_section(timer, args, bandwidth) -> list[dict]:
 
 
 def print_table(rows):
-    print(f"{'gate':>6} {'dtype':>8} {'L':>3} {'B':>4} {'cursors':>9} {'plain':>8} {'tri cyc':>8} {'mgpu nf':>8} "
-          f"{'mgpu fl':>8} {'mgpu cyc':>8} {'floor':>8} {'m/floor':>7} {'m vs pl':>7} {'m vs tri':>8}")
+    print(f"{'gate':>6} {'dtype':>8} {'L':>3} {'B':>4} {'cursors':>9} {'variant':>14} {'plain':>8} {'tri cyc':>8} "
+          f"{'mgpu nf':>8} {'mgpu fl':>8} {'mgpu cyc':>8} {'floor':>8} {'m/floor':>7} {'m vs pl':>7} {'m vs tri':>8}")
     for r in rows:
         f = lambda x: f"{x:8.1f}" if x is not None else f"{'-':>8}"
         print(f"{r['gate']:>6} {r['state_dtype']:>8} {r['cache_len']:>3} {r['batch']:>4} {r['cursors']:>9} "
+              f"{r.get('mosaic_variant', 'default'):>14} "
               f"{f(r['plain_us'])} {f(r['triton_cycle_us'])} {f(r['mosaic_nonflush_us'])} {f(r['mosaic_flush_us'])} "
               f"{f(r['mosaic_cycle_us'])} {f(r['cycle_floor_us'])} {r['mosaic_floor_fraction']:7.2f} "
               f"{r['mosaic_vs_plain']:7.2f} {r['mosaic_vs_triton']:8.2f}")
@@ -327,7 +365,11 @@ def main(argv=None) -> None:
     p.add_argument("--kda-dtypes", default="float32")
     p.add_argument("--kda-cache-lens", default="16")
     p.add_argument("--kda-batches", default="1,8,128,512")
-    p.add_argument("--rebuild", default="exact", help="the GDN sweep's Mosaic rebuild mode: exact, tf32, bf16")
+    p.add_argument("--variants", default="default",
+                   help="';'-separated Mosaic variants timed side by side in the sweeps and run in the checks: "
+                        "'default' or comma-separated params fields, e.g. 'programs=fit' (persistent CTAs, as "
+                        "many as fit), 'programs=264,rebuild=tf32'")
+    p.add_argument("--cursors", default="sync,staggered", help="the sweeps' cursor sets: sync, staggered")
     p.add_argument("--budget-s", type=float, default=420.0,
                    help="each sweep section stops starting new cells this long after it began")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode, wall clock (CPU)")
@@ -341,11 +383,11 @@ def main(argv=None) -> None:
     bandwidth = db.copy_bandwidth_GBps(timer)
     result["copy_bandwidth_GBps"] = bandwidth
     print(f"copy bandwidth {bandwidth:.0f} GB/s", flush=True)
-    parts = (("check", "check", lambda: check_section(args.smoke)),
+    parts = (("check", "check", lambda: check_section(args.smoke, "gdn", args.variants)),
              ("sweep", "sweep", lambda: sweep_section(timer, args, bandwidth)),
              ("kda-check", "kda_check", lambda: check_section(args.smoke, "kda")),
              ("kda", "kda_sweep", lambda: kda_section(timer, args, bandwidth)),
-             ("mamba2-check", "mamba2_check", lambda: check_section(args.smoke, "mamba2")),
+             ("mamba2-check", "mamba2_check", lambda: check_section(args.smoke, "mamba2", args.variants)),
              ("mamba2", "mamba2_sweep", lambda: sweep_section(timer, args, bandwidth, "mamba2")))
     for section, key, run in parts:
         if section not in sections:

@@ -93,10 +93,13 @@ def _inputs(rng, state_dtype, cache_dtype, per_channel):
 
 @pytest.mark.parametrize("state_dtype,cache_dtype", [(jnp.float32, jnp.float32), (jnp.bfloat16, jnp.bfloat16)])
 @pytest.mark.parametrize("l2norm,raw", [(True, False), (False, True)])
-@pytest.mark.parametrize("gate", ["gdn", "kda"])
-def test_step_matches_the_float64_model(rng, gate, state_dtype, cache_dtype, l2norm, raw):
+@pytest.mark.parametrize("gate,programs", [("gdn", 0), ("gdn", 3), ("kda", 0)])
+def test_step_matches_the_float64_model(rng, gate, programs, state_dtype, cache_dtype, l2norm, raw):
+    """programs = 3: persistent CTAs over the 10 tiles (4, 3 and 3 each: both stages, an odd
+    and an even count, padding and flush tiles among them)."""
     per_channel = gate == "kda"
-    kernel = replay_decode_kda_mgpu if per_channel else replay_decode_mgpu
+    kernel = replay_decode_kda_mgpu if per_channel else functools.partial(
+        replay_decode_mgpu, params=MosaicReplayParams(programs=programs))
     ckpt, u_c, k_c, g_c, q, k, v, g, beta = _inputs(rng, state_dtype, cache_dtype, per_channel)
     a_log = rng.standard_normal(H_V).astype(np.float32) * 0.3
     dt_bias = rng.standard_normal((H_V, D) if per_channel else H_V).astype(np.float32)
@@ -145,9 +148,12 @@ def _lower_for_h200(kernel, state_dtype, cache_dtype, cache_len, raw, *, per_cha
     (jnp.float32, jnp.float32, 16, False), (jnp.bfloat16, jnp.bfloat16, 16, True),
     (jnp.float32, jnp.bfloat16, 32, True), (jnp.float32, jnp.float32, 8, False), (jnp.float32, jnp.float32, 64, False),
 ])
-def test_lowers_for_an_abstract_h200(state_dtype, cache_dtype, cache_len, raw):
-    """GDN at the benchmark shapes (d = 128)."""
-    text = _lower_for_h200(replay_decode_mgpu, state_dtype, cache_dtype, cache_len, raw, per_channel=False)
+@pytest.mark.parametrize("programs", [0, 264])
+def test_lowers_for_an_abstract_h200(state_dtype, cache_dtype, cache_len, raw, programs):
+    """GDN at the benchmark shapes (d = 128), one CTA per tile or persistent (264 CTAs for
+    the 512 tiles of B = 8)."""
+    text = _lower_for_h200(replay_decode_mgpu, state_dtype, cache_dtype, cache_len, raw, per_channel=False,
+                           params=MosaicReplayParams(programs=programs))
     assert "mosaic_gpu" in text
 
 
@@ -273,3 +279,22 @@ def test_kda_shape_checks_name_the_bad_size():
         replay_decode_kda_mgpu(*(jnp.zeros(s) for s in ((2, 2, 64, 64), (2, 2, 8, 64), (2, 1, 8, 64), (2, 2, 8),
                                                         (1, 1, 64), (1, 1, 64), (1, 2, 64), (1, 2), (1, 2))),
                                *(jnp.zeros((1,), jnp.int32),) * 3)
+
+
+def test_persistent_programs_are_validated_and_fit_shared_memory():
+    from pallas_kernels.mosaic_gpu.pipeline import programs_that_fit
+    from pallas_kernels.mosaic_gpu.replay_decode import persistent_programs
+
+    for bad in (-1, 2.0):
+        with pytest.raises(ValueError, match="programs must be an int >= 0"):
+            MosaicReplayParams(programs=bad)
+    with pytest.raises(ValueError, match="programs must be 0"):
+        _lower_for_h200(replay_decode_kda_mgpu, jnp.float32, jnp.float32, 16, False, per_channel=True,
+                        params=MosaicReplayParams(programs=8))
+    # Two stages of ~46 KiB (fp32, L = 16, d = 128) plus the rebuild's 12 KiB copies: two CTAs
+    # per SM; a bf16 state three; never more CTAs than tiles, never none.
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    assert persistent_programs(512, 32, 128, 128, 16, f32, f32, bf16, 132) == 264
+    assert persistent_programs(512, 32, 128, 128, 16, bf16, bf16, bf16, 132) == 396
+    assert persistent_programs(1, 2, 128, 128, 16, f32, f32, bf16, 132) == 4
+    assert programs_that_fit(300 * 1024, 132, 10_000) == 132

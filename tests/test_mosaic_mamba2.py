@@ -86,10 +86,12 @@ def _inputs(rng, heads, groups, state_dtype, use_z):
     return (state, x_c, b_c, dt_c), (x, B, C, dt_raw, z)
 
 
-@pytest.mark.parametrize("state_dtype,heads,groups,use_z", [
-    (jnp.float32, 2, 1, True), (jnp.float32, 2, 2, False), (jnp.bfloat16, 2, 2, True), (jnp.bfloat16, 2, 1, False),
+@pytest.mark.parametrize("state_dtype,heads,groups,use_z,programs", [
+    (jnp.float32, 2, 1, True, 0), (jnp.float32, 2, 2, False, 0), (jnp.bfloat16, 2, 2, True, 0),
+    (jnp.bfloat16, 2, 1, False, 0), (jnp.float32, 2, 2, True, 3), (jnp.bfloat16, 2, 1, False, 7),
 ])
-def test_step_matches_the_float64_model(rng, state_dtype, heads, groups, use_z):
+def test_step_matches_the_float64_model(rng, state_dtype, heads, groups, use_z, programs):
+    """programs > 0: persistent CTAs over the 20 tiles (3: 7, 7 and 6 each; 7: two or three)."""
     pools, (x, B, C, dt_raw, z) = _inputs(rng, heads, groups, state_dtype, use_z)
     A = -rng.random(heads).astype(np.float32) * 4.0 - 0.5
     D, dt_bias = rng.standard_normal(heads).astype(np.float32), rng.standard_normal(heads).astype(np.float32) * 0.5
@@ -98,7 +100,8 @@ def test_step_matches_the_float64_model(rng, state_dtype, heads, groups, use_z):
         jnp.asarray(state, state_dtype), jnp.asarray(x_c, state_dtype), jnp.asarray(b_c, state_dtype),
         jnp.asarray(dt_c), jnp.asarray(x), jnp.asarray(B), jnp.asarray(C), jnp.asarray(dt_raw),
         jnp.asarray(A), jnp.asarray(D), jnp.asarray(dt_bias), jnp.asarray(SLOTS), jnp.asarray(POS),
-        jnp.asarray(MODES), z=None if z is None else jnp.asarray(z), dt_limit=DT_LIMIT, interpret=True)
+        jnp.asarray(MODES), z=None if z is None else jnp.asarray(z), dt_limit=DT_LIMIT,
+        params=MosaicMamba2Params(programs=programs), interpret=True)
     want = _model_step(*pools, x, B, C, dt_raw, z, A, D, dt_bias)
     # fp32: the model's float64 sums vs fp32 FMAs in another order, relative ~1e-6 of the
     # largest entry. bf16 state/caches: the inputs are the rounded values in both, and the
@@ -121,11 +124,13 @@ def test_step_matches_the_float64_model(rng, state_dtype, heads, groups, use_z):
 NEMOTRON_H_8B, MAMBA2_2_7B = (128, 8, True, (0.0, float("inf"))), (80, 1, False, (1e-4, 0.1))
 
 
+@pytest.mark.parametrize("programs", [0, 264])
 @pytest.mark.parametrize("cache_len", [8, 16, 32])
 @pytest.mark.parametrize("state_dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("heads,groups,use_z,dt_limit", [NEMOTRON_H_8B, MAMBA2_2_7B])
-def test_lowers_for_an_abstract_h200(heads, groups, use_z, dt_limit, state_dtype, cache_len):
-    """The benchmark shapes (caches in the state dtype, bf16 token), lowered for CUDA on CPU."""
+def test_lowers_for_an_abstract_h200(heads, groups, use_z, dt_limit, state_dtype, cache_len, programs):
+    """The benchmark shapes (caches in the state dtype, bf16 token), lowered for CUDA on CPU,
+    one CTA per tile or persistent."""
     S = jax.ShapeDtypeStruct
     n, b, p, ns = 16, 8, 64, 128
     f32, bf16 = jnp.float32, jnp.bfloat16
@@ -135,7 +140,7 @@ def test_lowers_for_an_abstract_h200(heads, groups, use_z, dt_limit, state_dtype
             S((heads,), f32), S((heads,), f32), S((heads,), f32), S((b,), jnp.int32), S((b,), jnp.int32),
             S((b,), jnp.int32), S((b, heads, p), bf16)]
     step = lambda *a: mamba2_replay_decode_mgpu(*a[:-1], z=a[-1] if use_z else None, dt_limit=dt_limit,
-                                                interpret=False)
+                                                params=MosaicMamba2Params(programs=programs), interpret=False)
     text = jax.jit(step, donate_argnums=(0, 1, 2, 3)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "replayssm_mamba2_decode_mgpu" in text
 

@@ -56,7 +56,8 @@ from jaxtyping import Array, Float, Int
 from pallas_kernels.common import MODE_APPEND, MODE_FLUSH, MODE_PAD
 from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA, bcast_cols, bcast_rows, col_sum,
                                               check_smem, load_transposed, record_copies, replay_scratch, row_sum,
-                                              softplus)
+                                              smem_bytes, softplus)
+from pallas_kernels.mosaic_gpu.pipeline import STAGES, persistent_tiles, programs_that_fit
 
 BLOCK_P = BLOCK_ROWS
 
@@ -67,20 +68,29 @@ class MosaicMamba2Params:
 
     Attributes:
       swizzle: shared-memory swizzle of the checkpoint tile in bytes (32, 64 or 128).
+      programs: 0 (default) launches one CTA per tile (grid `(B, H P / 64)`); n > 0
+        launches n persistent CTAs (at most one per tile) walking every n-th tile with the
+        next tile's copies in flight (`pipeline.persistent_tiles`).
     """
 
     swizzle: int = 128
+    programs: int = 0
 
     def __post_init__(self) -> None:
         if self.swizzle not in (32, 64, 128):
             raise ValueError(f"swizzle must be 32, 64 or 128 bytes, got {self.swizzle!r}")
+        if not isinstance(self.programs, int) or self.programs < 0:
+            raise ValueError(f"programs must be an int >= 0, got {self.programs!r}")
 
 
-def _scratch(state_size, cache_len, state_dtype, cache_dtype, y_dtype, swizzle) -> list:
-    """The kernel's shared buffers: a `[64, N]` state tile's replay buffers and two barriers."""
-    return [*replay_scratch(BLOCK_P, state_size, cache_len, state_dtype, cache_dtype, (BLOCK_P,), y_dtype, swizzle),
-            *record_copies(BLOCK_P, state_size, cache_len, cache_dtype),
-            plgpu.Barrier(num_arrivals=4), plgpu.Barrier(num_arrivals=2)]
+def _scratch(state_size, cache_len, state_dtype, cache_dtype, y_dtype, swizzle, stages=1) -> list:
+    """`[stages, record copies, barriers, rows barrier]`: `stages` sets of a `[64, N]` state
+    tile's replay buffers, the rebuild's untiled record copies, a barrier per stage and one
+    for the copies."""
+    per_stage = [replay_scratch(BLOCK_P, state_size, cache_len, state_dtype, cache_dtype, (BLOCK_P,), y_dtype,
+                                swizzle) for _ in range(stages)]
+    return [per_stage, record_copies(BLOCK_P, state_size, cache_len, cache_dtype),
+            plgpu.Barrier(num_arrivals=4, num_barriers=stages), plgpu.Barrier(num_arrivals=2)]
 
 
 def check_shapes(head_dim: int, state_size: int, cache_len: int, state_itemsize: int, cache_itemsize: int,
@@ -148,101 +158,140 @@ def _rebuild_exact(s_c, decay_total, x_smem, b_smem, dt_smem, a, pos):
 def _kernel(slot_ref, pos_ref, mode_ref, x_ref, b_ref, c_ref, c_row_ref, dt_ref, z_ref, a_ref, d_ref, dt_bias_ref,
             ckpt_ref, xcache_ref, bcache_ref, dtcache_ref,
             y_ref,
-            t_smem, x_smem, b_smem, dt_smem, o_smem, x_rows, b_rows, barrier, rows_barrier,
-            *, group_size, tiles, dt_softplus, dt_limit, has_z):
-    b = lax.axis_index("b")
-    hp = lax.axis_index("hp")
-    h, tile = hp // tiles, hp % tiles
-    grp = h // group_size
-    rows = pl.ds(tile * BLOCK_P, BLOCK_P)
-    mode = mode_ref[b]
-    cache_len = x_smem.shape[0]
+            stages, record_bufs, barriers, rows_barrier,
+            *, group_size, tiles, dt_softplus, dt_limit, has_z, num_programs):
+    heads = y_ref.shape[1]
 
-    @pl.when(mode == MODE_PAD)
-    def _padding_row():
-        o_smem[...] = plgpu.layout_cast(jnp.zeros((BLOCK_P,), o_smem.dtype), ROW)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, y_ref.at[b, h, rows])
+    def where(index):
+        """`(b, h, tile)` of a flat tile index (b slowest)."""
+        b, hp = index // (heads * tiles), index % (heads * tiles)
+        return b, hp // tiles, hp % tiles
 
-    @pl.when(mode != MODE_PAD)
-    def _live_row():
-        slot, pos = slot_ref[b], pos_ref[b]
-        plgpu.copy_gmem_to_smem(ckpt_ref.at[slot, h, rows], t_smem, barrier)
-        plgpu.copy_gmem_to_smem(xcache_ref.at[slot, h, :, rows], x_smem, barrier)
-        plgpu.copy_gmem_to_smem(bcache_ref.at[slot, grp], b_smem, barrier)
-        plgpu.copy_gmem_to_smem(dtcache_ref.at[slot, h], dt_smem, barrier)
+    def issue(index, stage):
+        """Start the copies of tile `index` into `stages[stage]` (none for padding rows)."""
+        b, h, tile = where(index)
+        t_smem, x_smem, b_smem, dt_smem, _ = stages[stage]
+        barrier, slot, rows = barriers.at[stage], slot_ref[b], pl.ds(tile * BLOCK_P, BLOCK_P)
 
-        # The token, while the copies fly: B and C in COL, C again in ROW (a second ref),
-        # x and z on this tile's rows, the gates as scalars.
-        b_col = plgpu.load(b_ref.at[b, grp], layout=COL, optimized=False).astype(F32)
-        c_col = plgpu.load(c_ref.at[b, grp], layout=COL, optimized=False).astype(F32)
-        c_row = plgpu.load(c_row_ref.at[b, grp], layout=ROW, optimized=False).astype(F32)
-        x_row = plgpu.load(x_ref.at[b, h, rows], layout=ROW, optimized=False).astype(F32)
-        dt = _time_step(dt_ref[b, h].astype(F32), dt_bias_ref[h].astype(F32), dt_softplus, dt_limit)
-        a, d = a_ref[h].astype(F32), d_ref[h].astype(F32)
-        alpha = jnp.exp(a * dt)
-        b_dot_c = jnp.sum(b_col * c_col)
+        @pl.when(mode_ref[b] != MODE_PAD)
+        def _copies():
+            plgpu.copy_gmem_to_smem(ckpt_ref.at[slot, h, rows], t_smem, barrier)
+            plgpu.copy_gmem_to_smem(xcache_ref.at[slot, h, :, rows], x_smem, barrier)
+            plgpu.copy_gmem_to_smem(bcache_ref.at[slot, h // group_size], b_smem, barrier)
+            plgpu.copy_gmem_to_smem(dtcache_ref.at[slot, h], dt_smem, barrier)
 
-        plgpu.barrier_wait(barrier)
-        weights, decay_total = _window_weights(dt_smem, a, pos, cache_len)
-        b_t = load_transposed(b_smem)  # [N, L]
-        j = plgpu.broadcasted_iota(jnp.int32, (BLOCK_P, cache_len), 1, layout=WGMMA)
-        x_t = jnp.where(j < pos, load_transposed(x_smem), 0.0)  # [BP, L], stale entries 0
-        valid = plgpu.broadcasted_iota(jnp.int32, (cache_len,), 0, layout=COL) < pos
-        s_c = plgpu.load(t_smem, layout=WGMMA).astype(F32)  # [BP, N]
+    def compute(index, stage):
+        b, h, tile = where(index)
+        _tile(b, h, tile, stages[stage], barriers.at[stage])
 
-        b_dot_c_records = col_sum(b_t * bcast_rows(c_row, b_t.shape))  # B_j . C, [L]
-        coef = jnp.where(valid, b_dot_c_records * weights, 0.0)
-        prev_readout = decay_total * row_sum(s_c * bcast_cols(c_col, s_c.shape)) + row_sum(
-            x_t * bcast_cols(coef, x_t.shape))  # S_{t-1} C, [BP]
-        y = alpha * prev_readout + (dt * b_dot_c + d) * x_row
-        if has_z:
-            z = plgpu.load(z_ref.at[b, h, rows], layout=ROW, optimized=False).astype(F32)
-            y = y * (z / (1.0 + jnp.exp(-z)))
-        o_smem[...] = y.astype(o_smem.dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, y_ref.at[b, h, rows])
+    def _tile(b, h, tile, bufs, barrier):
+        t_smem, x_smem, b_smem, dt_smem, o_smem = bufs
+        grp = h // group_size
+        rows = pl.ds(tile * BLOCK_P, BLOCK_P)
+        mode = mode_ref[b]
+        cache_len = x_smem.shape[0]
 
-        @pl.when(mode == MODE_APPEND)
-        def _append():
-            xcache_ref[slot, h, pos, rows] = x_row.astype(xcache_ref.dtype)
-
-            @pl.when(tile == 0)
-            def _append_dt():
-                dtcache_ref[slot, h, pos] = dt
-
-            @pl.when((tile == 0) & (h % group_size == 0))
-            def _append_b():
-                bcache_ref[slot, grp, pos] = b_col.astype(bcache_ref.dtype)
-
-        @pl.when(mode == MODE_FLUSH)
-        def _flush():
-            # The rebuild reads single records at a dynamic index, which the swizzled
-            # buffers cannot serve: flush rows fetch an untiled copy (L2-resident).
-            plgpu.copy_gmem_to_smem(xcache_ref.at[slot, h, :, rows], x_rows, rows_barrier)
-            plgpu.copy_gmem_to_smem(bcache_ref.at[slot, grp], b_rows, rows_barrier)
-            plgpu.barrier_wait(rows_barrier)
-            prev = _rebuild_exact(s_c, decay_total, x_rows, b_rows, dt_smem, a, pos)
-            new = alpha * prev + bcast_rows(dt * x_row, prev.shape) * bcast_cols(b_col, prev.shape)
-            t_smem[...] = new.astype(t_smem.dtype)
+        @pl.when(mode == MODE_PAD)
+        def _padding_row():
+            o_smem[...] = plgpu.layout_cast(jnp.zeros((BLOCK_P,), o_smem.dtype), ROW)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(t_smem, ckpt_ref.at[slot, h, rows])
+            plgpu.copy_smem_to_gmem(o_smem, y_ref.at[b, h, rows])
 
-    plgpu.wait_smem_to_gmem(0)
+        @pl.when(mode != MODE_PAD)
+        def _live_row():
+            slot, pos = slot_ref[b], pos_ref[b]
+            # The token, while the copies fly: B and C in COL, C again in ROW (a second ref),
+            # x and z on this tile's rows, the gates as scalars.
+            b_col = plgpu.load(b_ref.at[b, grp], layout=COL, optimized=False).astype(F32)
+            c_col = plgpu.load(c_ref.at[b, grp], layout=COL, optimized=False).astype(F32)
+            c_row = plgpu.load(c_row_ref.at[b, grp], layout=ROW, optimized=False).astype(F32)
+            x_row = plgpu.load(x_ref.at[b, h, rows], layout=ROW, optimized=False).astype(F32)
+            dt = _time_step(dt_ref[b, h].astype(F32), dt_bias_ref[h].astype(F32), dt_softplus, dt_limit)
+            a, d = a_ref[h].astype(F32), d_ref[h].astype(F32)
+            alpha = jnp.exp(a * dt)
+            b_dot_c = jnp.sum(b_col * c_col)
+
+            plgpu.barrier_wait(barrier)
+            weights, decay_total = _window_weights(dt_smem, a, pos, cache_len)
+            b_t = load_transposed(b_smem)  # [N, L]
+            j = plgpu.broadcasted_iota(jnp.int32, (BLOCK_P, cache_len), 1, layout=WGMMA)
+            x_t = jnp.where(j < pos, load_transposed(x_smem), 0.0)  # [BP, L], stale entries 0
+            valid = plgpu.broadcasted_iota(jnp.int32, (cache_len,), 0, layout=COL) < pos
+            s_c = plgpu.load(t_smem, layout=WGMMA).astype(F32)  # [BP, N]
+
+            b_dot_c_records = col_sum(b_t * bcast_rows(c_row, b_t.shape))  # B_j . C, [L]
+            coef = jnp.where(valid, b_dot_c_records * weights, 0.0)
+            prev_readout = decay_total * row_sum(s_c * bcast_cols(c_col, s_c.shape)) + row_sum(
+                x_t * bcast_cols(coef, x_t.shape))  # S_{t-1} C, [BP]
+            y = alpha * prev_readout + (dt * b_dot_c + d) * x_row
+            if has_z:
+                z = plgpu.load(z_ref.at[b, h, rows], layout=ROW, optimized=False).astype(F32)
+                y = y * (z / (1.0 + jnp.exp(-z)))
+
+            @pl.when(mode == MODE_FLUSH)
+            def _flush():
+                # The rebuild reads single records at a dynamic index, which the swizzled
+                # buffers cannot serve: flush rows fetch an untiled copy (L2-resident).
+                x_rows, b_rows = record_bufs
+                plgpu.copy_gmem_to_smem(xcache_ref.at[slot, h, :, rows], x_rows, rows_barrier)
+                plgpu.copy_gmem_to_smem(bcache_ref.at[slot, grp], b_rows, rows_barrier)
+                plgpu.barrier_wait(rows_barrier)
+                prev = _rebuild_exact(s_c, decay_total, x_rows, b_rows, dt_smem, a, pos)
+                new = alpha * prev + bcast_rows(dt * x_row, prev.shape) * bcast_cols(b_col, prev.shape)
+                t_smem[...] = new.astype(t_smem.dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(t_smem, ckpt_ref.at[slot, h, rows])
+
+            # After the tile's store: the persistent loop leaves only the newest store in flight.
+            o_smem[...] = y.astype(o_smem.dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, y_ref.at[b, h, rows])
+
+            @pl.when(mode == MODE_APPEND)
+            def _append():
+                xcache_ref[slot, h, pos, rows] = x_row.astype(xcache_ref.dtype)
+
+                @pl.when(tile == 0)
+                def _append_dt():
+                    dtcache_ref[slot, h, pos] = dt
+
+                @pl.when((tile == 0) & (h % group_size == 0))
+                def _append_b():
+                    bcache_ref[slot, grp, pos] = b_col.astype(bcache_ref.dtype)
+
+    if num_programs:
+        persistent_tiles(y_ref.shape[0] * heads * tiles, num_programs, issue, compute)
+    else:
+        index = lax.axis_index("b") * (heads * tiles) + lax.axis_index("hp")
+        issue(index, 0)
+        compute(index, 0)
+        plgpu.wait_smem_to_gmem(0)
+
+
+def persistent_programs(batch: int, heads: int, head_dim: int, state_size: int, cache_len: int, state_dtype,
+                        cache_dtype, y_dtype, sm_count: int, *, swizzle: int = 128) -> int:
+    """`MosaicMamba2Params.programs` for a device of `sm_count` SMs: as many persistent CTAs
+    per SM as the two-stage buffers fit in shared memory."""
+    scratch = _scratch(state_size, cache_len, state_dtype, cache_dtype, y_dtype, swizzle, STAGES)
+    return programs_that_fit(smem_bytes(scratch), sm_count, batch * heads * (head_dim // BLOCK_P))
 
 
 @functools.lru_cache(maxsize=None)
 def _build(batch, heads, head_dim, state_size, cache_len, state_dtype, cache_dtype, y_dtype,
-           group_size, dt_softplus, dt_limit, has_z, swizzle, interpret):
+           group_size, dt_softplus, dt_limit, has_z, swizzle, programs, interpret):
     tiles = head_dim // BLOCK_P
+    num_programs = min(programs, batch * heads * tiles)
+    scratch = _scratch(state_size, cache_len, state_dtype, cache_dtype, y_dtype, swizzle, STAGES if programs else 1)
+    check_smem(scratch, f"the Mamba-2 kernel at cache_len = {cache_len}, N = {state_size}")
     body = functools.partial(_kernel, group_size=group_size, tiles=tiles, dt_softplus=dt_softplus,
-                             dt_limit=dt_limit, has_z=has_z)
+                             dt_limit=dt_limit, has_z=has_z, num_programs=num_programs)
+    grid = dict(grid=(num_programs,), grid_names=("p",)) if num_programs else dict(
+        grid=(batch, heads * tiles), grid_names=("b", "hp"))
     return plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((batch, heads, head_dim), y_dtype),
-        scratch_types=_scratch(state_size, cache_len, state_dtype, cache_dtype, y_dtype, swizzle),
-        grid=(batch, heads * tiles),
-        grid_names=("b", "hp"),
+        scratch_types=scratch,
+        **grid,
         interpret=plgpu.InterpretGPUParams() if interpret else None,
         kernel_name="replayssm_mamba2_decode_mgpu",
     )
@@ -274,7 +323,7 @@ def mamba2_replay_decode_mgpu(
 
     Args and returns as `pallas_kernels.mamba2_decode.mamba2_replay_decode`: y `[B, H, P]`
     in x's dtype (0 on padding rows), the state arrays updated in place when the caller
-    donates them. `params`: the checkpoint tile's swizzle. `interpret`: run in Mosaic GPU
+    donates them. `params`: the checkpoint tile's swizzle, persistent CTAs. `interpret`: run in Mosaic GPU
     interpret mode (default: off GPU).
 
     Raises:
@@ -296,7 +345,8 @@ def mamba2_replay_decode_mgpu(
         interpret = jax.default_backend() != "gpu"
     kernel = _build(
         batch, heads, head_dim, state_size, cache_len, state.dtype, x_cache.dtype, x.dtype, heads // num_groups,
-        bool(dt_softplus), tuple(float(v) for v in dt_limit), z is not None, params.swizzle, bool(interpret),
+        bool(dt_softplus), tuple(float(v) for v in dt_limit), z is not None, params.swizzle, params.programs,
+        bool(interpret),
     )
     z = jnp.zeros((1,), x.dtype) if z is None else z
     refs = [jax.new_ref(a) for a in (state, x_cache, b_cache, dt_cache)]

@@ -55,7 +55,8 @@ from jaxtyping import Array, Float, Int
 from pallas_kernels.common import L2NORM_EPS, MODE_APPEND, MODE_FLUSH, MODE_PAD
 from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA, bcast_cols, bcast_rows, col_sum,
                                               check_smem, load_transposed, record_copies, replay_scratch, row_sum,
-                                              softplus, tiled)
+                                              smem_bytes, softplus, tiled)
+from pallas_kernels.mosaic_gpu.pipeline import STAGES, persistent_tiles, programs_that_fit
 
 BLOCK_V = BLOCK_ROWS
 
@@ -76,16 +77,23 @@ class MosaicReplayParams:
         tensor cores with the operands `U^T diag(W)` and `K` rounded to that type (fp32
         accumulation from `e^G S_c`), which leaves out the untiled record copies. Their
         errors are measured by `benchmarks/mosaic_bench.py`'s check section.
+      programs: 0 (default) launches one CTA per tile (grid `(B, H_v d_v / 64)`); n > 0
+        launches n persistent CTAs (at most one per tile), each walking every n-th tile
+        with the next tile's copies in flight (`pipeline.persistent_tiles`, two stages of
+        shared buffers). `pipeline.programs_that_fit` picks n for a device.
     """
 
     swizzle: int = 128
     rebuild: str = "exact"
+    programs: int = 0
 
     def __post_init__(self) -> None:
         if self.swizzle not in (32, 64, 128):
             raise ValueError(f"swizzle must be 32, 64 or 128 bytes, got {self.swizzle!r}")
         if self.rebuild not in REBUILD_DTYPES:
             raise ValueError(f"rebuild must be one of {tuple(REBUILD_DTYPES)}, got {self.rebuild!r}")
+        if not isinstance(self.programs, int) or self.programs < 0:
+            raise ValueError(f"programs must be an int >= 0, got {self.programs!r}")
 
 
 def check_rebuild(rebuild: str, cache_len: int) -> None:
@@ -212,88 +220,114 @@ def append_entry(ucache_ref, kcache_ref, gcache_ref, slot, h, tile, pos, u, k, g
 def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, q_row_ref, k_row_ref, v_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref,
             ckpt_ref, ucache_ref, kcache_ref, gcache_ref,
             y_ref,
-            t_smem, u_smem, k_smem, g_smem, o_smem, rebuild_bufs, barrier, rows_barrier,
-            *, group_size, tiles, use_qk_l2norm, scale, raw_gates, rebuild):
-    b = lax.axis_index("b")
-    hv = lax.axis_index("hv")
-    h, tile = hv // tiles, hv % tiles
-    hk = h // group_size
-    rows = pl.ds(tile * BLOCK_V, BLOCK_V)
-    mode = mode_ref[b]
-    cache_len = u_smem.shape[0]
+            stages, rebuild_bufs, barriers, rows_barrier,
+            *, group_size, tiles, use_qk_l2norm, scale, raw_gates, rebuild, num_programs):
+    num_heads = y_ref.shape[1]
 
-    @pl.when(mode == MODE_PAD)
-    def _padding_row():
-        store_output(o_smem, y_ref, plgpu.layout_cast(jnp.zeros((BLOCK_V,), o_smem.dtype), ROW), b, h, rows)
+    def where(index):
+        """`(b, h, tile)` of a flat tile index (b slowest)."""
+        b, hv = index // (num_heads * tiles), index % (num_heads * tiles)
+        return b, hv // tiles, hv % tiles
 
-    @pl.when(mode != MODE_PAD)
-    def _live_row():
-        slot, pos = slot_ref[b], pos_ref[b]
-        plgpu.copy_gmem_to_smem(ckpt_ref.at[slot, h, rows], t_smem, barrier)
-        plgpu.copy_gmem_to_smem(ucache_ref.at[slot, h, :, rows], u_smem, barrier)
-        plgpu.copy_gmem_to_smem(kcache_ref.at[slot, hk], k_smem, barrier)
-        plgpu.copy_gmem_to_smem(gcache_ref.at[slot, h], g_smem, barrier)
+    def issue(index, stage):
+        """Start the copies of tile `index` into `stages[stage]` (none for padding rows)."""
+        b, h, tile = where(index)
+        t_smem, u_smem, k_smem, g_smem, _ = stages[stage]
+        barrier, slot, rows = barriers.at[stage], slot_ref[b], pl.ds(tile * BLOCK_V, BLOCK_V)
 
-        # The token, while the copies fly: q, k in both vector layouts, gates as scalars.
-        q_col, k_col, q_row, k_row, k_dot_q = load_qk(q_ref, k_ref, q_row_ref, k_row_ref, b, hk,
-                                                      use_qk_l2norm=use_qk_l2norm, scale=scale)
-        g = g_ref[b, h].astype(F32)
-        beta = beta_ref[b, h].astype(F32)
-        if raw_gates:
-            g = -jnp.exp(a_log_ref[h].astype(F32)) * softplus(g + dt_bias_ref[h].astype(F32))
-            beta = 1.0 / (1.0 + jnp.exp(-beta))
-        alpha = jnp.exp(g)
-        v_row = plgpu.load(v_ref.at[b, h, rows], layout=ROW, optimized=False).astype(F32)
+        @pl.when(mode_ref[b] != MODE_PAD)
+        def _copies():
+            plgpu.copy_gmem_to_smem(ckpt_ref.at[slot, h, rows], t_smem, barrier)
+            plgpu.copy_gmem_to_smem(ucache_ref.at[slot, h, :, rows], u_smem, barrier)
+            plgpu.copy_gmem_to_smem(kcache_ref.at[slot, h // group_size], k_smem, barrier)
+            plgpu.copy_gmem_to_smem(gcache_ref.at[slot, h], g_smem, barrier)
 
-        plgpu.barrier_wait(barrier)
-        weights, decay_total = decay_weights(g_smem, pos, cache_len)
-        keys_t = load_transposed(k_smem)  # [Dk, L]
-        j = plgpu.broadcasted_iota(jnp.int32, (BLOCK_V, cache_len), 1, layout=WGMMA)
-        u_t = jnp.where(j < pos, load_transposed(u_smem), 0.0)  # [BV, L], stale entries 0
-        valid = plgpu.broadcasted_iota(jnp.int32, (cache_len,), 0, layout=COL) < pos
-        s_c = plgpu.load(t_smem, layout=WGMMA).astype(F32)  # [BV, Dk]
+    def compute(index, stage):
+        b, h, tile = where(index)
+        _tile(b, h, tile, stages[stage], barriers.at[stage])
 
-        def readout(x_col, x_row):
-            """`S_{t-1} x` `[BV]` (ROW) for x given in both layouts."""
-            c = col_sum(keys_t * bcast_rows(x_row, keys_t.shape))  # K x, [L]
-            c = jnp.where(valid, c * weights, 0.0)
-            history = row_sum(u_t * bcast_cols(c, u_t.shape))
-            return history + decay_total * row_sum(s_c * bcast_cols(x_col, s_c.shape))
+    def _tile(b, h, tile, bufs, barrier):
+        t_smem, u_smem, k_smem, g_smem, o_smem = bufs
+        hk = h // group_size
+        rows = pl.ds(tile * BLOCK_V, BLOCK_V)
+        mode = mode_ref[b]
+        cache_len = u_smem.shape[0]
 
-        s_k = alpha * readout(k_col, k_row)
-        s_q = alpha * readout(q_col, q_row)
-        u = beta * (v_row - s_k)
-        store_output(o_smem, y_ref, s_q + u * k_dot_q, b, h, rows)
+        @pl.when(mode == MODE_PAD)
+        def _padding_row():
+            store_output(o_smem, y_ref, plgpu.layout_cast(jnp.zeros((BLOCK_V,), o_smem.dtype), ROW), b, h, rows)
 
-        @pl.when(mode == MODE_APPEND)
-        def _append():
-            append_entry(ucache_ref, kcache_ref, gcache_ref, slot, h, tile, pos, u, k_col, g, group_size=group_size)
+        @pl.when(mode != MODE_PAD)
+        def _live_row():
+            slot, pos = slot_ref[b], pos_ref[b]
+            # The token, while the copies fly: q, k in both vector layouts, gates as scalars.
+            q_col, k_col, q_row, k_row, k_dot_q = load_qk(q_ref, k_ref, q_row_ref, k_row_ref, b, hk,
+                                                          use_qk_l2norm=use_qk_l2norm, scale=scale)
+            g = g_ref[b, h].astype(F32)
+            beta = beta_ref[b, h].astype(F32)
+            if raw_gates:
+                g = -jnp.exp(a_log_ref[h].astype(F32)) * softplus(g + dt_bias_ref[h].astype(F32))
+                beta = 1.0 / (1.0 + jnp.exp(-beta))
+            alpha = jnp.exp(g)
+            v_row = plgpu.load(v_ref.at[b, h, rows], layout=ROW, optimized=False).astype(F32)
 
-        @pl.when(mode == MODE_FLUSH)
-        def _flush():
-            if rebuild == "exact":
-                # The rebuild reads single records at a dynamic index, which the swizzled
-                # buffers cannot serve: flush rows fetch an untiled copy (L2-resident).
-                u_rows, k_rows = rebuild_bufs
-                plgpu.copy_gmem_to_smem(ucache_ref.at[slot, h, :, rows], u_rows, rows_barrier)
-                plgpu.copy_gmem_to_smem(kcache_ref.at[slot, hk], k_rows, rows_barrier)
-                plgpu.barrier_wait(rows_barrier)
-                prev = rebuild_exact(s_c, decay_total, u_rows, k_rows, g_smem, pos)
-            else:
-                prev = rebuild_mma(s_c, decay_total, u_t, weights, keys_t, pos, *rebuild_bufs)
-            new = alpha * prev + bcast_rows(u, prev.shape) * bcast_cols(k_col, prev.shape)
-            store_tile(t_smem, ckpt_ref, new, slot, h, rows)
+            plgpu.barrier_wait(barrier)
+            weights, decay_total = decay_weights(g_smem, pos, cache_len)
+            keys_t = load_transposed(k_smem)  # [Dk, L]
+            j = plgpu.broadcasted_iota(jnp.int32, (BLOCK_V, cache_len), 1, layout=WGMMA)
+            u_t = jnp.where(j < pos, load_transposed(u_smem), 0.0)  # [BV, L], stale entries 0
+            valid = plgpu.broadcasted_iota(jnp.int32, (cache_len,), 0, layout=COL) < pos
+            s_c = plgpu.load(t_smem, layout=WGMMA).astype(F32)  # [BV, Dk]
 
-    plgpu.wait_smem_to_gmem(0)
+            def readout(x_col, x_row):
+                """`S_{t-1} x` `[BV]` (ROW) for x given in both layouts."""
+                c = col_sum(keys_t * bcast_rows(x_row, keys_t.shape))  # K x, [L]
+                c = jnp.where(valid, c * weights, 0.0)
+                history = row_sum(u_t * bcast_cols(c, u_t.shape))
+                return history + decay_total * row_sum(s_c * bcast_cols(x_col, s_c.shape))
+
+            s_k = alpha * readout(k_col, k_row)
+            s_q = alpha * readout(q_col, q_row)
+            u = beta * (v_row - s_k)
+
+            @pl.when(mode == MODE_FLUSH)
+            def _flush():
+                if rebuild == "exact":
+                    # The rebuild reads single records at a dynamic index, which the swizzled
+                    # buffers cannot serve: flush rows fetch an untiled copy (L2-resident).
+                    u_rows, k_rows = rebuild_bufs
+                    plgpu.copy_gmem_to_smem(ucache_ref.at[slot, h, :, rows], u_rows, rows_barrier)
+                    plgpu.copy_gmem_to_smem(kcache_ref.at[slot, hk], k_rows, rows_barrier)
+                    plgpu.barrier_wait(rows_barrier)
+                    prev = rebuild_exact(s_c, decay_total, u_rows, k_rows, g_smem, pos)
+                else:
+                    prev = rebuild_mma(s_c, decay_total, u_t, weights, keys_t, pos, *rebuild_bufs)
+                new = alpha * prev + bcast_rows(u, prev.shape) * bcast_cols(k_col, prev.shape)
+                store_tile(t_smem, ckpt_ref, new, slot, h, rows)
+
+            # After the tile's store: the persistent loop leaves only the newest store in flight.
+            store_output(o_smem, y_ref, s_q + u * k_dot_q, b, h, rows)
+
+            @pl.when(mode == MODE_APPEND)
+            def _append():
+                append_entry(ucache_ref, kcache_ref, gcache_ref, slot, h, tile, pos, u, k_col, g,
+                             group_size=group_size)
+
+    if num_programs:
+        persistent_tiles(y_ref.shape[0] * num_heads * tiles, num_programs, issue, compute)
+    else:
+        index = lax.axis_index("b") * (num_heads * tiles) + lax.axis_index("hv")
+        issue(index, 0)
+        compute(index, 0)
+        plgpu.wait_smem_to_gmem(0)
 
 
-@functools.lru_cache(maxsize=None)
-def _build(batch, num_v_heads, head_v_dim, head_k_dim, cache_len, state_dtype, cache_dtype, y_dtype,
-           group_size, use_qk_l2norm, scale, raw_gates, swizzle, rebuild, interpret):
-    tiles = head_v_dim // BLOCK_V
-    body = functools.partial(_kernel, group_size=group_size, tiles=tiles, use_qk_l2norm=use_qk_l2norm,
-                             scale=scale, raw_gates=raw_gates, rebuild=rebuild)
-    buffers = replay_scratch(BLOCK_V, head_k_dim, cache_len, state_dtype, cache_dtype, (BLOCK_V,), y_dtype, swizzle)
+def _scratch(head_k_dim, cache_len, state_dtype, cache_dtype, y_dtype, swizzle, rebuild, stages) -> list:
+    """`[stages, rebuild buffers, barriers, rows barrier]`: `stages` sets of the replay
+    buffers, then the flush rebuild's (untiled record copies for "exact", the `wgmma`
+    operands otherwise), one barrier per stage and one for the record copies."""
+    per_stage = [replay_scratch(BLOCK_V, head_k_dim, cache_len, state_dtype, cache_dtype, (BLOCK_V,), y_dtype, swizzle)
+                 for _ in range(stages)]
     operand = REBUILD_DTYPES[rebuild]
     if operand is None:
         rebuild_bufs = record_copies(BLOCK_V, head_k_dim, cache_len, cache_dtype)
@@ -301,14 +335,36 @@ def _build(batch, num_v_heads, head_v_dim, head_k_dim, cache_len, state_dtype, c
         operand_swizzle = min(128, cache_len * jnp.dtype(operand).itemsize)
         rebuild_bufs = [plgpu.SMEM((rows, cache_len), operand, transforms=tiled(operand_swizzle, operand))
                         for rows in (BLOCK_V, head_k_dim)]
-    scratch = [*buffers, rebuild_bufs, plgpu.Barrier(num_arrivals=4), plgpu.Barrier(num_arrivals=2)]
+    return [per_stage, rebuild_bufs, plgpu.Barrier(num_arrivals=4, num_barriers=stages), plgpu.Barrier(num_arrivals=2)]
+
+
+def persistent_programs(batch: int, num_v_heads: int, head_v_dim: int, head_k_dim: int, cache_len: int,
+                        state_dtype, cache_dtype, y_dtype, sm_count: int, *, swizzle: int = 128,
+                        rebuild: str = "exact") -> int:
+    """`MosaicReplayParams.programs` for a device of `sm_count` SMs: as many persistent CTAs
+    per SM as the two-stage buffers fit in shared memory."""
+    scratch = _scratch(head_k_dim, cache_len, state_dtype, cache_dtype, y_dtype, swizzle, rebuild, STAGES)
+    return programs_that_fit(smem_bytes(scratch), sm_count, batch * num_v_heads * (head_v_dim // BLOCK_V))
+
+
+@functools.lru_cache(maxsize=None)
+def _build(batch, num_v_heads, head_v_dim, head_k_dim, cache_len, state_dtype, cache_dtype, y_dtype,
+           group_size, use_qk_l2norm, scale, raw_gates, swizzle, rebuild, programs, interpret):
+    tiles = head_v_dim // BLOCK_V
+    num_tiles = batch * num_v_heads * tiles
+    scratch = _scratch(head_k_dim, cache_len, state_dtype, cache_dtype, y_dtype, swizzle, rebuild,
+                       STAGES if programs else 1)
     check_smem(scratch, f"replay_decode_mgpu at cache_len = {cache_len}, d_k = {head_k_dim}")
+    num_programs = min(programs, num_tiles)
+    body = functools.partial(_kernel, group_size=group_size, tiles=tiles, use_qk_l2norm=use_qk_l2norm,
+                             scale=scale, raw_gates=raw_gates, rebuild=rebuild, num_programs=num_programs)
+    grid = dict(grid=(num_programs,), grid_names=("p",)) if num_programs else dict(
+        grid=(batch, num_v_heads * tiles), grid_names=("b", "hv"))
     return plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((batch, num_v_heads, head_v_dim), y_dtype),
         scratch_types=scratch,
-        grid=(batch, num_v_heads * tiles),
-        grid_names=("b", "hv"),
+        **grid,
         interpret=plgpu.InterpretGPUParams() if interpret else None,
         kernel_name="replayssm_replay_decode_mgpu",
     )
@@ -358,7 +414,7 @@ def replay_decode_mgpu(
     kernel = _build(
         batch, num_v_heads, head_v_dim, head_k_dim, cache_len, checkpoint.dtype, u_cache.dtype, v.dtype,
         num_v_heads // q.shape[1], bool(use_qk_l2norm), float(head_k_dim ** -0.5 if scale is None else scale),
-        gate_params is not None, params.swizzle, params.rebuild, bool(interpret),
+        gate_params is not None, params.swizzle, params.rebuild, params.programs, bool(interpret),
     )
     refs = [jax.new_ref(x) for x in (checkpoint, u_cache, k_cache, g_cache)]
     y = kernel(slot.astype(jnp.int32), pos.astype(jnp.int32), mode.astype(jnp.int32), q, k, q, k, v, g, beta,

@@ -282,6 +282,8 @@ def replay_decode_kda_mgpu(
                      params.swizzle)
     if params.rebuild != "exact":
         raise ValueError(f"replay_decode_kda_mgpu rebuilds in exact fp32 only, got rebuild={params.rebuild!r}")
+    if params.programs:
+        raise ValueError(f"replay_decode_kda_mgpu runs one CTA per tile: programs must be 0, got {params.programs}")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     a_log, dt_bias = gate_params if gate_params is not None else (jnp.zeros((1,), F32),) * 2

@@ -1,0 +1,64 @@
+"""Persistent CTAs over a flat list of tiles, with the next tile's copies in flight.
+
+A one-tile-per-CTA kernel waits for its copies before any work and leaves the memory
+system idle while it computes, unless enough other CTAs share the SM. Here each CTA (grid
+axis "p", P programs) serves tiles `p, p + P, p + 2P, ...` from two stages of shared
+buffers: the copies of tile n + 1 into one stage are issued before tile n is computed
+from the other.
+
+The stages are separate buffers addressed with a static stage index (the loop is unrolled
+by two). Mosaic aligns each buffer to 1 KiB, as TMA needs; a stage axis inside one buffer,
+indexed dynamically, would place a small buffer's second stage at an unaligned address.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+STAGES = 2
+SMEM_PER_SM = 228 * 1024  # Hopper: one SM's shared memory, 1 KiB of it reserved per CTA
+_CTA_RESERVED = 1024
+
+
+def programs_that_fit(cta_smem_bytes: int, sm_count: int, num_tiles: int) -> int:
+    """Persistent CTAs to launch: as many per SM as shared memory holds (at least one),
+    never more than there are tiles."""
+    per_sm = max(1, SMEM_PER_SM // (cta_smem_bytes + _CTA_RESERVED))
+    return max(1, min(num_tiles, per_sm * sm_count))
+
+
+def persistent_tiles(num_tiles: int, num_programs: int, issue: Callable, compute: Callable) -> None:
+    """Run `issue(tile, stage)` (start tile's copies into `stage`) one tile ahead of
+    `compute(tile, stage)` (wait for them, work, start its stores) over this CTA's tiles.
+
+    Before a stage is refilled, every thread has finished the tile it held (a warpgroup
+    barrier) and every store but the newest has finished reading shared memory, so
+    `compute` must issue a tile's stores from the stage's tile buffer before its small
+    output store (the one left in flight, from a buffer the refill does not touch)."""
+    program = lax.axis_index("p")
+    count = (num_tiles - program + num_programs - 1) // num_programs  # >= 1: num_programs <= num_tiles
+    issue(program, 0)
+
+    def stage_pair(i, carry):
+        for stage in range(STAGES):
+            n = STAGES * i + stage
+
+            @pl.when(n < count)
+            def _serve():
+                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                plgpu.commit_smem()  # also a warpgroup barrier: tile n - 1 is done with its stage
+
+                @pl.when(n + 1 < count)
+                def _prefetch():
+                    issue(program + (n + 1) * num_programs, (stage + 1) % STAGES)
+
+                compute(program + n * num_programs, stage)
+
+        return carry
+
+    lax.fori_loop(0, (count + STAGES - 1) // STAGES, stage_pair, None)
+    plgpu.wait_smem_to_gmem(0)
