@@ -154,12 +154,12 @@ def sm_count() -> int:
 
 def mosaic_params(spec: str, cfg: R.ReplayConfig, batch: int):
     """The Mosaic params of a variant spec (`default`, or comma-separated fields of the
-    gate's params class: `programs=N` or `programs=fit`, `rebuild=tf32`, `swizzle=64`)."""
+    gate's params class: `programs=N` or `programs=fit`, `rebuild=tf32`, `swizzle=64`,
+    `auto_barriers=false`)."""
     cls = MosaicMamba2Params if cfg.gate_kind.additive else MosaicReplayParams
-    fields = {}
-    for item in ([] if spec == "default" else spec.split(",")):
-        name, value = item.split("=")
-        fields[name] = value if name == "rebuild" else value if value == "fit" else int(value)
+    parse = lambda v: v == "true" if v in ("true", "false") else int(v) if v.isdigit() else v
+    fields = dict((name, parse(value)) for name, value in
+                  (item.split("=") for item in ([] if spec == "default" else spec.split(","))))
     if fields.get("programs") == "fit":
         shape = (batch, cfg.num_v_heads, cfg.head_v_dim, cfg.head_k_dim, cfg.cache_len, cfg.state_dtype,
                  cfg.cache_dtype, jnp.bfloat16, sm_count())

@@ -298,3 +298,16 @@ def test_persistent_programs_are_validated_and_fit_shared_memory():
     assert persistent_programs(512, 32, 128, 128, 16, bf16, bf16, bf16, 132) == 396
     assert persistent_programs(1, 2, 128, 128, 16, f32, f32, bf16, 132) == 4
     assert programs_that_fit(300 * 1024, 132, 10_000) == 132
+
+
+@pytest.mark.parametrize("kernel,per_channel,params", [
+    (replay_decode_mgpu, False, MosaicReplayParams(auto_barriers=False)),
+    (replay_decode_mgpu, False, MosaicReplayParams(auto_barriers=False, programs=264)),
+    (replay_decode_mgpu, False, MosaicReplayParams(auto_barriers=False, rebuild="tf32")),
+    (replay_decode_kda_mgpu, True, MosaicReplayParams(auto_barriers=False)),
+])
+def test_without_auto_barriers_the_kernels_lower(kernel, per_channel, params):
+    """`auto_barriers=False` (the kernel's own barriers only) lowers for an abstract H200;
+    its GPU results are checked against xla by `benchmarks/mosaic_bench.py --variants`."""
+    text = _lower_for_h200(kernel, jnp.float32, jnp.float32, 16, False, per_channel=per_channel, params=params)
+    assert "mosaic_gpu" in text

@@ -71,10 +71,12 @@ class MosaicMamba2Params:
       programs: 0 (default) launches one CTA per tile (grid `(B, H P / 64)`); n > 0
         launches n persistent CTAs (at most one per tile) walking every n-th tile with the
         next tile's copies in flight (`pipeline.persistent_tiles`).
+      auto_barriers: as `MosaicReplayParams.auto_barriers`.
     """
 
     swizzle: int = 128
     programs: int = 0
+    auto_barriers: bool = True
 
     def __post_init__(self) -> None:
         if self.swizzle not in (32, 64, 128):
@@ -238,6 +240,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, x_ref, b_ref, c_ref, c_row_ref, dt_ref,
                 plgpu.barrier_wait(rows_barrier)
                 prev = _rebuild_exact(s_c, decay_total, x_rows, b_rows, dt_smem, a, pos)
                 new = alpha * prev + bcast_rows(dt * x_row, prev.shape) * bcast_cols(b_col, prev.shape)
+                plgpu.commit_smem()  # every thread's loads of the tile done before it is rewritten
                 t_smem[...] = new.astype(t_smem.dtype)
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(t_smem, ckpt_ref.at[slot, h, rows])
@@ -278,7 +281,7 @@ def persistent_programs(batch: int, heads: int, head_dim: int, state_size: int, 
 
 @functools.lru_cache(maxsize=None)
 def _build(batch, heads, head_dim, state_size, cache_len, state_dtype, cache_dtype, y_dtype,
-           group_size, dt_softplus, dt_limit, has_z, swizzle, programs, interpret):
+           group_size, dt_softplus, dt_limit, has_z, swizzle, programs, auto_barriers, interpret):
     tiles = head_dim // BLOCK_P
     num_programs = min(programs, batch * heads * tiles)
     scratch = _scratch(state_size, cache_len, state_dtype, cache_dtype, y_dtype, swizzle, STAGES if programs else 1)
@@ -292,6 +295,7 @@ def _build(batch, heads, head_dim, state_size, cache_len, state_dtype, cache_dty
         out_type=jax.ShapeDtypeStruct((batch, heads, head_dim), y_dtype),
         scratch_types=scratch,
         **grid,
+        compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=not auto_barriers),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
         kernel_name="replayssm_mamba2_decode_mgpu",
     )
@@ -346,7 +350,7 @@ def mamba2_replay_decode_mgpu(
     kernel = _build(
         batch, heads, head_dim, state_size, cache_len, state.dtype, x_cache.dtype, x.dtype, heads // num_groups,
         bool(dt_softplus), tuple(float(v) for v in dt_limit), z is not None, params.swizzle, params.programs,
-        bool(interpret),
+        params.auto_barriers, bool(interpret),
     )
     z = jnp.zeros((1,), x.dtype) if z is None else z
     refs = [jax.new_ref(a) for a in (state, x_cache, b_cache, dt_cache)]

@@ -81,11 +81,16 @@ class MosaicReplayParams:
         launches n persistent CTAs (at most one per tile), each walking every n-th tile
         with the next tile's copies in flight (`pipeline.persistent_tiles`, two stages of
         shared buffers). `pipeline.programs_that_fit` picks n for a device.
+      auto_barriers: True (default) keeps Mosaic's conservative warpgroup barriers around
+        every vector store and before every TMA copy; False leaves only the kernel's own
+        (`commit_smem` before each TMA store, each shared buffer a thread rewrites, and
+        each stage refill), which its access pattern needs.
     """
 
     swizzle: int = 128
     rebuild: str = "exact"
     programs: int = 0
+    auto_barriers: bool = True
 
     def __post_init__(self) -> None:
         if self.swizzle not in (32, 64, 128):
@@ -195,7 +200,9 @@ def store_output(o_smem, y_ref, y, b, h, rows):
 
 def store_tile(t_smem, ckpt_ref, new, slot, h, rows):
     """The new state tile `[BV, d_k]` (WGMMA) into the checkpoint in place, through the
-    checkpoint tile's shared-memory buffer and TMA."""
+    checkpoint tile's shared-memory buffer and TMA (after a warpgroup barrier: a thread's
+    optimised load of the tile may have read the elements another thread now writes)."""
+    plgpu.commit_smem()
     t_smem[...] = new.astype(t_smem.dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(t_smem, ckpt_ref.at[slot, h, rows])
@@ -349,7 +356,7 @@ def persistent_programs(batch: int, num_v_heads: int, head_v_dim: int, head_k_di
 
 @functools.lru_cache(maxsize=None)
 def _build(batch, num_v_heads, head_v_dim, head_k_dim, cache_len, state_dtype, cache_dtype, y_dtype,
-           group_size, use_qk_l2norm, scale, raw_gates, swizzle, rebuild, programs, interpret):
+           group_size, use_qk_l2norm, scale, raw_gates, swizzle, rebuild, programs, auto_barriers, interpret):
     tiles = head_v_dim // BLOCK_V
     num_tiles = batch * num_v_heads * tiles
     scratch = _scratch(head_k_dim, cache_len, state_dtype, cache_dtype, y_dtype, swizzle, rebuild,
@@ -365,6 +372,7 @@ def _build(batch, num_v_heads, head_v_dim, head_k_dim, cache_len, state_dtype, c
         out_type=jax.ShapeDtypeStruct((batch, num_v_heads, head_v_dim), y_dtype),
         scratch_types=scratch,
         **grid,
+        compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=not auto_barriers),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
         kernel_name="replayssm_replay_decode_mgpu",
     )
@@ -414,7 +422,8 @@ def replay_decode_mgpu(
     kernel = _build(
         batch, num_v_heads, head_v_dim, head_k_dim, cache_len, checkpoint.dtype, u_cache.dtype, v.dtype,
         num_v_heads // q.shape[1], bool(use_qk_l2norm), float(head_k_dim ** -0.5 if scale is None else scale),
-        gate_params is not None, params.swizzle, params.rebuild, params.programs, bool(interpret),
+        gate_params is not None, params.swizzle, params.rebuild, params.programs, params.auto_barriers,
+        bool(interpret),
     )
     refs = [jax.new_ref(x) for x in (checkpoint, u_cache, k_cache, g_cache)]
     y = kernel(slot.astype(jnp.int32), pos.astype(jnp.int32), mode.astype(jnp.int32), q, k, q, k, v, g, beta,

@@ -216,7 +216,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, q_row_ref, k_row_ref, v_r
 
 @functools.lru_cache(maxsize=None)
 def _build(batch, num_v_heads, head_v_dim, head_k_dim, cache_len, state_dtype, cache_dtype, y_dtype,
-           group_size, use_qk_l2norm, scale, raw_gates, swizzle, interpret):
+           group_size, use_qk_l2norm, scale, raw_gates, swizzle, auto_barriers, interpret):
     tiles = head_v_dim // BLOCK_V
     body = functools.partial(_kernel, group_size=group_size, tiles=tiles, use_qk_l2norm=use_qk_l2norm,
                              scale=scale, raw_gates=raw_gates)
@@ -239,6 +239,7 @@ def _build(batch, num_v_heads, head_v_dim, head_k_dim, cache_len, state_dtype, c
         scratch_types=scratch,
         grid=(batch, num_v_heads * tiles),
         grid_names=("b", "hv"),
+        compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=not auto_barriers),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
         kernel_name="replayssm_replay_decode_mgpu_kda",
     )
@@ -290,7 +291,7 @@ def replay_decode_kda_mgpu(
     kernel = _build(
         batch, num_v_heads, head_v_dim, head_k_dim, cache_len, checkpoint.dtype, u_cache.dtype, v.dtype,
         num_v_heads // q.shape[1], bool(use_qk_l2norm), float(head_k_dim ** -0.5 if scale is None else scale),
-        gate_params is not None, params.swizzle, bool(interpret),
+        gate_params is not None, params.swizzle, params.auto_barriers, bool(interpret),
     )
     refs = [jax.new_ref(x) for x in (checkpoint, u_cache, k_cache, g_cache)]
     y = kernel(slot.astype(jnp.int32), pos.astype(jnp.int32), mode.astype(jnp.int32), q, k, q, k, v, g, beta,
