@@ -153,12 +153,14 @@ def _lower_for_h200(gate, state_dtype, cache_len, width, head_dim=128, params=Mo
 
 @pytest.mark.parametrize("gate,state_dtype,cache_len,width,head_dim", [
     ("gdn", jnp.float32, 16, 4, 128), ("gdn", jnp.float32, 32, 8, 128), ("gdn", jnp.bfloat16, 16, 2, 128),
-    ("gdn", jnp.float32, 32, 1, 128),
+    ("gdn", jnp.float32, 32, 1, 128), ("gdn", jnp.float32, 16, 16, 128),
     ("kda", jnp.float32, 16, 4, 128), ("kda", jnp.float32, 32, 8, 128), ("kda", jnp.bfloat16, 16, 2, 128),
-    ("kda", jnp.bfloat16, 32, 4, 128), ("kda", jnp.float32, 16, 4, 64),
+    ("kda", jnp.bfloat16, 32, 4, 128), ("kda", jnp.float32, 16, 4, 64), ("kda", jnp.float32, 16, 16, 128),
 ])
 def test_lowers_for_an_abstract_h200(gate, state_dtype, cache_len, width, head_dim):
-    """d = 128 (the benchmark shapes; KDA also d = 64, where two warps hold each channel)."""
+    """d = 128 (the benchmark shapes; KDA also d = 64, where two warps hold each channel),
+    up to the widest window (T = 16: its coefficient record passes a TMA box's 256 elements
+    unless copied in rows)."""
     assert "mosaic_gpu" in _lower_for_h200(gate, state_dtype, cache_len, width, head_dim)
 
 

@@ -69,11 +69,20 @@ def select_if(flag, x, layout, other=0.0):
 GDN_VECTORS = 5  # e^{G}, beta, g, q_scale, k_scale per position
 
 
+# A record is copied as `[C / COEF_LANES, COEF_LANES]`: a TMA box takes at most 256 elements
+# along each dimension, which a flat record passes from T = 11 on.
+COEF_LANES = 16
+
+
 def coefficient_count(width: int, vectors: int = GDN_VECTORS) -> int:
     """C, the length of one `(row, value head)` record of `window_coefficients` (`A`, `M`
-    and `vectors` per-position scalars; a multiple of 4 floats: TMA copies whole 16-byte
-    units)."""
-    return -(-(2 * width * width + vectors * width) // 4) * 4
+    and `vectors` per-position scalars, padded to whole `COEF_LANES` rows)."""
+    return -(-(2 * width * width + vectors * width) // COEF_LANES) * COEF_LANES
+
+
+def coefficient_shape(width: int, vectors: int = GDN_VECTORS) -> tuple[int, int]:
+    """The shape of one record as the kernel copies it."""
+    return coefficient_count(width, vectors) // COEF_LANES, COEF_LANES
 
 
 def prepare_window(q, k, g, beta, length, *, use_qk_l2norm: bool, scale: float):
@@ -95,19 +104,22 @@ def prepare_window(q, k, g, beta, length, *, use_qk_l2norm: bool, scale: float):
     return in_window, q * q_scale[..., None], k * k_scale[..., None], g, beta, q_scale, k_scale
 
 
-def pack_coefficients(parts: list, width: int, vectors: int) -> Float[Array, "B Hv C"]:
-    """`[B, H_v, ...]` parts flattened, joined and padded to `coefficient_count`."""
+def pack_coefficients(parts: list, width: int, vectors: int) -> Float[Array, "B Hv R Lanes"]:
+    """`[B, H_v, ...]` parts flattened, joined, padded to `coefficient_count` and shaped as
+    `coefficient_shape` per `(row, value head)`."""
     packed = jnp.concatenate([x.reshape(*x.shape[:2], -1) for x in parts], axis=-1)
-    return jnp.pad(packed, ((0, 0), (0, 0), (0, coefficient_count(width, vectors) - packed.shape[-1])))
+    packed = jnp.pad(packed, ((0, 0), (0, 0), (0, coefficient_count(width, vectors) - packed.shape[-1])))
+    return packed.reshape(*packed.shape[:2], *coefficient_shape(width, vectors))
 
 
 def unpack_coefficients(c_smem, width: int, vectors: int):
-    """Readers of one packed record in shared memory: `(A(i, j), M(i, j), *per-position
-    scalars(i))`."""
+    """Readers of one packed record in shared memory (`coefficient_shape`): `(A(i, j),
+    M(i, j), *per-position scalars(i))`."""
     T = width
-    A = lambda i, j: c_smem[i * T + j]
-    M = lambda i, j: c_smem[T * T + i * T + j]
-    return (A, M, *((lambda i, o=o: c_smem[2 * T * T + o * T + i]) for o in range(vectors)))
+    at = lambda n: c_smem[n // COEF_LANES, n % COEF_LANES]
+    A = lambda i, j: at(i * T + j)
+    M = lambda i, j: at(T * T + i * T + j)
+    return (A, M, *((lambda i, o=o: at(2 * T * T + o * T + i)) for o in range(vectors)))
 
 
 def solve_positions(width, length, A, M, beta, v_rows, o_smem, read_k, read_q, append):
@@ -154,10 +166,10 @@ def window_coefficients(
     *,
     use_qk_l2norm: bool,
     scale: float,
-) -> Float[Array, "B Hv C"]:
-    """The window's scalars per `(row, value head)`, packed for the kernel (fp32, C =
-    `coefficient_count(T)`): `A [T, T]`, `M [T, T]`, `e^{G} [T]`, `beta [T]`, `g [T]`,
-    `q_scale [T]`, `k_scale [T]`, then zeros, where
+) -> Float[Array, "B Hv R Lanes"]:
+    """The window's scalars per `(row, value head)`, packed for the kernel (fp32,
+    `coefficient_count(T)` floats shaped as `coefficient_shape(T)`): `A [T, T]`, `M [T, T]`,
+    `e^{G} [T]`, `beta [T]`, `g [T]`, `q_scale [T]`, `k_scale [T]`, then zeros, where
 
         A_ij = beta_i e^{G_i - G_j} (k_i . k_j)   for j in anc(i), else 0
         M_ij = e^{G_i - G_j} (q_i . k_j)          for j in anc(i) + {i}, else 0
@@ -300,7 +312,7 @@ def _build(batch, width, num_v_heads, head_v_dim, head_k_dim, cache_len, state_d
     scratch = [
         *replay_scratch(BLOCK_ROWS, head_k_dim, cache_len, state_dtype, cache_dtype, (width, BLOCK_ROWS), y_dtype,
                         swizzle),
-        plgpu.SMEM((coefficient_count(width),), F32),
+        plgpu.SMEM(coefficient_shape(width), F32),
         *record_copies(BLOCK_ROWS, head_k_dim, cache_len, cache_dtype),
         [plgpu.SMEM((width, head_k_dim), qk_dtype) for _ in range(4)] + [plgpu.SMEM((width, BLOCK_ROWS), y_dtype)],
         plgpu.Barrier(num_arrivals=10),

@@ -51,7 +51,7 @@ from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA,
 from pallas_kernels.mosaic_gpu.replay_decode import MosaicReplayParams
 from pallas_kernels.mosaic_gpu.replay_decode_kda import (channel_layout, check_kda_shapes, decay_weights,
                                                          rebuild_exact, weighted_keys)
-from pallas_kernels.mosaic_gpu.verify_decode import (MAX_WIDTH, coefficient_count, pack_coefficients, prepare_window,
+from pallas_kernels.mosaic_gpu.verify_decode import (MAX_WIDTH, coefficient_shape, pack_coefficients, prepare_window,
                                                      select_if, solve_positions, store_zeros, unpack_coefficients)
 
 KDA_VECTORS = 3  # beta, q_scale, k_scale per position
@@ -67,13 +67,13 @@ def kda_window_coefficients(
     *,
     use_qk_l2norm: bool,
     scale: float,
-) -> tuple[Float[Array, "B Hv C"], Float[Array, "B T Hv Dk"]]:
-    """The window's scalars per `(row, value head)`, packed for the kernel (fp32, C =
-    `coefficient_count(T, KDA_VECTORS)`): `A [T, T]`, `M [T, T]`, `beta [T]`, `q_scale [T]`,
-    `k_scale [T]`, then zeros (A, M as in the module doc, q_scale, k_scale the norms' and
-    the scale's factors for the raw q, k); and `e^{G}` `[B, T, H_v, d_k]`. Positions at and
-    past a row's length get zeros everywhere (their inputs, NaN included, are dropped
-    first)."""
+) -> tuple[Float[Array, "B Hv R Lanes"], Float[Array, "B T Hv Dk"]]:
+    """The window's scalars per `(row, value head)`, packed for the kernel (fp32,
+    `coefficient_count(T, KDA_VECTORS)` floats shaped as `coefficient_shape`): `A [T, T]`,
+    `M [T, T]`, `beta [T]`, `q_scale [T]`, `k_scale [T]`, then zeros (A, M as in the module
+    doc, q_scale, k_scale the norms' and the scale's factors for the raw q, k); and `e^{G}`
+    `[B, T, H_v, d_k]`. Positions at and past a row's length get zeros everywhere (their
+    inputs, NaN included, are dropped first)."""
     width, num_k_heads = q.shape[1], q.shape[2]
     group = g.shape[2] // num_k_heads
     in_window, qn, kn, g, beta, q_scale, k_scale = prepare_window(q, k, g, beta, length, use_qk_l2norm=use_qk_l2norm,
@@ -221,7 +221,7 @@ def _build(batch, width, num_v_heads, head_v_dim, head_k_dim, cache_len, state_d
         plgpu.SMEM((cache_len, head_k_dim), F32, transforms=tiled(128, F32)),  # W
         plgpu.SMEM((1, head_k_dim), F32),  # e^{G_h}
         plgpu.SMEM((width, BLOCK_ROWS), y_dtype),
-        plgpu.SMEM((coefficient_count(width, KDA_VECTORS),), F32),
+        plgpu.SMEM(coefficient_shape(width, KDA_VECTORS), F32),
         plgpu.SMEM((cache_len, BLOCK_ROWS), cache_dtype),  # untiled u records for the rebuild
         [plgpu.SMEM((width, head_k_dim), qk_dtype) for _ in range(4)] + [plgpu.SMEM((width, BLOCK_ROWS), y_dtype)]
         + [plgpu.SMEM((width, head_k_dim), F32) for _ in range(2)],
