@@ -86,12 +86,15 @@ def kda_window_coefficients(
     # can be large and positive, so it is zeroed before the exponential.
     mask = seen[:, :, :, None, None]
     decay = jnp.where(mask, jnp.exp(jnp.where(mask, G[:, :, None] - G[:, None, :], 0.0)), 0.0)  # [B, T, T, Hv, Dk]
-    # Channel sums of elementwise products, which XLA fuses into one reduction (an einsum
-    # would materialise the [B, T, T, H_v, d_k] decays).
-    pair = lambda x: jnp.moveaxis(jnp.sum(x[:, :, None] * decay * kh[:, None, :], axis=-1), 3, 1)  # [B, Hv, T, T]
+    # k_i . k_j and q_i . k_j under the decays as one channel sum of elementwise products,
+    # the decays' only consumer, which XLA fuses into one reduction (an einsum, or two
+    # sums, could materialise the [B, T, T, H_v, d_k] decays).
+    x = jnp.stack([kh, qh], axis=2)[:, :, None]  # [B, T(i), 1, 2, Hv, Dk]
+    kk, qk = jnp.moveaxis(jnp.sum(x * decay[:, :, :, None] * kh[:, None, :, None], axis=-1), 3, 0)  # [B, T, T, Hv]
+    heads_first = lambda y: jnp.moveaxis(y, 3, 1)  # [B, Hv, T, T]
     beta_t = jnp.moveaxis(beta, 1, 2)  # [B, Hv, T]
-    A = jnp.where((anc & seen)[:, None], beta_t[..., :, None] * pair(kh), 0.0)
-    M = pair(qh)
+    A = jnp.where((anc & seen)[:, None], beta_t[..., :, None] * heads_first(kk), 0.0)
+    M = heads_first(qk)
     scales = [jnp.repeat(jnp.moveaxis(x, 1, 2), group, axis=1) for x in (q_scale, k_scale)]
     e_G = jnp.where(in_window[:, :, None, None], jnp.exp(G), 0.0)
     return pack_coefficients([A, M, beta_t, *scales], width, KDA_VECTORS), e_G
