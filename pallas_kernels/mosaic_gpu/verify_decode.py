@@ -37,6 +37,9 @@ by zeros before use, so garbage there (NaN included) reaches nothing.
 Writes in place (`jax.new_ref`): u records `[L, BV]` rows of this tile; g records (tile 0)
 and k records (tile 0 of each key head's first value head) of appending rows; the folded
 checkpoint tile. y `[B, T, H_v, d_v]` leaves through shared memory and one TMA copy.
+
+KDA (per-channel decay) has its own kernel, `verify_decode_kda.py`, sharing this file's
+window preparation, coefficient packing and per-position solve.
 """
 
 from __future__ import annotations
@@ -67,8 +70,6 @@ def select_if(flag, x, layout, other=0.0):
 
 
 GDN_VECTORS = 5  # e^{G}, beta, g, q_scale, k_scale per position
-
-
 # A record is copied as `[C / COEF_LANES, COEF_LANES]`: a TMA box takes at most 256 elements
 # along each dimension, which a flat record passes from T = 11 on.
 COEF_LANES = 16
