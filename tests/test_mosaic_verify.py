@@ -195,6 +195,8 @@ def test_kda_refuses_shapes_it_cannot_take():
         verify_decode_kda_mgpu(*state(192), *window(2, 192), *rows, anc(2))
     with pytest.raises(ValueError, match="exact fp32 only"):
         verify_decode_kda_mgpu(*state(64), *window(2), *rows, anc(2), params=MosaicReplayParams(rebuild="tf32"))
+    with pytest.raises(ValueError, match="programs must be 0"):
+        verify_decode_kda_mgpu(*state(64), *window(2), *rows, anc(2), params=MosaicReplayParams(programs=4))
     # fp32 records of a 96-entry ring at d = 128 (with the weights W and the window) outgrow
     # a CTA's shared memory: a ValueError naming the size, not a failed compile.
     with pytest.raises(ValueError, match="bytes of shared memory per CTA"):

@@ -290,6 +290,8 @@ def verify_decode_kda_mgpu(
                      params.swizzle)
     if params.rebuild != "exact":
         raise ValueError(f"verify_decode_kda_mgpu rebuilds in exact fp32 only, got rebuild={params.rebuild!r}")
+    if params.programs:
+        raise ValueError(f"verify_decode_kda_mgpu runs one CTA per tile: programs must be 0, got {params.programs}")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     length = length.astype(jnp.int32)
