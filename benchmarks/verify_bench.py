@@ -1,7 +1,8 @@
 """GPU benchmark of speculative verify: ReplaySSM `verify_step` (pallas_triton and mosaic_gpu)
 against the project's conventional verify (one process, table + JSON).
 
-Per (state dtype, L, T, B), GDN H_k = 16, H_v = 32, d = 128:
+Per (state dtype, L, T, B), GDN H_k = 16, H_v = 32, d = 128 (`--gate kda`: KDA, the same
+shapes with a per-channel decay):
 
   conventional  the plain recurrence over the window writing T intermediate states per row
                 (what rollback needs without a cache): the plain decode kernel launched T
@@ -29,6 +30,7 @@ Timing: CUPTI kernel times of a jitted `lax.scan` over R disjoint slot sets (R *
 bytes >= 3x the L2), as `decode_bench.py`; a verify step's time is the sum of its kernels.
 
   python benchmarks/verify_bench.py --out verify.json     # on the GPU
+  python benchmarks/verify_bench.py --gate kda --out verify_kda.json
   python benchmarks/verify_bench.py --smoke --out x.json  # CPU, interpret mode
 """
 
@@ -286,13 +288,15 @@ def main(argv=None) -> dict:
     p.add_argument("--widths", default="4,8,2")
     p.add_argument("--dtypes", default="float32", help="state dtypes, e.g. float32,bfloat16")
     p.add_argument("--backends", default=",".join(BACKENDS), help="verify backends, e.g. mosaic_gpu")
+    p.add_argument("--gate", default="gdn", choices=("gdn", "kda"))
     p.add_argument("--iterations", type=int, default=3)
     p.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode, wall clock (CPU)")
     args = p.parse_args(argv)
     start = time.time()
     timer = Timer(args.smoke)
     ints = lambda s: [int(x) for x in s.split(",") if x]
-    shape = Shape(1, 2, 64) if args.smoke else Shape()  # d = 64: the Mosaic kernel's smallest tile
+    # d = 64: the Mosaic kernels' smallest tile
+    shape = Shape(1, 2, 64, args.gate) if args.smoke else Shape(gate=args.gate)
     meta = versions()
     meta["copy_bandwidth_GBps"] = 1000.0 if args.smoke else copy_bandwidth_GBps(timer)
     meta["timing"] = ("wall clock, interpret mode (smoke)" if args.smoke else

@@ -66,6 +66,7 @@ from replayssm_jax import gating
 from pallas_kernels import common
 from pallas_kernels.mosaic_gpu.replay_decode import MosaicReplayParams
 from pallas_kernels.mosaic_gpu.verify_decode import verify_decode_mgpu
+from pallas_kernels.mosaic_gpu.verify_decode_kda import verify_decode_kda_mgpu
 from pallas_kernels.verify_readout import VerifyReadoutParams, verify_readout
 from replayssm_jax.backends import mosaic_gpu, pallas_triton, xla
 from replayssm_jax.plan import plan_step
@@ -232,9 +233,10 @@ def verify_step(
         the folded checkpoint) from one `verify_readout` kernel launch, which reads each
         checkpoint tile once and never forms the live state in memory; the T x T solve,
         the outputs and the appends stay in XLA (they touch only `[B, H_v, T, .]` arrays);
-        or "mosaic_gpu" (GDN): the whole window in one `verify_decode_mgpu` launch (the
-        readouts, the T x T solve, the outputs, the records and the folds), plus XLA's
-        scatter of the folding rows' key and gate records.
+        or "mosaic_gpu" (GDN, KDA): the whole window in one `verify_decode_mgpu` (KDA:
+        `verify_decode_kda_mgpu`) launch (the readouts, the T x T solve, the outputs, the
+        records and the folds) after the window's T x T scalars in XLA, plus XLA's scatter
+        of the folding rows' key and gate records.
       lengths: optional `[B]` int in [0, T]: positions >= lengths[b] are padding (output 0,
         no record written, no effect on the capacity rule). Default: T for every row.
       parents: optional `[B, T]` int tree: `parents[b, i]` in [-1, i), -1 for a child of
@@ -256,7 +258,7 @@ def verify_step(
 
     Raises:
       ValueError: on a wrong shape or dtype, an unknown backend (Mamba-2: any but "xla";
-        "mosaic_gpu": any gate but GDN, or shapes its kernel cannot take),
+        "mosaic_gpu": shapes its kernels cannot take),
         `T > L`, `L = 1`, lengths outside [0, T], a parent that does not precede its child, or
         (when slots are concrete) a slot out of range or named twice.
     """
@@ -286,8 +288,6 @@ def verify_step(
         pallas_triton.check_kernel_shapes(cfg.head_k_dim, cfg.head_v_dim)
         kernel_params = pallas_triton.verify_params(cfg, batch, kernel_params)
     if backend == "mosaic_gpu":
-        if cfg.gate != "gdn":
-            raise ValueError(f"verify_step on backend 'mosaic_gpu' supports gate 'gdn' only, got {cfg.gate!r}")
         mosaic_gpu.check_config(cfg)
         if kernel_params is not None and not isinstance(kernel_params, MosaicReplayParams):
             raise ValueError(f"kernel_params must be a MosaicReplayParams for backend 'mosaic_gpu', "
@@ -456,7 +456,8 @@ def _mosaic_verify(state, window: Tokens, plan, fold, in_window, anc, *, use_qk_
     """`verify_step` on the Mosaic GPU kernel: `(y, new_state)`."""
     cfg = state.config
     window = xla.gate_tokens(cfg, window, gate_params)
-    y, checkpoint, u_cache, k_cache, g_cache = verify_decode_mgpu(
+    kernel = verify_decode_kda_mgpu if cfg.per_channel_gate else verify_decode_mgpu
+    y, checkpoint, u_cache, k_cache, g_cache = kernel(
         state.checkpoint, state.u_cache, state.k_cache, state.g_cache,
         window.q, window.k, window.v, window.g, window.beta,
         plan.slot, plan.pos, common.row_modes(plan.valid, fold), in_window.sum(axis=1), anc,

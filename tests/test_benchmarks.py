@@ -121,13 +121,15 @@ def test_table_cases_list_each_reachable_row_once():
     assert set(params) <= gdn_fp32_rows
 
 
-def test_verify_bench_smoke_writes_its_rows(tmp_path):
+@pytest.mark.parametrize("gate", ["gdn", "kda"])
+def test_verify_bench_smoke_writes_its_rows(tmp_path, gate):
     out = tmp_path / "verify.json"
-    result = verify_bench.main(["--smoke", "--batches", "2", "--cache-lens", "8", "--widths", "2", "--out", str(out)])
+    result = verify_bench.main(["--smoke", "--gate", gate, "--batches", "2", "--cache-lens", "8", "--widths", "2",
+                                "--out", str(out)])
     saved = json.loads(out.read_text())
     assert saved["rows"] == json.loads(json.dumps(result["rows"]))
     (row,) = saved["rows"]
-    assert (row["L"], row["T"], row["B"]) == (8, 2, 2)
+    assert (row["gate"], row["L"], row["T"], row["B"]) == (gate, 8, 2, 2)
     assert row["conventional_us"] > 0
     assert set(row["backends"]) == set(verify_bench.BACKENDS)
     for name, times in row["backends"].items():

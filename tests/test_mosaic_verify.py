@@ -1,10 +1,11 @@
-"""The Mosaic GPU verify kernel against a float64 NumPy model that decodes each window
-position along its branch, token by token, from the row's live state.
+"""The Mosaic GPU verify kernels (GDN, and KDA's per-channel decay) against a float64 NumPy
+model that decodes each window position along its branch, token by token, from the row's
+live state.
 
 Interpret mode on CPU (tiny batch, the kernel's smallest tile shapes): appending, folding
 and padding rows in one call, slots != rows, ragged window lengths (0 included), tree
 windows, NaN / Inf in every stale cache entry, in positions past a row's length and in a
-padding row's inputs. A second test lowers the kernel for an abstract H200 at the
+padding row's inputs. A second test lowers the kernels for an abstract H200 at the
 benchmark shapes; a third runs `verify_step(backend="mosaic_gpu")` against the xla backend
 through verify / accept rounds.
 """
@@ -17,7 +18,9 @@ import numpy as np
 import pytest
 
 from pallas_kernels import common
+from pallas_kernels.mosaic_gpu.replay_decode import MosaicReplayParams
 from pallas_kernels.mosaic_gpu.verify_decode import verify_decode_mgpu
+from pallas_kernels.mosaic_gpu.verify_decode_kda import verify_decode_kda_mgpu
 
 NUM_SLOTS, H_K, H_V, D, L, T = 6, 1, 2, 64, 8, 3
 SLOTS = np.array([4, 0, 2, 5, 1, 3], np.int32)
@@ -38,8 +41,11 @@ def _branch(parents, i):
 
 
 def _model(ckpt, u_c, k_c, g_c, q, k, v, g, beta, parents, *, state_dtype):
-    """Float64 verify: `(y, checkpoint, u_cache, k_cache, g_cache)` as the kernel leaves them."""
+    """Float64 verify: `(y, checkpoint, u_cache, k_cache, g_cache)` as the kernel leaves them.
+    A GDN log-decay (g_c `[N, H_v, L]`, g `[B, T, H_v]`) is the per-channel one with every
+    channel equal, so one model serves both gates."""
     ckpt, u_c, k_c, g_c = (np.array(x, np.float64) for x in (ckpt, u_c, k_c, g_c))
+    channels = (lambda x: np.asarray(x)) if g_c.ndim == 4 else (lambda x: np.asarray(x)[..., None])
     y = np.zeros(v.shape)
     group = H_V // H_K
     for b, (slot, pos, length) in enumerate(zip(SLOTS, POS, LENGTHS)):
@@ -48,9 +54,10 @@ def _model(ckpt, u_c, k_c, g_c, q, k, v, g, beta, parents, *, state_dtype):
         base = 0 if FOLD[b] else pos
         for h in range(H_V):
             hk = h // group
-            live = ckpt[slot, h] * np.exp(g_c[slot, h, :pos].sum())
+            g_rec = channels(g_c[slot, h])  # [L, d_k] or [L, 1]
+            live = ckpt[slot, h] * np.exp(g_rec[:pos].sum(0))
             for j in range(pos):
-                live = live + np.exp(g_c[slot, h, j + 1:pos].sum()) * np.outer(u_c[slot, h, j], k_c[slot, hk, j])
+                live = live + np.outer(u_c[slot, h, j], np.exp(g_rec[j + 1:pos].sum(0)) * k_c[slot, hk, j])
             if FOLD[b]:  # the folded checkpoint as stored, and the window read from it
                 live = np.asarray(jnp.asarray(live, jnp.float32).astype(state_dtype).astype(jnp.float32), np.float64)
                 ckpt[slot, h] = live
@@ -59,9 +66,10 @@ def _model(ckpt, u_c, k_c, g_c, q, k, v, g, beta, parents, *, state_dtype):
                 for t in _branch(parents[b], i):
                     qt, kt = q[b, t, hk].astype(np.float64), k[b, t, hk].astype(np.float64)
                     qt, kt = qt / np.sqrt(qt @ qt + EPS) * D ** -0.5, kt / np.sqrt(kt @ kt + EPS)
-                    gt, bt = float(g[b, t, h]), float(beta[b, t, h])
-                    u = bt * (v[b, t, h] - np.exp(gt) * state @ kt)
-                    state = np.exp(gt) * state + np.outer(u, kt)
+                    gt, bt = g[b, t, h].astype(np.float64), float(beta[b, t, h])
+                    alpha = np.exp(channels(gt))
+                    u = bt * (v[b, t, h] - state @ (alpha * kt))
+                    state = state * alpha + np.outer(u, kt)
                 y[b, i, h] = state @ qt
                 u_c[slot, h, base + i] = u
                 if not FOLD[b]:
@@ -70,18 +78,19 @@ def _model(ckpt, u_c, k_c, g_c, q, k, v, g, beta, parents, *, state_dtype):
     return y, ckpt, u_c, k_c, g_c
 
 
-def _inputs(rng, state_dtype, cache_dtype):
+def _inputs(rng, state_dtype, cache_dtype, per_channel=False):
     f = lambda *s: rng.standard_normal(s).astype(np.float32)
+    channels = (D,) if per_channel else ()
     ckpt = f(NUM_SLOTS, H_V, D, D) * 0.3
     u_c, k_c = f(NUM_SLOTS, H_V, L, D), f(NUM_SLOTS, H_K, L, D) * 0.2
-    g_c = -np.abs(f(NUM_SLOTS, H_V, L)) * 0.2
+    g_c = -np.abs(f(NUM_SLOTS, H_V, L, *channels)) * 0.2
     for slot, pos in zip(SLOTS, POS):  # stale entries: never read
         u_c[slot, :, pos:], k_c[slot, :, pos:], g_c[slot, :, pos:] = np.nan, np.inf, np.nan
     ckpt, u_c, k_c = (np.asarray(jnp.asarray(x).astype(dt).astype(jnp.float32))
                       for x, dt in ((ckpt, state_dtype), (u_c, cache_dtype), (k_c, cache_dtype)))
     batch = len(SLOTS)
     q, k, v = f(batch, T, H_K, D), f(batch, T, H_K, D), f(batch, T, H_V, D)
-    g, beta = -np.abs(f(batch, T, H_V)) * 0.3, rng.random((batch, T, H_V)).astype(np.float32)
+    g, beta = -np.abs(f(batch, T, H_V, *channels)) * 0.3, rng.random((batch, T, H_V)).astype(np.float32)
     past = np.arange(T)[None, :] >= np.where(PAD, 0, LENGTHS)[:, None]  # padding rows and positions
     for x in (q, k, v, g, beta):
         x[past] = np.nan
@@ -99,9 +108,11 @@ def _ancestors(parents):
 
 
 @pytest.mark.parametrize("state_dtype", [jnp.float32, jnp.bfloat16])
-def test_verify_matches_the_float64_model(rng, state_dtype):
-    ckpt, u_c, k_c, g_c, q, k, v, g, beta, parents = _inputs(rng, state_dtype, state_dtype)
-    out = verify_decode_mgpu(
+@pytest.mark.parametrize("gate", ["gdn", "kda"])
+def test_verify_matches_the_float64_model(rng, gate, state_dtype):
+    kernel = verify_decode_kda_mgpu if gate == "kda" else verify_decode_mgpu
+    ckpt, u_c, k_c, g_c, q, k, v, g, beta, parents = _inputs(rng, state_dtype, state_dtype, gate == "kda")
+    out = kernel(
         jnp.asarray(ckpt, state_dtype), jnp.asarray(u_c, state_dtype), jnp.asarray(k_c, state_dtype),
         jnp.asarray(g_c), *(jnp.asarray(x) for x in (q, k, v, g, beta)),
         jnp.asarray(SLOTS), jnp.asarray(POS), jnp.asarray(MODES), jnp.asarray(LENGTHS),
@@ -123,22 +134,34 @@ def test_verify_matches_the_float64_model(rng, state_dtype):
     assert not np.any(y[np.arange(T)[None, :] >= LENGTHS[:, None]]), "positions past a row's length output zeros"
 
 
-@pytest.mark.parametrize("state_dtype,cache_len,width", [
-    (jnp.float32, 16, 4), (jnp.float32, 32, 8), (jnp.bfloat16, 16, 2), (jnp.float32, 32, 1),
-])
-def test_lowers_for_an_abstract_h200(state_dtype, cache_len, width):
-    """GDN H_k = 16, H_v = 32, d = 128 (the benchmark shapes), lowered for CUDA on CPU."""
+def _lower_for_h200(gate, state_dtype, cache_len, width, head_dim=128, params=MosaicReplayParams()):
+    """The jitted, donated verify at H_k = 16, H_v = 32 (the benchmark shapes), lowered for
+    CUDA on CPU: the Mosaic GPU module text."""
     S = jax.ShapeDtypeStruct
-    n, b, hk, hv, d = 16, 8, 16, 32, 128
+    n, b, hk, hv, d = 16, 8, 16, 32, head_dim
     i32 = jnp.int32
+    channels = (d,) if gate == "kda" else ()
     args = [S((n, hv, d, d), state_dtype), S((n, hv, cache_len, d), state_dtype),
-            S((n, hk, cache_len, d), state_dtype), S((n, hv, cache_len), jnp.float32),
+            S((n, hk, cache_len, d), state_dtype), S((n, hv, cache_len, *channels), jnp.float32),
             S((b, width, hk, d), jnp.bfloat16), S((b, width, hk, d), jnp.bfloat16), S((b, width, hv, d), jnp.bfloat16),
-            S((b, width, hv), jnp.float32), S((b, width, hv), jnp.float32),
+            S((b, width, hv, *channels), jnp.float32), S((b, width, hv), jnp.float32),
             S((b,), i32), S((b,), i32), S((b,), i32), S((b,), i32), S((b, width, width), jnp.bool_)]
-    step = lambda *a: verify_decode_mgpu(*a, use_qk_l2norm=True, interpret=False)
-    text = jax.jit(step, donate_argnums=(0, 1, 2, 3)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text
+    kernel = verify_decode_kda_mgpu if gate == "kda" else verify_decode_mgpu
+    step = lambda *a: kernel(*a, use_qk_l2norm=True, params=params, interpret=False)
+    return jax.jit(step, donate_argnums=(0, 1, 2, 3)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("gate,state_dtype,cache_len,width,head_dim", [
+    ("gdn", jnp.float32, 16, 4, 128), ("gdn", jnp.float32, 32, 8, 128), ("gdn", jnp.bfloat16, 16, 2, 128),
+    ("gdn", jnp.float32, 32, 1, 128), ("gdn", jnp.float32, 16, 16, 128),
+    ("kda", jnp.float32, 16, 4, 128), ("kda", jnp.float32, 32, 8, 128), ("kda", jnp.bfloat16, 16, 2, 128),
+    ("kda", jnp.bfloat16, 32, 4, 128), ("kda", jnp.float32, 16, 4, 64), ("kda", jnp.float32, 16, 16, 128),
+])
+def test_lowers_for_an_abstract_h200(gate, state_dtype, cache_len, width, head_dim):
+    """d = 128 (the benchmark shapes; KDA also d = 64, where two warps hold each channel),
+    up to the widest window (T = 16: its coefficient record passes a TMA box's 256 elements
+    unless copied in rows)."""
+    assert "mosaic_gpu" in _lower_for_h200(gate, state_dtype, cache_len, width, head_dim)
 
 
 def test_refuses_shapes_it_cannot_take():
@@ -154,15 +177,44 @@ def test_refuses_shapes_it_cannot_take():
         verify_decode_mgpu(*args[:3], z(2, 2, 8, 64), *window(2), *rows, jnp.zeros((1, 2, 2), bool))
 
 
-@pytest.mark.parametrize("state_dtype,raw", [(jnp.float32, True), (jnp.bfloat16, False)])
-def test_backend_verify_and_accept_match_xla(rng, state_dtype, raw):
+def test_kda_refuses_shapes_it_cannot_take():
+    z = lambda *s: jnp.zeros(s)
+    state = lambda d, length=8: [z(2, 2, 64, d), z(2, 2, length, 64), z(2, 1, length, d), z(2, 2, length, d)]
+    window = lambda t, d=64: [z(1, t, 1, d), z(1, t, 1, d), z(1, t, 2, 64), z(1, t, 2, d), z(1, t, 2)]
+    rows = [jnp.zeros((1,), jnp.int32)] * 4
+    anc = lambda t: jnp.zeros((1, t, t), bool)
+    with pytest.raises(ValueError, match="window width T"):
+        verify_decode_kda_mgpu(*state(64), *window(9), *rows, anc(9))
+    with pytest.raises(ValueError, match="anc must have shape"):
+        verify_decode_kda_mgpu(*state(64), *window(2), *rows, jnp.zeros((1, 2, 3), bool))
+    with pytest.raises(ValueError, match=r"g_cache \[N, H_v, L, d_k\] and g \[B, T, H_v, d_k\]"):
+        verify_decode_kda_mgpu(*state(64)[:3], z(2, 2, 8), *window(2), *rows, anc(2))
+    with pytest.raises(ValueError, match=r"g_cache \[N, H_v, L, d_k\] and g \[B, T, H_v, d_k\]"):
+        verify_decode_kda_mgpu(*state(64), *window(2)[:3], z(1, 2, 2), z(1, 2, 2), *rows, anc(2))
+    with pytest.raises(ValueError, match="d_k = 64 or a multiple of 128"):
+        verify_decode_kda_mgpu(*state(192), *window(2, 192), *rows, anc(2))
+    with pytest.raises(ValueError, match="exact fp32 only"):
+        verify_decode_kda_mgpu(*state(64), *window(2), *rows, anc(2), params=MosaicReplayParams(rebuild="tf32"))
+    with pytest.raises(ValueError, match="programs must be 0"):
+        verify_decode_kda_mgpu(*state(64), *window(2), *rows, anc(2), params=MosaicReplayParams(programs=4))
+    # fp32 records of a 96-entry ring at d = 128 (with the weights W and the window) outgrow
+    # a CTA's shared memory: a ValueError naming the size, not a failed compile.
+    with pytest.raises(ValueError, match="bytes of shared memory per CTA"):
+        _lower_for_h200("kda", jnp.float32, 96, 4)
+
+
+@pytest.mark.parametrize("gate,state_dtype,raw", [
+    ("gdn", jnp.float32, True), ("gdn", jnp.bfloat16, False), ("kda", jnp.float32, True), ("kda", jnp.bfloat16, False),
+])
+def test_backend_verify_and_accept_match_xla(rng, gate, state_dtype, raw):
     """`verify_step(backend="mosaic_gpu")` against the xla backend through rounds of
     verify and accept (0..length tokens per row, chains and trees), with a padding row and
     rows that fold by the capacity rule, each backend on its own state; raw gates (gated
     by the backend) or activated ones."""
     from replayssm_jax import ReplayConfig, Tokens, accept, init_state, materialize_state, verify_step
 
-    cfg = ReplayConfig(1, 2, 64, 64, 8, state_dtype=state_dtype, cache_dtype=state_dtype)
+    cfg = ReplayConfig(1, 2, 64, 64, 8, gate=gate, state_dtype=state_dtype, cache_dtype=state_dtype)
+    channels = (64,) if gate == "kda" else ()
     start = jnp.asarray(rng.standard_normal((4, 2, 64, 64)) * 0.1, state_dtype)
     states = {b: init_state(cfg, 4, checkpoint=start) for b in ("xla", "mosaic_gpu")}
     slots = jnp.asarray([2, -1, 0, 3], jnp.int32)
@@ -171,15 +223,17 @@ def test_backend_verify_and_accept_match_xla(rng, state_dtype, raw):
     # bf16, and an entry that rounds differently differs by one bf16 ulp.
     tol = 1e-5 if state_dtype == jnp.float32 else 2e-2
     folds = 0
+    dt_bias = jnp.broadcast_to(jnp.asarray([0.5, -1.0]).reshape(2, *(1,) * len(channels)), (2, *channels))
     for round_ in range(8):
         f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
-        window = Tokens(f(4, T, 1, 64), f(4, T, 1, 64), f(4, T, 2, 64), *(
-            (f(4, T, 2), f(4, T, 2)) if raw else (-jnp.abs(f(4, T, 2)) * 0.2, jax.nn.sigmoid(f(4, T, 2)))))
+        g = f(4, T, 2, *channels) if raw else -jnp.abs(f(4, T, 2, *channels)) * 0.2
+        window = Tokens(f(4, T, 1, 64), f(4, T, 1, 64), f(4, T, 2, 64), g,
+                        f(4, T, 2) if raw else jax.nn.sigmoid(f(4, T, 2)))
         lengths = rng.integers(0, T + 1, 4).astype(np.int32)
         parents = (np.stack([rng.integers(-1, np.arange(T)) for _ in range(4)]).astype(np.int32)
                    if round_ % 2 else None)
         extra = dict(lengths=jnp.asarray(lengths), parents=None if parents is None else jnp.asarray(parents),
-                     gate_params=(jnp.asarray([0.1, -0.4]), jnp.asarray([0.5, -1.0])) if raw else None)
+                     gate_params=(jnp.asarray([0.1, -0.4]), dt_bias) if raw else None)
         cursors = np.asarray(states["xla"].write_pos)[np.asarray(slots)]
         folds += int(np.sum((np.asarray(slots) >= 0) & (cursors + lengths > cfg.cache_len)))
         ys = {}
@@ -211,9 +265,10 @@ def test_verify_step_refuses_what_the_kernel_cannot_take(rng):
     f = lambda *s: jnp.zeros(s)
     window = lambda g_shape: Tokens(f(1, 2, 1, 64), f(1, 2, 1, 64), f(1, 2, 2, 64), f(1, 2, *g_shape), f(1, 2, 2))
     slots = jnp.zeros((1,), jnp.int32)
-    kda = ReplayConfig(1, 2, 64, 64, 8, gate="kda")
-    with pytest.raises(ValueError, match="gate 'gdn' only"):
-        verify_step(init_state(kda, 2), window((2, 64)), slots, backend="mosaic_gpu")
+    kda = ReplayConfig(1, 2, 192, 64, 8, gate="kda")
+    window_192 = Tokens(f(1, 2, 1, 192), f(1, 2, 1, 192), f(1, 2, 2, 64), f(1, 2, 2, 192), f(1, 2, 2))
+    with pytest.raises(ValueError, match="d_k = 64 or a multiple of 128"):
+        verify_step(init_state(kda, 2), window_192, slots, backend="mosaic_gpu")
     gdn = ReplayConfig(1, 2, 64, 64, 8)
     with pytest.raises(ValueError, match="must be a MosaicReplayParams"):
         verify_step(init_state(gdn, 2), window((2,)), slots, backend="mosaic_gpu", kernel_params=VerifyReadoutParams())

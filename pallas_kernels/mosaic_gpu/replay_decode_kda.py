@@ -93,7 +93,7 @@ def check_kda_shapes(head_k_dim: int, head_v_dim: int, cache_len: int, state_ite
                          f"of shared memory per CTA, more than {SMEM_BYTES}")
 
 
-def _decay_weights(g_smem, w_smem, chan_smem, pos, channels):
+def decay_weights(g_smem, w_smem, chan_smem, pos, channels):
     """`W [L, d_k]` into `w_smem` (`W_j = exp(sum_{j<i<pos} g_i)` for j < pos, 1 past it)
     and `e^G` into row 0 of `chan_smem`, from the g records `g_smem [L, d_k]`.
 
@@ -111,14 +111,14 @@ def _decay_weights(g_smem, w_smem, chan_smem, pos, channels):
     chan_smem[pl.ds(0, 1)] = jnp.exp(running)
 
 
-def _weighted_keys(w_smem, k_smem, wk_rows, channels):
+def weighted_keys(w_smem, k_smem, wk_rows, channels):
     """`W_j * k_j` `[L, d_k]` into `wk_rows`, for the rebuild, which reads the rows
     below `pos` only (a stale row may hold NaN)."""
     weights = plgpu.load(w_smem, layout=channels)
     wk_rows[...] = weights * plgpu.load(k_smem, layout=channels).astype(F32)
 
 
-def _rebuild_exact(state, u_rows, wk_rows, pos):
+def rebuild_exact(state, u_rows, wk_rows, pos):
     """`state + sum_{j<pos} u_j (W_j * k_j)^T` in fp32, newest entry first."""
 
     def body(i, state):
@@ -172,7 +172,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, q_row_ref, k_row_ref, v_r
         v_row = plgpu.load(v_ref.at[b, h, rows], layout=ROW, optimized=False).astype(F32)
 
         plgpu.barrier_wait(barrier)
-        _decay_weights(g_smem, w_smem, chan_smem, pos, channels)
+        decay_weights(g_smem, w_smem, chan_smem, pos, channels)
         plgpu.commit_smem()  # W, e^G and alpha visible to every thread
         decayed_alpha = plgpu.load(chan_smem.at[0], layout=COL) * plgpu.load(chan_smem.at[1], layout=COL)
         wk_t = load_transposed(w_smem) * load_transposed(k_smem)  # [Dk, L]; stale columns 0 or NaN
@@ -201,13 +201,13 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, q_row_ref, k_row_ref, v_r
         def _flush():
             plgpu.copy_gmem_to_smem(ucache_ref.at[slot, h, :, rows], u_rows, rows_barrier)
             # The g records were last read before the barrier above: their buffer takes W * K.
-            _weighted_keys(w_smem, k_smem, g_smem, channels)
+            weighted_keys(w_smem, k_smem, g_smem, channels)
             plgpu.commit_smem()
             plgpu.barrier_wait(rows_barrier)
             # e^G and alpha again from shared memory rather than held in registers through the readout.
             decay_col = plgpu.load(chan_smem.at[0], layout=COL)
             alpha_col = plgpu.load(chan_smem.at[1], layout=COL)
-            prev = _rebuild_exact(s_c * bcast_cols(decay_col, s_c.shape), u_rows, g_smem, pos)
+            prev = rebuild_exact(s_c * bcast_cols(decay_col, s_c.shape), u_rows, g_smem, pos)
             new = prev * bcast_cols(alpha_col, prev.shape) + bcast_rows(u, prev.shape) * bcast_cols(k_col, prev.shape)
             store_tile(t_smem, ckpt_ref, new, slot, h, rows)
 

@@ -37,6 +37,9 @@ by zeros before use, so garbage there (NaN included) reaches nothing.
 Writes in place (`jax.new_ref`): u records `[L, BV]` rows of this tile; g records (tile 0)
 and k records (tile 0 of each key head's first value head) of appending rows; the folded
 checkpoint tile. y `[B, T, H_v, d_v]` leaves through shared memory and one TMA copy.
+
+KDA (per-channel decay) has its own kernel, `verify_decode_kda.py`, sharing this file's
+window preparation, coefficient packing and per-position solve.
 """
 
 from __future__ import annotations
@@ -58,18 +61,100 @@ from pallas_kernels.mosaic_gpu.replay_decode import MosaicReplayParams, check_sh
 MAX_WIDTH = 16  # the window is unrolled in the kernel: code size grows as T^2
 
 
-def _keep(flag, x, layout):
-    """x where the scalar `flag` holds, else zeros (a select: NaN in x stays out). The
+def select_if(flag, x, layout, other=0.0):
+    """x where the scalar `flag` holds, else `other` (a select: NaN in x stays out). The
     predicate is a vector in x's layout: Mosaic selects do not broadcast a scalar one."""
     n = x.shape[0]
     mask = plgpu.broadcasted_iota(jnp.int32, (n,), 0, layout=layout) < jnp.where(flag, n, 0)
-    return jnp.where(mask, x, 0.0)
+    return jnp.where(mask, x, other)
 
 
-def coefficient_count(width: int) -> int:
-    """C, the length of one `(row, value head)` record of `window_coefficients` (a multiple
-    of 4 floats: TMA copies whole 16-byte units)."""
-    return -(-(2 * width * width + 5 * width) // 4) * 4
+GDN_VECTORS = 5  # e^{G}, beta, g, q_scale, k_scale per position
+# A record is copied as `[C / COEF_LANES, COEF_LANES]`: a TMA box takes at most 256 elements
+# along each dimension, which a flat record passes from T = 11 on.
+COEF_LANES = 16
+
+
+def coefficient_count(width: int, vectors: int = GDN_VECTORS) -> int:
+    """C, the length of one `(row, value head)` record of `window_coefficients` (`A`, `M`
+    and `vectors` per-position scalars, padded to whole `COEF_LANES` rows)."""
+    return -(-(2 * width * width + vectors * width) // COEF_LANES) * COEF_LANES
+
+
+def coefficient_shape(width: int, vectors: int = GDN_VECTORS) -> tuple[int, int]:
+    """The shape of one record as the kernel copies it."""
+    return coefficient_count(width, vectors) // COEF_LANES, COEF_LANES
+
+
+def prepare_window(q, k, g, beta, length, *, use_qk_l2norm: bool, scale: float):
+    """The window's inputs in fp32 with positions at and past a row's length zeroed (their
+    inputs, NaN included, are dropped first): `(in_window [B, T], q_n, k_n, g, beta,
+    q_scale, k_scale)`, where q_n, k_n `[B, T, H_k, d_k]` are q, k normalised (when
+    `use_qk_l2norm`) and q_n scaled, and `q_scale`, `k_scale` `[B, T, H_k]` give those
+    factors for the raw vectors."""
+    batch, width = q.shape[:2]
+    in_window = jnp.arange(width)[None, :] < length[:, None]  # [B, T]
+    keep = lambda x: jnp.where(in_window.reshape(batch, width, *[1] * (x.ndim - 2)), x.astype(F32), 0.0)
+    q, k, g, beta = keep(q), keep(k), keep(g), keep(beta)
+    q_scale = jnp.full(q.shape[:3], scale, F32)
+    k_scale = jnp.ones(k.shape[:3], F32)
+    if use_qk_l2norm:
+        q_scale = q_scale * lax.rsqrt(jnp.sum(q * q, axis=-1) + L2NORM_EPS)
+        k_scale = lax.rsqrt(jnp.sum(k * k, axis=-1) + L2NORM_EPS)
+    q_scale, k_scale = keep(q_scale), keep(k_scale)
+    return in_window, q * q_scale[..., None], k * k_scale[..., None], g, beta, q_scale, k_scale
+
+
+def pack_coefficients(parts: list, width: int, vectors: int) -> Float[Array, "B Hv R Lanes"]:
+    """`[B, H_v, ...]` parts flattened, joined, padded to `coefficient_count` and shaped as
+    `coefficient_shape` per `(row, value head)`."""
+    packed = jnp.concatenate([x.reshape(*x.shape[:2], -1) for x in parts], axis=-1)
+    packed = jnp.pad(packed, ((0, 0), (0, 0), (0, coefficient_count(width, vectors) - packed.shape[-1])))
+    return packed.reshape(*packed.shape[:2], *coefficient_shape(width, vectors))
+
+
+def unpack_coefficients(c_smem, width: int, vectors: int):
+    """Readers of one packed record in shared memory (`coefficient_shape`): `(A(i, j),
+    M(i, j), *per-position scalars(i))`."""
+    T = width
+    at = lambda n: c_smem[n // COEF_LANES, n % COEF_LANES]
+    A = lambda i, j: at(i * T + j)
+    M = lambda i, j: at(T * T + i * T + j)
+    return (A, M, *((lambda i, o=o: at(2 * T * T + o * T + i)) for o in range(vectors)))
+
+
+def solve_positions(width, length, A, M, beta, v_rows, o_smem, read_k, read_q, append):
+    """The window position by position: `u_i` by forward substitution and `y_i` into
+    `o_smem[i]` (ROW, 0 at and past `length`).
+
+    `read_k(i, load) -> (R_k, k_i)` gives the live state's readout that enters `R_i`
+    (`e^{G_i} S k_i`) and the key record k_i (COL); `read_q(i, load)` the readout of `y_i`
+    (`e^{G_i} S q_i`); `load(ref, layout)` loads a position's vector in fp32, zeros at and
+    past `length`. One position's vectors at a time, loaded when used: keeping all 2T of
+    them in registers spills. `append(i, in_window, u_i, k_i)` writes the records."""
+    u = []
+    for i in range(width):
+        in_window = i < length
+        load = lambda ref, layout: select_if(in_window, plgpu.load(ref, layout=layout, optimized=False).astype(F32),
+                                             layout)
+        r_k, k_col = read_k(i, load)
+        u_i = beta(i) * (load(v_rows.at[i], ROW) - r_k)
+        for j in range(i):
+            u_i = u_i - A(i, j) * u[j]
+        u.append(u_i)
+        y_i = read_q(i, load)
+        for j in range(i + 1):
+            y_i = y_i + M(i, j) * u[j]
+        o_smem[i] = select_if(in_window, y_i, ROW).astype(o_smem.dtype)
+        append(i, in_window, u_i, k_col)
+
+
+def store_zeros(o_smem, y_ref, b, h, rows, width):
+    """A padding row's outputs: zeros for every window position."""
+    for i in range(width):
+        o_smem[i] = plgpu.layout_cast(jnp.zeros((BLOCK_ROWS,), o_smem.dtype), ROW)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, y_ref.at[b, :, h, rows])
 
 
 def window_coefficients(
@@ -82,10 +167,10 @@ def window_coefficients(
     *,
     use_qk_l2norm: bool,
     scale: float,
-) -> Float[Array, "B Hv C"]:
-    """The window's scalars per `(row, value head)`, packed for the kernel (fp32, C =
-    `coefficient_count(T)`): `A [T, T]`, `M [T, T]`, `e^{G} [T]`, `beta [T]`, `g [T]`,
-    `q_scale [T]`, `k_scale [T]`, then zeros, where
+) -> Float[Array, "B Hv R Lanes"]:
+    """The window's scalars per `(row, value head)`, packed for the kernel (fp32,
+    `coefficient_count(T)` floats shaped as `coefficient_shape(T)`): `A [T, T]`, `M [T, T]`,
+    `e^{G} [T]`, `beta [T]`, `g [T]`, `q_scale [T]`, `k_scale [T]`, then zeros, where
 
         A_ij = beta_i e^{G_i - G_j} (k_i . k_j)   for j in anc(i), else 0
         M_ij = e^{G_i - G_j} (q_i . k_j)          for j in anc(i) + {i}, else 0
@@ -93,18 +178,10 @@ def window_coefficients(
     with q_i, k_i normalised and q_i scaled (`q_scale`, `k_scale` give those factors for the
     raw vectors). Positions at and past a row's length get zeros everywhere (their inputs,
     NaN included, are dropped first)."""
-    batch, width, num_k_heads, _ = q.shape
+    width, num_k_heads = q.shape[1], q.shape[2]
     group = g.shape[2] // num_k_heads
-    in_window = jnp.arange(width)[None, :] < length[:, None]  # [B, T]
-    keep = lambda x: jnp.where(in_window.reshape(batch, width, *[1] * (x.ndim - 2)), x.astype(F32), 0.0)
-    q, k, g, beta = keep(q), keep(k), keep(g), keep(beta)
-    q_scale = jnp.full(q.shape[:3], scale, F32)
-    k_scale = jnp.ones(k.shape[:3], F32)
-    if use_qk_l2norm:
-        q_scale = q_scale * lax.rsqrt(jnp.sum(q * q, axis=-1) + L2NORM_EPS)
-        k_scale = lax.rsqrt(jnp.sum(k * k, axis=-1) + L2NORM_EPS)
-    q_scale, k_scale = keep(q_scale), keep(k_scale)
-    qn, kn = q * q_scale[..., None], k * k_scale[..., None]
+    in_window, qn, kn, g, beta, q_scale, k_scale = prepare_window(q, k, g, beta, length, use_qk_l2norm=use_qk_l2norm,
+                                                                   scale=scale)
     heads = lambda x: jnp.repeat(x, group, axis=1)  # [B, Hk, ...] -> [B, Hv, ...]
     kk = heads(jnp.einsum("bihc,bjhc->bhij", kn, kn, precision=lax.Precision.HIGHEST))
     qk = heads(jnp.einsum("bihc,bjhc->bhij", qn, kn, precision=lax.Precision.HIGHEST))
@@ -119,10 +196,8 @@ def window_coefficients(
     A = jnp.where(strict, beta_t[..., :, None] * decay * kk, 0.0)
     M = decay * qk
     e_G = jnp.where(in_window[:, None, :], jnp.exp(G), 0.0)
-    flat = lambda x: x.reshape(*x.shape[:2], -1)
     scales = [heads(jnp.moveaxis(x, 1, 2)) for x in (q_scale, k_scale)]
-    packed = jnp.concatenate([flat(A), flat(M), e_G, beta_t, g_t, *scales], axis=-1)
-    return jnp.pad(packed, ((0, 0), (0, 0), (0, coefficient_count(width) - packed.shape[-1])))
+    return pack_coefficients([A, M, e_G, beta_t, g_t, *scales], width, GDN_VECTORS)
 
 
 def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_ref,
@@ -140,10 +215,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
 
     @pl.when(mode == MODE_PAD)
     def _padding_row():
-        for i in range(width):
-            o_smem[i] = plgpu.layout_cast(jnp.zeros((BLOCK_ROWS,), o_smem.dtype), ROW)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, y_ref.at[b, :, h, rows])
+        store_zeros(o_smem, y_ref, b, h, rows, width)
 
     @pl.when(mode != MODE_PAD)
     def _live_row():
@@ -203,30 +275,17 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
             history = row_sum(u_t * bcast_cols(c, u_t.shape))
             return history + decay_eff * row_sum(s_eff * bcast_cols(x_col, s_eff.shape))
 
-        T = width
-        A = lambda i, j: c_smem[i * T + j]
-        M = lambda i, j: c_smem[T * T + i * T + j]
-        e_G, beta, g, q_scale, k_scale = (
-            (lambda i, o=o: c_smem[2 * T * T + o * T + i]) for o in range(5))
+        A, M, e_G, beta, g, q_scale, k_scale = unpack_coefficients(c_smem, width, GDN_VECTORS)
         base = jnp.where(fold, 0, pos)
-        u = []
-        for i in range(T):
-            # One position's vectors at a time, loaded when used: keeping all 2T of them
-            # in registers spills.
-            in_window = i < length
-            load = lambda ref, layout: _keep(in_window, plgpu.load(ref, layout=layout, optimized=False).astype(F32),
-                                             layout)
-            k_col = k_scale(i) * load(k_cols.at[i], COL)
-            r_k = readout(k_col, k_scale(i) * load(k_rows_w.at[i], ROW))
-            u_i = beta(i) * (load(v_rows.at[i], ROW) - e_G(i) * r_k)
-            for j in range(i):
-                u_i = u_i - A(i, j) * u[j]
-            u.append(u_i)
-            y_i = e_G(i) * readout(q_scale(i) * load(q_cols.at[i], COL), q_scale(i) * load(q_rows.at[i], ROW))
-            for j in range(i + 1):
-                y_i = y_i + M(i, j) * u[j]
-            o_smem[i] = _keep(in_window, y_i, ROW).astype(o_smem.dtype)
 
+        def read_k(i, load):
+            k_col = k_scale(i) * load(k_cols.at[i], COL)
+            return e_G(i) * readout(k_col, k_scale(i) * load(k_rows_w.at[i], ROW)), k_col
+
+        def read_q(i, load):
+            return e_G(i) * readout(q_scale(i) * load(q_cols.at[i], COL), q_scale(i) * load(q_rows.at[i], ROW))
+
+        def append(i, in_window, u_i, k_col):
             @pl.when(in_window)
             def _append_u():
                 ucache_ref[slot, h, base + i, rows] = u_i.astype(ucache_ref.dtype)
@@ -239,6 +298,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
             def _append_key():
                 kcache_ref[slot, hk, base + i] = k_col.astype(kcache_ref.dtype)
 
+        solve_positions(width, length, A, M, beta, v_rows, o_smem, read_k, read_q, append)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_smem, y_ref.at[b, :, h, rows])
 
@@ -253,7 +313,7 @@ def _build(batch, width, num_v_heads, head_v_dim, head_k_dim, cache_len, state_d
     scratch = [
         *replay_scratch(BLOCK_ROWS, head_k_dim, cache_len, state_dtype, cache_dtype, (width, BLOCK_ROWS), y_dtype,
                         swizzle),
-        plgpu.SMEM((coefficient_count(width),), F32),
+        plgpu.SMEM(coefficient_shape(width), F32),
         *record_copies(BLOCK_ROWS, head_k_dim, cache_len, cache_dtype),
         [plgpu.SMEM((width, head_k_dim), qk_dtype) for _ in range(4)] + [plgpu.SMEM((width, BLOCK_ROWS), y_dtype)],
         plgpu.Barrier(num_arrivals=10),
