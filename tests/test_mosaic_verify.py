@@ -175,6 +175,11 @@ def test_refuses_shapes_it_cannot_take():
         verify_decode_mgpu(*args, *window(2), *rows, jnp.zeros((1, 2, 3), bool))
     with pytest.raises(ValueError, match="per-head"):
         verify_decode_mgpu(*args[:3], z(2, 2, 8, 64), *window(2), *rows, jnp.zeros((1, 2, 2), bool))
+    for params, match in ((MosaicReplayParams(rebuild="tf32"), "exact fp32 only"),
+                          (MosaicReplayParams(programs=4), "programs must be 0"),
+                          (MosaicReplayParams(auto_barriers=False), "auto_barriers must be True")):
+        with pytest.raises(ValueError, match=match):
+            verify_decode_mgpu(*args, *window(2), *rows, jnp.zeros((1, 2, 2), bool), params=params)
 
 
 def test_kda_refuses_shapes_it_cannot_take():

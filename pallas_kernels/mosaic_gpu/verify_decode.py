@@ -305,6 +305,17 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
     plgpu.wait_smem_to_gmem(0)
 
 
+def check_params(params: MosaicReplayParams, kernel: str) -> None:
+    """Raise ValueError on the decode kernels' options a verify kernel does not take: it
+    rebuilds folds in exact fp32, runs one CTA per tile and keeps Mosaic's barriers."""
+    if params.rebuild != "exact":
+        raise ValueError(f"{kernel} rebuilds in exact fp32 only, got rebuild={params.rebuild!r}")
+    if params.programs:
+        raise ValueError(f"{kernel} runs one CTA per tile: programs must be 0, got {params.programs}")
+    if not params.auto_barriers:
+        raise ValueError(f"{kernel} keeps Mosaic's automatic barriers: auto_barriers must be True")
+
+
 @functools.lru_cache(maxsize=None)
 def _build(batch, width, num_v_heads, head_v_dim, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y_dtype,
            group_size, swizzle, interpret):
@@ -383,8 +394,7 @@ def verify_decode_mgpu(
     if anc.shape != (batch, width, width):
         raise ValueError(f"anc must have shape {(batch, width, width)}, got {anc.shape}")
     check_shapes(head_k_dim, head_v_dim, cache_len, checkpoint.dtype.itemsize, params.swizzle)
-    if params.rebuild != "exact":
-        raise ValueError(f"verify_decode_mgpu rebuilds in exact fp32 only, got rebuild={params.rebuild!r}")
+    check_params(params, "verify_decode_mgpu")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     length = length.astype(jnp.int32)

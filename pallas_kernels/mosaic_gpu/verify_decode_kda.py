@@ -51,8 +51,9 @@ from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA,
 from pallas_kernels.mosaic_gpu.replay_decode import MosaicReplayParams
 from pallas_kernels.mosaic_gpu.replay_decode_kda import (channel_layout, check_kda_shapes, decay_weights,
                                                          rebuild_exact, weighted_keys)
-from pallas_kernels.mosaic_gpu.verify_decode import (MAX_WIDTH, coefficient_shape, pack_coefficients, prepare_window,
-                                                     select_if, solve_positions, store_zeros, unpack_coefficients)
+from pallas_kernels.mosaic_gpu.verify_decode import (MAX_WIDTH, check_params, coefficient_shape, pack_coefficients,
+                                                     prepare_window, select_if, solve_positions, store_zeros,
+                                                     unpack_coefficients)
 
 KDA_VECTORS = 3  # beta, q_scale, k_scale per position
 
@@ -288,10 +289,7 @@ def verify_decode_kda_mgpu(
         raise ValueError(f"q and k must share a dtype, got {q.dtype} and {k.dtype}")
     check_kda_shapes(head_k_dim, head_v_dim, cache_len, checkpoint.dtype.itemsize, u_cache.dtype.itemsize,
                      params.swizzle)
-    if params.rebuild != "exact":
-        raise ValueError(f"verify_decode_kda_mgpu rebuilds in exact fp32 only, got rebuild={params.rebuild!r}")
-    if params.programs:
-        raise ValueError(f"verify_decode_kda_mgpu runs one CTA per tile: programs must be 0, got {params.programs}")
+    check_params(params, "verify_decode_kda_mgpu")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     length = length.astype(jnp.int32)
