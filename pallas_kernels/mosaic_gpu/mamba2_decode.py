@@ -6,7 +6,9 @@ Per head h (H heads, head dim P, state size N, G groups; head h uses group h // 
 
 Grid `(B, H * P / BP)`, one warpgroup (128 threads) per CTA, BP = 64: CTA (b, h, t)
 serves state rows `t*BP .. t*BP + BP - 1` of head h of row b, whose slot, cursor `pos`
-and mode (padding / append / flush) it reads from `[B]` arrays.
+and mode (padding / append / flush) it reads from `[B]` arrays; or, with
+`MosaicMamba2Params.programs = n`, n persistent CTAs serve the tiles in turn
+(`pipeline.persistent_tiles`).
 
 Data movement (TMA, one barrier): the checkpoint tile `S_c [BP, N]`, the slot's x records
 `[L, BP]` of this tile and its B records `[L, N]` (group h // (H/G)), all swizzled, and

@@ -2,7 +2,9 @@
 
 Grid `(B, H_v * d_v / BV)`, one warpgroup (128 threads) per CTA, BV = 64: CTA (b, h, t)
 serves value rows `t*BV .. t*BV + BV - 1` of value head h of row b, whose slot, cursor
-`pos` and mode (padding / append / flush) it reads from `[B]` arrays.
+`pos` and mode (padding / append / flush) it reads from `[B]` arrays. With
+`MosaicReplayParams.programs = n`, n persistent CTAs serve the same tiles in turn, the
+next tile's copies in flight while one is computed (`pipeline.persistent_tiles`).
 
 Data movement (TMA, one barrier): the checkpoint tile `S_c [BV, d_k]`, the slot's u
 records `[L, BV]` of this tile and its key records `[L, d_k]` (key head h // G), all
