@@ -125,7 +125,7 @@ def _time_step(dt_raw, dt_bias, dt_softplus, dt_limit):
     return dt
 
 
-def _window_weights(dt_smem, a, pos, cache_len):
+def window_weights(dt_smem, a, pos, cache_len):
     """`(w [L] in COL, e^{A Gamma})`: `w_j = dt_j exp(A sum_{j<i<pos} dt_i)` for j < pos, 0 past it.
 
     The valid entries' decays are multiplied newest first as scalars (unrolled over the
@@ -142,9 +142,9 @@ def _window_weights(dt_smem, a, pos, cache_len):
     return weights, running
 
 
-def _rebuild_exact(s_c, decay_total, x_smem, b_smem, dt_smem, a, pos):
+def rebuild_exact(s_c, decay_total, x_smem, b_smem, dt_smem, a, pos):
     """`S_{t-1} = e^{A Gamma} S_c + sum_j w_j x_j B_j^T` in fp32, newest entry first (the
-    running decay of `_window_weights`, so both see the same weights)."""
+    running decay of `window_weights`, so both see the same weights)."""
 
     def body(i, carry):
         state, running = carry
@@ -216,7 +216,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, x_ref, b_ref, c_ref, c_row_ref, dt_ref,
             b_dot_c = jnp.sum(b_col * c_col)
 
             plgpu.barrier_wait(barrier)
-            weights, decay_total = _window_weights(dt_smem, a, pos, cache_len)
+            weights, decay_total = window_weights(dt_smem, a, pos, cache_len)
             b_t = load_transposed(b_smem)  # [N, L]
             j = plgpu.broadcasted_iota(jnp.int32, (BLOCK_P, cache_len), 1, layout=WGMMA)
             x_t = jnp.where(j < pos, load_transposed(x_smem), 0.0)  # [BP, L], stale entries 0
@@ -240,7 +240,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, x_ref, b_ref, c_ref, c_row_ref, dt_ref,
                 plgpu.copy_gmem_to_smem(xcache_ref.at[slot, h, :, rows], x_rows, rows_barrier)
                 plgpu.copy_gmem_to_smem(bcache_ref.at[slot, grp], b_rows, rows_barrier)
                 plgpu.barrier_wait(rows_barrier)
-                prev = _rebuild_exact(s_c, decay_total, x_rows, b_rows, dt_smem, a, pos)
+                prev = rebuild_exact(s_c, decay_total, x_rows, b_rows, dt_smem, a, pos)
                 new = alpha * prev + bcast_rows(dt * x_row, prev.shape) * bcast_cols(b_col, prev.shape)
                 plgpu.commit_smem()  # every thread's loads of the tile done before it is rewritten
                 t_smem[...] = new.astype(t_smem.dtype)

@@ -75,15 +75,16 @@ GDN_VECTORS = 5  # e^{G}, beta, g, q_scale, k_scale per position
 COEF_LANES = 16
 
 
-def coefficient_count(width: int, vectors: int = GDN_VECTORS) -> int:
-    """C, the length of one `(row, value head)` record of `window_coefficients` (`A`, `M`
-    and `vectors` per-position scalars, padded to whole `COEF_LANES` rows)."""
-    return -(-(2 * width * width + vectors * width) // COEF_LANES) * COEF_LANES
+def coefficient_count(width: int, vectors: int = GDN_VECTORS, matrices: int = 2) -> int:
+    """C, the length of one `(row, value head)` record of `window_coefficients` (`matrices`
+    `T x T` blocks, GDN's `A` and `M`, and `vectors` per-position scalars, padded to whole
+    `COEF_LANES` rows)."""
+    return -(-(matrices * width * width + vectors * width) // COEF_LANES) * COEF_LANES
 
 
-def coefficient_shape(width: int, vectors: int = GDN_VECTORS) -> tuple[int, int]:
+def coefficient_shape(width: int, vectors: int = GDN_VECTORS, matrices: int = 2) -> tuple[int, int]:
     """The shape of one record as the kernel copies it."""
-    return coefficient_count(width, vectors) // COEF_LANES, COEF_LANES
+    return coefficient_count(width, vectors, matrices) // COEF_LANES, COEF_LANES
 
 
 def prepare_window(q, k, g, beta, length, *, use_qk_l2norm: bool, scale: float):
@@ -105,22 +106,22 @@ def prepare_window(q, k, g, beta, length, *, use_qk_l2norm: bool, scale: float):
     return in_window, q * q_scale[..., None], k * k_scale[..., None], g, beta, q_scale, k_scale
 
 
-def pack_coefficients(parts: list, width: int, vectors: int) -> Float[Array, "B Hv R Lanes"]:
-    """`[B, H_v, ...]` parts flattened, joined, padded to `coefficient_count` and shaped as
-    `coefficient_shape` per `(row, value head)`."""
+def pack_coefficients(parts: list, width: int, vectors: int, matrices: int = 2) -> Float[Array, "B Hv R Lanes"]:
+    """`[B, H_v, ...]` parts (the `matrices` `T x T` blocks first) flattened, joined, padded
+    to `coefficient_count` and shaped as `coefficient_shape` per `(row, value head)`."""
     packed = jnp.concatenate([x.reshape(*x.shape[:2], -1) for x in parts], axis=-1)
-    packed = jnp.pad(packed, ((0, 0), (0, 0), (0, coefficient_count(width, vectors) - packed.shape[-1])))
-    return packed.reshape(*packed.shape[:2], *coefficient_shape(width, vectors))
+    count = coefficient_count(width, vectors, matrices)
+    packed = jnp.pad(packed, ((0, 0), (0, 0), (0, count - packed.shape[-1])))
+    return packed.reshape(*packed.shape[:2], *coefficient_shape(width, vectors, matrices))
 
 
-def unpack_coefficients(c_smem, width: int, vectors: int):
-    """Readers of one packed record in shared memory (`coefficient_shape`): `(A(i, j),
-    M(i, j), *per-position scalars(i))`."""
+def unpack_coefficients(c_smem, width: int, vectors: int, matrices: int = 2):
+    """Readers of one packed record in shared memory (`coefficient_shape`): `(*T x T
+    blocks(i, j), *per-position scalars(i))`, GDN's `(A, M, ...)`."""
     T = width
     at = lambda n: c_smem[n // COEF_LANES, n % COEF_LANES]
-    A = lambda i, j: at(i * T + j)
-    M = lambda i, j: at(T * T + i * T + j)
-    return (A, M, *((lambda i, o=o: at(2 * T * T + o * T + i)) for o in range(vectors)))
+    blocks = [lambda i, j, m=m: at(m * T * T + i * T + j) for m in range(matrices)]
+    return (*blocks, *((lambda i, o=o: at(matrices * T * T + o * T + i)) for o in range(vectors)))
 
 
 def solve_positions(width, length, A, M, beta, v_rows, o_smem, read_k, read_q, append):
@@ -305,10 +306,12 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
     plgpu.wait_smem_to_gmem(0)
 
 
-def check_params(params: MosaicReplayParams, kernel: str) -> None:
+def check_params(params, kernel: str) -> None:
     """Raise ValueError on the decode kernels' options a verify kernel does not take: it
-    rebuilds folds in exact fp32, runs one CTA per tile and keeps Mosaic's barriers."""
-    if params.rebuild != "exact":
+    rebuilds folds in exact fp32, runs one CTA per tile and keeps Mosaic's barriers.
+    `params`: a `MosaicReplayParams`, or a `MosaicMamba2Params` (which has no rebuild
+    option: the Mamba-2 rebuild is exact)."""
+    if getattr(params, "rebuild", "exact") != "exact":
         raise ValueError(f"{kernel} rebuilds in exact fp32 only, got rebuild={params.rebuild!r}")
     if params.programs:
         raise ValueError(f"{kernel} runs one CTA per tile: programs must be 0, got {params.programs}")

@@ -1,0 +1,189 @@
+"""The Mosaic GPU Mamba-2 verify kernel against a float64 NumPy model that decodes each window
+position along its branch, token by token, from the row's live state (the selective state
+update written out here), and `verify_step(backend="mosaic_gpu")` against the xla backend.
+
+Interpret mode on CPU (tiny shapes: P = N = 64, H = 2, L = 8, T = 3): appending, folding
+and padding rows in one call, slots != rows, ragged window lengths (0 included), tree
+windows, NaN / Inf in every stale cache entry, in positions past a row's length and in a
+padding row's inputs; G in {1, 2}, fp32 and bf16 state, z on and off. A second test lowers
+the kernel for an abstract H200 at Nemotron-H-8B shapes.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import common
+from pallas_kernels.mosaic_gpu.mamba2_decode import MosaicMamba2Params
+from pallas_kernels.mosaic_gpu.verify_decode_mamba2 import mamba2_verify_decode_mgpu
+
+NUM_SLOTS, H, P, N, L, T = 6, 2, 64, 64, 8, 3
+SLOTS = np.array([4, 0, 2, 5], np.int32)
+POS = np.array([5, 3, 7, 2], np.int32)
+LENGTHS = np.array([3, 3, 2, 1], np.int32)  # row 1 is padding, row 2 folds (7 + 2 > 8)
+PAD = np.array([False, True, False, False])
+FOLD = ~PAD & (POS + LENGTHS > L)
+MODES = np.where(PAD, common.MODE_PAD, np.where(FOLD, common.MODE_FLUSH, common.MODE_APPEND)).astype(np.int32)
+
+
+def _branch(parents, i):
+    """Window positions from the root to i (i's ancestors, then i)."""
+    path = [i]
+    while parents[path[-1]] >= 0:
+        path.append(parents[path[-1]])
+    return path[::-1]
+
+
+def _ancestors(parents):
+    anc = np.zeros((len(parents), T, T), bool)
+    for b, row in enumerate(parents):
+        for i in range(T):
+            anc[b, i, _branch(row, i)[:-1]] = True
+    return anc
+
+
+def _round(x, dtype):
+    return np.asarray(jnp.asarray(x, jnp.float32).astype(dtype).astype(jnp.float32), np.float64)
+
+
+def _model(ckpt, x_c, b_c, dt_c, x, B, C, dt, z, A, D, parents, *, state_dtype):
+    """Float64 verify: `(y, checkpoint, x_cache, b_cache, dt_cache)` as the kernel leaves them
+    (a folding row's B and dt records are the caller's)."""
+    ckpt, x_c, b_c, dt_c = (np.array(a, np.float64) for a in (ckpt, x_c, b_c, dt_c))
+    y = np.zeros(x.shape)
+    group = H // B.shape[2]
+    for b, (slot, pos, length) in enumerate(zip(SLOTS, POS, LENGTHS)):
+        if PAD[b]:
+            continue
+        base = 0 if FOLD[b] else pos
+        for h in range(H):
+            g = h // group
+            live = ckpt[slot, h] * np.exp(A[h] * dt_c[slot, h, :pos].sum())
+            for j in range(pos):
+                w = dt_c[slot, h, j] * np.exp(A[h] * dt_c[slot, h, j + 1:pos].sum())
+                live = live + w * np.outer(x_c[slot, h, j], b_c[slot, g, j])
+            if FOLD[b]:  # the folded checkpoint as stored, and the window read from it
+                live = _round(live, state_dtype)
+                ckpt[slot, h] = live
+            for i in range(length):
+                state = live
+                for t in _branch(parents[b], i):
+                    d = float(dt[b, t, h])
+                    state = np.exp(A[h] * d) * state + d * np.outer(x[b, t, h], B[b, t, g])
+                out = state @ C[b, i, g].astype(np.float64) + D[h] * x[b, i, h]
+                if z is not None:
+                    out = out * z[b, i, h] / (1.0 + np.exp(-z[b, i, h].astype(np.float64)))
+                y[b, i, h] = out
+                x_c[slot, h, base + i] = x[b, i, h]
+                if not FOLD[b]:
+                    dt_c[slot, h, base + i] = dt[b, i, h]
+                    b_c[slot, g, base + i] = B[b, i, g]
+    return y, ckpt, x_c, b_c, dt_c
+
+
+def _inputs(rng, groups, state_dtype, with_z):
+    f = lambda *s: rng.standard_normal(s).astype(np.float32)
+    ckpt = f(NUM_SLOTS, H, P, N) * 0.3
+    x_c, b_c = f(NUM_SLOTS, H, L, P), f(NUM_SLOTS, groups, L, N) * 0.3
+    dt_c = rng.uniform(0.01, 0.3, (NUM_SLOTS, H, L)).astype(np.float32)
+    for slot, pos in zip(SLOTS, POS):  # stale entries: never read
+        x_c[slot, :, pos:], b_c[slot, :, pos:], dt_c[slot, :, pos:] = np.nan, np.inf, np.nan
+    ckpt = _round(ckpt, state_dtype).astype(np.float32)
+    x_c, b_c = (_round(a, state_dtype).astype(np.float32) for a in (x_c, b_c))
+    batch = len(SLOTS)
+    # x and B bf16-representable so their records compare exactly in both dtypes.
+    x, B = (_round(a, jnp.bfloat16).astype(np.float32) for a in (f(batch, T, H, P), f(batch, T, groups, N) * 0.3))
+    C, z = f(batch, T, groups, N), f(batch, T, H, P) if with_z else None
+    dt = rng.uniform(0.01, 0.5, (batch, T, H)).astype(np.float32)
+    past = np.arange(T)[None, :] >= np.where(PAD, 0, LENGTHS)[:, None]  # padding rows and positions
+    for a in (x, B, C, dt) + ((z,) if with_z else ()):
+        a[past] = np.nan
+    A = -rng.uniform(0.5, 4.0, H).astype(np.float32)
+    D = rng.standard_normal(H).astype(np.float32)
+    parents = np.stack([rng.integers(-1, np.arange(T)) for _ in range(batch)]).astype(np.int32)
+    return ckpt, x_c, b_c, dt_c, x, B, C, dt, z, A, D, parents
+
+
+@pytest.mark.parametrize("groups,state_dtype,with_z", [
+    (1, jnp.float32, True), (2, jnp.float32, False), (2, jnp.bfloat16, True), (1, jnp.bfloat16, False),
+])
+def test_verify_matches_the_float64_model(rng, groups, state_dtype, with_z):
+    ckpt, x_c, b_c, dt_c, x, B, C, dt, z, A, D, parents = _inputs(rng, groups, state_dtype, with_z)
+    out = mamba2_verify_decode_mgpu(
+        jnp.asarray(ckpt, state_dtype), jnp.asarray(x_c, state_dtype), jnp.asarray(b_c, state_dtype),
+        jnp.asarray(dt_c), *(jnp.asarray(a) for a in (x, B, C, dt, A, D)),
+        jnp.asarray(SLOTS), jnp.asarray(POS), jnp.asarray(MODES), jnp.asarray(LENGTHS),
+        jnp.asarray(_ancestors(parents)), z=None if z is None else jnp.asarray(z), interpret=True)
+    want = _model(ckpt, x_c, b_c, dt_c, x, B, C, dt, z, A, D, parents, state_dtype=state_dtype)
+    # fp32: float64 sums vs fp32 FMAs in another order (~1e-6 of the largest entry).
+    # bf16 state: the inputs are the rounded values in both and the folded state's rounding
+    # is modelled; a folded entry near a rounding boundary may round the other way (one
+    # bf16 ulp, 2^-8 of the value).
+    tol = 2e-5 if state_dtype == jnp.float32 else 1e-2
+    for name, got, ref in zip(("y", "checkpoint", "x_cache", "b_cache", "dt_cache"), out, want):
+        got = np.asarray(jnp.asarray(got).astype(jnp.float32), np.float64)
+        stale = ~np.isfinite(ref)
+        np.testing.assert_array_equal(~np.isfinite(got), stale, err_msg=f"{name}: a non-finite value moved")
+        scale = np.max(np.abs(np.where(stale, 0.0, ref))) + 1e-30
+        np.testing.assert_allclose(np.where(stale, 0.0, got) / scale, np.where(stale, 0.0, ref) / scale,
+                                   atol=tol, err_msg=name)
+    y = np.asarray(out[0], np.float32)
+    assert not np.any(y[PAD]), "padding rows must output zeros"
+    assert not np.any(y[np.arange(T)[None, :] >= LENGTHS[:, None]]), "positions past a row's length output zeros"
+
+
+def _lower_for_h200(state_dtype, *, heads=128, head_dim=64, state_size=128, groups=8, cache_len=16, width=4,
+                    with_z=True):
+    """The jitted, donated verify at Nemotron-H-8B shapes, lowered for CUDA on CPU: the
+    Mosaic GPU module text."""
+    S = jax.ShapeDtypeStruct
+    n, b, i32, f32, bf16 = 16, 8, jnp.int32, jnp.float32, jnp.bfloat16
+    args = [S((n, heads, head_dim, state_size), state_dtype), S((n, heads, cache_len, head_dim), state_dtype),
+            S((n, groups, cache_len, state_size), state_dtype), S((n, heads, cache_len), f32),
+            S((b, width, heads, head_dim), bf16), S((b, width, groups, state_size), bf16),
+            S((b, width, groups, state_size), bf16), S((b, width, heads), f32), S((heads,), f32), S((heads,), f32),
+            S((b,), i32), S((b,), i32), S((b,), i32), S((b,), i32), S((b, width, width), jnp.bool_)]
+    if with_z:
+        args.append(S((b, width, heads, head_dim), bf16))
+
+    def step(*a):
+        return mamba2_verify_decode_mgpu(*a[:15], z=a[15] if with_z else None, interpret=False)
+
+    return jax.jit(step, donate_argnums=(0, 1, 2, 3)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("state_dtype,with_z", [(jnp.float32, True), (jnp.bfloat16, False)])
+def test_lowers_for_an_abstract_h200(state_dtype, with_z):
+    """Nemotron-H-8B: H = 128, P = 64, N = 128, G = 8, L = 16, T = 4."""
+    assert "mosaic_gpu" in _lower_for_h200(state_dtype, with_z=with_z)
+
+
+def test_refuses_shapes_it_cannot_take():
+    z = lambda *s, dtype=jnp.float32: jnp.zeros(s, dtype)
+    state = lambda length=8, groups=1: [z(2, 2, 64, 64), z(2, 2, length, 64), z(2, groups, length, 64),
+                                        z(2, 2, length)]
+    window = lambda t, groups=1, p=64: [z(1, t, 2, p), z(1, t, groups, 64), z(1, t, groups, 64), z(1, t, 2),
+                                        z(2), z(2)]
+    rows = [jnp.zeros((1,), jnp.int32)] * 4
+    anc = lambda t: jnp.zeros((1, t, t), bool)
+    with pytest.raises(ValueError, match="window width T"):
+        mamba2_verify_decode_mgpu(*state(), *window(9), *rows, anc(9))
+    with pytest.raises(ValueError, match="window width T"):
+        mamba2_verify_decode_mgpu(*state(), *window(17), *rows, anc(17))
+    with pytest.raises(ValueError, match="anc must have shape"):
+        mamba2_verify_decode_mgpu(*state(), *window(2), *rows, jnp.zeros((1, 2, 3), bool))
+    with pytest.raises(ValueError, match="z must have x's shape"):
+        mamba2_verify_decode_mgpu(*state(), *window(2), *rows, anc(2), z=z(1, 2, 2, 32))
+    with pytest.raises(ValueError, match="multiple of the group count"):
+        mamba2_verify_decode_mgpu(*state(groups=3), *window(2, groups=3), *rows, anc(2))
+    with pytest.raises(ValueError, match="head dim P a multiple of 64"):
+        mamba2_verify_decode_mgpu(*state(), *window(2, p=32), *rows, anc(2))
+    with pytest.raises(ValueError, match="dt_cache must be float32"):
+        mamba2_verify_decode_mgpu(*state()[:3], z(2, 2, 8, dtype=jnp.bfloat16), *window(2), *rows, anc(2))
+    with pytest.raises(ValueError, match="programs must be 0"):
+        mamba2_verify_decode_mgpu(*state(), *window(2), *rows, anc(2), params=MosaicMamba2Params(programs=4))
+    with pytest.raises(ValueError, match="auto_barriers must be True"):
+        mamba2_verify_decode_mgpu(*state(), *window(2), *rows, anc(2), params=MosaicMamba2Params(auto_barriers=False))
