@@ -49,8 +49,9 @@ of dt over `anc(i)` and `i`,
           + D x_i                                             (times silu(z_i) when z is given)
 
 and the records are the raw `(x_i, B_i, dt_i)` (dt after the softplus), as decode caches
-them. Capacity rule, folds, padding, trees and `accept` are as above. Only the xla backend
-verifies Mamba-2 (no Pallas kernel reads out `S C_i` for a window yet).
+them. Capacity rule, folds, padding, trees and `accept` are as above. Mamba-2 verifies on the
+xla backend and on "mosaic_gpu" (`mamba2_verify_decode_mgpu`); "pallas_triton" has no Mamba-2
+window readout.
 """
 
 from __future__ import annotations
@@ -64,9 +65,11 @@ from jaxtyping import Array, Bool, Float, Int
 
 from replayssm_jax import gating
 from pallas_kernels import common
+from pallas_kernels.mosaic_gpu.mamba2_decode import MosaicMamba2Params
 from pallas_kernels.mosaic_gpu.replay_decode import MosaicReplayParams
 from pallas_kernels.mosaic_gpu.verify_decode import verify_decode_mgpu
 from pallas_kernels.mosaic_gpu.verify_decode_kda import verify_decode_kda_mgpu
+from pallas_kernels.mosaic_gpu.verify_decode_mamba2 import mamba2_verify_decode_mgpu
 from pallas_kernels.verify_readout import VerifyReadoutParams, verify_readout
 from replayssm_jax.backends import mosaic_gpu, pallas_triton, xla
 from replayssm_jax.plan import plan_step
@@ -213,7 +216,7 @@ def verify_step(
     use_qk_l2norm: bool = False,
     scale: float | None = None,
     gate_params: tuple[Array, Array] | Mamba2Params | None = None,
-    kernel_params: VerifyReadoutParams | MosaicReplayParams | None = None,
+    kernel_params: VerifyReadoutParams | MosaicReplayParams | MosaicMamba2Params | None = None,
     interpret: bool | None = None,
 ) -> tuple[Float[Array, "B T Hv Dv"], ReplayState]:
     """Verify a draft window of T tokens per row (see the module doc for the math and the
@@ -233,10 +236,11 @@ def verify_step(
         the folded checkpoint) from one `verify_readout` kernel launch, which reads each
         checkpoint tile once and never forms the live state in memory; the T x T solve,
         the outputs and the appends stay in XLA (they touch only `[B, H_v, T, .]` arrays);
-        or "mosaic_gpu" (GDN, KDA): the whole window in one `verify_decode_mgpu` (KDA:
-        `verify_decode_kda_mgpu`) launch (the readouts, the T x T solve, the outputs, the
-        records and the folds) after the window's T x T scalars in XLA, plus XLA's scatter
-        of the folding rows' key and gate records.
+        or "mosaic_gpu": the whole window in one `verify_decode_mgpu` (KDA:
+        `verify_decode_kda_mgpu`; Mamba-2: `mamba2_verify_decode_mgpu`) launch (the
+        readouts, the T x T solve or masked sum, the outputs, the records and the folds)
+        after the window's T x T scalars in XLA, plus XLA's scatter of the folding rows' key
+        and gate records (Mamba-2: B and dt).
       lengths: optional `[B]` int in [0, T]: positions >= lengths[b] are padding (output 0,
         no record written, no effect on the capacity rule). Default: T for every row.
       parents: optional `[B, T]` int tree: `parents[b, i]` in [-1, i), -1 for a child of
@@ -244,7 +248,8 @@ def verify_step(
       use_qk_l2norm, scale, gate_params: as in `decode_step` (Mamba-2 takes no
         use_qk_l2norm or scale).
       kernel_params: with "pallas_triton", a `VerifyReadoutParams` in place of the launch
-        table's row (step "verify"); with "mosaic_gpu", a `MosaicReplayParams`.
+        table's row (step "verify"); with "mosaic_gpu", a `MosaicReplayParams` (Mamba-2: a
+        `MosaicMamba2Params`).
       interpret: with a kernel backend, run the kernel in its interpreter (default: off
         GPU).
 
@@ -257,7 +262,7 @@ def verify_step(
       checkpoints and every `write_pos` are otherwise unchanged: call `accept` next.
 
     Raises:
-      ValueError: on a wrong shape or dtype, an unknown backend (Mamba-2: any but "xla";
+      ValueError: on a wrong shape or dtype, an unknown backend (Mamba-2: "pallas_triton";
         "mosaic_gpu": shapes its kernels cannot take),
         `T > L`, `L = 1`, lengths outside [0, T], a parent that does not precede its child, or
         (when slots are concrete) a slot out of range or named twice.
@@ -279,9 +284,9 @@ def verify_step(
     if backend == "xla" and (kernel_params is not None or interpret is not None):
         raise ValueError("kernel_params and interpret apply to the kernel backends only")
     if cfg.gate_kind.additive:
-        if backend != "xla":
-            raise ValueError("verify_step for gate 'mamba2' runs on backend='xla' only (no Pallas kernel "
-                             f"reads out a Mamba-2 window yet), got backend={backend!r}")
+        if backend == "pallas_triton":
+            raise ValueError("verify_step for gate 'mamba2' runs on backend 'xla' or 'mosaic_gpu' (no Triton "
+                             "kernel reads out a Mamba-2 window)")
         if use_qk_l2norm or scale is not None:
             raise ValueError("use_qk_l2norm and scale apply to the delta-rule gates, not to gate 'mamba2'")
     if backend == "pallas_triton":
@@ -289,16 +294,20 @@ def verify_step(
         kernel_params = pallas_triton.verify_params(cfg, batch, kernel_params)
     if backend == "mosaic_gpu":
         mosaic_gpu.check_config(cfg)
-        if kernel_params is not None and not isinstance(kernel_params, MosaicReplayParams):
-            raise ValueError(f"kernel_params must be a MosaicReplayParams for backend 'mosaic_gpu', "
-                             f"got {type(kernel_params).__name__}")
+        want = MosaicMamba2Params if cfg.gate_kind.additive else MosaicReplayParams
+        if kernel_params is not None and not isinstance(kernel_params, want):
+            raise ValueError(f"kernel_params must be a {want.__name__} for backend 'mosaic_gpu' and gate "
+                             f"{cfg.gate!r}, got {type(kernel_params).__name__}")
+        kernel_params = kernel_params or want()
 
     plan, fold, in_window = _window_plan(state, slots, lengths, batch, width)
     anc = ancestors(parents, batch, width)
+    if backend == "mosaic_gpu" and cfg.gate_kind.additive:
+        return _mosaic_mamba2_verify(state, window, gate_params, plan, fold, in_window, anc,
+                                     kernel_params=kernel_params, interpret=interpret)
     if backend == "mosaic_gpu":
         return _mosaic_verify(state, window, plan, fold, in_window, anc, use_qk_l2norm=use_qk_l2norm, scale=scale,
-                              gate_params=gate_params, kernel_params=kernel_params or MosaicReplayParams(),
-                              interpret=interpret)
+                              gate_params=gate_params, kernel_params=kernel_params, interpret=interpret)
     if cfg.gate_kind.additive:
         y, records, checkpoint, pools = _mamba2_window(state, window, gate_params, plan, fold, in_window, anc)
     else:
@@ -469,6 +478,26 @@ def _mosaic_verify(state, window: Tokens, plan, fold, in_window, anc, *, use_qk_
     k_cache = k_cache.at[slot_bt, :, pos_bt].set(k.astype(cfg.cache_dtype), mode="drop")
     g_cache = g_cache.at[slot_bt, :, pos_bt].set(window.g.astype(jnp.float32), mode="drop")
     return y, dataclasses.replace(state, checkpoint=checkpoint, u_cache=u_cache, k_cache=k_cache, g_cache=g_cache,
+                                  write_pos=_fold_cursors(state, plan, fold))
+
+
+def _mosaic_mamba2_verify(state, window: Mamba2Tokens, params: Mamba2Params, plan, fold, in_window, anc, *,
+                          kernel_params, interpret):
+    """`verify_step` for gate "mamba2" on the Mosaic GPU kernel: `(y, new_state)`."""
+    cfg = state.config
+    dt = gating.mamba2_dt(window.dt, params.dt_bias, dt_softplus=params.dt_softplus,
+                          dt_limit=params.dt_limit)  # [B, T, H], as the xla backend's records
+    y, checkpoint, x_cache, b_cache, dt_cache = mamba2_verify_decode_mgpu(
+        state.checkpoint, state.u_cache, state.k_cache, state.g_cache,
+        window.x, window.B, window.C, dt, params.A, params.D,
+        plan.slot, plan.pos, common.row_modes(plan.valid, fold), in_window.sum(axis=1), anc,
+        z=window.z, params=kernel_params, interpret=interpret)
+    # As in `_mosaic_verify`: a folding row's B and dt records are ours to write (the
+    # kernel's other CTAs of the slot may still read the history they overwrite).
+    slot_bt, pos_bt = _window_targets(plan, fold, in_window, fold, state.num_slots)
+    b_cache = b_cache.at[slot_bt, :, pos_bt].set(window.B.astype(cfg.cache_dtype), mode="drop")
+    dt_cache = dt_cache.at[slot_bt, :, pos_bt].set(dt, mode="drop")
+    return y, dataclasses.replace(state, checkpoint=checkpoint, u_cache=x_cache, k_cache=b_cache, g_cache=dt_cache,
                                   write_pos=_fold_cursors(state, plan, fold))
 
 

@@ -350,7 +350,8 @@ def test_mamba2_verify_rejects_bad_input(rng):
     slots = jnp.arange(BATCH, dtype=jnp.int32)
     delta = R.Tokens(window.B, window.B, window.x, window.dt, window.dt)
     cases = [
-        (dict(backend="pallas_triton"), "runs on backend='xla' only"),
+        (dict(backend="pallas_triton"), "runs on backend 'xla' or 'mosaic_gpu'"),
+        (dict(backend="mosaic_gpu"), "head dim P a multiple of 64"),
         (dict(gate_params=None), "needs gate_params=Mamba2Params"),
         (dict(use_qk_l2norm=True), "use_qk_l2norm and scale apply to the delta-rule gates"),
         (dict(window=delta), "window must be a Mamba2Tokens for gate 'mamba2'"),

@@ -11,6 +11,8 @@ the kernel for an abstract H200 at Nemotron-H-8B shapes.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -187,3 +189,69 @@ def test_refuses_shapes_it_cannot_take():
         mamba2_verify_decode_mgpu(*state(), *window(2), *rows, anc(2), params=MosaicMamba2Params(programs=4))
     with pytest.raises(ValueError, match="auto_barriers must be True"):
         mamba2_verify_decode_mgpu(*state(), *window(2), *rows, anc(2), params=MosaicMamba2Params(auto_barriers=False))
+
+
+def _poison_stale(state):
+    """NaN / Inf in every cache entry at or past each slot's cursor (never read)."""
+    stale = np.arange(L)[None, :] >= np.asarray(state.write_pos)[:, None]  # [N_slots, L]
+    at = lambda a: jnp.asarray(stale[:, None, :].reshape(*stale.shape[:1], 1, L, *[1] * (a.ndim - 3)))
+    return dataclasses.replace(state, u_cache=jnp.where(at(state.u_cache), jnp.nan, state.u_cache),
+                               k_cache=jnp.where(at(state.k_cache), jnp.inf, state.k_cache),
+                               g_cache=jnp.where(at(state.g_cache), jnp.nan, state.g_cache))
+
+
+@pytest.mark.parametrize("groups,state_dtype,with_z,width", [
+    (1, jnp.float32, True, 3), (2, jnp.bfloat16, False, 2),
+])
+def test_backend_verify_and_accept_match_xla(rng, groups, state_dtype, with_z, width):
+    """`verify_step(backend="mosaic_gpu")` against the xla backend through rounds of verify
+    and accept (0..length tokens per row, chains and trees), with a padding row, rows that
+    fold by the capacity rule and NaN in the stale cache entries, each backend on its own
+    state."""
+    from replayssm_jax import Mamba2Params, Mamba2Tokens, ReplayConfig, accept, init_state, materialize_state, verify_step
+
+    cfg = ReplayConfig.mamba2(H, P, N, groups, L, state_dtype=state_dtype, cache_dtype=state_dtype)
+    params = Mamba2Params(A=jnp.asarray(-rng.uniform(0.5, 4.0, H), jnp.float32),
+                          D=jnp.asarray(rng.standard_normal(H), jnp.float32),
+                          dt_bias=jnp.asarray(rng.uniform(-3.0, -1.0, H), jnp.float32))
+    start = jnp.asarray(rng.standard_normal((4, H, P, N)) * 0.3, state_dtype)
+    states = {b: init_state(cfg, 4, checkpoint=start) for b in ("xla", "mosaic_gpu")}
+    slots = jnp.asarray([2, -1, 0, 3], jnp.int32)
+    verify = jax.jit(verify_step, static_argnames=("backend",))
+    # fp32: two summation orders (~1e-7 relative). bf16: both backends round the stores to
+    # bf16, and an entry that rounds differently differs by one bf16 ulp.
+    tol = 1e-5 if state_dtype == jnp.float32 else 2e-2
+    folds = 0
+    for round_ in range(8):
+        f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
+        window = Mamba2Tokens(f(4, width, H, P), f(4, width, groups, N) * 0.3, f(4, width, groups, N),
+                              f(4, width, H), f(4, width, H, P) if with_z else None)
+        lengths = rng.integers(0, width + 1, 4).astype(np.int32)
+        lengths[0] = width  # row 0 takes whole windows and accepts them: it must fold
+        parents = (np.stack([rng.integers(-1, np.arange(width)) for _ in range(4)]).astype(np.int32)
+                   if round_ % 2 else None)
+        extra = dict(lengths=jnp.asarray(lengths), parents=None if parents is None else jnp.asarray(parents),
+                     gate_params=params)
+        cursors = np.asarray(states["xla"].write_pos)[np.asarray(slots)]
+        folds += int(np.sum((np.asarray(slots) >= 0) & (cursors + lengths > cfg.cache_len)))
+        ys = {}
+        for b in states:
+            ys[b], states[b] = verify(_poison_stale(states[b]), window, slots, backend=b, **extra)
+        np.testing.assert_allclose(np.asarray(ys["mosaic_gpu"], np.float32), np.asarray(ys["xla"], np.float32),
+                                   atol=tol, rtol=tol, err_msg=f"y in round {round_}")
+        counts = rng.integers(0, lengths + 1).astype(np.int32)
+        counts[0] = lengths[0]
+        counts = jnp.asarray(counts)
+        # A tree's accepted path: the branch to the last accepted position (a chain: 0..n-1).
+        path = None
+        if parents is not None:
+            branches = [_branch(parents[r], int(lengths[r]) - 1) if lengths[r] else [] for r in range(4)]
+            counts = jnp.asarray([len(p) for p in branches], jnp.int32)
+            path = jnp.asarray([(p + [0] * width)[:width] for p in branches], jnp.int32)
+        for b in states:
+            states[b] = accept(states[b], slots, counts, path=path)
+        np.testing.assert_array_equal(np.asarray(states["mosaic_gpu"].write_pos), np.asarray(states["xla"].write_pos))
+        live = {b: materialize_state(s, jnp.arange(4, dtype=jnp.int32), params) for b, s in states.items()}
+        np.testing.assert_allclose(np.asarray(live["mosaic_gpu"]), np.asarray(live["xla"]), atol=tol, rtol=tol,
+                                   err_msg=f"live states after round {round_}")
+    assert folds, "the schedule must cross the capacity rule"
