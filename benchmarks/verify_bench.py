@@ -2,7 +2,8 @@
 against the project's conventional verify (one process, table + JSON).
 
 Per (state dtype, L, T, B), GDN H_k = 16, H_v = 32, d = 128 (`--gate kda`: KDA, the same
-shapes with a per-channel decay):
+shapes with a per-channel decay; `--gate mamba2`: Mamba-2 at Nemotron-H-8B shapes, H = 128,
+P = 64, N = 128, G = 8, on mosaic_gpu only: pallas_triton has no Mamba-2 verify):
 
   conventional  the plain recurrence over the window writing T intermediate states per row
                 (what rollback needs without a cache): the plain decode kernel launched T
@@ -14,7 +15,7 @@ shapes with a per-channel decay):
                 (the longest history that still fits the window: the costliest non-flush
                 step), all of its kernels (pallas_triton: the readout kernel and XLA's solve
                 and appends; mosaic_gpu: the one verify kernel and XLA's scatter of folding
-                rows' key and gate records).
+                rows' key and gate records, Mamba-2: B and dt).
   flush         the same with write_pos = L (every row folds its whole ring first).
   amortised     per verify step at acceptance 50 / 75 / 100 % of T (the bonus token
                 included, n = max(1, round(a T)) records accepted per step): the flush
@@ -22,7 +23,7 @@ shapes with a per-channel decay):
                 over the steady-state cursor cycle, each non-flush step costed as the
                 costliest (pessimistic).
 
-Bytes (d): conventional T (read + write) states per row; non-flush one checkpoint read,
+Bytes: conventional T (read + write) states per row; non-flush one checkpoint read,
 `L - T` cache entries read and T records written per row; flush that plus one checkpoint
 write and L entries read. The byte floor is bytes / copy bandwidth (measured at the start).
 
@@ -31,6 +32,7 @@ bytes >= 3x the L2), as `decode_bench.py`; a verify step's time is the sum of it
 
   python benchmarks/verify_bench.py --out verify.json     # on the GPU
   python benchmarks/verify_bench.py --gate kda --out verify_kda.json
+  python benchmarks/verify_bench.py --gate mamba2 --dtypes float32,bfloat16 --out verify_mamba2.json
   python benchmarks/verify_bench.py --smoke --out x.json  # CPU, interpret mode
 """
 
@@ -52,26 +54,49 @@ warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecat
 
 import replayssm_jax as R  # noqa: E402
 from decode_bench import (  # noqa: E402
+    NEMOTRON_H_8B,
     PLAIN_KERNEL,
     Shape,
     Timer,
     copy_bandwidth_GBps,
+    mamba2_params,
     plain_params,
     random_pool,
     slot_sets,
     versions,
 )
+from pallas_kernels.mamba2_decode import Mamba2PlainParams, mamba2_plain_decode  # noqa: E402
 from pallas_kernels.plain_decode import plain_decode  # noqa: E402
 
 ACCEPTANCE = (0.5, 0.75, 1.0)
 BACKENDS = ("pallas_triton", "mosaic_gpu")
+MAMBA2_BACKENDS = ("mosaic_gpu",)
 MAIN_KERNEL = {"pallas_triton": "replayssm_verify_readout", "mosaic_gpu": "replayssm_verify_decode_mgpu"}
+MAMBA2_MAIN_KERNEL = "replayssm_mamba2_verify_decode_mgpu"
 
 
-def random_window(cfg: R.ReplayConfig, batch: int, width: int, key) -> R.Tokens:
+def verify_options(heads: int | None) -> dict:
+    """`verify_step` options: the fixed Mamba-2 layer parameters of `heads` heads, or (None)
+    the q/k L2 norm of GDN and KDA."""
+    return dict(use_qk_l2norm=True) if heads is None else dict(gate_params=mamba2_params(heads))
+
+
+def mamba2_heads(cfg: R.ReplayConfig) -> int | None:
+    """H for a Mamba-2 layer, None for the delta-rule gates (the key of `verify_options`)."""
+    return cfg.num_v_heads if cfg.gate_kind.additive else None
+
+
+def random_window(cfg: R.ReplayConfig, batch: int, width: int, key) -> R.Tokens | R.Mamba2Tokens:
     ks = jax.random.split(key, 5)
     hk, hv, dk, dv = cfg.num_k_heads, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim
     bf = jnp.bfloat16
+    if cfg.gate_kind.additive:  # x, B, C, raw dt, z
+        return R.Mamba2Tokens(
+            jax.random.normal(ks[0], (batch, width, hv, dv), bf), jax.random.normal(ks[1], (batch, width, hk, dk), bf),
+            jax.random.normal(ks[2], (batch, width, hk, dk), bf),
+            jax.random.normal(ks[3], (batch, width, hv), jnp.float32),
+            jax.random.normal(ks[4], (batch, width, hv, dv), bf),
+        )
     return R.Tokens(
         jax.random.normal(ks[0], (batch, width, hk, dk), bf),
         jax.random.normal(ks[1], (batch, width, hk, dk), bf),
@@ -82,12 +107,13 @@ def random_window(cfg: R.ReplayConfig, batch: int, width: int, key) -> R.Tokens:
 
 
 @functools.lru_cache(maxsize=None)
-def verify_fn(backend: str, interpret: bool, reps: int):
+def verify_fn(backend: str, interpret: bool, reps: int, heads: int | None = None):
     """jit: `reps` rounds of one verify step over each slot set in turn. No accept, and
     every step starts from the given cursors (a folding step's reset cursor is dropped), so
     every step is the same kind. Steps alternate between two windows (`windows` has a
     leading axis of 2): with one fixed window XLA would hoist the window's own work (norms,
-    decays, the T x T products) out of the loop, and the per-step count would miss it."""
+    decays, the T x T products) out of the loop, and the per-step count would miss it.
+    `heads`: as `verify_options`."""
 
     def run(state, sets, windows):
         def one(arrays, xs):
@@ -95,7 +121,7 @@ def verify_fn(backend: str, interpret: bool, reps: int):
             window = jax.tree.map(lambda x: x[which], windows)
             st = dataclasses.replace(state, checkpoint=arrays[0], u_cache=arrays[1], k_cache=arrays[2],
                                      g_cache=arrays[3])
-            y, st = R.verify_step(st, window, slots, backend=backend, use_qk_l2norm=True, interpret=interpret)
+            y, st = R.verify_step(st, window, slots, backend=backend, interpret=interpret, **verify_options(heads))
             return (st.checkpoint, st.u_cache, st.k_cache, st.g_cache), y[0, 0, 0, 0]
 
         arrays = (state.checkpoint, state.u_cache, state.k_cache, state.g_cache)
@@ -110,13 +136,19 @@ def verify_fn(backend: str, interpret: bool, reps: int):
 def conventional_fn(params, width: int, interpret: bool):
     """jit: per slot set, T plain-kernel launches, launch t on state buffer t."""
 
+    def launch(buf, token, slots):
+        if isinstance(params, Mamba2PlainParams):
+            layer = mamba2_params(buf.shape[1])
+            return mamba2_plain_decode(buf, token.x, token.B, token.C, token.dt, layer.A, layer.D, layer.dt_bias,
+                                       slots, slots >= 0, z=token.z, params=params, interpret=interpret)
+        return plain_decode(buf, token.q, token.k, token.v, token.g, token.beta, slots, slots >= 0,
+                            use_qk_l2norm=True, params=params, interpret=interpret)
+
     def run(buffers, sets, window):
         def one(bufs, slots):
             out = []
             for t, buf in enumerate(bufs):
-                token = jax.tree.map(lambda x: x[:, t], window)
-                y, buf = plain_decode(buf, token.q, token.k, token.v, token.g, token.beta, slots, slots >= 0,
-                                      use_qk_l2norm=True, params=params, interpret=interpret)
+                y, buf = launch(buf, jax.tree.map(lambda x: x[:, t], window), slots)
                 out.append(buf)
             return tuple(out), y[0, 0, 0]
 
@@ -161,20 +193,26 @@ def flush_fraction(cache_len: int, width: int, accepted: int) -> float:
     return sum(cycle) / len(cycle)
 
 
+def token_bytes(cfg: R.ReplayConfig) -> int:
+    """One window position's inputs and output y: bf16 q, k, v and fp32 g, beta (Mamba-2, in
+    the GDN layout's names: bf16 x, B, C, z, fp32 dt)."""
+    hv, hk, dk, dv = cfg.num_v_heads, cfg.num_k_heads, cfg.head_k_dim, cfg.head_v_dim
+    gates = hv * 4 + hv * dv * 2 if cfg.gate_kind.additive else 2 * hv * 4
+    return (2 * hk * dk + hv * dv) * 2 + gates + hv * dv * 2
+
+
 def verify_bytes(cfg: R.ReplayConfig, batch: int, width: int, flush: bool) -> int:
     hv, hk, dk, dv, L = cfg.num_v_heads, cfg.num_k_heads, cfg.head_k_dim, cfg.head_v_dim, cfg.cache_len
     s, c = cfg.state_dtype.itemsize, cfg.cache_dtype.itemsize
     state = hv * dv * dk * s
     entry = (hv * dv + hk * dk) * c + hv * 4 * (dk if cfg.per_channel_gate else 1)
-    tokens = width * (2 * hk * dk + hv * dv) * 2 + width * 2 * hv * 4 + width * hv * dv * 2  # in + y
     history = L if flush else L - width
-    return batch * ((2 if flush else 1) * state + (history + width) * entry + tokens)
+    return batch * ((2 if flush else 1) * state + (history + width) * entry + width * token_bytes(cfg))
 
 
 def conventional_bytes(cfg: R.ReplayConfig, batch: int, width: int) -> int:
-    hv, hk, dk, dv = cfg.num_v_heads, cfg.num_k_heads, cfg.head_k_dim, cfg.head_v_dim
-    tokens = (2 * hk * dk + hv * dv) * 2 + 2 * hv * 4 + hv * dv * 2
-    return batch * width * (2 * hv * dv * dk * cfg.state_dtype.itemsize + tokens)
+    hv, dk, dv = cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim
+    return batch * width * (2 * hv * dv * dk * cfg.state_dtype.itemsize + token_bytes(cfg))
 
 
 def bench_row(timer, shape, dtype, cache_len, width, batch, bandwidth, iterations, smoke, backends) -> dict:
@@ -185,7 +223,7 @@ def bench_row(timer, shape, dtype, cache_len, width, batch, bandwidth, iteration
     windows = jax.tree.map(lambda a, b: jnp.stack([a, b]), window, random_window(cfg, batch, width, jax.random.key(3)))
     reps = 1 if smoke else max(1, -(-8 // len(sets)))  # >= 8 steps per run: one-off copies stand out
     row = dict(gate=shape.gate, state_dtype=jnp.dtype(dtype).name, L=cache_len, T=width, B=batch,
-               H_k=shape.num_k_heads, H_v=shape.num_v_heads, d=shape.head_dim, slot_sets=len(sets))
+               H_k=shape.num_k_heads, H_v=shape.num_v_heads, d=shape.head_dim, d_v=shape.value_dim or shape.head_dim, slot_sets=len(sets))
 
     plain_cfg = shape.config(1, dtype)
     params = plain_params(plain_cfg, batch)
@@ -216,7 +254,7 @@ def backend_times(timer, backend, cfg, num_slots, sets, windows, reps, row, iter
     out = {}
     for kind, cursor in (("nonflush", cache_len - width), ("flush", cache_len)):
         state = random_pool(cfg, num_slots, jax.random.key(1), np.full(num_slots, cursor))
-        fn = verify_fn(backend, smoke, reps)  # one jit: the flush step reuses the non-flush compile
+        fn = verify_fn(backend, smoke, reps, mamba2_heads(cfg))  # one jit: the flush step reuses its compile
         verify_args = (state, jnp.asarray(sets), windows)
         if smoke:
             out[f"{kind}_us"] = timer.kernel_times(fn, verify_args, "", 1)[0] / steps
@@ -227,8 +265,8 @@ def backend_times(timer, backend, cfg, num_slots, sets, windows, reps, row, iter
             # Every kernel of a run, one-off copies included, over its steps: an upper bound
             # that shows what the per-step filter left out.
             out[f"{kind}_all_kernels_us"] = statistics.median(sum(us for _, us in run) / steps for run in runs)
-            out[f"{kind}_main_kernel_us"] = statistics.median(
-                us for run in runs for name, us in run if MAIN_KERNEL[backend] in name)
+            main = MAMBA2_MAIN_KERNEL if cfg.gate_kind.additive else MAIN_KERNEL[backend]
+            out[f"{kind}_main_kernel_us"] = statistics.median(us for run in runs for name, us in run if main in name)
         out[f"{kind}_floor_fraction"] = row[f"{kind}_floor_us"] / out[f"{kind}_us"]
     for a in ACCEPTANCE:
         accepted = max(1, round(a * width))
@@ -255,12 +293,13 @@ def check(shape, backends, smoke) -> dict:
     extra = dict(lengths=jnp.asarray(rng.integers(0, width + 1, batch), jnp.int32),
                  parents=jnp.asarray(np.stack([rng.integers(-1, np.arange(width)) for _ in range(batch)]), jnp.int32))
     run = jax.jit(R.verify_step, static_argnames=("backend", "use_qk_l2norm", "interpret"))
-    want = run(state, window, slots, backend="xla", use_qk_l2norm=True, **extra)
+    extra |= verify_options(mamba2_heads(cfg))
+    want = run(state, window, slots, backend="xla", **extra)
     rel = lambda a, b: float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)))
                              / (jnp.max(jnp.abs(b.astype(jnp.float32))) + 1e-30))
     out = {}
     for b in backends:
-        y, st = run(state, window, slots, backend=b, use_qk_l2norm=True, interpret=smoke, **extra)
+        y, st = run(state, window, slots, backend=b, interpret=smoke, **extra)
         out[b] = dict(y=rel(y, want[0]), **{name: rel(getattr(st, name), getattr(want[1], name))
                                            for name in ("checkpoint", "u_cache", "k_cache", "g_cache")},
                       write_pos_equal=bool(jnp.all(st.write_pos == want[1].write_pos)))
@@ -287,23 +326,28 @@ def main(argv=None) -> dict:
     p.add_argument("--cache-lens", default="16,32")
     p.add_argument("--widths", default="4,8,2")
     p.add_argument("--dtypes", default="float32", help="state dtypes, e.g. float32,bfloat16")
-    p.add_argument("--backends", default=",".join(BACKENDS), help="verify backends, e.g. mosaic_gpu")
-    p.add_argument("--gate", default="gdn", choices=("gdn", "kda"))
+    p.add_argument("--backends", default=None,
+                   help=f"verify backends, e.g. mosaic_gpu (default {','.join(BACKENDS)}; mamba2: mosaic_gpu)")
+    p.add_argument("--gate", default="gdn", choices=("gdn", "kda", "mamba2"))
     p.add_argument("--iterations", type=int, default=3)
     p.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode, wall clock (CPU)")
     args = p.parse_args(argv)
     start = time.time()
     timer = Timer(args.smoke)
     ints = lambda s: [int(x) for x in s.split(",") if x]
-    # d = 64: the Mosaic kernels' smallest tile
-    shape = Shape(1, 2, 64, args.gate) if args.smoke else Shape(gate=args.gate)
+    # d = 64 (Mamba-2: P = N = 64): the Mosaic kernels' smallest tile
+    if args.gate == "mamba2":
+        shape = Shape(1, 2, 64, "mamba2", 64) if args.smoke else NEMOTRON_H_8B
+    else:
+        shape = Shape(1, 2, 64, args.gate) if args.smoke else Shape(gate=args.gate)
     meta = versions()
     meta["copy_bandwidth_GBps"] = 1000.0 if args.smoke else copy_bandwidth_GBps(timer)
     meta["timing"] = ("wall clock, interpret mode (smoke)" if args.smoke else
                       "CUPTI kernel times summed per verify step; slot sets rotated past 3x L2")
     meta["conventional"] = "plain decode kernel launched T times, launch t on its own state buffer"
     print(f"meta {meta}", flush=True)
-    backends = args.backends.split(",")
+    backends = (args.backends.split(",") if args.backends else
+                list(MAMBA2_BACKENDS if args.gate == "mamba2" else BACKENDS))
     result = dict(meta=meta, check=check(shape, backends, args.smoke), rows=[])
     print(f"check {json.dumps(result['check'])}", flush=True)
     # T = 4 first (the reference figures' window), so a budget stop loses the least.

@@ -121,7 +121,7 @@ def test_table_cases_list_each_reachable_row_once():
     assert set(params) <= gdn_fp32_rows
 
 
-@pytest.mark.parametrize("gate", ["gdn", "kda"])
+@pytest.mark.parametrize("gate", ["gdn", "kda", "mamba2"])
 def test_verify_bench_smoke_writes_its_rows(tmp_path, gate):
     out = tmp_path / "verify.json"
     result = verify_bench.main(["--smoke", "--gate", gate, "--batches", "2", "--cache-lens", "8", "--widths", "2",
@@ -131,7 +131,7 @@ def test_verify_bench_smoke_writes_its_rows(tmp_path, gate):
     (row,) = saved["rows"]
     assert (row["gate"], row["L"], row["T"], row["B"]) == (gate, 8, 2, 2)
     assert row["conventional_us"] > 0
-    assert set(row["backends"]) == set(verify_bench.BACKENDS)
+    assert set(row["backends"]) == set(verify_bench.MAMBA2_BACKENDS if gate == "mamba2" else verify_bench.BACKENDS)
     for name, times in row["backends"].items():
         for key in ("nonflush_us", "flush_us", "acc75_amortised_us"):
             assert times[key] > 0, (name, key)
