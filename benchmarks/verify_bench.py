@@ -223,7 +223,8 @@ def bench_row(timer, shape, dtype, cache_len, width, batch, bandwidth, iteration
     windows = jax.tree.map(lambda a, b: jnp.stack([a, b]), window, random_window(cfg, batch, width, jax.random.key(3)))
     reps = 1 if smoke else max(1, -(-8 // len(sets)))  # >= 8 steps per run: one-off copies stand out
     row = dict(gate=shape.gate, state_dtype=jnp.dtype(dtype).name, L=cache_len, T=width, B=batch,
-               H_k=shape.num_k_heads, H_v=shape.num_v_heads, d=shape.head_dim, d_v=shape.value_dim or shape.head_dim, slot_sets=len(sets))
+               H_k=shape.num_k_heads, H_v=shape.num_v_heads, d=shape.head_dim, d_v=shape.value_dim or shape.head_dim,
+               slot_sets=len(sets))
 
     plain_cfg = shape.config(1, dtype)
     params = plain_params(plain_cfg, batch)

@@ -208,7 +208,8 @@ def test_backend_verify_and_accept_match_xla(rng, groups, state_dtype, with_z, w
     and accept (0..length tokens per row, chains and trees), with a padding row, rows that
     fold by the capacity rule and NaN in the stale cache entries, each backend on its own
     state."""
-    from replayssm_jax import Mamba2Params, Mamba2Tokens, ReplayConfig, accept, init_state, materialize_state, verify_step
+    from replayssm_jax import (Mamba2Params, Mamba2Tokens, ReplayConfig, accept, init_state, materialize_state,
+                               verify_step)
 
     cfg = ReplayConfig.mamba2(H, P, N, groups, L, state_dtype=state_dtype, cache_dtype=state_dtype)
     params = Mamba2Params(A=jnp.asarray(-rng.uniform(0.5, 4.0, H), jnp.float32),
