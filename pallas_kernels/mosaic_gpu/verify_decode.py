@@ -39,7 +39,8 @@ and k records (tile 0 of each key head's first value head) of appending rows; th
 checkpoint tile. y `[B, T, H_v, d_v]` leaves through shared memory and one TMA copy.
 
 KDA (per-channel decay) has its own kernel, `verify_decode_kda.py`, sharing this file's
-window preparation, coefficient packing and per-position solve.
+window preparation, coefficient packing and per-position solve; so has Mamba-2
+(`verify_decode_mamba2.py`: no solve, its coefficient packing and row handling).
 """
 
 from __future__ import annotations
