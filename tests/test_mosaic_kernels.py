@@ -23,6 +23,7 @@ from pallas_kernels.mosaic_gpu.replay_decode import MosaicReplayParams, check_sh
 from pallas_kernels.mosaic_gpu.replay_decode_kda import check_kda_shapes, replay_decode_kda_mgpu
 
 NUM_SLOTS, H_K, H_V, D, L = 6, 1, 2, 64, 8
+BLOCK = 64  # the kernels' state tile rows
 SLOTS = np.array([4, 0, 2, 5, 1], np.int32)
 MODES = np.array([common.MODE_APPEND, common.MODE_PAD, common.MODE_FLUSH, common.MODE_APPEND, common.MODE_FLUSH],
                  np.int32)
@@ -191,6 +192,42 @@ def test_tensor_core_rebuilds_lower_for_an_abstract_h200(rebuild, state_dtype, c
     text = _lower_for_h200(replay_decode_mgpu, state_dtype, state_dtype, cache_len, False, per_channel=False,
                            params=MosaicReplayParams(rebuild=rebuild))
     assert "wgmma" in text
+
+
+def _as_tf32(x):
+    """fp32 as `wgmma` reads it for a tf32 operand: the low 13 mantissa bits dropped."""
+    return (np.asarray(x, np.float32).view(np.uint32) & np.uint32(0xFFFFE000)).view(np.float32)
+
+
+@pytest.mark.parametrize("rebuild", ["tf32", "bf16"])
+def test_tensor_core_rebuild_algebra_on_cpu(rng, rebuild):
+    """The `wgmma` rebuild's algebra (interpret mode cannot run wgmma) in NumPy, as
+    `rebuild_mma` forms it: `e^G S_c + (U^T diag(W)) K` with `U^T` and `W` zero past `pos`,
+    stale keys replaced by 0, both operands rounded to the mode's type and the product
+    accumulated in fp32, against the float64 rebuild. A stale key left in (here Inf) would
+    reach every element through the product: zeroing it is what keeps other entries clean."""
+    L, pos = 16, 11
+    s_c = rng.standard_normal((BLOCK, 128)).astype(np.float32)
+    u, k = rng.standard_normal((L, BLOCK)), rng.standard_normal((L, 128)) * 0.2
+    g = -np.abs(rng.standard_normal(L)) * 0.2
+    u[pos:], k[pos:], g[pos:] = np.nan, np.inf, np.nan
+    history = sum(np.exp(g[j + 1:pos].sum()) * np.outer(u[j], k[j]) for j in range(pos))
+    exact = s_c * np.exp(g[:pos].sum()) + history
+    live = np.arange(L) < pos
+    weights = np.where(live, np.exp([g[j + 1:pos].sum() for j in range(L)]), 0.0)
+    a = np.where(live, u.T, 0.0) * weights  # [BV, L]: U^T diag(W)
+    b = np.where(live, k.T, 0.0)  # [d_k, L]: K^T, stale keys 0
+    rounded = _as_tf32 if rebuild == "tf32" else (lambda x: np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32))
+    got = (np.float32(np.exp(g[:pos].sum())) * s_c + rounded(a) @ rounded(b).T).astype(np.float32)
+    # Each product of two rounded operands is off by at most ~2 units of the type's precision
+    # (tf32 truncates 2^-10, bf16 rounds 2^-9) relative to itself; summed over pos entries
+    # of mixed signs that stays a few units of the history's largest element.
+    unit = 2.0 ** -10 if rebuild == "tf32" else 2.0 ** -9
+    err = np.max(np.abs(got - exact)) / np.max(np.abs(history))
+    assert err < 8 * unit, err
+    assert err > 2.0 ** -20, "the operands were not rounded"
+    with np.errstate(invalid="ignore"):
+        assert np.all(np.isnan(rounded(a) @ rounded(k.T).T)), "a stale key reaches every element"
 
 
 def test_tensor_core_rebuild_refusals(rng):
