@@ -50,6 +50,30 @@ def record_copies(rows: int, width: int, cache_len: int, cache_dtype) -> list:
     return [plgpu.SMEM((cache_len, rows), cache_dtype), plgpu.SMEM((cache_len, width), cache_dtype)]
 
 
+def copy_replay_tile(state_refs, bufs, slot, h, hk, rows, barrier) -> None:
+    """Start the TMA copies of one state tile's replay buffers, four arrivals on `barrier`:
+    from `state_refs = (checkpoint, value records, key records, gate records)` of `slot`,
+    the checkpoint tile `rows` of head h, the value records of those rows, the key records
+    of key head (group) hk and the gate records of head h, into `bufs` (`replay_scratch`
+    order)."""
+    ckpt_ref, vcache_ref, kcache_ref, gcache_ref = state_refs
+    t_smem, v_smem, k_smem, g_smem = bufs
+    plgpu.copy_gmem_to_smem(ckpt_ref.at[slot, h, rows], t_smem, barrier)
+    plgpu.copy_gmem_to_smem(vcache_ref.at[slot, h, :, rows], v_smem, barrier)
+    plgpu.copy_gmem_to_smem(kcache_ref.at[slot, hk], k_smem, barrier)
+    plgpu.copy_gmem_to_smem(gcache_ref.at[slot, h], g_smem, barrier)
+
+
+def copy_record_rows(cache_refs, bufs, slot, h, hk, rows, barrier) -> None:
+    """Start the copies of the exact rebuild's untiled records (`record_copies`), two
+    arrivals on `barrier`: the value records of `rows` of head h and the key records of
+    key head (group) hk, from `cache_refs = (value records, key records)`."""
+    vcache_ref, kcache_ref = cache_refs
+    v_rows, k_rows = bufs
+    plgpu.copy_gmem_to_smem(vcache_ref.at[slot, h, :, rows], v_rows, barrier)
+    plgpu.copy_gmem_to_smem(kcache_ref.at[slot, hk], k_rows, barrier)
+
+
 def smem_bytes(scratch: list) -> int:
     """Shared memory of one CTA for `scratch` (nested lists of `plgpu.SMEM` and barriers):
     each buffer rounded up to 1 KiB, the barriers' 8 bytes each, the reduction scratch."""

@@ -57,9 +57,9 @@ from jaxtyping import Array, Float, Int
 
 from pallas_kernels.common import MODE_APPEND, MODE_FLUSH, MODE_PAD
 from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA, bcast_cols, bcast_rows, col_sum,
-                                              check_smem, load_transposed, record_copies, replay_scratch, row_sum,
-                                              smem_bytes, softplus)
-from pallas_kernels.mosaic_gpu.pipeline import STAGES, persistent_tiles, programs_that_fit
+                                               check_smem, copy_record_rows, copy_replay_tile, load_transposed,
+                                               record_copies, replay_scratch, row_sum, smem_bytes, softplus)
+from pallas_kernels.mosaic_gpu.pipeline import STAGES, programs_that_fit, serve_tiles, tile_grid
 
 BLOCK_P = BLOCK_ROWS
 
@@ -164,28 +164,17 @@ def _kernel(slot_ref, pos_ref, mode_ref, x_ref, b_ref, c_ref, c_row_ref, dt_ref,
             y_ref,
             stages, record_bufs, barriers, rows_barrier,
             *, group_size, tiles, dt_softplus, dt_limit, has_z, num_programs):
-    heads = y_ref.shape[1]
-
-    def where(index):
-        """`(b, h, tile)` of a flat tile index (b slowest)."""
-        b, hp = index // (heads * tiles), index % (heads * tiles)
-        return b, hp // tiles, hp % tiles
-
-    def issue(index, stage):
-        """Start the copies of tile `index` into `stages[stage]` (none for padding rows)."""
-        b, h, tile = where(index)
+    def issue(b, h, tile, stage):
+        """Start the tile's copies into `stages[stage]` (none for padding rows)."""
         t_smem, x_smem, b_smem, dt_smem, _ = stages[stage]
         barrier, slot, rows = barriers.at[stage], slot_ref[b], pl.ds(tile * BLOCK_P, BLOCK_P)
 
         @pl.when(mode_ref[b] != MODE_PAD)
         def _copies():
-            plgpu.copy_gmem_to_smem(ckpt_ref.at[slot, h, rows], t_smem, barrier)
-            plgpu.copy_gmem_to_smem(xcache_ref.at[slot, h, :, rows], x_smem, barrier)
-            plgpu.copy_gmem_to_smem(bcache_ref.at[slot, h // group_size], b_smem, barrier)
-            plgpu.copy_gmem_to_smem(dtcache_ref.at[slot, h], dt_smem, barrier)
+            copy_replay_tile((ckpt_ref, xcache_ref, bcache_ref, dtcache_ref), (t_smem, x_smem, b_smem, dt_smem),
+                             slot, h, h // group_size, rows, barrier)
 
-    def compute(index, stage):
-        b, h, tile = where(index)
+    def compute(b, h, tile, stage):
         _tile(b, h, tile, stages[stage], barriers.at[stage])
 
     def _tile(b, h, tile, bufs, barrier):
@@ -237,8 +226,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, x_ref, b_ref, c_ref, c_row_ref, dt_ref,
                 # The rebuild reads single records at a dynamic index, which the swizzled
                 # buffers cannot serve: flush rows fetch an untiled copy (L2-resident).
                 x_rows, b_rows = record_bufs
-                plgpu.copy_gmem_to_smem(xcache_ref.at[slot, h, :, rows], x_rows, rows_barrier)
-                plgpu.copy_gmem_to_smem(bcache_ref.at[slot, grp], b_rows, rows_barrier)
+                copy_record_rows((xcache_ref, bcache_ref), record_bufs, slot, h, grp, rows, rows_barrier)
                 plgpu.barrier_wait(rows_barrier)
                 prev = rebuild_exact(s_c, decay_total, x_rows, b_rows, dt_smem, a, pos)
                 new = alpha * prev + bcast_rows(dt * x_row, prev.shape) * bcast_cols(b_col, prev.shape)
@@ -264,13 +252,8 @@ def _kernel(slot_ref, pos_ref, mode_ref, x_ref, b_ref, c_ref, c_row_ref, dt_ref,
                 def _append_b():
                     bcache_ref[slot, grp, pos] = b_col.astype(bcache_ref.dtype)
 
-    if num_programs:
-        persistent_tiles(y_ref.shape[0] * heads * tiles, num_programs, issue, compute)
-    else:
-        index = lax.axis_index("b") * (heads * tiles) + lax.axis_index("hp")
-        issue(index, 0)
-        compute(index, 0)
-        plgpu.wait_smem_to_gmem(0)
+    batch, heads = y_ref.shape[:2]
+    serve_tiles(batch, heads, tiles, num_programs, issue, compute)
 
 
 def persistent_programs(batch: int, heads: int, head_dim: int, state_size: int, cache_len: int, state_dtype,
@@ -290,13 +273,11 @@ def _build(batch, heads, head_dim, state_size, cache_len, state_dtype, cache_dty
     check_smem(scratch, f"the Mamba-2 kernel at cache_len = {cache_len}, N = {state_size}")
     body = functools.partial(_kernel, group_size=group_size, tiles=tiles, dt_softplus=dt_softplus,
                              dt_limit=dt_limit, has_z=has_z, num_programs=num_programs)
-    grid = dict(grid=(num_programs,), grid_names=("p",)) if num_programs else dict(
-        grid=(batch, heads * tiles), grid_names=("b", "hp"))
     return plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((batch, heads, head_dim), y_dtype),
         scratch_types=scratch,
-        **grid,
+        **tile_grid(batch, heads, tiles, num_programs),
         compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=not auto_barriers),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
         kernel_name="replayssm_mamba2_decode_mgpu",

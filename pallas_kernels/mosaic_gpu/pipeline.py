@@ -31,6 +31,31 @@ def programs_that_fit(cta_smem_bytes: int, sm_count: int, num_tiles: int) -> int
     return max(1, min(num_tiles, per_sm * sm_count))
 
 
+def tile_grid(batch: int, heads: int, tiles: int, num_programs: int) -> dict:
+    """`plgpu.kernel`'s grid arguments for `serve_tiles`: one CTA per tile ("b", "ht"), or
+    `num_programs` persistent CTAs ("p")."""
+    if num_programs:
+        return dict(grid=(num_programs,), grid_names=("p",))
+    return dict(grid=(batch, heads * tiles), grid_names=("b", "ht"))
+
+
+def serve_tiles(batch: int, heads: int, tiles: int, num_programs: int, issue: Callable, compute: Callable) -> None:
+    """Serve tile t of head h of row b for every `(b, h, t)`: `issue(b, h, t, stage)`
+    starts its copies into a stage of shared buffers, `compute(b, h, t, stage)` waits for
+    them and works. One CTA per tile (`num_programs = 0`), or `persistent_tiles` over the
+    tiles numbered with b slowest; the kernel's grid is `tile_grid`'s."""
+    per_row = heads * tiles
+    where = lambda index: (index // per_row, index % per_row // tiles, index % tiles)
+    if num_programs:
+        persistent_tiles(batch * per_row, num_programs, lambda index, stage: issue(*where(index), stage),
+                         lambda index, stage: compute(*where(index), stage))
+        return
+    b, ht = lax.axis_index("b"), lax.axis_index("ht")
+    issue(b, ht // tiles, ht % tiles, 0)
+    compute(b, ht // tiles, ht % tiles, 0)
+    plgpu.wait_smem_to_gmem(0)
+
+
 def persistent_tiles(num_tiles: int, num_programs: int, issue: Callable, compute: Callable) -> None:
     """Run `issue(tile, stage)` (start tile's copies into `stage`) one tile ahead of
     `compute(tile, stage)` (wait for them, work, start its stores) over this CTA's tiles.

@@ -56,9 +56,9 @@ from jaxtyping import Array, Float, Int
 
 from pallas_kernels.common import L2NORM_EPS, MODE_APPEND, MODE_FLUSH, MODE_PAD
 from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA, bcast_cols, bcast_rows, col_sum,
-                                              check_smem, load_transposed, record_copies, replay_scratch, row_sum,
-                                              smem_bytes, softplus, tiled)
-from pallas_kernels.mosaic_gpu.pipeline import STAGES, persistent_tiles, programs_that_fit
+                                               check_smem, copy_record_rows, copy_replay_tile, load_transposed,
+                                               record_copies, replay_scratch, row_sum, smem_bytes, softplus, tiled)
+from pallas_kernels.mosaic_gpu.pipeline import STAGES, programs_that_fit, serve_tiles, tile_grid
 
 BLOCK_V = BLOCK_ROWS
 
@@ -231,28 +231,17 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, q_row_ref, k_row_ref, v_r
             y_ref,
             stages, rebuild_bufs, barriers, rows_barrier,
             *, group_size, tiles, use_qk_l2norm, scale, raw_gates, rebuild, num_programs):
-    num_heads = y_ref.shape[1]
-
-    def where(index):
-        """`(b, h, tile)` of a flat tile index (b slowest)."""
-        b, hv = index // (num_heads * tiles), index % (num_heads * tiles)
-        return b, hv // tiles, hv % tiles
-
-    def issue(index, stage):
-        """Start the copies of tile `index` into `stages[stage]` (none for padding rows)."""
-        b, h, tile = where(index)
+    def issue(b, h, tile, stage):
+        """Start the tile's copies into `stages[stage]` (none for padding rows)."""
         t_smem, u_smem, k_smem, g_smem, _ = stages[stage]
         barrier, slot, rows = barriers.at[stage], slot_ref[b], pl.ds(tile * BLOCK_V, BLOCK_V)
 
         @pl.when(mode_ref[b] != MODE_PAD)
         def _copies():
-            plgpu.copy_gmem_to_smem(ckpt_ref.at[slot, h, rows], t_smem, barrier)
-            plgpu.copy_gmem_to_smem(ucache_ref.at[slot, h, :, rows], u_smem, barrier)
-            plgpu.copy_gmem_to_smem(kcache_ref.at[slot, h // group_size], k_smem, barrier)
-            plgpu.copy_gmem_to_smem(gcache_ref.at[slot, h], g_smem, barrier)
+            copy_replay_tile((ckpt_ref, ucache_ref, kcache_ref, gcache_ref), (t_smem, u_smem, k_smem, g_smem),
+                             slot, h, h // group_size, rows, barrier)
 
-    def compute(index, stage):
-        b, h, tile = where(index)
+    def compute(b, h, tile, stage):
         _tile(b, h, tile, stages[stage], barriers.at[stage])
 
     def _tile(b, h, tile, bufs, barrier):
@@ -305,8 +294,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, q_row_ref, k_row_ref, v_r
                     # The rebuild reads single records at a dynamic index, which the swizzled
                     # buffers cannot serve: flush rows fetch an untiled copy (L2-resident).
                     u_rows, k_rows = rebuild_bufs
-                    plgpu.copy_gmem_to_smem(ucache_ref.at[slot, h, :, rows], u_rows, rows_barrier)
-                    plgpu.copy_gmem_to_smem(kcache_ref.at[slot, hk], k_rows, rows_barrier)
+                    copy_record_rows((ucache_ref, kcache_ref), rebuild_bufs, slot, h, hk, rows, rows_barrier)
                     plgpu.barrier_wait(rows_barrier)
                     prev = rebuild_exact(s_c, decay_total, u_rows, k_rows, g_smem, pos)
                 else:
@@ -322,13 +310,8 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, q_row_ref, k_row_ref, v_r
                 append_entry(ucache_ref, kcache_ref, gcache_ref, slot, h, tile, pos, u, k_col, g,
                              group_size=group_size)
 
-    if num_programs:
-        persistent_tiles(y_ref.shape[0] * num_heads * tiles, num_programs, issue, compute)
-    else:
-        index = lax.axis_index("b") * (num_heads * tiles) + lax.axis_index("hv")
-        issue(index, 0)
-        compute(index, 0)
-        plgpu.wait_smem_to_gmem(0)
+    batch, num_heads = y_ref.shape[:2]
+    serve_tiles(batch, num_heads, tiles, num_programs, issue, compute)
 
 
 def _scratch(head_k_dim, cache_len, state_dtype, cache_dtype, y_dtype, swizzle, rebuild, stages) -> list:
@@ -367,13 +350,11 @@ def _build(batch, num_v_heads, head_v_dim, head_k_dim, cache_len, state_dtype, c
     num_programs = min(programs, num_tiles)
     body = functools.partial(_kernel, group_size=group_size, tiles=tiles, use_qk_l2norm=use_qk_l2norm,
                              scale=scale, raw_gates=raw_gates, rebuild=rebuild, num_programs=num_programs)
-    grid = dict(grid=(num_programs,), grid_names=("p",)) if num_programs else dict(
-        grid=(batch, num_v_heads * tiles), grid_names=("b", "hv"))
     return plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((batch, num_v_heads, head_v_dim), y_dtype),
         scratch_types=scratch,
-        **grid,
+        **tile_grid(batch, num_v_heads, tiles, num_programs),
         compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=not auto_barriers),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
         kernel_name="replayssm_replay_decode_mgpu",

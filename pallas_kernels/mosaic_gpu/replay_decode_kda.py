@@ -55,7 +55,7 @@ from jaxtyping import Array, Float, Int
 
 from pallas_kernels.common import MODE_APPEND, MODE_FLUSH, MODE_PAD
 from pallas_kernels.mosaic_gpu.layouts import (COL, F32, ROW, WGMMA, bcast_cols, bcast_rows, col_sum,
-                                              check_smem, load_transposed, row_sum, softplus, tiled)
+                                              check_smem, copy_replay_tile, load_transposed, row_sum, softplus, tiled)
 from pallas_kernels.mosaic_gpu.replay_decode import (BLOCK_V, MosaicReplayParams, append_entry, check_shapes,
                                                      load_qk, store_output, store_tile)
 
@@ -152,10 +152,8 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, q_row_ref, k_row_ref, v_r
     @pl.when(mode != MODE_PAD)
     def _live_row():
         slot, pos = slot_ref[b], pos_ref[b]
-        plgpu.copy_gmem_to_smem(ckpt_ref.at[slot, h, rows], t_smem, barrier)
-        plgpu.copy_gmem_to_smem(ucache_ref.at[slot, h, :, rows], u_smem, barrier)
-        plgpu.copy_gmem_to_smem(kcache_ref.at[slot, hk], k_smem, barrier)
-        plgpu.copy_gmem_to_smem(gcache_ref.at[slot, h], g_smem, barrier)
+        copy_replay_tile((ckpt_ref, ucache_ref, kcache_ref, gcache_ref), (t_smem, u_smem, k_smem, g_smem),
+                         slot, h, hk, rows, barrier)
 
         # The token, while the copies fly. The gates are computed in ROW (few values per
         # thread); alpha reaches COL through shared memory with e^G below.

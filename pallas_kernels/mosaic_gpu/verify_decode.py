@@ -56,7 +56,8 @@ from jaxtyping import Array, Bool, Float, Int
 
 from pallas_kernels.common import L2NORM_EPS, MODE_APPEND, MODE_FLUSH, MODE_PAD
 from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA, bcast_cols, bcast_rows, col_sum,
-                                              check_smem, load_transposed, record_copies, replay_scratch, row_sum)
+                                               check_smem, copy_record_rows, copy_replay_tile, load_transposed,
+                                               record_copies, replay_scratch, row_sum)
 from pallas_kernels.mosaic_gpu.replay_decode import MosaicReplayParams, check_shapes, decay_weights, rebuild_exact
 
 MAX_WIDTH = 16  # the window is unrolled in the kernel: code size grows as T^2
@@ -223,10 +224,8 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
     def _live_row():
         slot, pos, length = slot_ref[b], pos_ref[b], length_ref[b]
         fold = mode == MODE_FLUSH
-        plgpu.copy_gmem_to_smem(ckpt_ref.at[slot, h, rows], t_smem, barrier)
-        plgpu.copy_gmem_to_smem(ucache_ref.at[slot, h, :, rows], u_smem, barrier)
-        plgpu.copy_gmem_to_smem(kcache_ref.at[slot, hk], k_smem, barrier)
-        plgpu.copy_gmem_to_smem(gcache_ref.at[slot, h], g_smem, barrier)
+        copy_replay_tile((ckpt_ref, ucache_ref, kcache_ref, gcache_ref), (t_smem, u_smem, k_smem, g_smem),
+                         slot, h, hk, rows, barrier)
         plgpu.copy_gmem_to_smem(coef_ref.at[b, h], c_smem, barrier)
         # The window's vectors, each for loads in one layout (layout inference cannot give
         # two layouts to loads of one buffer): per-position loads then hit shared memory
@@ -240,8 +239,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
         def _fetch_rows():
             # The rebuild reads single records at a dynamic index, which the swizzled
             # buffers cannot serve: folding rows fetch an untiled copy (L2-resident).
-            plgpu.copy_gmem_to_smem(ucache_ref.at[slot, h, :, rows], u_rows, rows_barrier)
-            plgpu.copy_gmem_to_smem(kcache_ref.at[slot, hk], k_rows, rows_barrier)
+            copy_record_rows((ucache_ref, kcache_ref), (u_rows, k_rows), slot, h, hk, rows, rows_barrier)
 
         plgpu.barrier_wait(barrier)
         weights, decay_total = decay_weights(g_smem, pos, cache_len)

@@ -47,7 +47,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from pallas_kernels.common import MODE_APPEND, MODE_FLUSH, MODE_PAD
 from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA, bcast_cols, bcast_rows, col_sum,
-                                              check_smem, load_transposed, row_sum, tiled)
+                                              check_smem, copy_replay_tile, load_transposed, row_sum, tiled)
 from pallas_kernels.mosaic_gpu.replay_decode import MosaicReplayParams
 from pallas_kernels.mosaic_gpu.replay_decode_kda import (channel_layout, check_kda_shapes, decay_weights,
                                                          rebuild_exact, weighted_keys)
@@ -124,10 +124,8 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, g_ref,
     def _live_row():
         slot, pos, length = slot_ref[b], pos_ref[b], length_ref[b]
         fold = mode == MODE_FLUSH
-        plgpu.copy_gmem_to_smem(ckpt_ref.at[slot, h, rows], t_smem, barrier)
-        plgpu.copy_gmem_to_smem(ucache_ref.at[slot, h, :, rows], u_smem, barrier)
-        plgpu.copy_gmem_to_smem(kcache_ref.at[slot, hk], k_smem, barrier)
-        plgpu.copy_gmem_to_smem(gcache_ref.at[slot, h], g_smem, barrier)
+        copy_replay_tile((ckpt_ref, ucache_ref, kcache_ref, gcache_ref), (t_smem, u_smem, k_smem, g_smem),
+                         slot, h, hk, rows, barrier)
         plgpu.copy_gmem_to_smem(coef_ref.at[b, h], c_smem, barrier)
         # The window's vectors, one buffer per load layout (as in the GDN kernel).
         q_cols, k_cols, q_rows, k_rows, v_rows, e_cols, e_rows = window_smem

@@ -46,7 +46,8 @@ from jaxtyping import Array, Bool, Float, Int
 
 from pallas_kernels.common import MODE_APPEND, MODE_FLUSH, MODE_PAD
 from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA, bcast_cols, bcast_rows, col_sum,
-                                              check_smem, load_transposed, record_copies, replay_scratch, row_sum)
+                                               check_smem, copy_record_rows, copy_replay_tile, load_transposed,
+                                               record_copies, replay_scratch, row_sum)
 from pallas_kernels.mosaic_gpu.mamba2_decode import MosaicMamba2Params, check_shapes, rebuild_exact, window_weights
 from pallas_kernels.mosaic_gpu.verify_decode import (MAX_WIDTH, check_params, coefficient_shape, pack_coefficients,
                                                      select_if, store_zeros, unpack_coefficients)
@@ -111,10 +112,8 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, x_ref, b_ref, c_ref, z_ref,
     def _live_row():
         slot, pos, length = slot_ref[b], pos_ref[b], length_ref[b]
         fold = mode == MODE_FLUSH
-        plgpu.copy_gmem_to_smem(ckpt_ref.at[slot, h, rows], t_smem, barrier)
-        plgpu.copy_gmem_to_smem(xcache_ref.at[slot, h, :, rows], xrec_smem, barrier)
-        plgpu.copy_gmem_to_smem(bcache_ref.at[slot, grp], brec_smem, barrier)
-        plgpu.copy_gmem_to_smem(dtcache_ref.at[slot, h], dt_smem, barrier)
+        copy_replay_tile((ckpt_ref, xcache_ref, bcache_ref, dtcache_ref), (t_smem, xrec_smem, brec_smem, dt_smem),
+                         slot, h, grp, rows, barrier)
         plgpu.copy_gmem_to_smem(coef_ref.at[b, h], c_smem, barrier)
         # The window's vectors, C once per layout (layout inference gives one buffer's loads
         # one layout), x and z on this tile's rows.
@@ -128,8 +127,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, x_ref, b_ref, c_ref, z_ref,
         def _fetch_rows():
             # The rebuild reads single records at a dynamic index, which the swizzled
             # buffers cannot serve: folding rows fetch an untiled copy (L2-resident).
-            plgpu.copy_gmem_to_smem(xcache_ref.at[slot, h, :, rows], x_rows, rows_barrier)
-            plgpu.copy_gmem_to_smem(bcache_ref.at[slot, grp], b_rows, rows_barrier)
+            copy_record_rows((xcache_ref, bcache_ref), (x_rows, b_rows), slot, h, grp, rows, rows_barrier)
 
         a = a_ref[h].astype(F32)
         plgpu.barrier_wait(barrier)
