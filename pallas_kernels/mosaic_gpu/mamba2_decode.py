@@ -23,8 +23,9 @@ Layouts (Hopper WGMMA family, `m % 64 == 0 == n % 8`):
   (C comes in twice, once per layout: layout inference gives one ref one layout).
 - x records read transposed, `X^T [BP, L]`: `X^T (w * (B C))` is a row reduction into
   `ROW [BP]`, the layout of `S_c C` and of this token's x, so the parts add as they are.
-- weights `w_j = dt_j exp(A sum_{j<i<pos} dt_i)` `COL [L]`: a running product of the
-  valid entries' decays `exp(A dt_i)`, newest first, scalars read from shared memory.
+- weights `w_j = dt_j exp(A sum_{j<i<pos} dt_i)` `COL [L]`: suffix sums of the valid
+  entries' time steps, newest first (scalars read from shared memory), exponentiated as
+  one vector.
 
 Step math (method note §14): with the live state
 `S_{t-1} = e^{A Gamma} S_c + sum_{j<pos} w_j x_j B_j^T` (Gamma the sum of the valid dt),
@@ -128,23 +129,25 @@ def _time_step(dt_raw, dt_bias, dt_softplus, dt_limit):
 def window_weights(dt_smem, a, pos, cache_len):
     """`(w [L] in COL, e^{A Gamma})`: `w_j = dt_j exp(A sum_{j<i<pos} dt_i)` for j < pos, 0 past it.
 
-    The valid entries' decays are multiplied newest first as scalars (unrolled over the
-    ring; an entry at or past `pos` leaves the product unchanged through a select, so a
-    stale dt, NaN included, is never used)."""
+    The valid entries' time steps are summed newest first as scalars (unrolled over the
+    ring; an entry at or past `pos` adds 0 through a select, so a stale dt, NaN included,
+    is never used), and the suffix sums exponentiated as one vector: the chain of
+    dependent operations is L additions, not L exponentials."""
     j = plgpu.broadcasted_iota(jnp.int32, (cache_len,), 0, layout=COL)
-    weights = plgpu.layout_cast(jnp.zeros((cache_len,), F32), COL)
-    running = jnp.float32(1.0)
+    zeros = plgpu.layout_cast(jnp.zeros((cache_len,), F32), COL)
+    suffix, dts = zeros, zeros
+    total = jnp.float32(0.0)
     for i in reversed(range(cache_len)):
-        live = i < pos
-        dt_i = dt_smem[i]
-        weights = jnp.where(live & (j == i), dt_i * running, weights)
-        running = jnp.where(live, running * jnp.exp(a * dt_i), running)
-    return weights, running
+        dt_i = jnp.where(i < pos, dt_smem[i], 0.0)
+        suffix = jnp.where(j == i, total, suffix)
+        dts = jnp.where(j == i, dt_i, dts)
+        total = total + dt_i
+    return jnp.where(j < pos, dts * jnp.exp(a * suffix), 0.0), jnp.exp(a * total)
 
 
 def rebuild_exact(s_c, decay_total, x_smem, b_smem, dt_smem, a, pos):
-    """`S_{t-1} = e^{A Gamma} S_c + sum_j w_j x_j B_j^T` in fp32, newest entry first (the
-    running decay of `window_weights`, so both see the same weights)."""
+    """`S_{t-1} = e^{A Gamma} S_c + sum_j w_j x_j B_j^T` in fp32, newest entry first with a
+    running decay."""
 
     def body(i, carry):
         state, running = carry

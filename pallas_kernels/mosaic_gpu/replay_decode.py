@@ -18,8 +18,9 @@ Layouts (Hopper WGMMA family, `m % 64 == 0 == n % 8`):
   `c = K x` is a column reduction into `COL [L]`, x broadcast from `ROW [d_k]`.
 - u records read transposed, `U^T [BV, L]`: `U^T (w * c)` is a row reduction into
   `ROW [BV]`, the same layout as `S_c x`, so the two parts add without a relayout.
-- decay weights `W_j = exp(sum_{j<i<pos} g_i)` `COL [L]`: a running product of the valid
-  entries' decays, newest first, scalars read from shared memory.
+- decay weights `W_j = exp(sum_{j<i<pos} g_i)` `COL [L]`: suffix sums of the valid
+  entries' log-decays, newest first (scalars read from shared memory), exponentiated as
+  one vector.
 
 Step math (as `pallas_kernels.replay_decode`): with the live state
 `S_{t-1} = e^G S_c + sum_{j<pos} W_j u_j k_j^T` (G the sum of the valid log-decays),
@@ -129,17 +130,17 @@ def check_shapes(head_k_dim: int, head_v_dim: int, cache_len: int, state_itemsiz
 def decay_weights(g_smem, pos, cache_len):
     """`(W [L] in COL, e^G)`: `W_j = exp(sum_{j<i<pos} g_i)` for j < pos, 0 past it.
 
-    The valid entries' decays are multiplied newest first as scalars (unrolled over the
-    ring; an entry at or past `pos` leaves the product unchanged through a select, so a
-    stale g, NaN included, is never used)."""
+    The valid entries' log-decays are summed newest first as scalars (unrolled over the
+    ring; an entry at or past `pos` adds 0 through a select, so a stale g, NaN included,
+    is never used), and the suffix sums exponentiated as one vector: the chain of
+    dependent operations is L additions, not L exponentials."""
     j = plgpu.broadcasted_iota(jnp.int32, (cache_len,), 0, layout=COL)
-    weights = plgpu.layout_cast(jnp.zeros((cache_len,), F32), COL)
-    running = jnp.float32(1.0)
+    suffix = plgpu.layout_cast(jnp.zeros((cache_len,), F32), COL)
+    total = jnp.float32(0.0)
     for i in reversed(range(cache_len)):
-        live = i < pos
-        weights = jnp.where(live & (j == i), running, weights)
-        running = jnp.where(live, running * jnp.exp(g_smem[i]), running)
-    return weights, running
+        suffix = jnp.where(j == i, total, suffix)
+        total = total + jnp.where(i < pos, g_smem[i], 0.0)
+    return jnp.where(j < pos, jnp.exp(suffix), 0.0), jnp.exp(total)
 
 
 def rebuild_exact(s_c, decay_total, u_smem, k_smem, g_smem, pos):
