@@ -96,8 +96,8 @@ def _inputs(rng, state_dtype, cache_dtype, per_channel):
 @pytest.mark.parametrize("l2norm,raw", [(True, False), (False, True)])
 @pytest.mark.parametrize("gate,programs", [("gdn", 0), ("gdn", 3), ("kda", 0)])
 def test_step_matches_the_float64_model(rng, gate, programs, state_dtype, cache_dtype, l2norm, raw):
-    """programs = 3: persistent CTAs over the 10 tiles (4, 3 and 3 each: both stages, an odd
-    and an even count, padding and flush tiles among them)."""
+    """programs = 3: persistent CTAs over the 10 tiles (runs of 3, 3 and 4: both stages, an
+    odd and an even count, runs that cross rows, padding and flush tiles among them)."""
     per_channel = gate == "kda"
     kernel = replay_decode_kda_mgpu if per_channel else functools.partial(
         replay_decode_mgpu, params=MosaicReplayParams(programs=programs))
@@ -328,13 +328,26 @@ def test_persistent_programs_are_validated_and_fit_shared_memory():
     with pytest.raises(ValueError, match="programs must be 0"):
         _lower_for_h200(replay_decode_kda_mgpu, jnp.float32, jnp.float32, 16, False, per_channel=True,
                         params=MosaicReplayParams(programs=8))
-    # Two stages of ~46 KiB (fp32, L = 16, d = 128) plus the rebuild's 12 KiB copies: two CTAs
+    # Two stages of ~48 KiB (fp32, L = 16, d = 128) plus the rebuild's 12 KiB copies: two CTAs
     # per SM; a bf16 state three; never more CTAs than tiles, never none.
     f32, bf16 = jnp.float32, jnp.bfloat16
     assert persistent_programs(512, 32, 128, 128, 16, f32, f32, bf16, 132) == 264
     assert persistent_programs(512, 32, 128, 128, 16, bf16, bf16, bf16, 132) == 396
     assert persistent_programs(1, 2, 128, 128, 16, f32, f32, bf16, 132) == 4
     assert programs_that_fit(300 * 1024, 132, 10_000) == 132
+
+
+@pytest.mark.parametrize("num_tiles,num_programs", [(10, 3), (7, 7), (32768, 264), (5, 1)])
+def test_persistent_runs_cover_every_tile_once(num_tiles, num_programs):
+    """Program p's run `program_tiles(p)`: contiguous, in program order, every tile once,
+    none empty, lengths within one of each other."""
+    from pallas_kernels.mosaic_gpu.pipeline import program_tiles
+
+    runs = [program_tiles(p, num_tiles, num_programs) for p in range(num_programs)]
+    served = [t for first, count in runs for t in range(first, first + count)]
+    assert served == list(range(num_tiles))
+    counts = [count for _, count in runs]
+    assert min(counts) >= 1 and max(counts) - min(counts) <= 1
 
 
 @pytest.mark.parametrize("kernel,per_channel,params", [

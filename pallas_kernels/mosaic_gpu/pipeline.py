@@ -4,7 +4,9 @@ A one-tile-per-CTA kernel waits for its copies before any work and leaves the me
 system idle while it computes, unless enough other CTAs share the SM. Here each CTA (grid
 axis "p", P programs) serves tiles `p, p + P, p + 2P, ...` from two stages of shared
 buffers: the copies of tile n + 1 into one stage are issued before tile n is computed
-from the other.
+from the other. Each CTA serves one contiguous run of the tiles (b slowest): its row's
+slot, cursor and mode, and the q and k that consecutive tiles share, are then mostly L1
+hits instead of a round trip to L2 per tile.
 
 The stages are separate buffers addressed with a static stage index (the loop is unrolled
 by two). Mosaic aligns each buffer to 1 KiB, as TMA needs; a stage axis inside one buffer,
@@ -56,17 +58,24 @@ def serve_tiles(batch: int, heads: int, tiles: int, num_programs: int, issue: Ca
     plgpu.wait_smem_to_gmem(0)
 
 
+def program_tiles(program, num_tiles: int, num_programs: int):
+    """`(first, count)`: program p of P serves tiles `p N // P .. (p + 1) N // P - 1` of N
+    (count >= 1 when P <= N; the runs differ in length by at most one)."""
+    first = program * num_tiles // num_programs
+    return first, (program + 1) * num_tiles // num_programs - first
+
+
 def persistent_tiles(num_tiles: int, num_programs: int, issue: Callable, compute: Callable) -> None:
     """Run `issue(tile, stage)` (start tile's copies into `stage`) one tile ahead of
-    `compute(tile, stage)` (wait for them, work, start its stores) over this CTA's tiles.
+    `compute(tile, stage)` (wait for them, work, start its stores) over this CTA's run of
+    tiles (`program_tiles`).
 
     Before a stage is refilled, every thread has finished the tile it held (a warpgroup
     barrier) and every store but the newest has finished reading shared memory, so
     `compute` must issue a tile's stores from the stage's tile buffer before its small
     output store (the one left in flight, from a buffer the refill does not touch)."""
-    program = lax.axis_index("p")
-    count = (num_tiles - program + num_programs - 1) // num_programs  # >= 1: num_programs <= num_tiles
-    issue(program, 0)
+    first, count = program_tiles(lax.axis_index("p"), num_tiles, num_programs)  # count >= 1
+    issue(first, 0)
 
     def stage_pair(i, carry):
         for stage in range(STAGES):
@@ -79,9 +88,9 @@ def persistent_tiles(num_tiles: int, num_programs: int, issue: Callable, compute
 
                 @pl.when(n + 1 < count)
                 def _prefetch():
-                    issue(program + (n + 1) * num_programs, (stage + 1) % STAGES)
+                    issue(first + n + 1, (stage + 1) % STAGES)
 
-                compute(program + n * num_programs, stage)
+                compute(first + n, stage)
 
         return carry
 
