@@ -3,13 +3,14 @@
 Grid `(B, H_v * d_v / BV)`, one warpgroup (128 threads) per CTA, BV = 64: CTA (b, h, t)
 serves value rows `t*BV .. t*BV + BV - 1` of value head h of row b, whose slot, cursor
 `pos` and mode (padding / append / flush) it reads from `[B]` arrays. With
-`MosaicReplayParams.programs = n`, n persistent CTAs serve the same tiles in turn, the
+`MosaicReplayParams.programs = n`, n persistent CTAs serve contiguous runs of the tiles, the
 next tile's copies in flight while one is computed (`pipeline.persistent_tiles`).
 
 Data movement (TMA, one barrier): the checkpoint tile `S_c [BV, d_k]`, the slot's u
 records `[L, BV]` of this tile and its key records `[L, d_k]` (key head h // G), all
-swizzled, and its log-decays `[L]` land in shared memory; flush rows fetch a second,
-untiled copy of the records for the rebuild; everything else is registers.
+swizzled, its log-decays `[L]` and the token's q, k (twice: one copy per vector layout)
+and v rows land in shared memory; flush rows fetch a second, untiled copy of the records
+for the rebuild; everything else is registers.
 
 Layouts (Hopper WGMMA family, `m % 64 == 0 == n % 8`):
 - `S_c` in `WGMMA` `[BV, d_k]`; `S_c x` is a row reduction into `ROW = WGMMA.reduce(1)`
@@ -81,8 +82,8 @@ class MosaicReplayParams:
         accumulation from `e^G S_c`), which leaves out the untiled record copies. Their
         errors are measured by `benchmarks/mosaic_bench.py`'s check section.
       programs: 0 (default) launches one CTA per tile (grid `(B, H_v d_v / 64)`); n > 0
-        launches n persistent CTAs (at most one per tile), each walking every n-th tile
-        with the next tile's copies in flight (`pipeline.persistent_tiles`, two stages of
+        launches n persistent CTAs (at most one per tile), each walking a contiguous run
+        of tiles with the next tile's copies in flight (`pipeline.persistent_tiles`, two stages of
         shared buffers). `pipeline.programs_that_fit` picks n for a device.
       auto_barriers: True (default) keeps Mosaic's conservative warpgroup barriers around
         every vector store and before every TMA copy; False leaves only the kernel's own
@@ -175,16 +176,16 @@ def rebuild_mma(s_c, decay_total, u_t, weights, keys_t, pos, a_smem, b_smem):
     return pl.run_state(mma)(plgpu.ACC.init(s_c * decay_total))
 
 
-def load_qk(q_ref, k_ref, q_row_ref, k_row_ref, b, hk, *, use_qk_l2norm, scale):
-    """Row b's q, k of key head hk in both vector layouts, normalised (if asked) and q
-    scaled: `(q_col, k_col, q_row, k_row, k . q)`, fp32, `[d_k]` in COL and ROW.
+def load_qk(q_ref, k_ref, q_row_ref, k_row_ref, *, use_qk_l2norm, scale):
+    """q, k `[d_k]` (global or shared memory refs) in both vector layouts, normalised (if
+    asked) and q scaled: `(q_col, k_col, q_row, k_row, k . q)`, fp32, in COL and ROW.
 
     Layout inference cannot give two layouts to loads of one ref: the ROW copies come
-    from second refs to the same arrays."""
-    q_col = plgpu.load(q_ref.at[b, hk], layout=COL, optimized=False).astype(F32)
-    k_col = plgpu.load(k_ref.at[b, hk], layout=COL, optimized=False).astype(F32)
-    q_row = plgpu.load(q_row_ref.at[b, hk], layout=ROW, optimized=False).astype(F32)
-    k_row = plgpu.load(k_row_ref.at[b, hk], layout=ROW, optimized=False).astype(F32)
+    from second refs (to the same arrays, or second shared-memory copies)."""
+    q_col = plgpu.load(q_ref, layout=COL, optimized=False).astype(F32)
+    k_col = plgpu.load(k_ref, layout=COL, optimized=False).astype(F32)
+    q_row = plgpu.load(q_row_ref, layout=ROW, optimized=False).astype(F32)
+    k_row = plgpu.load(k_row_ref, layout=ROW, optimized=False).astype(F32)
     q_scale, k_scale = jnp.float32(scale), jnp.float32(1.0)
     if use_qk_l2norm:
         q_scale = q_scale * lax.rsqrt(jnp.sum(q_col * q_col) + L2NORM_EPS)
@@ -227,27 +228,38 @@ def append_entry(ucache_ref, kcache_ref, gcache_ref, slot, h, tile, pos, u, k, g
         kcache_ref[slot, h // group_size, pos] = k.astype(kcache_ref.dtype)
 
 
-def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, q_row_ref, k_row_ref, v_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref,
+def copy_token(token_refs, bufs, b, h, hk, rows, barrier) -> None:
+    """Start the TMA copies of row b's token for one tile, five arrivals on `barrier`: q and
+    k of key head hk twice each (`qk_smem [4, d_k]` rows: one copy per vector layout) and
+    the tile's rows of v of head h (`v_smem [BV]`), from `token_refs = (q, k, v)`."""
+    q_ref, k_ref, v_ref = token_refs
+    qk_smem, v_smem = bufs
+    for i, ref in enumerate((q_ref, k_ref, q_ref, k_ref)):
+        plgpu.copy_gmem_to_smem(ref.at[b, hk], qk_smem.at[i], barrier)
+    plgpu.copy_gmem_to_smem(v_ref.at[b, h, rows], v_smem, barrier)
+
+
+def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref,
             ckpt_ref, ucache_ref, kcache_ref, gcache_ref,
             y_ref,
             stages, rebuild_bufs, barriers, rows_barrier,
             *, group_size, tiles, use_qk_l2norm, scale, raw_gates, rebuild, num_programs):
     def issue(b, h, tile, stage):
         """Start the tile's copies into `stages[stage]` (none for padding rows)."""
-        t_smem, u_smem, k_smem, g_smem, _ = stages[stage]
+        t_smem, u_smem, k_smem, g_smem, _, qk_smem, v_smem = stages[stage]
         barrier, slot, rows = barriers.at[stage], slot_ref[b], pl.ds(tile * BLOCK_V, BLOCK_V)
 
         @pl.when(mode_ref[b] != MODE_PAD)
         def _copies():
             copy_replay_tile((ckpt_ref, ucache_ref, kcache_ref, gcache_ref), (t_smem, u_smem, k_smem, g_smem),
                              slot, h, h // group_size, rows, barrier)
+            copy_token((q_ref, k_ref, v_ref), (qk_smem, v_smem), b, h, h // group_size, rows, barrier)
 
     def compute(b, h, tile, stage):
         _tile(b, h, tile, stages[stage], barriers.at[stage])
 
     def _tile(b, h, tile, bufs, barrier):
-        t_smem, u_smem, k_smem, g_smem, o_smem = bufs
-        hk = h // group_size
+        t_smem, u_smem, k_smem, g_smem, o_smem, qk_smem, v_smem = bufs
         rows = pl.ds(tile * BLOCK_V, BLOCK_V)
         mode = mode_ref[b]
         cache_len = u_smem.shape[0]
@@ -259,18 +271,20 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, q_row_ref, k_row_ref, v_r
         @pl.when(mode != MODE_PAD)
         def _live_row():
             slot, pos = slot_ref[b], pos_ref[b]
-            # The token, while the copies fly: q, k in both vector layouts, gates as scalars.
-            q_col, k_col, q_row, k_row, k_dot_q = load_qk(q_ref, k_ref, q_row_ref, k_row_ref, b, hk,
-                                                          use_qk_l2norm=use_qk_l2norm, scale=scale)
+            # The gates as scalars while the copies fly.
             g = g_ref[b, h].astype(F32)
             beta = beta_ref[b, h].astype(F32)
             if raw_gates:
                 g = -jnp.exp(a_log_ref[h].astype(F32)) * softplus(g + dt_bias_ref[h].astype(F32))
                 beta = 1.0 / (1.0 + jnp.exp(-beta))
             alpha = jnp.exp(g)
-            v_row = plgpu.load(v_ref.at[b, h, rows], layout=ROW, optimized=False).astype(F32)
 
             plgpu.barrier_wait(barrier)
+            # The token from shared memory (copied with the tile, so a persistent CTA has
+            # it one tile ahead): q, k in both vector layouts, v's rows of this tile.
+            q_col, k_col, q_row, k_row, k_dot_q = load_qk(*(qk_smem.at[i] for i in range(4)),
+                                                          use_qk_l2norm=use_qk_l2norm, scale=scale)
+            v_row = plgpu.load(v_smem, layout=ROW, optimized=False).astype(F32)
             weights, decay_total = decay_weights(g_smem, pos, cache_len)
             keys_t = load_transposed(k_smem)  # [Dk, L]
             j = plgpu.broadcasted_iota(jnp.int32, (BLOCK_V, cache_len), 1, layout=WGMMA)
@@ -295,7 +309,8 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, q_row_ref, k_row_ref, v_r
                     # The rebuild reads single records at a dynamic index, which the swizzled
                     # buffers cannot serve: flush rows fetch an untiled copy (L2-resident).
                     u_rows, k_rows = rebuild_bufs
-                    copy_record_rows((ucache_ref, kcache_ref), rebuild_bufs, slot, h, hk, rows, rows_barrier)
+                    copy_record_rows((ucache_ref, kcache_ref), rebuild_bufs, slot, h, h // group_size, rows,
+                                     rows_barrier)
                     plgpu.barrier_wait(rows_barrier)
                     prev = rebuild_exact(s_c, decay_total, u_rows, k_rows, g_smem, pos)
                 else:
@@ -315,11 +330,13 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, q_row_ref, k_row_ref, v_r
     serve_tiles(batch, num_heads, tiles, num_programs, issue, compute)
 
 
-def _scratch(head_k_dim, cache_len, state_dtype, cache_dtype, y_dtype, swizzle, rebuild, stages) -> list:
+def _scratch(head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, v_dtype, swizzle, rebuild, stages) -> list:
     """`[stages, rebuild buffers, barriers, rows barrier]`: `stages` sets of the replay
-    buffers, then the flush rebuild's (untiled record copies for "exact", the `wgmma`
-    operands otherwise), one barrier per stage and one for the record copies."""
-    per_stage = [replay_scratch(BLOCK_V, head_k_dim, cache_len, state_dtype, cache_dtype, (BLOCK_V,), y_dtype, swizzle)
+    buffers and the token's (`copy_token`), then the flush rebuild's (untiled record copies
+    for "exact", the `wgmma` operands otherwise), one barrier per stage and one for the
+    record copies."""
+    per_stage = [replay_scratch(BLOCK_V, head_k_dim, cache_len, state_dtype, cache_dtype, (BLOCK_V,), v_dtype, swizzle)
+                 + [plgpu.SMEM((4, head_k_dim), qk_dtype), plgpu.SMEM((BLOCK_V,), v_dtype)]
                  for _ in range(stages)]
     operand = REBUILD_DTYPES[rebuild]
     if operand is None:
@@ -328,24 +345,25 @@ def _scratch(head_k_dim, cache_len, state_dtype, cache_dtype, y_dtype, swizzle, 
         operand_swizzle = min(128, cache_len * jnp.dtype(operand).itemsize)
         rebuild_bufs = [plgpu.SMEM((rows, cache_len), operand, transforms=tiled(operand_swizzle, operand))
                         for rows in (BLOCK_V, head_k_dim)]
-    return [per_stage, rebuild_bufs, plgpu.Barrier(num_arrivals=4, num_barriers=stages), plgpu.Barrier(num_arrivals=2)]
+    return [per_stage, rebuild_bufs, plgpu.Barrier(num_arrivals=9, num_barriers=stages), plgpu.Barrier(num_arrivals=2)]
 
 
 def persistent_programs(batch: int, num_v_heads: int, head_v_dim: int, head_k_dim: int, cache_len: int,
-                        state_dtype, cache_dtype, y_dtype, sm_count: int, *, swizzle: int = 128,
+                        state_dtype, cache_dtype, token_dtype, sm_count: int, *, swizzle: int = 128,
                         rebuild: str = "exact") -> int:
     """`MosaicReplayParams.programs` for a device of `sm_count` SMs: as many persistent CTAs
-    per SM as the two-stage buffers fit in shared memory."""
-    scratch = _scratch(head_k_dim, cache_len, state_dtype, cache_dtype, y_dtype, swizzle, rebuild, STAGES)
+    per SM as the two-stage buffers fit in shared memory (`token_dtype`: q, k and v's)."""
+    scratch = _scratch(head_k_dim, cache_len, state_dtype, cache_dtype, token_dtype, token_dtype, swizzle, rebuild,
+                       STAGES)
     return programs_that_fit(smem_bytes(scratch), sm_count, batch * num_v_heads * (head_v_dim // BLOCK_V))
 
 
 @functools.lru_cache(maxsize=None)
-def _build(batch, num_v_heads, head_v_dim, head_k_dim, cache_len, state_dtype, cache_dtype, y_dtype,
+def _build(batch, num_v_heads, head_v_dim, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y_dtype,
            group_size, use_qk_l2norm, scale, raw_gates, swizzle, rebuild, programs, auto_barriers, interpret):
     tiles = head_v_dim // BLOCK_V
     num_tiles = batch * num_v_heads * tiles
-    scratch = _scratch(head_k_dim, cache_len, state_dtype, cache_dtype, y_dtype, swizzle, rebuild,
+    scratch = _scratch(head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y_dtype, swizzle, rebuild,
                        STAGES if programs else 1)
     check_smem(scratch, f"replay_decode_mgpu at cache_len = {cache_len}, d_k = {head_k_dim}")
     num_programs = min(programs, num_tiles)
@@ -404,12 +422,12 @@ def replay_decode_mgpu(
                          "mode does not run: use rebuild='exact' off GPU")
     a_log, dt_bias = gate_params if gate_params is not None else (jnp.zeros((1,), F32),) * 2
     kernel = _build(
-        batch, num_v_heads, head_v_dim, head_k_dim, cache_len, checkpoint.dtype, u_cache.dtype, v.dtype,
+        batch, num_v_heads, head_v_dim, head_k_dim, cache_len, checkpoint.dtype, u_cache.dtype, q.dtype, v.dtype,
         num_v_heads // q.shape[1], bool(use_qk_l2norm), float(head_k_dim ** -0.5 if scale is None else scale),
         gate_params is not None, params.swizzle, params.rebuild, params.programs, params.auto_barriers,
         bool(interpret),
     )
     refs = [jax.new_ref(x) for x in (checkpoint, u_cache, k_cache, g_cache)]
-    y = kernel(slot.astype(jnp.int32), pos.astype(jnp.int32), mode.astype(jnp.int32), q, k, q, k, v, g, beta,
+    y = kernel(slot.astype(jnp.int32), pos.astype(jnp.int32), mode.astype(jnp.int32), q, k.astype(q.dtype), v, g, beta,
                a_log, dt_bias, *refs)
     return (y, *(jax.freeze(r) for r in refs))

@@ -157,7 +157,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, q_row_ref, k_row_ref, v_r
 
         # The token, while the copies fly. The gates are computed in ROW (few values per
         # thread); alpha reaches COL through shared memory with e^G below.
-        q_col, k_col, q_row, k_row, k_dot_q = load_qk(q_ref, k_ref, q_row_ref, k_row_ref, b, hk,
+        q_col, k_col, q_row, k_row, k_dot_q = load_qk(*(ref.at[b, hk] for ref in (q_ref, k_ref, q_row_ref, k_row_ref)),
                                                       use_qk_l2norm=use_qk_l2norm, scale=scale)
         g = plgpu.load(g_ref.at[b, h], layout=ROW, optimized=False).astype(F32)
         beta = beta_ref[b, h].astype(F32)
