@@ -96,8 +96,9 @@ def _inputs(rng, state_dtype, cache_dtype, per_channel):
 @pytest.mark.parametrize("l2norm,raw", [(True, False), (False, True)])
 @pytest.mark.parametrize("gate,programs", [("gdn", 0), ("gdn", 3), ("kda", 0)])
 def test_step_matches_the_float64_model(rng, gate, programs, state_dtype, cache_dtype, l2norm, raw):
-    """programs = 3: persistent CTAs over the 10 tiles (runs of 3, 3 and 4: both stages, an
-    odd and an even count, runs that cross rows, padding and flush tiles among them)."""
+    """programs = 3: persistent CTAs over the 10 tiles (4, 3 and 3 each, in chunks of 3:
+    both stages, an odd and an even count, chunks that cross rows, padding and flush tiles
+    among them)."""
     per_channel = gate == "kda"
     kernel = replay_decode_kda_mgpu if per_channel else functools.partial(
         replay_decode_mgpu, params=MosaicReplayParams(programs=programs))
@@ -337,17 +338,23 @@ def test_persistent_programs_are_validated_and_fit_shared_memory():
     assert programs_that_fit(300 * 1024, 132, 10_000) == 132
 
 
-@pytest.mark.parametrize("num_tiles,num_programs", [(10, 3), (7, 7), (32768, 264), (5, 1)])
-def test_persistent_runs_cover_every_tile_once(num_tiles, num_programs):
-    """Program p's run `program_tiles(p)`: contiguous, in program order, every tile once,
-    none empty, lengths within one of each other."""
-    from pallas_kernels.mosaic_gpu.pipeline import program_tiles
+@pytest.mark.parametrize("num_tiles,num_programs", [(10, 3), (7, 7), (32768, 264), (5, 1), (30, 4), (64, 64)])
+def test_persistent_programs_serve_every_tile_once(num_tiles, num_programs):
+    """`program_tiles`: every tile served once, no program idle, chunks of consecutive
+    tiles dealt round robin (so one row's tiles spread over programs), counts balanced to
+    within one chunk."""
+    from pallas_kernels.mosaic_gpu.pipeline import chunk_size, program_tiles
 
-    runs = [program_tiles(p, num_tiles, num_programs) for p in range(num_programs)]
-    served = [t for first, count in runs for t in range(first, first + count)]
-    assert served == list(range(num_tiles))
-    counts = [count for _, count in runs]
-    assert min(counts) >= 1 and max(counts) - min(counts) <= 1
+    chunk = chunk_size(num_tiles, num_programs)
+    served = {}
+    for p in range(num_programs):
+        tile_of, count = program_tiles(jnp.int32(p), num_tiles, num_programs)
+        served[p] = [int(tile_of(jnp.int32(n))) for n in range(int(count))]
+        assert served[p], f"program {p} idle"
+        assert all(t // chunk % num_programs == p for t in served[p])
+    assert sorted(t for tiles in served.values() for t in tiles) == list(range(num_tiles))
+    counts = [len(tiles) for tiles in served.values()]
+    assert max(counts) - min(counts) <= chunk
 
 
 @pytest.mark.parametrize("kernel,per_channel,params", [

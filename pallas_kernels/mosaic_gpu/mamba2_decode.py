@@ -7,7 +7,7 @@ Per head h (H heads, head dim P, state size N, G groups; head h uses group h // 
 Grid `(B, H * P / BP)`, one warpgroup (128 threads) per CTA, BP = 64: CTA (b, h, t)
 serves state rows `t*BP .. t*BP + BP - 1` of head h of row b, whose slot, cursor `pos`
 and mode (padding / append / flush) it reads from `[B]` arrays; or, with
-`MosaicMamba2Params.programs = n`, n persistent CTAs serve contiguous runs of the tiles
+`MosaicMamba2Params.programs = n`, n persistent CTAs serve chunks of the tiles dealt round robin
 (`pipeline.persistent_tiles`).
 
 Data movement (TMA, one barrier): the checkpoint tile `S_c [BP, N]`, the slot's x records
@@ -72,8 +72,8 @@ class MosaicMamba2Params:
     Attributes:
       swizzle: shared-memory swizzle of the checkpoint tile in bytes (32, 64 or 128).
       programs: 0 (default) launches one CTA per tile (grid `(B, H P / 64)`); n > 0
-        launches n persistent CTAs (at most one per tile), each walking a contiguous run of
-        tiles with the next tile's copies in flight (`pipeline.persistent_tiles`).
+        launches n persistent CTAs (at most one per tile), each walking chunks of tiles
+        dealt round robin, the next tile's copies in flight (`pipeline.persistent_tiles`).
       auto_barriers: as `MosaicReplayParams.auto_barriers`.
     """
 

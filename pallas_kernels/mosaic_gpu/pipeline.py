@@ -2,11 +2,12 @@
 
 A one-tile-per-CTA kernel waits for its copies before any work and leaves the memory
 system idle while it computes, unless enough other CTAs share the SM. Here each CTA (grid
-axis "p", P programs) serves tiles `p, p + P, p + 2P, ...` from two stages of shared
-buffers: the copies of tile n + 1 into one stage are issued before tile n is computed
-from the other. Each CTA serves one contiguous run of the tiles (b slowest): its row's
-slot, cursor and mode, and the q and k that consecutive tiles share, are then mostly L1
-hits instead of a round trip to L2 per tile.
+axis "p", P programs) serves chunks `p, p + P, p + 2P, ...` of `CHUNK` consecutive tiles
+(b slowest) from two stages of shared buffers: the copies of tile n + 1 into one stage
+are issued before tile n is computed from the other. Within a chunk the row's slot,
+cursor and mode, and the q and k its tiles share, are mostly L1 hits; dealing the chunks
+round robin spreads each row's tiles over many CTAs, so rows that flush (twice the work)
+do not pile onto a few CTAs when cursors are staggered.
 
 The stages are separate buffers addressed with a static stage index (the loop is unrolled
 by two). Mosaic aligns each buffer to 1 KiB, as TMA needs; a stage axis inside one buffer,
@@ -22,6 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 STAGES = 2
+CHUNK = 4  # tiles: GDN's two value heads per key head at d_v = 128
 SMEM_PER_SM = 228 * 1024  # Hopper: one SM's shared memory, 1 KiB of it reserved per CTA
 _CTA_RESERVED = 1024
 
@@ -58,24 +60,34 @@ def serve_tiles(batch: int, heads: int, tiles: int, num_programs: int, issue: Ca
     plgpu.wait_smem_to_gmem(0)
 
 
+def chunk_size(num_tiles: int, num_programs: int) -> int:
+    """`CHUNK`, or fewer tiles per chunk where that many would leave programs idle."""
+    return max(1, min(CHUNK, num_tiles // num_programs))
+
+
 def program_tiles(program, num_tiles: int, num_programs: int):
-    """`(first, count)`: program p of P serves tiles `p N // P .. (p + 1) N // P - 1` of N
-    (count >= 1 when P <= N; the runs differ in length by at most one)."""
-    first = program * num_tiles // num_programs
-    return first, (program + 1) * num_tiles // num_programs - first
+    """`(tile_of, count)`: program p of P serves its n-th tile `tile_of(n)`, n < count, the
+    chunks `p, p + P, ...` of `chunk_size` tiles each (the last chunk of the N tiles may
+    be short; count >= 1 when P <= N)."""
+    chunk = chunk_size(num_tiles, num_programs)
+    num_chunks = -(-num_tiles // chunk)
+    mine = (num_chunks - program + num_programs - 1) // num_programs  # >= 1: P <= num_chunks
+    last = program + (mine - 1) * num_programs
+    count = (mine - 1) * chunk + lax.min(chunk, num_tiles - last * chunk)
+    return (lambda n: (program + n // chunk * num_programs) * chunk + n % chunk), count
 
 
 def persistent_tiles(num_tiles: int, num_programs: int, issue: Callable, compute: Callable) -> None:
     """Run `issue(tile, stage)` (start tile's copies into `stage`) one tile ahead of
-    `compute(tile, stage)` (wait for them, work, start its stores) over this CTA's run of
-    tiles (`program_tiles`).
+    `compute(tile, stage)` (wait for them, work, start its stores) over this CTA's tiles
+    (`program_tiles`).
 
     Before a stage is refilled, every thread has finished the tile it held (a warpgroup
     barrier) and every store but the newest has finished reading shared memory, so
     `compute` must issue a tile's stores from the stage's tile buffer before its small
     output store (the one left in flight, from a buffer the refill does not touch)."""
-    first, count = program_tiles(lax.axis_index("p"), num_tiles, num_programs)  # count >= 1
-    issue(first, 0)
+    tile_of, count = program_tiles(lax.axis_index("p"), num_tiles, num_programs)  # count >= 1
+    issue(tile_of(0), 0)
 
     def stage_pair(i, carry):
         for stage in range(STAGES):
@@ -88,9 +100,9 @@ def persistent_tiles(num_tiles: int, num_programs: int, issue: Callable, compute
 
                 @pl.when(n + 1 < count)
                 def _prefetch():
-                    issue(first + n + 1, (stage + 1) % STAGES)
+                    issue(tile_of(n + 1), (stage + 1) % STAGES)
 
-                compute(first + n, stage)
+                compute(tile_of(n), stage)
 
         return carry
 

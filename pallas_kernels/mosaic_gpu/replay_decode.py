@@ -3,7 +3,7 @@
 Grid `(B, H_v * d_v / BV)`, one warpgroup (128 threads) per CTA, BV = 64: CTA (b, h, t)
 serves value rows `t*BV .. t*BV + BV - 1` of value head h of row b, whose slot, cursor
 `pos` and mode (padding / append / flush) it reads from `[B]` arrays. With
-`MosaicReplayParams.programs = n`, n persistent CTAs serve contiguous runs of the tiles, the
+`MosaicReplayParams.programs = n`, n persistent CTAs serve chunks of the tiles dealt round robin, the
 next tile's copies in flight while one is computed (`pipeline.persistent_tiles`).
 
 Data movement (TMA, one barrier): the checkpoint tile `S_c [BV, d_k]`, the slot's u
@@ -82,8 +82,8 @@ class MosaicReplayParams:
         accumulation from `e^G S_c`), which leaves out the untiled record copies. Their
         errors are measured by `benchmarks/mosaic_bench.py`'s check section.
       programs: 0 (default) launches one CTA per tile (grid `(B, H_v d_v / 64)`); n > 0
-        launches n persistent CTAs (at most one per tile), each walking a contiguous run
-        of tiles with the next tile's copies in flight (`pipeline.persistent_tiles`, two stages of
+        launches n persistent CTAs (at most one per tile), each walking chunks of tiles
+        dealt round robin, the next tile's copies in flight (`pipeline.persistent_tiles`, two stages of
         shared buffers). `pipeline.programs_that_fit` picks n for a device.
       auto_barriers: True (default) keeps Mosaic's conservative warpgroup barriers around
         every vector store and before every TMA copy; False leaves only the kernel's own
