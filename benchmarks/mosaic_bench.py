@@ -153,13 +153,16 @@ def sm_count() -> int:
 
 
 def mosaic_params(spec: str, cfg: R.ReplayConfig, batch: int):
-    """The Mosaic params of a variant spec (`default`, or comma-separated fields of the
-    gate's params class: `programs=N` or `programs=fit`, `rebuild=tf32`, `swizzle=64`,
-    `auto_barriers=false`)."""
+    """The Mosaic params of a variant spec: `default` (None: the backend's
+    `default_params`), or comma-separated fields of the gate's params class (`programs=N`
+    or `programs=fit`, `rebuild=tf32`, `swizzle=64`, `auto_barriers=false`; the others at
+    the class's defaults)."""
+    if spec == "default":
+        return None
     cls = MosaicMamba2Params if cfg.gate_kind.additive else MosaicReplayParams
     parse = lambda v: v == "true" if v in ("true", "false") else int(v) if v.isdigit() else v
     fields = dict((name, parse(value)) for name, value in
-                  (item.split("=") for item in ([] if spec == "default" else spec.split(","))))
+                  (item.split("=") for item in spec.split(",")))
     if fields.get("programs") == "fit":
         shape = (batch, cfg.num_v_heads, cfg.head_v_dim, cfg.head_k_dim, cfg.cache_len, cfg.state_dtype,
                  cfg.cache_dtype, jnp.bfloat16, sm_count())
@@ -288,7 +291,8 @@ def sweep_row(timer, args, cfg, batch, rng, staggered, variant, bandwidth, plain
     floor = cost.floor_us(cycle_bytes, bandwidth)
     nf_bytes = statistics.mean(cost.replay_step_bytes(cfg, [p] * batch).total for p in range(cfg.cache_len - 1))
     fl_bytes = cost.replay_step_bytes(cfg, [cfg.cache_len - 1] * batch).total
-    row = dict(mosaic_variant=variant, mosaic_params=repr(kernel_params),
+    effective = kernel_params or mosaic_gpu.default_params(cfg, batch, jnp.bfloat16)
+    row = dict(mosaic_variant=variant, mosaic_params=repr(effective),
                gate=cfg.gate, num_k_heads=cfg.num_k_heads, num_v_heads=cfg.num_v_heads,
                head_k_dim=cfg.head_k_dim, head_v_dim=cfg.head_v_dim,
                state_dtype=cfg.state_dtype.name, cache_len=cfg.cache_len, batch=batch,

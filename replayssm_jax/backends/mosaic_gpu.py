@@ -13,18 +13,36 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 from jaxtyping import Array, Float
 
 from pallas_kernels import common
 from pallas_kernels.mosaic_gpu import mamba2_decode
 from pallas_kernels.mosaic_gpu.mamba2_decode import MosaicMamba2Params, mamba2_replay_decode_mgpu
-from pallas_kernels.mosaic_gpu.replay_decode import MosaicReplayParams, check_shapes, replay_decode_mgpu
+from pallas_kernels.mosaic_gpu.replay_decode import (MosaicReplayParams, check_shapes, persistent_programs,
+                                                     replay_decode_mgpu)
 from pallas_kernels.mosaic_gpu.replay_decode_kda import check_kda_shapes, replay_decode_kda_mgpu
 from replayssm_jax.plan import StepPlan
 from replayssm_jax.state import ReplayState
 from replayssm_jax.tokens import Tokens
 
 GATES: tuple[str, ...] = ("gdn", "kda", "mamba2")
+H200_SMS = 132  # the SM count assumed off GPU (interpret mode), where the device reports none
+
+
+def default_params(cfg, batch: int, token_dtype) -> MosaicReplayParams | MosaicMamba2Params:
+    """The kernel parameters a step uses when the caller gives none. GDN and Mamba-2: as
+    many persistent CTAs as fit on the device's SMs and the kernel's own barriers only
+    (measured fastest on the H200 at B = 128 and 512, `benchmarks/NOTES.md`); KDA: one CTA
+    per tile (its kernel has no persistent form)."""
+    if cfg.per_channel_gate:
+        return MosaicReplayParams()
+    sms = int(getattr(jax.devices()[0], "core_count", 0) or H200_SMS)
+    shape = (batch, cfg.num_v_heads, cfg.head_v_dim, cfg.head_k_dim, cfg.cache_len, cfg.state_dtype,
+             cfg.cache_dtype, token_dtype, sms)
+    if cfg.gate == "mamba2":
+        return MosaicMamba2Params(programs=mamba2_decode.persistent_programs(*shape), auto_barriers=False)
+    return MosaicReplayParams(programs=persistent_programs(*shape), auto_barriers=False)
 
 
 def check_config(cfg) -> None:
@@ -59,7 +77,7 @@ def layer_step(
     interpret: bool | None = None,
 ) -> tuple[Float[Array, "B Hv Dv"], ReplayState]:
     """`backends.xla.layer_step` on the Mosaic GPU kernels; same arguments and results, plus
-    `kernel_params` (default `MosaicReplayParams()`) and `interpret` (default: off GPU)."""
+    `kernel_params` (default `default_params`) and `interpret` (default: off GPU)."""
     cfg = state.config
     check_config(cfg)
     _check_params(kernel_params, MosaicReplayParams)
@@ -69,7 +87,7 @@ def layer_step(
         tokens.q, tokens.k, tokens.v, tokens.g, tokens.beta,
         plan.slot, plan.pos, common.row_modes(plan.valid, plan.flush),
         use_qk_l2norm=use_qk_l2norm, scale=scale, gate_params=gate_params,
-        params=kernel_params or MosaicReplayParams(), interpret=interpret,
+        params=kernel_params or default_params(cfg, tokens.v.shape[0], tokens.v.dtype), interpret=interpret,
     )
     return y, dataclasses.replace(state, checkpoint=checkpoint, u_cache=u_cache, k_cache=k_cache, g_cache=g_cache)
 
@@ -84,7 +102,7 @@ def mamba2_layer_step(
     interpret: bool | None = None,
 ) -> tuple[Float[Array, "B H P"], ReplayState]:
     """`backends.xla.mamba2_layer_step` on the Mosaic GPU kernel (`tokens: Mamba2Tokens`,
-    `params: Mamba2Params`); plus `kernel_params` (default `MosaicMamba2Params()`) and
+    `params: Mamba2Params`); plus `kernel_params` (default `default_params`) and
     `interpret` (default: off GPU)."""
     cfg = state.config
     check_config(cfg)
@@ -94,6 +112,6 @@ def mamba2_layer_step(
         tokens.x, tokens.B, tokens.C, tokens.dt, params.A, params.D, params.dt_bias,
         plan.slot, plan.pos, common.row_modes(plan.valid, plan.flush),
         z=tokens.z, dt_softplus=params.dt_softplus, dt_limit=params.dt_limit,
-        params=kernel_params or MosaicMamba2Params(), interpret=interpret,
+        params=kernel_params or default_params(cfg, tokens.x.shape[0], tokens.x.dtype), interpret=interpret,
     )
     return y, dataclasses.replace(state, checkpoint=checkpoint, u_cache=x_cache, k_cache=b_cache, g_cache=dt_cache)
