@@ -199,7 +199,7 @@ def tensor_core_rebuilds(smoke: bool, cfg: R.ReplayConfig) -> list[str]:
     if smoke or cfg.gate != "gdn":
         return []
     modes = []
-    for mode in ("tf32", "bf16"):
+    for mode in ("tf32", "bf16", "3xtf32"):
         try:
             check_rebuild(mode, cfg.cache_len)
         except ValueError:

@@ -65,8 +65,9 @@ from pallas_kernels.mosaic_gpu.pipeline import STAGES, programs_that_fit, serve_
 BLOCK_V = BLOCK_ROWS
 
 
-# The tensor-core rebuild's operand type per mode (fp32 operands are tf32 in `wgmma`).
-REBUILD_DTYPES = {"exact": None, "tf32": jnp.float32, "bf16": jnp.bfloat16}
+# The tensor-core rebuild's operand type per mode (fp32 operands are tf32 in `wgmma`);
+# "3xtf32" splits each fp32 operand into two tf32 parts (`tf32_split`).
+REBUILD_DTYPES = {"exact": None, "tf32": jnp.float32, "bf16": jnp.bfloat16, "3xtf32": jnp.float32}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,12 +80,17 @@ class MosaicReplayParams:
         only): "exact" (default) in fp32 on CUDA cores, one fused multiply-add per element
         and entry in the Triton "ieee" order; "tf32" or "bf16" (opt-in) as one `wgmma` on
         tensor cores with the operands `U^T diag(W)` and `K` rounded to that type (fp32
-        accumulation from `e^G S_c`), which leaves out the untiled record copies. Their
-        errors are measured by `benchmarks/mosaic_bench.py`'s check section.
+        accumulation from `e^G S_c`), which leaves out the untiled record copies; "3xtf32"
+        (opt-in) as three tf32 `wgmma`s over each operand's high and low tf32 parts
+        (`tf32_split`: hi hi + hi lo + lo hi, about 2^-21 relative per product). The
+        operands live in the stage's checkpoint-tile buffer (a `plgpu.RefUnion`), free
+        once `S_c` is in registers. Their errors are measured by
+        `benchmarks/mosaic_bench.py`'s check section.
       programs: 0 (default) launches one CTA per tile (grid `(B, H_v d_v / 64)`); n > 0
         launches n persistent CTAs (at most one per tile), each walking chunks of tiles
-        dealt round robin, the next tile's copies in flight (`pipeline.persistent_tiles`, two stages of
-        shared buffers). `pipeline.programs_that_fit` picks n for a device.
+        dealt round robin, the next tile's copies in flight (`pipeline.persistent_tiles`,
+        two stages of shared buffers). `pipeline.programs_that_fit` picks n for a device;
+        the backend's `default_params` does so on GPU.
       auto_barriers: True (default) keeps Mosaic's conservative warpgroup barriers around
         every vector store and before every TMA copy; False leaves only the kernel's own
         (`commit_smem` before each TMA store, each shared buffer a thread rewrites, and
@@ -159,18 +165,43 @@ def rebuild_exact(s_c, decay_total, u_smem, k_smem, g_smem, pos):
     return state
 
 
-def rebuild_mma(s_c, decay_total, u_t, weights, keys_t, pos, a_smem, b_smem):
-    """`e^G S_c + (U^T diag(W)) K` as one `wgmma` accumulating in fp32 from `e^G S_c`, the
-    operands rounded to `a_smem`'s dtype: `U^T diag(W)` `[BV, L]` (stale entries already 0
-    in `u_t` and `W`) and `K^T` `[d_k, L]` with stale entries replaced by 0 (a NaN there
-    would reach every output through the product), both K-major (L contiguous)."""
-    a_smem[...] = (u_t * bcast_cols(weights, u_t.shape)).astype(a_smem.dtype)
+def tf32_split(x):
+    """`(hi, lo)` with `hi + lo == x` exactly and hi exact in tf32 (11 significant bits,
+    Veltkamp's split at 2^13 + 1); lo keeps the remaining 13 bits, which a tf32 `wgmma`
+    truncates to 11, so `hi b + lo b` is off by about 2^-22 of `x b`."""
+    scaled = x * jnp.float32(8193.0)
+    hi = scaled - (scaled - x)
+    return hi, x - hi
+
+
+def rebuild_mma(s_c, decay_total, u_t, weights, keys_t, pos, operands):
+    """`e^G S_c + (U^T diag(W)) K` on tensor cores, accumulating in fp32 from `e^G S_c`:
+    `U^T diag(W)` `[BV, L]` (stale entries already 0 in `u_t` and `W`) and `K^T` `[d_k, L]`
+    with stale entries replaced by 0 (a NaN there would reach every output through the
+    product), both K-major (L contiguous) in `operands`: `(a, b)` rounded to their dtype
+    for one `wgmma`, or `(a_hi, a_lo, b_hi, b_lo)` for three (`tf32_split`; the small
+    products first). The caller has synchronised the warpgroup if `operands` alias a
+    buffer it was reading."""
+    a = u_t * bcast_cols(weights, u_t.shape)
     j = plgpu.broadcasted_iota(jnp.int32, keys_t.shape, 1, layout=WGMMA)
-    b_smem[...] = jnp.where(j < pos, keys_t, 0.0).astype(b_smem.dtype)
+    b = jnp.where(j < pos, keys_t, 0.0)
+    if len(operands) == 2:
+        a_smem, b_smem = operands
+        a_smem[...] = a.astype(a_smem.dtype)
+        b_smem[...] = b.astype(b_smem.dtype)
+        products = [(a_smem, b_smem)]
+    else:
+        a_hi, a_lo, b_hi, b_lo = operands
+        for (hi_smem, lo_smem), x in (((a_hi, a_lo), a), ((b_hi, b_lo), b)):
+            hi, lo = tf32_split(x)
+            hi_smem[...] = hi
+            lo_smem[...] = lo
+        products = [(a_lo, b_hi), (a_hi, b_lo), (a_hi, b_hi)]
     plgpu.commit_smem()
 
     def mma(acc_ref):
-        plgpu.wgmma(acc_ref, a_smem, b_smem.T)
+        for a_smem, b_smem in products:
+            plgpu.wgmma(acc_ref, a_smem, b_smem.T)
         return acc_ref[...]
 
     return pl.run_state(mma)(plgpu.ACC.init(s_c * decay_total))
@@ -246,7 +277,8 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a
             *, group_size, tiles, use_qk_l2norm, scale, raw_gates, rebuild, num_programs):
     def issue(b, h, tile, stage):
         """Start the tile's copies into `stages[stage]` (none for padding rows)."""
-        t_smem, u_smem, k_smem, g_smem, _, qk_smem, v_smem = stages[stage]
+        tile_buf, u_smem, k_smem, g_smem, _, qk_smem, v_smem = stages[stage]
+        t_smem = tile_buf if rebuild == "exact" else tile_buf[0]
         barrier, slot, rows = barriers.at[stage], slot_ref[b], pl.ds(tile * BLOCK_V, BLOCK_V)
 
         @pl.when(mode_ref[b] != MODE_PAD)
@@ -259,7 +291,9 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a
         _tile(b, h, tile, stages[stage], barriers.at[stage])
 
     def _tile(b, h, tile, bufs, barrier):
-        t_smem, u_smem, k_smem, g_smem, o_smem, qk_smem, v_smem = bufs
+        tile_buf, u_smem, k_smem, g_smem, o_smem, qk_smem, v_smem = bufs
+        # Tensor-core rebuilds: the tile buffer is a union with the rebuild's operands.
+        t_smem, operands = (tile_buf, ()) if rebuild == "exact" else tuple(tile_buf)
         rows = pl.ds(tile * BLOCK_V, BLOCK_V)
         mode = mode_ref[b]
         cache_len = u_smem.shape[0]
@@ -314,7 +348,8 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a
                     plgpu.barrier_wait(rows_barrier)
                     prev = rebuild_exact(s_c, decay_total, u_rows, k_rows, g_smem, pos)
                 else:
-                    prev = rebuild_mma(s_c, decay_total, u_t, weights, keys_t, pos, *rebuild_bufs)
+                    plgpu.commit_smem()  # every thread has S_c from the buffer its operands reuse
+                    prev = rebuild_mma(s_c, decay_total, u_t, weights, keys_t, pos, operands)
                 new = alpha * prev + bcast_rows(u, prev.shape) * bcast_cols(k_col, prev.shape)
                 store_tile(t_smem, ckpt_ref, new, slot, h, rows)
 
@@ -332,19 +367,24 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a
 
 def _scratch(head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, v_dtype, swizzle, rebuild, stages) -> list:
     """`[stages, rebuild buffers, barriers, rows barrier]`: `stages` sets of the replay
-    buffers and the token's (`copy_token`), then the flush rebuild's (untiled record copies
-    for "exact", the `wgmma` operands otherwise), one barrier per stage and one for the
-    record copies."""
-    per_stage = [replay_scratch(BLOCK_V, head_k_dim, cache_len, state_dtype, cache_dtype, (BLOCK_V,), v_dtype, swizzle)
-                 + [plgpu.SMEM((4, head_k_dim), qk_dtype), plgpu.SMEM((BLOCK_V,), v_dtype)]
-                 for _ in range(stages)]
-    operand = REBUILD_DTYPES[rebuild]
-    if operand is None:
-        rebuild_bufs = record_copies(BLOCK_V, head_k_dim, cache_len, cache_dtype)
-    else:  # the wgmma operands, K-major: U^T diag(W) [BV, L] and K^T [d_k, L]
-        operand_swizzle = min(128, cache_len * jnp.dtype(operand).itemsize)
-        rebuild_bufs = [plgpu.SMEM((rows, cache_len), operand, transforms=tiled(operand_swizzle, operand))
-                        for rows in (BLOCK_V, head_k_dim)]
+    buffers and the token's (`copy_token`), then the exact rebuild's untiled record copies,
+    one barrier per stage and one for the record copies. Tensor-core rebuilds keep their
+    `wgmma` operands (K-major: `U^T diag(W)` `[BV, L]` and `K^T` `[d_k, L]`, hi and lo
+    parts for "3xtf32") in a union with each stage's checkpoint-tile buffer instead."""
+    def stage():
+        bufs = (replay_scratch(BLOCK_V, head_k_dim, cache_len, state_dtype, cache_dtype, (BLOCK_V,), v_dtype, swizzle)
+                + [plgpu.SMEM((4, head_k_dim), qk_dtype), plgpu.SMEM((BLOCK_V,), v_dtype)])
+        operand = REBUILD_DTYPES[rebuild]
+        if operand is not None:
+            operand_swizzle = min(128, cache_len * jnp.dtype(operand).itemsize)
+            parts = 2 if rebuild == "3xtf32" else 1
+            operands = [plgpu.SMEM((rows, cache_len), operand, transforms=tiled(operand_swizzle, operand))
+                        for rows in (BLOCK_V, head_k_dim) for _ in range(parts)]
+            bufs[0] = plgpu.RefUnion(bufs[0], operands)
+        return bufs
+
+    per_stage = [stage() for _ in range(stages)]
+    rebuild_bufs = record_copies(BLOCK_V, head_k_dim, cache_len, cache_dtype) if rebuild == "exact" else []
     return [per_stage, rebuild_bufs, plgpu.Barrier(num_arrivals=9, num_barriers=stages), plgpu.Barrier(num_arrivals=2)]
 
 
