@@ -5,11 +5,14 @@ process started with `--xla_force_host_platform_device_count=8`
 (`test_sharded_tests_pass_on_eight_devices`); in this process they are skipped, and the
 rest of the suite keeps its single device.
 
-Numerics: sharded results are compared with the single-device ones bit for bit. Each
+Numerics: sharded layer steps are compared with the single-device ones bit for bit. Each
 device runs the single-device step on its rows, slots and heads; every sum in a step runs
 within one row and one head (over d_k, d_v or the cache), so no reduction changes order.
 The model step's projections are replicated over tp and its only collective is the
-all-gather of y, which moves values without arithmetic.
+all-gather of y, which moves values without arithmetic; but each device projects B/dp rows
+where the single device projects B, and XLA:CPU picks its dot kernel by shape (the
+`[d_model, H_v]` gate projections round differently for 2 and 8 rows on an AMD EPYC), so
+the model test allows `MODEL_TOL`.
 """
 
 from __future__ import annotations
@@ -39,6 +42,9 @@ child_only = pytest.mark.skipif(not CHILD, reason="runs in the 8-device child pr
 TP, DP = 2, 4
 N, B = 8, 8  # 2 slots and 2 rows per dp shard
 # One key head and its two value heads per tp shard.
+# Per-shard projections differ from full-batch ones by an ulp or so (see above); seven steps
+# through two layers grow that to ~1e-6. A wrong slot, row or head is off by O(1).
+MODEL_TOL = dict(atol=1e-5, rtol=1e-5)
 TINY = decoder.DecoderConfig(vocab_size=48, d_model=32, num_layers=2, num_k_heads=2, num_v_heads=4,
                              head_k_dim=8, head_v_dim=8, mlp_hidden=32)
 
@@ -211,7 +217,7 @@ def _model_inputs(rng, steps: int):
 
 
 @child_only
-def test_model_step_and_slot_ops_equal_single_device(rng):
+def test_model_step_and_slot_ops_match_single_device(rng):
     """Decode, forced flushes, reset / flush / copy, snapshots and their restore, all layers."""
     params, mesh = decoder.init_params(TINY, seed=3), _mesh()
     state = TINY.init_state(N, 3)
@@ -222,13 +228,13 @@ def test_model_step_and_slot_ops_equal_single_device(rng):
     def both(op, *args):
         nonlocal state, sharded
         state, sharded = jax.jit(op)(state, *args), sharding.place_state(jax.jit(op)(sharded, *args), mesh)
-        chex.assert_trees_all_equal(sharded, state)
+        chex.assert_trees_all_close(sharded, state, **MODEL_TOL)
 
     for tokens, slots, force in zip(*_model_inputs(rng, 7)):
         args = jnp.asarray(tokens), jnp.asarray(slots), jnp.asarray(force)
         logits, state, plan = one(state, *args)
         logits_sharded, sharded, plan_sharded = many(sharded, *args)
-        chex.assert_trees_all_equal((logits_sharded, sharded), (logits, state))
+        chex.assert_trees_all_close((logits_sharded, sharded), (logits, state), **MODEL_TOL)
         for name in ("slot", "valid", "pos", "flush"):
             np.testing.assert_array_equal(getattr(plan_sharded, name), getattr(plan, name), err_msg=name)
         assert sorted(np.asarray(plan_sharded.launch_order).tolist()) == list(range(B))
@@ -238,15 +244,15 @@ def test_model_step_and_slot_ops_equal_single_device(rng):
     both(slot_ops.copy_slots, jnp.array([0, 5], jnp.int32), jnp.array([7, 2], jnp.int32))
     flushed = jnp.array([1, 7, 2], jnp.int32)
     snap, snap_sharded = jax.jit(slot_ops.snapshot)(state, flushed), jax.jit(slot_ops.snapshot)(sharded, flushed)
-    chex.assert_trees_all_equal(snap_sharded, snap)
+    chex.assert_trees_all_close(snap_sharded, snap, **MODEL_TOL)
     both(slot_ops.reset_slots, jnp.array([4, 3, 0], jnp.int32), snap.checkpoint, snap.conv_state)
     both(slot_ops.reset_slots, jnp.array([5, -1], jnp.int32))
     for tokens, slots, force in zip(*_model_inputs(rng, 3)):  # decoding on from the restored slots
         args = jnp.asarray(tokens), jnp.asarray(slots), jnp.asarray(force)
         logits, state, _ = one(state, *args)
         logits_sharded, sharded, _ = many(sharded, *args)
-        np.testing.assert_array_equal(np.asarray(logits_sharded), np.asarray(logits))
-    chex.assert_trees_all_equal(sharded, state)
+        np.testing.assert_allclose(np.asarray(logits_sharded), np.asarray(logits), **MODEL_TOL)
+    chex.assert_trees_all_close(sharded, state, **MODEL_TOL)
 
 
 def _collectives(hlo: str) -> list[tuple[str, str, tuple[int, ...]]]:
