@@ -50,7 +50,6 @@ import replayssm_jax as R  # noqa: E402
 from replayssm_jax import cost  # noqa: E402
 from replayssm_jax.backends import mosaic_gpu  # noqa: E402
 from replayssm_jax.plan import FlushPolicy  # noqa: E402
-from pallas_kernels.mosaic_gpu import mamba2_decode, replay_decode  # noqa: E402
 from pallas_kernels.mosaic_gpu.mamba2_decode import MosaicMamba2Params  # noqa: E402
 from pallas_kernels.mosaic_gpu.replay_decode import MosaicReplayParams, check_rebuild  # noqa: E402
 
@@ -147,11 +146,6 @@ def rel(a, b) -> float:
     return float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-30))
 
 
-def sm_count() -> int:
-    """SMs of the first device (132 on an H200; interpret mode on CPU reports none)."""
-    return int(getattr(jax.devices()[0], "core_count", 0) or 132)
-
-
 def mosaic_params(spec: str, cfg: R.ReplayConfig, batch: int):
     """The Mosaic params of a variant spec: `default` (None: the backend's
     `default_params`), or comma-separated fields of the gate's params class (`programs=N`
@@ -164,10 +158,8 @@ def mosaic_params(spec: str, cfg: R.ReplayConfig, batch: int):
     fields = dict((name, parse(value)) for name, value in
                   (item.split("=") for item in spec.split(",")))
     if fields.get("programs") == "fit":
-        shape = (batch, cfg.num_v_heads, cfg.head_v_dim, cfg.head_k_dim, cfg.cache_len, cfg.state_dtype,
-                 cfg.cache_dtype, jnp.bfloat16, sm_count())
-        fields["programs"] = (mamba2_decode.persistent_programs(*shape) if cfg.gate_kind.additive else
-                              replay_decode.persistent_programs(*shape, rebuild=fields.get("rebuild", "exact")))
+        fields["programs"] = mosaic_gpu.fitting_programs(cfg, batch, jnp.bfloat16,
+                                                        rebuild=fields.get("rebuild", "exact"))
     return cls(**fields)
 
 

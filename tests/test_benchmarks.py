@@ -73,6 +73,21 @@ def test_mosaic_bench_smoke(tmp_path):
     assert {row["triton_policy"] for row in result["kda_sweep"]} == {"every_step"}  # a 4-byte KDA state folds by default
 
 
+def test_mosaic_variant_specs_parse_to_params():
+    import replayssm_jax as R
+    from pallas_kernels.mosaic_gpu.mamba2_decode import MosaicMamba2Params
+    from pallas_kernels.mosaic_gpu.replay_decode import MosaicReplayParams
+
+    gdn = R.ReplayConfig(16, 32, 128, 128, 16)
+    assert mosaic_bench.mosaic_params("default", gdn, 512) is None
+    assert mosaic_bench.mosaic_params("programs=fit,auto_barriers=false", gdn, 512) == MosaicReplayParams(
+        programs=264, auto_barriers=False)  # two CTAs per SM on the 132 SMs assumed off GPU
+    assert mosaic_bench.mosaic_params("rebuild=tf32,swizzle=64", gdn, 8) == MosaicReplayParams(rebuild="tf32",
+                                                                                               swizzle=64)
+    mamba2 = mosaic_bench.mosaic_params("programs=7", R.ReplayConfig.mamba2(128, 64, 128, 8, 16), 8)
+    assert mamba2 == MosaicMamba2Params(programs=7)
+
+
 def test_decode_bench_mamba2_smoke(tmp_path):
     out = tmp_path / "mamba2.json"
     decode_bench.main(["--smoke", "--sections", "mamba2", "--mamba2-batches", "2", "--mamba2-cache-lens", "4",

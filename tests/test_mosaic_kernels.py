@@ -380,3 +380,26 @@ def test_without_auto_barriers_the_kernels_lower(kernel, per_channel, params):
     its GPU results are checked against xla by `benchmarks/mosaic_bench.py --variants`."""
     text = _lower_for_h200(kernel, jnp.float32, jnp.float32, 16, False, per_channel=per_channel, params=params)
     assert "mosaic_gpu" in text
+
+
+def test_backend_default_params_per_gate(monkeypatch):
+    """GDN and Mamba-2 get persistent CTAs that fit and the kernels' own barriers; KDA, whose
+    kernel has no persistent form, one CTA per tile; the device's SM count sets the CTAs."""
+    from pallas_kernels.mosaic_gpu.mamba2_decode import MosaicMamba2Params
+    from replayssm_jax import ReplayConfig
+    from replayssm_jax.backends import mosaic_gpu
+
+    gdn = ReplayConfig(16, 32, 128, 128, 16)
+    assert mosaic_gpu.default_params(gdn, 512, jnp.bfloat16) == MosaicReplayParams(programs=264, auto_barriers=False)
+    assert mosaic_gpu.default_params(gdn, 1, jnp.bfloat16).programs == 64  # one row's 64 tiles
+    kda = ReplayConfig(16, 32, 128, 128, 16, gate="kda")
+    assert mosaic_gpu.default_params(kda, 512, jnp.bfloat16) == MosaicReplayParams()
+    nemotron = ReplayConfig.mamba2(128, 64, 128, 8, 16)
+    mamba2 = mosaic_gpu.default_params(nemotron, 512, jnp.bfloat16)
+    assert isinstance(mamba2, MosaicMamba2Params) and not mamba2.auto_barriers
+    assert mamba2.programs == mosaic_gpu.fitting_programs(nemotron, 512, jnp.bfloat16, sm_count=132) >= 132
+
+    class Device:
+        core_count = 66
+    monkeypatch.setattr(jax, "devices", lambda *a: [Device()])
+    assert mosaic_gpu.default_params(gdn, 512, jnp.bfloat16).programs == 132

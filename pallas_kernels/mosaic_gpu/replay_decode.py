@@ -270,6 +270,16 @@ def copy_token(token_refs, bufs, b, h, hk, rows, barrier) -> None:
     plgpu.copy_gmem_to_smem(v_ref.at[b, h, rows], v_smem, barrier)
 
 
+def split_tile_buffer(tile_buf, rebuild: str):
+    """`(checkpoint tile ref, rebuild operand refs)` of a stage's tile buffer: a tensor-core
+    rebuild's buffer is a `plgpu.RefUnion` of the tile and its operands (one entry per
+    group when iterated); the exact rebuild's is the tile alone."""
+    if rebuild == "exact":
+        return tile_buf, ()
+    t_smem, operands = tuple(tile_buf)
+    return t_smem, operands
+
+
 def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref,
             ckpt_ref, ucache_ref, kcache_ref, gcache_ref,
             y_ref,
@@ -278,7 +288,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a
     def issue(b, h, tile, stage):
         """Start the tile's copies into `stages[stage]` (none for padding rows)."""
         tile_buf, u_smem, k_smem, g_smem, _, qk_smem, v_smem = stages[stage]
-        t_smem = tile_buf if rebuild == "exact" else tile_buf[0]
+        t_smem, _ = split_tile_buffer(tile_buf, rebuild)
         barrier, slot, rows = barriers.at[stage], slot_ref[b], pl.ds(tile * BLOCK_V, BLOCK_V)
 
         @pl.when(mode_ref[b] != MODE_PAD)
@@ -292,8 +302,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a
 
     def _tile(b, h, tile, bufs, barrier):
         tile_buf, u_smem, k_smem, g_smem, o_smem, qk_smem, v_smem = bufs
-        # Tensor-core rebuilds: the tile buffer is a union with the rebuild's operands.
-        t_smem, operands = (tile_buf, ()) if rebuild == "exact" else tuple(tile_buf)
+        t_smem, operands = split_tile_buffer(tile_buf, rebuild)
         rows = pl.ds(tile * BLOCK_V, BLOCK_V)
         mode = mode_ref[b]
         cache_len = u_smem.shape[0]

@@ -30,6 +30,22 @@ GATES: tuple[str, ...] = ("gdn", "kda", "mamba2")
 H200_SMS = 132  # the SM count assumed off GPU (interpret mode), where the device reports none
 
 
+def device_sm_count() -> int:
+    """SMs of the first device; `H200_SMS` where it reports none (interpret mode on CPU)."""
+    return int(getattr(jax.devices()[0], "core_count", 0) or H200_SMS)
+
+
+def fitting_programs(cfg, batch: int, token_dtype, *, rebuild: str = "exact", sm_count: int | None = None) -> int:
+    """Persistent CTAs for a step of `batch` rows: as many per SM as the kernel's two-stage
+    buffers fit in shared memory, on `sm_count` SMs (default: the device's)."""
+    sms = device_sm_count() if sm_count is None else sm_count
+    shape = (batch, cfg.num_v_heads, cfg.head_v_dim, cfg.head_k_dim, cfg.cache_len, cfg.state_dtype,
+             cfg.cache_dtype, token_dtype, sms)
+    if cfg.gate == "mamba2":
+        return mamba2_decode.persistent_programs(*shape)
+    return persistent_programs(*shape, rebuild=rebuild)
+
+
 def default_params(cfg, batch: int, token_dtype) -> MosaicReplayParams | MosaicMamba2Params:
     """The kernel parameters a step uses when the caller gives none. GDN and Mamba-2: as
     many persistent CTAs as fit on the device's SMs and the kernel's own barriers only
@@ -37,12 +53,8 @@ def default_params(cfg, batch: int, token_dtype) -> MosaicReplayParams | MosaicM
     per tile (its kernel has no persistent form)."""
     if cfg.per_channel_gate:
         return MosaicReplayParams()
-    sms = int(getattr(jax.devices()[0], "core_count", 0) or H200_SMS)
-    shape = (batch, cfg.num_v_heads, cfg.head_v_dim, cfg.head_k_dim, cfg.cache_len, cfg.state_dtype,
-             cfg.cache_dtype, token_dtype, sms)
-    if cfg.gate == "mamba2":
-        return MosaicMamba2Params(programs=mamba2_decode.persistent_programs(*shape), auto_barriers=False)
-    return MosaicReplayParams(programs=persistent_programs(*shape), auto_barriers=False)
+    params = MosaicMamba2Params if cfg.gate == "mamba2" else MosaicReplayParams
+    return params(programs=fitting_programs(cfg, batch, token_dtype), auto_barriers=False)
 
 
 def check_config(cfg) -> None:
