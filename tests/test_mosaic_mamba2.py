@@ -120,6 +120,32 @@ def test_step_matches_the_float64_model(rng, state_dtype, heads, groups, use_z, 
     assert np.all(np.isfinite(y)), "a stale entry or a padding input reached an output"
 
 
+def test_tokens_of_mixed_dtypes_are_promoted(rng):
+    """x and B in bf16 with C and z in fp32: the kernel stages each pair in the promoted dtype
+    (lossless), so it matches the all-fp32 step on the same rounded values; y comes back in
+    x's dtype (bf16: one rounding, 2^-8 relative)."""
+    pools, (x, B, C, dt_raw, z) = _inputs(rng, 2, 2, jnp.float32, True)
+    A = -rng.random(2).astype(np.float32) - 0.5
+    D, dt_bias = rng.standard_normal(2).astype(np.float32), np.zeros(2, np.float32)
+    bf16 = lambda a: jnp.asarray(a, jnp.bfloat16)
+
+    def step(x, B, C, z):
+        return mamba2_replay_decode_mgpu(*map(jnp.asarray, pools), x, B, C, jnp.asarray(dt_raw), jnp.asarray(A),
+                                         jnp.asarray(D), jnp.asarray(dt_bias), jnp.asarray(SLOTS), jnp.asarray(POS),
+                                         jnp.asarray(MODES), z=z, params=MosaicMamba2Params(programs=3),
+                                         interpret=True)
+
+    mixed = step(bf16(x), bf16(B), jnp.asarray(C), jnp.asarray(z))
+    wide = step(*(jnp.asarray(bf16(a), jnp.float32) for a in (x, B)), jnp.asarray(C), jnp.asarray(z))
+    assert mixed[0].dtype == jnp.bfloat16
+    live = MODES != common.MODE_PAD
+    got, want = (np.asarray(jnp.asarray(o[0], jnp.float32))[live] for o in (mixed, wide))
+    np.testing.assert_allclose(got, want, rtol=2 ** -8, atol=2 ** -8 * np.abs(want).max())
+    for name, a, b in zip(("state", "x_cache", "b_cache", "dt_cache"), mixed[1:], wide[1:]):
+        np.testing.assert_allclose(np.nan_to_num(np.asarray(a)), np.nan_to_num(np.asarray(b)), rtol=1e-6, atol=1e-6,
+                                   err_msg=name)
+
+
 # (H, G, z gate, dt clamp); P = 64, N = 128. The two option sets lower both ways of each option.
 NEMOTRON_H_8B, MAMBA2_2_7B = (128, 8, True, (0.0, float("inf"))), (80, 1, False, (1e-4, 0.1))
 

@@ -11,9 +11,11 @@ and mode (padding / append / flush) it reads from `[B]` arrays; or, with
 (`pipeline.persistent_tiles`).
 
 Data movement (TMA, one barrier): the checkpoint tile `S_c [BP, N]`, the slot's x records
-`[L, BP]` of this tile and its B records `[L, N]` (group h // (H/G)), all swizzled, and
-its time steps dt `[L]` land in shared memory; flush rows fetch a second, untiled copy of
-the records for the rebuild; everything else is registers. C is never cached.
+`[L, BP]` of this tile and its B records `[L, N]` (group h // (H/G)), all swizzled, its
+time steps dt `[L]`, and the token (`copy_token`: B, C and C again `[3, N]`, this tile's
+rows of x and z `[2, BP]`) land in shared memory, so a persistent CTA has the next tile's
+token with its state; flush rows fetch a second, untiled copy of the records for the
+rebuild; everything else is registers. C is never cached.
 
 Layouts (Hopper WGMMA family, `m % 64 == 0 == n % 8`):
 - `S_c` in `WGMMA` `[BP, N]`; `S_c C` is a row reduction into `ROW = WGMMA.reduce(1)`
@@ -88,14 +90,36 @@ class MosaicMamba2Params:
             raise ValueError(f"programs must be an int >= 0, got {self.programs!r}")
 
 
-def _scratch(state_size, cache_len, state_dtype, cache_dtype, y_dtype, swizzle, stages=1) -> list:
+def _scratch(state_size, cache_len, state_dtype, cache_dtype, bc_dtype, xz_dtype, y_dtype, swizzle, stages=1,
+             has_z=True) -> list:
     """`[stages, record copies, barriers, rows barrier]`: `stages` sets of a `[64, N]` state
-    tile's replay buffers, the rebuild's untiled record copies, a barrier per stage and one
-    for the copies."""
+    tile's replay buffers and its token's (`bc_smem [3, N]`, `xz_smem [2, BP]`), the
+    rebuild's untiled record copies, a barrier per stage (the tile's four copies and the
+    token's, `copy_token`) and one for the record copies."""
     per_stage = [replay_scratch(BLOCK_P, state_size, cache_len, state_dtype, cache_dtype, (BLOCK_P,), y_dtype,
-                                swizzle) for _ in range(stages)]
+                                swizzle) + [plgpu.SMEM((3, state_size), bc_dtype), plgpu.SMEM((2, BLOCK_P), xz_dtype)]
+                 for _ in range(stages)]
     return [per_stage, record_copies(BLOCK_P, state_size, cache_len, cache_dtype),
-            plgpu.Barrier(num_arrivals=4, num_barriers=stages), plgpu.Barrier(num_arrivals=2)]
+            plgpu.Barrier(num_arrivals=4 + token_copies(has_z), num_barriers=stages), plgpu.Barrier(num_arrivals=2)]
+
+
+def token_copies(has_z: bool) -> int:
+    """TMA copies of one tile's token: B, C twice, x, and z when given."""
+    return 5 if has_z else 4
+
+
+def copy_token(token_refs, bufs, b, h, grp, rows, barrier, *, has_z) -> None:
+    """Start the TMA copies of row b's token for one tile (`token_copies` arrivals on
+    `barrier`): B and C of group grp, C again (`bc_smem [3, N]` rows: one copy per vector
+    layout), and the tile's rows of x and z of head h (`xz_smem [2, BP]`), from
+    `token_refs = (x, B, C, z)`."""
+    x_ref, b_ref, c_ref, z_ref = token_refs
+    bc_smem, xz_smem = bufs
+    for i, ref in enumerate((b_ref, c_ref, c_ref)):
+        plgpu.copy_gmem_to_smem(ref.at[b, grp], bc_smem.at[i], barrier)
+    plgpu.copy_gmem_to_smem(x_ref.at[b, h, rows], xz_smem.at[0], barrier)
+    if has_z:
+        plgpu.copy_gmem_to_smem(z_ref.at[b, h, rows], xz_smem.at[1], barrier)
 
 
 def check_shapes(head_dim: int, state_size: int, cache_len: int, state_itemsize: int, cache_itemsize: int,
@@ -111,7 +135,7 @@ def check_shapes(head_dim: int, state_size: int, cache_len: int, state_itemsize:
         raise ValueError(f"mosaic_gpu needs cache_len a multiple of 8 (at least 8), got {cache_len}")
     as_dtype = lambda itemsize: jnp.dtype(f"float{8 * itemsize}")  # only the sizes matter here
     check_smem(_scratch(state_size, cache_len, as_dtype(state_itemsize), as_dtype(cache_itemsize),
-                        as_dtype(y_itemsize), swizzle),
+                        as_dtype(y_itemsize), as_dtype(y_itemsize), as_dtype(y_itemsize), swizzle),
                f"the Mamba-2 kernel at cache_len = {cache_len}, N = {state_size}")
 
 
@@ -162,26 +186,28 @@ def rebuild_exact(s_c, decay_total, x_smem, b_smem, dt_smem, a, pos):
     return state
 
 
-def _kernel(slot_ref, pos_ref, mode_ref, x_ref, b_ref, c_ref, c_row_ref, dt_ref, z_ref, a_ref, d_ref, dt_bias_ref,
+def _kernel(slot_ref, pos_ref, mode_ref, x_ref, b_ref, c_ref, dt_ref, z_ref, a_ref, d_ref, dt_bias_ref,
             ckpt_ref, xcache_ref, bcache_ref, dtcache_ref,
             y_ref,
             stages, record_bufs, barriers, rows_barrier,
             *, group_size, tiles, dt_softplus, dt_limit, has_z, num_programs):
     def issue(b, h, tile, stage):
         """Start the tile's copies into `stages[stage]` (none for padding rows)."""
-        t_smem, x_smem, b_smem, dt_smem, _ = stages[stage]
+        t_smem, x_smem, b_smem, dt_smem, _, bc_smem, xz_smem = stages[stage]
         barrier, slot, rows = barriers.at[stage], slot_ref[b], pl.ds(tile * BLOCK_P, BLOCK_P)
 
         @pl.when(mode_ref[b] != MODE_PAD)
         def _copies():
             copy_replay_tile((ckpt_ref, xcache_ref, bcache_ref, dtcache_ref), (t_smem, x_smem, b_smem, dt_smem),
                              slot, h, h // group_size, rows, barrier)
+            copy_token((x_ref, b_ref, c_ref, z_ref), (bc_smem, xz_smem), b, h, h // group_size, rows, barrier,
+                       has_z=has_z)
 
     def compute(b, h, tile, stage):
         _tile(b, h, tile, stages[stage], barriers.at[stage])
 
     def _tile(b, h, tile, bufs, barrier):
-        t_smem, x_smem, b_smem, dt_smem, o_smem = bufs
+        t_smem, x_smem, b_smem, dt_smem, o_smem, bc_smem, xz_smem = bufs
         grp = h // group_size
         rows = pl.ds(tile * BLOCK_P, BLOCK_P)
         mode = mode_ref[b]
@@ -196,18 +222,19 @@ def _kernel(slot_ref, pos_ref, mode_ref, x_ref, b_ref, c_ref, c_row_ref, dt_ref,
         @pl.when(mode != MODE_PAD)
         def _live_row():
             slot, pos = slot_ref[b], pos_ref[b]
-            # The token, while the copies fly: B and C in COL, C again in ROW (a second ref),
-            # x and z on this tile's rows, the gates as scalars.
-            b_col = plgpu.load(b_ref.at[b, grp], layout=COL, optimized=False).astype(F32)
-            c_col = plgpu.load(c_ref.at[b, grp], layout=COL, optimized=False).astype(F32)
-            c_row = plgpu.load(c_row_ref.at[b, grp], layout=ROW, optimized=False).astype(F32)
-            x_row = plgpu.load(x_ref.at[b, h, rows], layout=ROW, optimized=False).astype(F32)
+            # The gates as scalars, while the copies fly.
             dt = _time_step(dt_ref[b, h].astype(F32), dt_bias_ref[h].astype(F32), dt_softplus, dt_limit)
             a, d = a_ref[h].astype(F32), d_ref[h].astype(F32)
             alpha = jnp.exp(a * dt)
-            b_dot_c = jnp.sum(b_col * c_col)
 
             plgpu.barrier_wait(barrier)
+            # The token: B and C in COL, C again in ROW (a second copy: layout inference
+            # gives one ref one layout), x and z on this tile's rows.
+            b_col = plgpu.load(bc_smem.at[0], layout=COL, optimized=False).astype(F32)
+            c_col = plgpu.load(bc_smem.at[1], layout=COL, optimized=False).astype(F32)
+            c_row = plgpu.load(bc_smem.at[2], layout=ROW, optimized=False).astype(F32)
+            x_row = plgpu.load(xz_smem.at[0], layout=ROW, optimized=False).astype(F32)
+            b_dot_c = jnp.sum(b_col * c_col)
             weights, decay_total = window_weights(dt_smem, a, pos, cache_len)
             b_t = load_transposed(b_smem)  # [N, L]
             j = plgpu.broadcasted_iota(jnp.int32, (BLOCK_P, cache_len), 1, layout=WGMMA)
@@ -221,7 +248,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, x_ref, b_ref, c_ref, c_row_ref, dt_ref,
                 x_t * bcast_cols(coef, x_t.shape))  # S_{t-1} C, [BP]
             y = alpha * prev_readout + (dt * b_dot_c + d) * x_row
             if has_z:
-                z = plgpu.load(z_ref.at[b, h, rows], layout=ROW, optimized=False).astype(F32)
+                z = plgpu.load(xz_smem.at[1], layout=ROW, optimized=False).astype(F32)
                 y = y * (z / (1.0 + jnp.exp(-z)))
 
             @pl.when(mode == MODE_FLUSH)
@@ -260,19 +287,21 @@ def _kernel(slot_ref, pos_ref, mode_ref, x_ref, b_ref, c_ref, c_row_ref, dt_ref,
 
 
 def persistent_programs(batch: int, heads: int, head_dim: int, state_size: int, cache_len: int, state_dtype,
-                        cache_dtype, y_dtype, sm_count: int, *, swizzle: int = 128) -> int:
+                        cache_dtype, token_dtype, sm_count: int, *, swizzle: int = 128) -> int:
     """`MosaicMamba2Params.programs` for a device of `sm_count` SMs: as many persistent CTAs
-    per SM as the two-stage buffers fit in shared memory."""
-    scratch = _scratch(state_size, cache_len, state_dtype, cache_dtype, y_dtype, swizzle, STAGES)
+    per SM as the two-stage buffers fit in shared memory (`token_dtype`: x, B, C, z and y's)."""
+    scratch = _scratch(state_size, cache_len, state_dtype, cache_dtype, token_dtype, token_dtype, token_dtype,
+                       swizzle, STAGES)
     return programs_that_fit(smem_bytes(scratch), sm_count, batch * heads * (head_dim // BLOCK_P))
 
 
 @functools.lru_cache(maxsize=None)
-def _build(batch, heads, head_dim, state_size, cache_len, state_dtype, cache_dtype, y_dtype,
+def _build(batch, heads, head_dim, state_size, cache_len, state_dtype, cache_dtype, bc_dtype, xz_dtype, y_dtype,
            group_size, dt_softplus, dt_limit, has_z, swizzle, programs, auto_barriers, interpret):
     tiles = head_dim // BLOCK_P
     num_programs = min(programs, batch * heads * tiles)
-    scratch = _scratch(state_size, cache_len, state_dtype, cache_dtype, y_dtype, swizzle, STAGES if programs else 1)
+    scratch = _scratch(state_size, cache_len, state_dtype, cache_dtype, bc_dtype, xz_dtype, y_dtype, swizzle,
+                       STAGES if programs else 1, has_z)
     check_smem(scratch, f"the Mamba-2 kernel at cache_len = {cache_len}, N = {state_size}")
     body = functools.partial(_kernel, group_size=group_size, tiles=tiles, dt_softplus=dt_softplus,
                              dt_limit=dt_limit, has_z=has_z, num_programs=num_programs)
@@ -333,13 +362,17 @@ def mamba2_replay_decode_mgpu(
                  x.dtype.itemsize, params.swizzle)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
+    # The token's shared buffers hold B and C in one dtype, x and z in another: promoted
+    # (lossless) where the caller's differ.
+    bc_dtype = jnp.result_type(B.dtype, C.dtype)
+    xz_dtype = x.dtype if z is None else jnp.result_type(x.dtype, z.dtype)
     kernel = _build(
-        batch, heads, head_dim, state_size, cache_len, state.dtype, x_cache.dtype, x.dtype, heads // num_groups,
-        bool(dt_softplus), tuple(float(v) for v in dt_limit), z is not None, params.swizzle, params.programs,
-        params.auto_barriers, bool(interpret),
+        batch, heads, head_dim, state_size, cache_len, state.dtype, x_cache.dtype, bc_dtype, xz_dtype, x.dtype,
+        heads // num_groups, bool(dt_softplus), tuple(float(v) for v in dt_limit), z is not None, params.swizzle,
+        params.programs, params.auto_barriers, bool(interpret),
     )
-    z = jnp.zeros((1,), x.dtype) if z is None else z
+    z = jnp.zeros((1,), xz_dtype) if z is None else z.astype(xz_dtype)
     refs = [jax.new_ref(a) for a in (state, x_cache, b_cache, dt_cache)]
-    y = kernel(slot.astype(jnp.int32), pos.astype(jnp.int32), mode.astype(jnp.int32), x, B, C, C, dt, z,
-               A, D, dt_bias, *refs)
+    y = kernel(slot.astype(jnp.int32), pos.astype(jnp.int32), mode.astype(jnp.int32), x.astype(xz_dtype),
+               B.astype(bc_dtype), C.astype(bc_dtype), dt, z, A, D, dt_bias, *refs)
     return (y, *(jax.freeze(r) for r in refs))
