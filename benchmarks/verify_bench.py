@@ -66,7 +66,10 @@ from decode_bench import (  # noqa: E402
     versions,
 )
 from pallas_kernels.mamba2_decode import Mamba2PlainParams, mamba2_plain_decode  # noqa: E402
+from pallas_kernels.mosaic_gpu import verify_decode  # noqa: E402
+from pallas_kernels.mosaic_gpu.replay_decode import MosaicReplayParams  # noqa: E402
 from pallas_kernels.plain_decode import plain_decode  # noqa: E402
+from replayssm_jax.backends import mosaic_gpu  # noqa: E402
 
 ACCEPTANCE = (0.5, 0.75, 1.0)
 BACKENDS = ("pallas_triton", "mosaic_gpu")
@@ -106,14 +109,33 @@ def random_window(cfg: R.ReplayConfig, batch: int, width: int, key) -> R.Tokens 
     )
 
 
+def backend_params(backend: str, cfg: R.ReplayConfig, batch: int, width: int):
+    """`(backend name, kernel_params)` of a `--backends` entry: a backend name, or for the GDN
+    Mosaic verify kernel `mosaic_gpu:` and `+`-separated `MosaicReplayParams` fields
+    (`programs=N` or `programs=fit`: as many persistent CTAs as fit on the device,
+    `auto_barriers=false`, `swizzle=64`); a plain name takes the backend's defaults."""
+    name, _, spec = backend.partition(":")
+    if not spec:
+        return name, None
+    if name != "mosaic_gpu" or cfg.gate != "gdn":
+        raise ValueError(f"kernel options are for the GDN mosaic_gpu verify kernel, got {backend!r}")
+    parse = lambda v: v == "true" if v in ("true", "false") else int(v) if v.isdigit() else v
+    fields = {key: parse(value) for key, value in (item.split("=") for item in spec.split("+"))}
+    if fields.get("programs") == "fit":
+        fields["programs"] = verify_decode.persistent_programs(
+            batch, width, cfg.num_v_heads, cfg.head_v_dim, cfg.head_k_dim, cfg.cache_len, cfg.state_dtype,
+            cfg.cache_dtype, jnp.bfloat16, mosaic_gpu.device_sm_count())
+    return name, MosaicReplayParams(**fields)
+
+
 @functools.lru_cache(maxsize=None)
-def verify_fn(backend: str, interpret: bool, reps: int, heads: int | None = None):
+def verify_fn(backend: str, interpret: bool, reps: int, heads: int | None = None, kernel_params=None):
     """jit: `reps` rounds of one verify step over each slot set in turn. No accept, and
     every step starts from the given cursors (a folding step's reset cursor is dropped), so
     every step is the same kind. Steps alternate between two windows (`windows` has a
     leading axis of 2): with one fixed window XLA would hoist the window's own work (norms,
     decays, the T x T products) out of the loop, and the per-step count would miss it.
-    `heads`: as `verify_options`."""
+    `heads`: as `verify_options`; `kernel_params`: as `verify_step`'s."""
 
     def run(state, sets, windows):
         def one(arrays, xs):
@@ -121,7 +143,8 @@ def verify_fn(backend: str, interpret: bool, reps: int, heads: int | None = None
             window = jax.tree.map(lambda x: x[which], windows)
             st = dataclasses.replace(state, checkpoint=arrays[0], u_cache=arrays[1], k_cache=arrays[2],
                                      g_cache=arrays[3])
-            y, st = R.verify_step(st, window, slots, backend=backend, interpret=interpret, **verify_options(heads))
+            y, st = R.verify_step(st, window, slots, backend=backend, interpret=interpret,
+                                  kernel_params=kernel_params, **verify_options(heads))
             return (st.checkpoint, st.u_cache, st.k_cache, st.g_cache), y[0, 0, 0, 0]
 
         arrays = (state.checkpoint, state.u_cache, state.k_cache, state.g_cache)
@@ -252,10 +275,11 @@ def backend_times(timer, backend, cfg, num_slots, sets, windows, reps, row, iter
     time)."""
     cache_len, width = row["L"], row["T"]
     steps = reps * len(sets)
-    out = {}
+    name, kernel_params = backend_params(backend, cfg, row["B"], width)
+    out = {} if kernel_params is None else dict(kernel_params=dataclasses.asdict(kernel_params))
     for kind, cursor in (("nonflush", cache_len - width), ("flush", cache_len)):
         state = random_pool(cfg, num_slots, jax.random.key(1), np.full(num_slots, cursor))
-        fn = verify_fn(backend, smoke, reps, mamba2_heads(cfg))  # one jit: the flush step reuses its compile
+        fn = verify_fn(name, smoke, reps, mamba2_heads(cfg), kernel_params)  # the flush step reuses its compile
         verify_args = (state, jnp.asarray(sets), windows)
         if smoke:
             out[f"{kind}_us"] = timer.kernel_times(fn, verify_args, "", 1)[0] / steps
@@ -266,7 +290,7 @@ def backend_times(timer, backend, cfg, num_slots, sets, windows, reps, row, iter
             # Every kernel of a run, one-off copies included, over its steps: an upper bound
             # that shows what the per-step filter left out.
             out[f"{kind}_all_kernels_us"] = statistics.median(sum(us for _, us in run) / steps for run in runs)
-            main = MAMBA2_MAIN_KERNEL if cfg.gate_kind.additive else MAIN_KERNEL[backend]
+            main = MAMBA2_MAIN_KERNEL if cfg.gate_kind.additive else MAIN_KERNEL[name]
             out[f"{kind}_main_kernel_us"] = statistics.median(us for run in runs for name, us in run if main in name)
         out[f"{kind}_floor_fraction"] = row[f"{kind}_floor_us"] / out[f"{kind}_us"]
     for a in ACCEPTANCE:
@@ -293,14 +317,15 @@ def check(shape, backends, smoke) -> dict:
     window = random_window(cfg, batch, width, jax.random.key(4))
     extra = dict(lengths=jnp.asarray(rng.integers(0, width + 1, batch), jnp.int32),
                  parents=jnp.asarray(np.stack([rng.integers(-1, np.arange(width)) for _ in range(batch)]), jnp.int32))
-    run = jax.jit(R.verify_step, static_argnames=("backend", "use_qk_l2norm", "interpret"))
+    run = jax.jit(R.verify_step, static_argnames=("backend", "use_qk_l2norm", "interpret", "kernel_params"))
     extra |= verify_options(mamba2_heads(cfg))
     want = run(state, window, slots, backend="xla", **extra)
     rel = lambda a, b: float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)))
                              / (jnp.max(jnp.abs(b.astype(jnp.float32))) + 1e-30))
     out = {}
     for b in backends:
-        y, st = run(state, window, slots, backend=b, interpret=smoke, **extra)
+        name, kernel_params = backend_params(b, cfg, batch, width)
+        y, st = run(state, window, slots, backend=name, interpret=smoke, kernel_params=kernel_params, **extra)
         out[b] = dict(y=rel(y, want[0]), **{name: rel(getattr(st, name), getattr(want[1], name))
                                            for name in ("checkpoint", "u_cache", "k_cache", "g_cache")},
                       write_pos_equal=bool(jnp.all(st.write_pos == want[1].write_pos)))
@@ -328,7 +353,8 @@ def main(argv=None) -> dict:
     p.add_argument("--widths", default="4,8,2")
     p.add_argument("--dtypes", default="float32", help="state dtypes, e.g. float32,bfloat16")
     p.add_argument("--backends", default=None,
-                   help=f"verify backends, e.g. mosaic_gpu (default {','.join(BACKENDS)}; mamba2: mosaic_gpu)")
+                   help=f"verify backends, e.g. mosaic_gpu (default {','.join(BACKENDS)}; mamba2: mosaic_gpu); "
+                        "GDN: 'mosaic_gpu:programs=fit+auto_barriers=false' for kernel options (backend_params)")
     p.add_argument("--gate", default="gdn", choices=("gdn", "kda", "mamba2"))
     p.add_argument("--iterations", type=int, default=3)
     p.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode, wall clock (CPU)")

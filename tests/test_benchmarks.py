@@ -157,6 +157,22 @@ def test_verify_bench_smoke_writes_its_rows(tmp_path, gate):
         assert max(errors.values()) < 1e-4, (name, errors)  # fp32 against xla: summation order only
 
 
+def test_verify_bench_runs_mosaic_kernel_options(tmp_path):
+    """A `mosaic_gpu:` backend entry runs the GDN verify kernel as persistent CTAs without
+    Mosaic's barriers, checked against xla and timed beside the default."""
+    variant = "mosaic_gpu:programs=fit+auto_barriers=false"
+    result = verify_bench.main(["--smoke", "--batches", "2", "--cache-lens", "8", "--widths", "2",
+                                "--backends", f"mosaic_gpu,{variant}", "--out", str(tmp_path / "v.json")])
+    (row,) = result["rows"]
+    assert row["backends"][variant]["kernel_params"] == dict(swizzle=128, rebuild="exact", programs=4,
+                                                             auto_barriers=False)  # 2 rows x 2 heads x 1 tile
+    assert row["backends"][variant]["nonflush_us"] > 0
+    errors = result["check"]["backends"][variant]
+    assert errors.pop("write_pos_equal") and max(errors.values()) < 1e-4, errors
+    with pytest.raises(ValueError, match="GDN mosaic_gpu verify kernel"):
+        verify_bench.backend_params("pallas_triton:programs=2", verify_bench.R.ReplayConfig(1, 2, 64, 64, 8), 2, 2)
+
+
 @pytest.mark.parametrize("cache_len,width,accepted,want", [
     (16, 4, 4, 1 / 4),   # 0, 4, 8, 12 fit; 16 folds, the window lands at 0 -> 4
     (16, 4, 2, 1 / 7),   # 0, 2, .., 12 fit (7 steps), 14 folds -> 2: a 7-step cycle

@@ -19,7 +19,7 @@ import pytest
 
 from pallas_kernels import common
 from pallas_kernels.mosaic_gpu.replay_decode import MosaicReplayParams
-from pallas_kernels.mosaic_gpu.verify_decode import verify_decode_mgpu
+from pallas_kernels.mosaic_gpu.verify_decode import persistent_programs, verify_decode_mgpu
 from pallas_kernels.mosaic_gpu.verify_decode_kda import verify_decode_kda_mgpu
 
 NUM_SLOTS, H_K, H_V, D, L, T = 6, 1, 2, 64, 8, 3
@@ -108,15 +108,20 @@ def _ancestors(parents):
 
 
 @pytest.mark.parametrize("state_dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("gate", ["gdn", "kda"])
-def test_verify_matches_the_float64_model(rng, gate, state_dtype):
+@pytest.mark.parametrize("gate,params", [
+    ("gdn", MosaicReplayParams()), ("kda", MosaicReplayParams()),
+    ("gdn", MosaicReplayParams(programs=5, auto_barriers=False)),  # 12 tiles: 4 / 4 / 4 / 0 ... chunks of 2
+])
+def test_verify_matches_the_float64_model(rng, gate, params, state_dtype):
+    """GDN also as persistent CTAs without Mosaic's barriers: each CTA serves several tiles
+    of different rows and modes from two stages of buffers."""
     kernel = verify_decode_kda_mgpu if gate == "kda" else verify_decode_mgpu
     ckpt, u_c, k_c, g_c, q, k, v, g, beta, parents = _inputs(rng, state_dtype, state_dtype, gate == "kda")
     out = kernel(
         jnp.asarray(ckpt, state_dtype), jnp.asarray(u_c, state_dtype), jnp.asarray(k_c, state_dtype),
         jnp.asarray(g_c), *(jnp.asarray(x) for x in (q, k, v, g, beta)),
         jnp.asarray(SLOTS), jnp.asarray(POS), jnp.asarray(MODES), jnp.asarray(LENGTHS),
-        jnp.asarray(_ancestors(parents), bool), use_qk_l2norm=True, interpret=True)
+        jnp.asarray(_ancestors(parents), bool), use_qk_l2norm=True, params=params, interpret=True)
     want = _model(ckpt, u_c, k_c, g_c, q, k, v, g, beta, parents, state_dtype=state_dtype)
     # fp32: float64 sums vs fp32 FMAs in another order (~1e-6 of the largest entry).
     # bf16 state and caches: the inputs are the rounded values in both, the stores round
@@ -153,15 +158,34 @@ def _lower_for_h200(gate, state_dtype, cache_len, width, head_dim=128, params=Mo
 
 @pytest.mark.parametrize("gate,state_dtype,cache_len,width,head_dim", [
     ("gdn", jnp.float32, 16, 4, 128), ("gdn", jnp.float32, 32, 8, 128), ("gdn", jnp.bfloat16, 16, 2, 128),
-    ("gdn", jnp.float32, 32, 1, 128), ("gdn", jnp.float32, 16, 16, 128),
+    ("gdn", jnp.float32, 32, 1, 128), ("gdn", jnp.float32, 16, 11, 128),
     ("kda", jnp.float32, 16, 4, 128), ("kda", jnp.float32, 32, 8, 128), ("kda", jnp.bfloat16, 16, 2, 128),
-    ("kda", jnp.bfloat16, 32, 4, 128), ("kda", jnp.float32, 16, 4, 64), ("kda", jnp.float32, 16, 16, 128),
+    ("kda", jnp.bfloat16, 32, 4, 128), ("kda", jnp.float32, 16, 4, 64), ("kda", jnp.float32, 16, 11, 128),
 ])
 def test_lowers_for_an_abstract_h200(gate, state_dtype, cache_len, width, head_dim):
     """d = 128 (the benchmark shapes; KDA also d = 64, where two warps hold each channel),
-    up to the widest window (T = 16: its coefficient record passes a TMA box's 256 elements
-    unless copied in rows)."""
+    and a window whose coefficient record passes a TMA box's 256 elements unless copied in
+    rows (T = 11: 304; T = 16, the widest, lowers the same way at twice the CPU time)."""
     assert "mosaic_gpu" in _lower_for_h200(gate, state_dtype, cache_len, width, head_dim)
+
+
+@pytest.mark.parametrize("state_dtype,cache_len,width,auto_barriers", [
+    (jnp.float32, 16, 4, True), (jnp.float32, 16, 4, False), (jnp.bfloat16, 32, 4, False)])
+def test_persistent_gdn_verify_lowers_for_an_abstract_h200(state_dtype, cache_len, width, auto_barriers):
+    """As many persistent CTAs as fit (132 SMs), with and without Mosaic's barriers."""
+    programs = persistent_programs(8, width, 32, 128, 128, cache_len, state_dtype, state_dtype, jnp.bfloat16, 132)
+    assert 1 <= programs <= 8 * 32 * 2
+    params = MosaicReplayParams(programs=programs, auto_barriers=auto_barriers)
+    assert "mosaic_gpu" in _lower_for_h200("gdn", state_dtype, cache_len, width, params=params)
+
+
+def test_persistent_verify_fits_shared_memory():
+    """Two stages of the fp32 L = 16, T = 4 buffers (~46 KiB each) and the fold's record
+    copies: two CTAs per SM; at L = 32 one; never more CTAs than tiles."""
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    assert persistent_programs(512, 4, 32, 128, 128, 16, f32, f32, bf16, 132) == 264
+    assert persistent_programs(512, 4, 32, 128, 128, 32, f32, f32, bf16, 132) == 132
+    assert persistent_programs(1, 4, 2, 128, 128, 16, f32, f32, bf16, 132) == 4
 
 
 def test_refuses_shapes_it_cannot_take():
@@ -175,11 +199,9 @@ def test_refuses_shapes_it_cannot_take():
         verify_decode_mgpu(*args, *window(2), *rows, jnp.zeros((1, 2, 3), bool))
     with pytest.raises(ValueError, match="per-head"):
         verify_decode_mgpu(*args[:3], z(2, 2, 8, 64), *window(2), *rows, jnp.zeros((1, 2, 2), bool))
-    for params, match in ((MosaicReplayParams(rebuild="tf32"), "exact fp32 only"),
-                          (MosaicReplayParams(programs=4), "programs must be 0"),
-                          (MosaicReplayParams(auto_barriers=False), "auto_barriers must be True")):
-        with pytest.raises(ValueError, match=match):
-            verify_decode_mgpu(*args, *window(2), *rows, jnp.zeros((1, 2, 2), bool), params=params)
+    with pytest.raises(ValueError, match="exact fp32 only"):  # persistent CTAs and barriers: its options
+        verify_decode_mgpu(*args, *window(2), *rows, jnp.zeros((1, 2, 2), bool),
+                           params=MosaicReplayParams(rebuild="tf32"))
 
 
 def test_kda_refuses_shapes_it_cannot_take():

@@ -1,7 +1,10 @@
 """Speculative verify of a GDN draft window on Mosaic GPU (`plgpu.kernel`), one launch per step.
 
 Grid `(B, H_v * d_v / BV)`, one warpgroup per CTA, BV = 64: CTA (b, h, t) serves value rows
-`t*BV .. t*BV + BV - 1` of value head h of row b for all T window positions. Per row, `[B]`
+`t*BV .. t*BV + BV - 1` of value head h of row b for all T window positions; or, with
+`MosaicReplayParams.programs = n`, n persistent CTAs serve chunks of the tiles dealt round
+robin from two stages of shared buffers, the next tile's copies in flight
+(`pipeline.serve_tiles`, as the decode kernels). Per row, `[B]`
 arrays give its slot, cursor `pos`, mode and valid window length; `anc [B, T, T]` says which
 window positions precede each position on its branch (a chain or a tree).
 
@@ -57,7 +60,8 @@ from jaxtyping import Array, Bool, Float, Int
 from pallas_kernels.common import L2NORM_EPS, MODE_APPEND, MODE_FLUSH, MODE_PAD
 from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA, bcast_cols, bcast_rows, col_sum,
                                                check_smem, copy_record_rows, copy_replay_tile, load_transposed,
-                                               record_copies, replay_scratch, row_sum)
+                                               record_copies, replay_scratch, row_sum, smem_bytes)
+from pallas_kernels.mosaic_gpu.pipeline import STAGES, programs_that_fit, serve_tiles, tile_grid
 from pallas_kernels.mosaic_gpu.replay_decode import MosaicReplayParams, check_shapes, decay_weights, rebuild_exact
 
 MAX_WIDTH = 16  # the window is unrolled in the kernel: code size grows as T^2
@@ -203,142 +207,183 @@ def window_coefficients(
     return pack_coefficients([A, M, e_G, beta_t, g_t, *scales], width, GDN_VECTORS)
 
 
+def _scratch(width, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y_dtype, swizzle, stages) -> list:
+    """`[stages, barriers, rows barrier]`: `stages` sets of a tile's replay buffers (y
+    `[T, BV]`), its window coefficients and the window's vectors (q and k `[T, d_k]` twice,
+    one copy per vector layout, v `[T, BV]`), a barrier per stage (ten copies) and one for
+    the fold's record copies. Those untiled copies share the stage's checkpoint-tile buffer
+    (a `plgpu.RefUnion`): a fold fetches them once `S_c` is in registers and is done with
+    them before it stores the folded tile there, and two stages of fp32 L = 16 buffers fit
+    twice per SM."""
+    def stage():
+        bufs = replay_scratch(BLOCK_ROWS, head_k_dim, cache_len, state_dtype, cache_dtype, (width, BLOCK_ROWS),
+                              y_dtype, swizzle)
+        bufs[0] = plgpu.RefUnion(bufs[0], record_copies(BLOCK_ROWS, head_k_dim, cache_len, cache_dtype))
+        return (bufs + [plgpu.SMEM(coefficient_shape(width), F32)]
+                + [plgpu.SMEM((width, head_k_dim), qk_dtype) for _ in range(4)]
+                + [plgpu.SMEM((width, BLOCK_ROWS), y_dtype)])
+
+    return [[stage() for _ in range(stages)], plgpu.Barrier(num_arrivals=10, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=2)]
+
+
 def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_ref,
             ckpt_ref, ucache_ref, kcache_ref, gcache_ref,
             y_ref,
-            t_smem, u_smem, k_smem, g_smem, o_smem, c_smem, u_rows, k_rows, window_smem, barrier, rows_barrier,
-            *, width, group_size, tiles):
-    b = lax.axis_index("b")
-    hv = lax.axis_index("hv")
-    h, tile = hv // tiles, hv % tiles
-    hk = h // group_size
-    rows = pl.ds(tile * BLOCK_ROWS, BLOCK_ROWS)
-    mode = mode_ref[b]
-    cache_len = u_smem.shape[0]
+            stages, barriers, rows_barrier,
+            *, width, group_size, tiles, num_programs):
+    def issue(b, h, tile, stage):
+        """Start the tile's copies into `stages[stage]` (none for padding rows)."""
+        tile_buf, u_smem, k_smem, g_smem, _, c_smem, *window_smem = stages[stage]
+        t_smem, _ = tuple(tile_buf)
+        barrier, slot, hk, rows = barriers.at[stage], slot_ref[b], h // group_size, pl.ds(tile * BLOCK_ROWS, BLOCK_ROWS)
 
-    @pl.when(mode == MODE_PAD)
-    def _padding_row():
-        store_zeros(o_smem, y_ref, b, h, rows, width)
+        @pl.when(mode_ref[b] != MODE_PAD)
+        def _copies():
+            copy_replay_tile((ckpt_ref, ucache_ref, kcache_ref, gcache_ref), (t_smem, u_smem, k_smem, g_smem),
+                             slot, h, hk, rows, barrier)
+            plgpu.copy_gmem_to_smem(coef_ref.at[b, h], c_smem, barrier)
+            # The window's vectors, each for loads in one layout (layout inference cannot
+            # give two layouts to loads of one buffer): per-position loads then hit shared
+            # memory instead of waiting on global memory one position after another.
+            sources = (q_ref.at[b, :, hk], k_ref.at[b, :, hk], q_ref.at[b, :, hk], k_ref.at[b, :, hk],
+                       v_ref.at[b, :, h, rows])
+            for src, dst in zip(sources, window_smem):
+                plgpu.copy_gmem_to_smem(src, dst, barrier)
 
-    @pl.when(mode != MODE_PAD)
-    def _live_row():
-        slot, pos, length = slot_ref[b], pos_ref[b], length_ref[b]
-        fold = mode == MODE_FLUSH
-        copy_replay_tile((ckpt_ref, ucache_ref, kcache_ref, gcache_ref), (t_smem, u_smem, k_smem, g_smem),
-                         slot, h, hk, rows, barrier)
-        plgpu.copy_gmem_to_smem(coef_ref.at[b, h], c_smem, barrier)
-        # The window's vectors, each for loads in one layout (layout inference cannot give
-        # two layouts to loads of one buffer): per-position loads then hit shared memory
-        # instead of waiting on global memory one position after another.
-        q_cols, k_cols, q_rows, k_rows_w, v_rows = window_smem
-        for src, dst in ((q_ref.at[b, :, hk], q_cols), (k_ref.at[b, :, hk], k_cols), (q_ref.at[b, :, hk], q_rows),
-                         (k_ref.at[b, :, hk], k_rows_w), (v_ref.at[b, :, h, rows], v_rows)):
-            plgpu.copy_gmem_to_smem(src, dst, barrier)
+    def compute(b, h, tile, stage):
+        _tile(b, h, tile, stages[stage], barriers.at[stage])
 
-        @pl.when(fold)
-        def _fetch_rows():
-            # The rebuild reads single records at a dynamic index, which the swizzled
-            # buffers cannot serve: folding rows fetch an untiled copy (L2-resident).
-            copy_record_rows((ucache_ref, kcache_ref), (u_rows, k_rows), slot, h, hk, rows, rows_barrier)
+    def _tile(b, h, tile, bufs, barrier):
+        tile_buf, u_smem, k_smem, g_smem, o_smem, c_smem, q_cols, k_cols, q_rows, k_rows_w, v_rows = bufs
+        t_smem, (u_rows, k_rows) = tuple(tile_buf)  # the record copies alias the tile
+        hk = h // group_size
+        rows = pl.ds(tile * BLOCK_ROWS, BLOCK_ROWS)
+        mode = mode_ref[b]
+        cache_len = u_smem.shape[0]
 
-        plgpu.barrier_wait(barrier)
-        weights, decay_total = decay_weights(g_smem, pos, cache_len)
-        s_c = plgpu.load(t_smem, layout=WGMMA).astype(F32)  # [BV, Dk]
+        @pl.when(mode == MODE_PAD)
+        def _padding_row():
+            store_zeros(o_smem, y_ref, b, h, rows, width)
 
-        @pl.when(fold)
-        def _wait_rows():
-            plgpu.barrier_wait(rows_barrier)
+        @pl.when(mode != MODE_PAD)
+        def _live_row():
+            slot, pos, length = slot_ref[b], pos_ref[b], length_ref[b]
+            fold = mode == MODE_FLUSH
+            plgpu.barrier_wait(barrier)
+            weights, decay_total = decay_weights(g_smem, pos, cache_len)
+            s_c = plgpu.load(t_smem, layout=WGMMA).astype(F32)  # [BV, Dk]
 
-        # A folding row's live state, rebuilt with its whole history and rounded as stored;
-        # other rows run the loop zero times and keep S_c (their history is read out below).
-        rebuilt = rebuild_exact(s_c, jnp.where(fold, decay_total, 1.0), u_rows, k_rows, g_smem,
-                                jnp.where(fold, pos, 0))
-        s_eff = rebuilt.astype(t_smem.dtype).astype(F32)
-        history_len = jnp.where(fold, 0, pos)
-        decay_eff = jnp.where(fold, 1.0, decay_total)
+            @pl.when(fold)
+            def _fetch_rows():
+                # The rebuild reads single records at a dynamic index, which the swizzled
+                # buffers cannot serve: folding rows fetch an untiled copy (L2-resident)
+                # into the tile's buffer, once every thread holds S_c.
+                plgpu.commit_smem()
+                copy_record_rows((ucache_ref, kcache_ref), (u_rows, k_rows), slot, h, hk, rows, rows_barrier)
+                plgpu.barrier_wait(rows_barrier)
 
-        @pl.when(fold)
-        def _store_checkpoint():
-            t_smem[...] = s_eff.astype(t_smem.dtype)
+            # A folding row's live state, rebuilt with its whole history and rounded as
+            # stored; other rows run the loop zero times and keep S_c (their history is
+            # read out below).
+            rebuilt = rebuild_exact(s_c, jnp.where(fold, decay_total, 1.0), u_rows, k_rows, g_smem,
+                                    jnp.where(fold, pos, 0))
+            s_eff = rebuilt.astype(t_smem.dtype).astype(F32)
+            history_len = jnp.where(fold, 0, pos)
+            decay_eff = jnp.where(fold, 1.0, decay_total)
+
+            @pl.when(fold)
+            def _store_checkpoint():
+                plgpu.commit_smem()  # every thread done with the records before the tile is rewritten
+                t_smem[...] = s_eff.astype(t_smem.dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(t_smem, ckpt_ref.at[slot, h, rows])
+
+            keys_t = load_transposed(k_smem)  # [Dk, L]
+            j_tile = plgpu.broadcasted_iota(jnp.int32, (BLOCK_ROWS, cache_len), 1, layout=WGMMA)
+            u_t = jnp.where(j_tile < history_len, load_transposed(u_smem), 0.0)  # [BV, L], stale entries 0
+            valid = plgpu.broadcasted_iota(jnp.int32, (cache_len,), 0, layout=COL) < history_len
+
+            def readout(x_col, x_row):
+                """`S x` `[BV]` (ROW) for x given in both layouts."""
+                c = col_sum(keys_t * bcast_rows(x_row, keys_t.shape))  # K x, [L]
+                c = jnp.where(valid, c * weights, 0.0)
+                history = row_sum(u_t * bcast_cols(c, u_t.shape))
+                return history + decay_eff * row_sum(s_eff * bcast_cols(x_col, s_eff.shape))
+
+            A, M, e_G, beta, g, q_scale, k_scale = unpack_coefficients(c_smem, width, GDN_VECTORS)
+            base = jnp.where(fold, 0, pos)
+
+            def read_k(i, load):
+                k_col = k_scale(i) * load(k_cols.at[i], COL)
+                return e_G(i) * readout(k_col, k_scale(i) * load(k_rows_w.at[i], ROW)), k_col
+
+            def read_q(i, load):
+                return e_G(i) * readout(q_scale(i) * load(q_cols.at[i], COL), q_scale(i) * load(q_rows.at[i], ROW))
+
+            def append(i, in_window, u_i, k_col):
+                @pl.when(in_window)
+                def _append_u():
+                    ucache_ref[slot, h, base + i, rows] = u_i.astype(ucache_ref.dtype)
+
+                @pl.when(in_window & (mode == MODE_APPEND) & (tile == 0))
+                def _append_gate():
+                    gcache_ref[slot, h, base + i] = g(i)
+
+                @pl.when(in_window & (mode == MODE_APPEND) & (tile == 0) & (h % group_size == 0))
+                def _append_key():
+                    kcache_ref[slot, hk, base + i] = k_col.astype(kcache_ref.dtype)
+
+            solve_positions(width, length, A, M, beta, v_rows, o_smem, read_k, read_q, append)
+            # After the tile's store: the persistent loop leaves only the newest store in flight.
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(t_smem, ckpt_ref.at[slot, h, rows])
+            plgpu.copy_smem_to_gmem(o_smem, y_ref.at[b, :, h, rows])
 
-        keys_t = load_transposed(k_smem)  # [Dk, L]
-        j_tile = plgpu.broadcasted_iota(jnp.int32, (BLOCK_ROWS, cache_len), 1, layout=WGMMA)
-        u_t = jnp.where(j_tile < history_len, load_transposed(u_smem), 0.0)  # [BV, L], stale entries 0
-        valid = plgpu.broadcasted_iota(jnp.int32, (cache_len,), 0, layout=COL) < history_len
-
-        def readout(x_col, x_row):
-            """`S x` `[BV]` (ROW) for x given in both layouts."""
-            c = col_sum(keys_t * bcast_rows(x_row, keys_t.shape))  # K x, [L]
-            c = jnp.where(valid, c * weights, 0.0)
-            history = row_sum(u_t * bcast_cols(c, u_t.shape))
-            return history + decay_eff * row_sum(s_eff * bcast_cols(x_col, s_eff.shape))
-
-        A, M, e_G, beta, g, q_scale, k_scale = unpack_coefficients(c_smem, width, GDN_VECTORS)
-        base = jnp.where(fold, 0, pos)
-
-        def read_k(i, load):
-            k_col = k_scale(i) * load(k_cols.at[i], COL)
-            return e_G(i) * readout(k_col, k_scale(i) * load(k_rows_w.at[i], ROW)), k_col
-
-        def read_q(i, load):
-            return e_G(i) * readout(q_scale(i) * load(q_cols.at[i], COL), q_scale(i) * load(q_rows.at[i], ROW))
-
-        def append(i, in_window, u_i, k_col):
-            @pl.when(in_window)
-            def _append_u():
-                ucache_ref[slot, h, base + i, rows] = u_i.astype(ucache_ref.dtype)
-
-            @pl.when(in_window & (mode == MODE_APPEND) & (tile == 0))
-            def _append_gate():
-                gcache_ref[slot, h, base + i] = g(i)
-
-            @pl.when(in_window & (mode == MODE_APPEND) & (tile == 0) & (h % group_size == 0))
-            def _append_key():
-                kcache_ref[slot, hk, base + i] = k_col.astype(kcache_ref.dtype)
-
-        solve_positions(width, length, A, M, beta, v_rows, o_smem, read_k, read_q, append)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, y_ref.at[b, :, h, rows])
-
-    plgpu.wait_smem_to_gmem(0)
+    batch, num_v_heads = y_ref.shape[0], y_ref.shape[2]
+    serve_tiles(batch, num_v_heads, tiles, num_programs, issue, compute)
 
 
-def check_params(params, kernel: str) -> None:
+def check_params(params, kernel: str, *, pipelined: bool = False) -> None:
     """Raise ValueError on the decode kernels' options a verify kernel does not take: it
-    rebuilds folds in exact fp32, runs one CTA per tile and keeps Mosaic's barriers.
-    `params`: a `MosaicReplayParams`, or a `MosaicMamba2Params` (which has no rebuild
-    option: the Mamba-2 rebuild is exact)."""
+    rebuilds folds in exact fp32 and, unless `pipelined` (the GDN kernel), runs one CTA per
+    tile and keeps Mosaic's barriers. `params`: a `MosaicReplayParams`, or a
+    `MosaicMamba2Params` (which has no rebuild option: the Mamba-2 rebuild is exact)."""
     if getattr(params, "rebuild", "exact") != "exact":
         raise ValueError(f"{kernel} rebuilds in exact fp32 only, got rebuild={params.rebuild!r}")
+    if pipelined:
+        return
     if params.programs:
         raise ValueError(f"{kernel} runs one CTA per tile: programs must be 0, got {params.programs}")
     if not params.auto_barriers:
         raise ValueError(f"{kernel} keeps Mosaic's automatic barriers: auto_barriers must be True")
 
 
+def persistent_programs(batch: int, width: int, num_v_heads: int, head_v_dim: int, head_k_dim: int,
+                        cache_len: int, state_dtype, cache_dtype, token_dtype, sm_count: int, *,
+                        swizzle: int = 128) -> int:
+    """`MosaicReplayParams.programs` for the verify kernel on a device of `sm_count` SMs: as
+    many persistent CTAs per SM as its two stages fit in shared memory (`token_dtype`: q,
+    k, v and y's)."""
+    scratch = _scratch(width, head_k_dim, cache_len, state_dtype, cache_dtype, token_dtype, token_dtype, swizzle,
+                       STAGES)
+    return programs_that_fit(smem_bytes(scratch), sm_count, batch * num_v_heads * (head_v_dim // BLOCK_ROWS))
+
+
 @functools.lru_cache(maxsize=None)
 def _build(batch, width, num_v_heads, head_v_dim, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y_dtype,
-           group_size, swizzle, interpret):
+           group_size, swizzle, programs, auto_barriers, interpret):
     tiles = head_v_dim // BLOCK_ROWS
-    body = functools.partial(_kernel, width=width, group_size=group_size, tiles=tiles)
-    scratch = [
-        *replay_scratch(BLOCK_ROWS, head_k_dim, cache_len, state_dtype, cache_dtype, (width, BLOCK_ROWS), y_dtype,
-                        swizzle),
-        plgpu.SMEM(coefficient_shape(width), F32),
-        *record_copies(BLOCK_ROWS, head_k_dim, cache_len, cache_dtype),
-        [plgpu.SMEM((width, head_k_dim), qk_dtype) for _ in range(4)] + [plgpu.SMEM((width, BLOCK_ROWS), y_dtype)],
-        plgpu.Barrier(num_arrivals=10),
-        plgpu.Barrier(num_arrivals=2),
-    ]
+    num_programs = min(programs, batch * num_v_heads * tiles)
+    body = functools.partial(_kernel, width=width, group_size=group_size, tiles=tiles, num_programs=num_programs)
+    scratch = _scratch(width, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y_dtype, swizzle,
+                       STAGES if programs else 1)
     check_smem(scratch, f"verify_decode_mgpu at T = {width}, cache_len = {cache_len}, d_k = {head_k_dim}")
     return plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((batch, width, num_v_heads, head_v_dim), y_dtype),
         scratch_types=scratch,
-        grid=(batch, num_v_heads * tiles),
-        grid_names=("b", "hv"),
+        **tile_grid(batch, num_v_heads, tiles, num_programs),
+        compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=not auto_barriers),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
         kernel_name="replayssm_verify_decode_mgpu",
     )
@@ -377,7 +422,8 @@ def verify_decode_mgpu(
       length: per row the valid window length in [0, T] (`pos + length <= L` unless folding).
       anc: `[B, T, T]` bool, True where position j precedes position i on i's branch.
       use_qk_l2norm, scale: as `replay_decode_mgpu`.
-      params: the checkpoint tile's swizzle (`MosaicReplayParams`).
+      params: the checkpoint tile's swizzle, persistent CTAs and automatic barriers
+        (`MosaicReplayParams`; the rebuild is exact fp32).
       interpret: run in Mosaic GPU interpret mode (default: off GPU).
 
     Returns:
@@ -396,7 +442,7 @@ def verify_decode_mgpu(
     if anc.shape != (batch, width, width):
         raise ValueError(f"anc must have shape {(batch, width, width)}, got {anc.shape}")
     check_shapes(head_k_dim, head_v_dim, cache_len, checkpoint.dtype.itemsize, params.swizzle)
-    check_params(params, "verify_decode_mgpu")
+    check_params(params, "verify_decode_mgpu", pipelined=True)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     length = length.astype(jnp.int32)
@@ -405,7 +451,8 @@ def verify_decode_mgpu(
     if q.dtype != k.dtype:
         raise ValueError(f"q and k must share a dtype, got {q.dtype} and {k.dtype}")
     kernel = _build(batch, width, num_v_heads, head_v_dim, head_k_dim, cache_len, checkpoint.dtype, u_cache.dtype,
-                    q.dtype, v.dtype, num_v_heads // q.shape[2], params.swizzle, bool(interpret))
+                    q.dtype, v.dtype, num_v_heads // q.shape[2], params.swizzle, params.programs,
+                    params.auto_barriers, bool(interpret))
     refs = [jax.new_ref(x) for x in (checkpoint, u_cache, k_cache, g_cache)]
     i32 = lambda x: x.astype(jnp.int32)
     y = kernel(i32(slot), i32(pos), i32(mode), length, q, k, v, coef, *refs)
