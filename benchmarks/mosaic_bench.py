@@ -5,7 +5,7 @@ Sections:
                 state and tokens, with padding, append and flush rows: outputs and every
                 state array against xla (relative max error), and the copies of a state
                 array in the donated step's compiled HLO (0: updated in place).
-  sweep         GDN H_k = 16, H_v = 32, d = 128, for each state dtype (--dtypes), L
+  sweep         GDN H_k = 16, H_v = 32 (--gdn-value-heads), d = 128, for each state dtype (--dtypes), L
                 (--cache-lens) and B (--batches): the plain kernel, the Triton replay cycle
                 (the launch table's row, natural policy) and the Mosaic replay cycle of
                 each --variants entry, sync cursors (non-flush, flush, cycle-amortised)
@@ -18,8 +18,9 @@ Sections:
                 step) and the Mosaic replay cycle.
   mamba2-check  the check for Mamba-2 (Nemotron-H-8B heads: H = 128, P = 64, N = 128, G = 8;
                 z gate on).
-  mamba2        the sweep for Mamba-2 at Nemotron-H-8B shapes: --dtypes, L in
-                --mamba2-cache-lens, B in --batches (L = 16 first, then fp32 first).
+  mamba2        the sweep for Mamba-2 at Nemotron-H-8B shapes (--mamba2-shapes: also
+                mamba2-2.7b, H = 80, G = 1): --dtypes, L in --mamba2-cache-lens, B in
+                --batches (L = 16 first, then fp32 first).
 
 Each sweep section stops starting new cells --budget-s after it began. Timing as
 `decode_bench.py`: CUPTI kernel times, medians, slot sets rotated past the L2. `--smoke`
@@ -58,11 +59,11 @@ MOSAIC_KERNELS = {"gdn": "replayssm_replay_decode_mgpu", "kda": "replayssm_repla
                   "mamba2": "replayssm_mamba2_decode_mgpu"}
 
 
-def gdn_config(smoke: bool, cache_len: int, state_dtype) -> R.ReplayConfig:
-    """GDN H_k = 16, H_v = 32, d = 128 (smoke: the kernel's smallest tiles, L = 8)."""
+def gdn_config(smoke: bool, cache_len: int, state_dtype, num_v_heads: int = 32) -> R.ReplayConfig:
+    """GDN H_k = 16, H_v = `num_v_heads`, d = 128 (smoke: the kernel's smallest tiles, L = 8)."""
     sd = jnp.dtype(state_dtype)
     return (R.ReplayConfig(1, 2, 64, 64, 8, state_dtype=sd, cache_dtype=sd) if smoke else
-            R.ReplayConfig(16, 32, 128, 128, cache_len, state_dtype=sd, cache_dtype=sd))
+            R.ReplayConfig(16, num_v_heads, 128, 128, cache_len, state_dtype=sd, cache_dtype=sd))
 
 
 def kda_config(smoke: bool, cache_len: int, state_dtype, head_dim: int = 128) -> R.ReplayConfig:
@@ -81,12 +82,15 @@ def gate_params(cfg: R.ReplayConfig, key):
     return 0.3 * jax.random.normal(ka, (cfg.num_v_heads,)), jax.random.normal(kb, (cfg.num_v_heads, *channels))
 
 
-def mamba2_config(smoke: bool, cache_len: int, state_dtype) -> R.ReplayConfig:
-    """Mamba-2 at Nemotron-H-8B shapes (smoke: two heads of the smallest tiles, L = 8)."""
+MAMBA2_SHAPES = {"nemotron-h-8b": db.NEMOTRON_H_8B, "mamba2-2.7b": db.MAMBA2_2_7B}
+
+
+def mamba2_config(smoke: bool, cache_len: int, state_dtype, shape: str = "nemotron-h-8b") -> R.ReplayConfig:
+    """Mamba-2 at `MAMBA2_SHAPES[shape]` (smoke: two heads of the smallest tiles, L = 8)."""
     sd = jnp.dtype(state_dtype)
     if smoke:
         return R.ReplayConfig.mamba2(2, 64, 64, 1, 8, state_dtype=sd, cache_dtype=sd)
-    return db.NEMOTRON_H_8B.config(cache_len, sd)
+    return MAMBA2_SHAPES[shape].config(cache_len, sd)
 
 
 def step_options(cfg: R.ReplayConfig, raw_gates: bool = False) -> dict:
@@ -243,14 +247,16 @@ def check_section(smoke: bool, gate: str = "gdn", mosaic_variants: str = "defaul
 
 
 def sweep_cells(args, gate: str) -> list[R.ReplayConfig]:
-    """The configs of a sweep section (each timed at every batch): GDN in dtype-major
-    order; Mamba-2 with the headline cells first (L = 16 before the other lengths, fp32
-    before bf16)."""
+    """The configs of a sweep section (each timed at every batch): GDN in H_v-major, then
+    dtype-major order; Mamba-2 shape by shape with the headline cells first (L = 16 before
+    the other lengths, fp32 before bf16)."""
     if gate == "mamba2":
         lengths = sorted(map(int, args.mamba2_cache_lens.split(",")), key=lambda L: (L != 16, L))
-        return [mamba2_config(args.smoke, L, dt) for L in lengths for dt in args.dtypes.split(",")]
+        return [mamba2_config(args.smoke, L, dt, shape) for shape in args.mamba2_shapes.split(",") for L in lengths
+                for dt in args.dtypes.split(",")]
     lengths = [int(L) for L in args.cache_lens.split(",")]
-    return [gdn_config(args.smoke, L, dt) for dt in args.dtypes.split(",") for L in lengths]
+    return [gdn_config(args.smoke, L, dt, int(hv)) for hv in args.gdn_value_heads.split(",")
+            for dt in args.dtypes.split(",") for L in lengths]
 
 
 def sweep_section(timer, args, bandwidth, gate: str = "gdn") -> list[dict]:
@@ -358,6 +364,9 @@ def main(argv=None) -> None:
     p.add_argument("--cache-lens", default="16,32")
     p.add_argument("--mamba2-cache-lens", default="8,16,32", help="cache lengths of the mamba2 section")
     p.add_argument("--batches", default="1,8,32,128,512")
+    p.add_argument("--gdn-value-heads", default="32", help="H_v of the GDN sweep (H_k = 16), e.g. 32,64")
+    p.add_argument("--mamba2-shapes", default="nemotron-h-8b",
+                   help=f"shapes of the mamba2 section, from {','.join(MAMBA2_SHAPES)}")
     p.add_argument("--kda-dtypes", default="float32")
     p.add_argument("--kda-cache-lens", default="16")
     p.add_argument("--kda-batches", default="1,8,128,512")
