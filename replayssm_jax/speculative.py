@@ -249,7 +249,7 @@ def verify_step(
         use_qk_l2norm or scale).
       kernel_params: with "pallas_triton", a `VerifyReadoutParams` in place of the launch
         table's row (step "verify"); with "mosaic_gpu", a `MosaicReplayParams` (Mamba-2: a
-        `MosaicMamba2Params`).
+        `MosaicMamba2Params`) in place of `backends.mosaic_gpu.verify_default_params`.
       interpret: with a kernel backend, run the kernel in its interpreter (default: off
         GPU).
 
@@ -298,7 +298,8 @@ def verify_step(
         if kernel_params is not None and not isinstance(kernel_params, want):
             raise ValueError(f"kernel_params must be a {want.__name__} for backend 'mosaic_gpu' and gate "
                              f"{cfg.gate!r}, got {type(kernel_params).__name__}")
-        kernel_params = kernel_params or want()
+        token_dtype = window.x.dtype if cfg.gate_kind.additive else window.v.dtype
+        kernel_params = kernel_params or mosaic_gpu.verify_default_params(cfg, batch, width, token_dtype)
 
     plan, fold, in_window = _window_plan(state, slots, lengths, batch, width)
     anc = ancestors(parents, batch, width)

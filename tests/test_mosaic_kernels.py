@@ -350,17 +350,19 @@ def test_persistent_programs_are_validated_and_fit_shared_memory():
     assert programs_that_fit(300 * 1024, 132, 10_000) == 132
 
 
-@pytest.mark.parametrize("num_tiles,num_programs", [(10, 3), (7, 7), (32768, 264), (5, 1), (30, 4), (64, 64)])
-def test_persistent_programs_serve_every_tile_once(num_tiles, num_programs):
+@pytest.mark.parametrize("num_tiles,num_programs,chunk", [
+    (10, 3, 4), (7, 7, 4), (32768, 264, 4), (5, 1, 4), (30, 4, 4), (64, 64, 4), (4096, 64, 16), (100, 3, 16),
+])
+def test_persistent_programs_serve_every_tile_once(num_tiles, num_programs, chunk):
     """`program_tiles`: every tile served once, no program idle, chunks of consecutive
     tiles dealt round robin (so one row's tiles spread over programs), counts balanced to
     within one chunk."""
     from pallas_kernels.mosaic_gpu.pipeline import chunk_size, program_tiles
 
-    chunk = chunk_size(num_tiles, num_programs)
+    chunk = chunk_size(num_tiles, num_programs, chunk)
     served = {}
     for p in range(num_programs):
-        tile_of, count = program_tiles(jnp.int32(p), num_tiles, num_programs)
+        tile_of, count = program_tiles(jnp.int32(p), num_tiles, num_programs, chunk)
         served[p] = [int(tile_of(jnp.int32(n))) for n in range(int(count))]
         assert served[p], f"program {p} idle"
         assert all(t // chunk % num_programs == p for t in served[p])
@@ -398,6 +400,15 @@ def test_backend_default_params_per_gate(monkeypatch):
     mamba2 = mosaic_gpu.default_params(nemotron, 512, jnp.bfloat16)
     assert isinstance(mamba2, MosaicMamba2Params) and not mamba2.auto_barriers
     assert mamba2.programs == mosaic_gpu.fitting_programs(nemotron, 512, jnp.bfloat16, sm_count=132) >= 132
+
+    # On a GPU GDN's flush rebuild is 3xTF32 where its operands cost no CTAs per SM: fp32 and
+    # bf16 states at L = 16; at L = 32 a bf16 state's three per SM would drop to one.
+    assert mosaic_gpu.default_params(gdn, 512, jnp.bfloat16, interpret=False) == MosaicReplayParams(
+        programs=264, auto_barriers=False, rebuild="3xtf32")
+    bf16 = lambda L: ReplayConfig(16, 32, 128, 128, L, state_dtype=jnp.bfloat16, cache_dtype=jnp.bfloat16)
+    assert mosaic_gpu.default_params(bf16(16), 512, jnp.bfloat16, interpret=False).rebuild == "3xtf32"
+    assert mosaic_gpu.default_params(bf16(32), 512, jnp.bfloat16, interpret=False).rebuild == "exact"
+    assert mosaic_gpu.default_params(gdn, 512, jnp.bfloat16, interpret=True).rebuild == "exact"
 
     class Device:
         core_count = 66

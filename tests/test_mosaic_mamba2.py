@@ -86,12 +86,14 @@ def _inputs(rng, heads, groups, state_dtype, use_z):
     return (state, x_c, b_c, dt_c), (x, B, C, dt_raw, z)
 
 
-@pytest.mark.parametrize("state_dtype,heads,groups,use_z,programs", [
-    (jnp.float32, 2, 1, True, 0), (jnp.float32, 2, 2, False, 0), (jnp.bfloat16, 2, 2, True, 0),
-    (jnp.bfloat16, 2, 1, False, 0), (jnp.float32, 2, 2, True, 3), (jnp.bfloat16, 2, 1, False, 7),
+@pytest.mark.parametrize("state_dtype,heads,groups,use_z,programs,chunk", [
+    (jnp.float32, 2, 1, True, 0, 0), (jnp.float32, 2, 2, False, 0, 0), (jnp.bfloat16, 2, 2, True, 0, 0),
+    (jnp.bfloat16, 2, 1, False, 0, 0), (jnp.float32, 2, 2, True, 3, 0), (jnp.bfloat16, 2, 1, False, 7, 0),
+    (jnp.float32, 2, 1, True, 3, 3),
 ])
-def test_step_matches_the_float64_model(rng, state_dtype, heads, groups, use_z, programs):
-    """programs > 0: persistent CTAs over the 20 tiles (3: 7, 7 and 6 each; 7: two or three)."""
+def test_step_matches_the_float64_model(rng, state_dtype, heads, groups, use_z, programs, chunk):
+    """programs > 0: persistent CTAs over the 20 tiles (3: 7, 7 and 6 each; 7: two or three),
+    in chunks of one head group's tiles, or of 3 tiles that cut across the groups."""
     pools, (x, B, C, dt_raw, z) = _inputs(rng, heads, groups, state_dtype, use_z)
     A = -rng.random(heads).astype(np.float32) * 4.0 - 0.5
     D, dt_bias = rng.standard_normal(heads).astype(np.float32), rng.standard_normal(heads).astype(np.float32) * 0.5
@@ -101,7 +103,7 @@ def test_step_matches_the_float64_model(rng, state_dtype, heads, groups, use_z, 
         jnp.asarray(dt_c), jnp.asarray(x), jnp.asarray(B), jnp.asarray(C), jnp.asarray(dt_raw),
         jnp.asarray(A), jnp.asarray(D), jnp.asarray(dt_bias), jnp.asarray(SLOTS), jnp.asarray(POS),
         jnp.asarray(MODES), z=None if z is None else jnp.asarray(z), dt_limit=DT_LIMIT,
-        params=MosaicMamba2Params(programs=programs), interpret=True)
+        params=MosaicMamba2Params(programs=programs, chunk=chunk), interpret=True)
     want = _model_step(*pools, x, B, C, dt_raw, z, A, D, dt_bias)
     # fp32: the model's float64 sums vs fp32 FMAs in another order, relative ~1e-6 of the
     # largest entry. bf16 state/caches: the inputs are the rounded values in both, and the

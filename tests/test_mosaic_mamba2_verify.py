@@ -189,6 +189,8 @@ def test_refuses_shapes_it_cannot_take():
         mamba2_verify_decode_mgpu(*state(), *window(2), *rows, anc(2), params=MosaicMamba2Params(programs=4))
     with pytest.raises(ValueError, match="auto_barriers must be True"):
         mamba2_verify_decode_mgpu(*state(), *window(2), *rows, anc(2), params=MosaicMamba2Params(auto_barriers=False))
+    with pytest.raises(ValueError, match="chunk must be 0"):
+        mamba2_verify_decode_mgpu(*state(), *window(2), *rows, anc(2), params=MosaicMamba2Params(chunk=4))
 
 
 def _poison_stale(state):

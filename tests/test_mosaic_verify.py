@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import common
+from pallas_kernels.mosaic_gpu.mamba2_decode import MosaicMamba2Params
 from pallas_kernels.mosaic_gpu.replay_decode import MosaicReplayParams
 from pallas_kernels.mosaic_gpu.verify_decode import persistent_programs, verify_decode_mgpu
 from pallas_kernels.mosaic_gpu.verify_decode_kda import verify_decode_kda_mgpu
@@ -25,7 +26,7 @@ from pallas_kernels.mosaic_gpu.verify_decode_kda import verify_decode_kda_mgpu
 NUM_SLOTS, H_K, H_V, D, L, T = 6, 1, 2, 64, 8, 3
 SLOTS = np.array([4, 0, 2, 5, 1, 3], np.int32)
 POS = np.array([5, 3, 7, 0, 6, 2], np.int32)
-LENGTHS = np.array([3, 3, 2, 3, 3, 0], np.int32)
+LENGTHS = np.array([3, 3, 2, 0, 3, 2], np.int32)  # row 5 reads history on the CTA that served row 0
 PAD = np.array([False, True, False, False, False, False])
 FOLD = ~PAD & (POS + LENGTHS > L)
 MODES = np.where(PAD, common.MODE_PAD, np.where(FOLD, common.MODE_FLUSH, common.MODE_APPEND)).astype(np.int32)
@@ -186,6 +187,23 @@ def test_persistent_verify_fits_shared_memory():
     assert persistent_programs(512, 4, 32, 128, 128, 16, f32, f32, bf16, 132) == 264
     assert persistent_programs(512, 4, 32, 128, 128, 32, f32, f32, bf16, 132) == 132
     assert persistent_programs(1, 4, 2, 128, 128, 16, f32, f32, bf16, 132) == 4
+
+
+def test_backend_verify_defaults():
+    """GDN verifies on persistent CTAs where two fit per SM (fp32 L = 16, T = 4: measured 2.0x
+    conventional verify against 1.6x with one CTA per tile), one CTA per tile where one
+    would (fp32 L = 32: 0.94x against 1.35x); KDA and Mamba-2 one CTA per tile."""
+    from replayssm_jax import ReplayConfig
+    from replayssm_jax.backends import mosaic_gpu
+
+    gdn = lambda L: ReplayConfig(16, 32, 128, 128, L)
+    assert mosaic_gpu.verify_default_params(gdn(16), 512, 4, jnp.bfloat16) == MosaicReplayParams(
+        programs=264, auto_barriers=False)
+    assert mosaic_gpu.verify_default_params(gdn(32), 512, 4, jnp.bfloat16) == MosaicReplayParams()
+    assert mosaic_gpu.verify_default_params(ReplayConfig(32, 32, 128, 128, 16, gate="kda"), 512, 4,
+                                            jnp.bfloat16) == MosaicReplayParams()
+    assert mosaic_gpu.verify_default_params(ReplayConfig.mamba2(128, 64, 128, 8, 16), 512, 4,
+                                            jnp.bfloat16) == MosaicMamba2Params()
 
 
 def test_refuses_shapes_it_cannot_take():

@@ -62,7 +62,7 @@ from pallas_kernels.common import MODE_APPEND, MODE_FLUSH, MODE_PAD
 from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA, bcast_cols, bcast_rows, col_sum,
                                                check_smem, copy_record_rows, copy_replay_tile, load_transposed,
                                                record_copies, replay_scratch, row_sum, smem_bytes, softplus)
-from pallas_kernels.mosaic_gpu.pipeline import STAGES, programs_that_fit, serve_tiles, tile_grid
+from pallas_kernels.mosaic_gpu.pipeline import STAGES, group_shared, programs_that_fit, serve_tiles, tile_grid
 
 BLOCK_P = BLOCK_ROWS
 
@@ -77,29 +77,37 @@ class MosaicMamba2Params:
         launches n persistent CTAs (at most one per tile), each walking chunks of tiles
         dealt round robin, the next tile's copies in flight (`pipeline.persistent_tiles`).
       auto_barriers: as `MosaicReplayParams.auto_barriers`.
+      chunk: tiles per chunk of a persistent CTA; 0 (default) one head group's tiles (the
+        heads sharing B and C, whose `B_j . C` a CTA sums once per chunk), at most
+        `pipeline.MAX_CHUNK`. Longer chunks share more and balance rows that flush (twice
+        the work) worse over the CTAs when cursors are staggered.
     """
 
     swizzle: int = 128
     programs: int = 0
     auto_barriers: bool = True
+    chunk: int = 0
 
     def __post_init__(self) -> None:
         if self.swizzle not in (32, 64, 128):
             raise ValueError(f"swizzle must be 32, 64 or 128 bytes, got {self.swizzle!r}")
         if not isinstance(self.programs, int) or self.programs < 0:
             raise ValueError(f"programs must be an int >= 0, got {self.programs!r}")
+        if not isinstance(self.chunk, int) or self.chunk < 0:
+            raise ValueError(f"chunk must be an int >= 0, got {self.chunk!r}")
 
 
 def _scratch(state_size, cache_len, state_dtype, cache_dtype, bc_dtype, xz_dtype, y_dtype, swizzle, stages=1,
              has_z=True) -> list:
-    """`[stages, record copies, barriers, rows barrier]`: `stages` sets of a `[64, N]` state
-    tile's replay buffers and its token's (`bc_smem [3, N]`, `xz_smem [2, BP]`), the
+    """`[stages, shared, record copies, barriers, rows barrier]`: `stages` sets of a
+    `[64, N]` state tile's replay buffers and its token's (`bc_smem [3, N]`, `xz_smem
+    [2, BP]`), the head group's shared values (`store_group_side`, `[2, L]` fp32), the
     rebuild's untiled record copies, a barrier per stage (the tile's four copies and the
     token's, `copy_token`) and one for the record copies."""
     per_stage = [replay_scratch(BLOCK_P, state_size, cache_len, state_dtype, cache_dtype, (BLOCK_P,), y_dtype,
                                 swizzle) + [plgpu.SMEM((3, state_size), bc_dtype), plgpu.SMEM((2, BLOCK_P), xz_dtype)]
                  for _ in range(stages)]
-    return [per_stage, record_copies(BLOCK_P, state_size, cache_len, cache_dtype),
+    return [per_stage, plgpu.SMEM((2, cache_len), F32), record_copies(BLOCK_P, state_size, cache_len, cache_dtype),
             plgpu.Barrier(num_arrivals=4 + token_copies(has_z), num_barriers=stages), plgpu.Barrier(num_arrivals=2)]
 
 
@@ -120,6 +128,26 @@ def copy_token(token_refs, bufs, b, h, grp, rows, barrier, *, has_z) -> None:
     plgpu.copy_gmem_to_smem(x_ref.at[b, h, rows], xz_smem.at[0], barrier)
     if has_z:
         plgpu.copy_gmem_to_smem(z_ref.at[b, h, rows], xz_smem.at[1], barrier)
+
+
+def group_side(bc_smem, b_smem):
+    """What every tile of a head group (one row, one B/C group) shares: `(B_j . C` `[L]`
+    (COL) for every ring entry (stale entries included: each tile masks them), `B . C)`.
+    `bc_smem [3, N]`: the token's B, C, C (`copy_token`)."""
+    b_col, c_col = (plgpu.load(bc_smem.at[i], layout=COL, optimized=False).astype(F32) for i in (0, 1))
+    c_row = plgpu.load(bc_smem.at[2], layout=ROW, optimized=False).astype(F32)
+    b_t = load_transposed(b_smem)  # [N, L]
+    return col_sum(b_t * bcast_rows(c_row, b_t.shape)), jnp.sum(b_col * c_col)
+
+
+def store_group_side(shared_smem, values) -> None:
+    """`group_side`'s values into `shared_smem [2, L]`: row 0, and row 1's first entry."""
+    shared_smem[0], shared_smem[1, 0] = values
+
+
+def load_group_side(shared_smem):
+    """`group_side`'s values back from `shared_smem` (`store_group_side`)."""
+    return plgpu.load(shared_smem.at[0], layout=COL, optimized=False), shared_smem[1, 0]
 
 
 def check_shapes(head_dim: int, state_size: int, cache_len: int, state_itemsize: int, cache_itemsize: int,
@@ -189,8 +217,8 @@ def rebuild_exact(s_c, decay_total, x_smem, b_smem, dt_smem, a, pos):
 def _kernel(slot_ref, pos_ref, mode_ref, x_ref, b_ref, c_ref, dt_ref, z_ref, a_ref, d_ref, dt_bias_ref,
             ckpt_ref, xcache_ref, bcache_ref, dtcache_ref,
             y_ref,
-            stages, record_bufs, barriers, rows_barrier,
-            *, group_size, tiles, dt_softplus, dt_limit, has_z, num_programs):
+            stages, shared_smem, record_bufs, barriers, rows_barrier,
+            *, group_size, tiles, dt_softplus, dt_limit, has_z, num_programs, chunk):
     def issue(b, h, tile, stage):
         """Start the tile's copies into `stages[stage]` (none for padding rows)."""
         t_smem, x_smem, b_smem, dt_smem, _, bc_smem, xz_smem = stages[stage]
@@ -203,10 +231,10 @@ def _kernel(slot_ref, pos_ref, mode_ref, x_ref, b_ref, c_ref, dt_ref, z_ref, a_r
             copy_token((x_ref, b_ref, c_ref, z_ref), (bc_smem, xz_smem), b, h, h // group_size, rows, barrier,
                        has_z=has_z)
 
-    def compute(b, h, tile, stage):
-        _tile(b, h, tile, stages[stage], barriers.at[stage])
+    def compute(b, h, tile, stage, fresh):
+        _tile(b, h, tile, stages[stage], barriers.at[stage], fresh)
 
-    def _tile(b, h, tile, bufs, barrier):
+    def _tile(b, h, tile, bufs, barrier, fresh):
         t_smem, x_smem, b_smem, dt_smem, o_smem, bc_smem, xz_smem = bufs
         grp = h // group_size
         rows = pl.ds(tile * BLOCK_P, BLOCK_P)
@@ -228,21 +256,20 @@ def _kernel(slot_ref, pos_ref, mode_ref, x_ref, b_ref, c_ref, dt_ref, z_ref, a_r
             alpha = jnp.exp(a * dt)
 
             plgpu.barrier_wait(barrier)
-            # The token: B and C in COL, C again in ROW (a second copy: layout inference
-            # gives one ref one layout), x and z on this tile's rows.
+            # The token: B and C in COL (C again in ROW for the group's `B_j . C`, a second
+            # copy: layout inference gives one ref one layout), x and z on this tile's rows.
+            b_dot_c_records, b_dot_c = group_shared(  # B_j . C [L], B . C
+                fresh, functools.partial(group_side, bc_smem, b_smem), functools.partial(store_group_side, shared_smem),
+                functools.partial(load_group_side, shared_smem))
             b_col = plgpu.load(bc_smem.at[0], layout=COL, optimized=False).astype(F32)
             c_col = plgpu.load(bc_smem.at[1], layout=COL, optimized=False).astype(F32)
-            c_row = plgpu.load(bc_smem.at[2], layout=ROW, optimized=False).astype(F32)
             x_row = plgpu.load(xz_smem.at[0], layout=ROW, optimized=False).astype(F32)
-            b_dot_c = jnp.sum(b_col * c_col)
             weights, decay_total = window_weights(dt_smem, a, pos, cache_len)
-            b_t = load_transposed(b_smem)  # [N, L]
             j = plgpu.broadcasted_iota(jnp.int32, (BLOCK_P, cache_len), 1, layout=WGMMA)
             x_t = jnp.where(j < pos, load_transposed(x_smem), 0.0)  # [BP, L], stale entries 0
             valid = plgpu.broadcasted_iota(jnp.int32, (cache_len,), 0, layout=COL) < pos
             s_c = plgpu.load(t_smem, layout=WGMMA).astype(F32)  # [BP, N]
 
-            b_dot_c_records = col_sum(b_t * bcast_rows(c_row, b_t.shape))  # B_j . C, [L]
             coef = jnp.where(valid, b_dot_c_records * weights, 0.0)
             prev_readout = decay_total * row_sum(s_c * bcast_cols(c_col, s_c.shape)) + row_sum(
                 x_t * bcast_cols(coef, x_t.shape))  # S_{t-1} C, [BP]
@@ -283,7 +310,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, x_ref, b_ref, c_ref, dt_ref, z_ref, a_r
                     bcache_ref[slot, grp, pos] = b_col.astype(bcache_ref.dtype)
 
     batch, heads = y_ref.shape[:2]
-    serve_tiles(batch, heads, tiles, num_programs, issue, compute)
+    serve_tiles(batch, heads, tiles, num_programs, issue, compute, group_size=group_size, chunk=chunk)
 
 
 def persistent_programs(batch: int, heads: int, head_dim: int, state_size: int, cache_len: int, state_dtype,
@@ -297,14 +324,14 @@ def persistent_programs(batch: int, heads: int, head_dim: int, state_size: int, 
 
 @functools.lru_cache(maxsize=None)
 def _build(batch, heads, head_dim, state_size, cache_len, state_dtype, cache_dtype, bc_dtype, xz_dtype, y_dtype,
-           group_size, dt_softplus, dt_limit, has_z, swizzle, programs, auto_barriers, interpret):
+           group_size, dt_softplus, dt_limit, has_z, swizzle, programs, auto_barriers, chunk, interpret):
     tiles = head_dim // BLOCK_P
     num_programs = min(programs, batch * heads * tiles)
     scratch = _scratch(state_size, cache_len, state_dtype, cache_dtype, bc_dtype, xz_dtype, y_dtype, swizzle,
                        STAGES if programs else 1, has_z)
     check_smem(scratch, f"the Mamba-2 kernel at cache_len = {cache_len}, N = {state_size}")
     body = functools.partial(_kernel, group_size=group_size, tiles=tiles, dt_softplus=dt_softplus,
-                             dt_limit=dt_limit, has_z=has_z, num_programs=num_programs)
+                             dt_limit=dt_limit, has_z=has_z, num_programs=num_programs, chunk=chunk)
     return plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((batch, heads, head_dim), y_dtype),
@@ -369,7 +396,7 @@ def mamba2_replay_decode_mgpu(
     kernel = _build(
         batch, heads, head_dim, state_size, cache_len, state.dtype, x_cache.dtype, bc_dtype, xz_dtype, x.dtype,
         heads // num_groups, bool(dt_softplus), tuple(float(v) for v in dt_limit), z is not None, params.swizzle,
-        params.programs, params.auto_barriers, bool(interpret),
+        params.programs, params.auto_barriers, params.chunk, bool(interpret),
     )
     z = jnp.zeros((1,), xz_dtype) if z is None else z.astype(xz_dtype)
     refs = [jax.new_ref(a) for a in (state, x_cache, b_cache, dt_cache)]

@@ -2,12 +2,17 @@
 
 A one-tile-per-CTA kernel waits for its copies before any work and leaves the memory
 system idle while it computes, unless enough other CTAs share the SM. Here each CTA (grid
-axis "p", P programs) serves chunks `p, p + P, p + 2P, ...` of `CHUNK` consecutive tiles
-(b slowest) from two stages of shared buffers: the copies of tile n + 1 into one stage
-are issued before tile n is computed from the other. Within a chunk the row's slot,
-cursor and mode, and the q and k its tiles share, are mostly L1 hits; dealing the chunks
-round robin spreads each row's tiles over many CTAs, so rows that flush (twice the work)
-do not pile onto a few CTAs when cursors are staggered.
+axis "p", P programs) serves chunks `p, p + P, p + 2P, ...` of consecutive tiles (b
+slowest; a chunk is one head group's tiles, at most `MAX_CHUNK`) from two stages of shared
+buffers: the copies of tile n + 1 into one stage are issued before tile n is computed from
+the other. Dealing the chunks round robin spreads each row's tiles over many CTAs, so rows
+that flush (twice the work) do not pile onto a few CTAs when cursors are staggered.
+
+Head groups: the heads `h` with one `h // group_size` (GDN's value heads of one key head,
+Mamba-2's heads of one B/C group) read the same key-side records and token vectors. A
+tile is *fresh* when the CTA's previous tile belonged to another row or group; the kernel
+computes the group's shared values (e.g. `K k`, `K q`) on fresh tiles only, keeps them in
+shared memory, and reads them back on the group's other tiles.
 
 The stages are separate buffers addressed with a static stage index (the loop is unrolled
 by two). Mosaic aligns each buffer to 1 KiB, as TMA needs; a stage axis inside one buffer,
@@ -23,16 +28,22 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 STAGES = 2
-CHUNK = 4  # tiles: GDN's two value heads per key head at d_v = 128
+# Tiles per chunk at most: longer chunks share a group's values over more tiles but balance
+# rows that flush (twice the work) worse over the CTAs when cursors are staggered.
+MAX_CHUNK = 4
 SMEM_PER_SM = 228 * 1024  # Hopper: one SM's shared memory, 1 KiB of it reserved per CTA
 _CTA_RESERVED = 1024
+
+
+def ctas_per_sm(cta_smem_bytes: int) -> int:
+    """Persistent CTAs of `cta_smem_bytes` that one SM's shared memory holds (at least one)."""
+    return max(1, SMEM_PER_SM // (cta_smem_bytes + _CTA_RESERVED))
 
 
 def programs_that_fit(cta_smem_bytes: int, sm_count: int, num_tiles: int) -> int:
     """Persistent CTAs to launch: as many per SM as shared memory holds (at least one),
     never more than there are tiles."""
-    per_sm = max(1, SMEM_PER_SM // (cta_smem_bytes + _CTA_RESERVED))
-    return max(1, min(num_tiles, per_sm * sm_count))
+    return max(1, min(num_tiles, ctas_per_sm(cta_smem_bytes) * sm_count))
 
 
 def tile_grid(batch: int, heads: int, tiles: int, num_programs: int) -> dict:
@@ -43,33 +54,55 @@ def tile_grid(batch: int, heads: int, tiles: int, num_programs: int) -> dict:
     return dict(grid=(batch, heads * tiles), grid_names=("b", "ht"))
 
 
-def serve_tiles(batch: int, heads: int, tiles: int, num_programs: int, issue: Callable, compute: Callable) -> None:
+def serve_tiles(batch: int, heads: int, tiles: int, num_programs: int, issue: Callable, compute: Callable, *,
+                group_size: int = 1, chunk: int = 0) -> None:
     """Serve tile t of head h of row b for every `(b, h, t)`: `issue(b, h, t, stage)`
-    starts its copies into a stage of shared buffers, `compute(b, h, t, stage)` waits for
-    them and works. One CTA per tile (`num_programs = 0`), or `persistent_tiles` over the
-    tiles numbered with b slowest; the kernel's grid is `tile_grid`'s."""
+    starts its copies into a stage of shared buffers, `compute(b, h, t, stage, fresh)`
+    waits for them and works; `fresh` (a static True for one CTA per tile, else a traced
+    bool) says whether the CTA's previous tile was of another row or head group
+    (`h // group_size`; `heads` a multiple of `group_size`). One CTA per tile
+    (`num_programs = 0`), or `persistent_tiles` over the tiles numbered with b slowest in
+    chunks of `chunk` tiles (0: one group's tiles, at most `MAX_CHUNK`); the kernel's grid
+    is `tile_grid`'s."""
     per_row = heads * tiles
     where = lambda index: (index // per_row, index % per_row // tiles, index % tiles)
     if num_programs:
+        group_tiles = group_size * tiles
         persistent_tiles(batch * per_row, num_programs, lambda index, stage: issue(*where(index), stage),
-                         lambda index, stage: compute(*where(index), stage))
+                         lambda index, stage, fresh: compute(*where(index), stage, fresh),
+                         chunk=chunk or min(MAX_CHUNK, group_tiles), group_tiles=group_tiles)
         return
     b, ht = lax.axis_index("b"), lax.axis_index("ht")
     issue(b, ht // tiles, ht % tiles, 0)
-    compute(b, ht // tiles, ht % tiles, 0)
+    compute(b, ht // tiles, ht % tiles, 0, True)
     plgpu.wait_smem_to_gmem(0)
 
 
-def chunk_size(num_tiles: int, num_programs: int) -> int:
-    """`CHUNK`, or fewer tiles per chunk where that many would leave programs idle."""
-    return max(1, min(CHUNK, num_tiles // num_programs))
+def group_shared(fresh, compute: Callable, store: Callable, load: Callable):
+    """The values a head group's tiles share (`serve_tiles`'s groups): with one CTA per tile
+    (`fresh` a static True) `compute()` itself; else `store(compute())` on fresh tiles,
+    then a warpgroup barrier, then `load()` on every tile."""
+    if fresh is True:
+        return compute()
+
+    @pl.when(fresh)
+    def _share():
+        store(compute())
+        plgpu.commit_smem()  # the group's values visible to every thread of the warpgroup
+
+    return load()
 
 
-def program_tiles(program, num_tiles: int, num_programs: int):
+def chunk_size(num_tiles: int, num_programs: int, chunk: int) -> int:
+    """`chunk`, or fewer tiles per chunk where that many would leave programs idle."""
+    return max(1, min(chunk, num_tiles // num_programs))
+
+
+def program_tiles(program, num_tiles: int, num_programs: int, chunk: int):
     """`(tile_of, count)`: program p of P serves its n-th tile `tile_of(n)`, n < count, the
     chunks `p, p + P, ...` of `chunk_size` tiles each (the last chunk of the N tiles may
     be short; count >= 1 when P <= N)."""
-    chunk = chunk_size(num_tiles, num_programs)
+    chunk = chunk_size(num_tiles, num_programs, chunk)
     num_chunks = -(-num_tiles // chunk)
     mine = (num_chunks - program + num_programs - 1) // num_programs  # >= 1: P <= num_chunks
     last = program + (mine - 1) * num_programs
@@ -77,16 +110,18 @@ def program_tiles(program, num_tiles: int, num_programs: int):
     return (lambda n: (program + n // chunk * num_programs) * chunk + n % chunk), count
 
 
-def persistent_tiles(num_tiles: int, num_programs: int, issue: Callable, compute: Callable) -> None:
+def persistent_tiles(num_tiles: int, num_programs: int, issue: Callable, compute: Callable, *, chunk: int,
+                     group_tiles: int) -> None:
     """Run `issue(tile, stage)` (start tile's copies into `stage`) one tile ahead of
-    `compute(tile, stage)` (wait for them, work, start its stores) over this CTA's tiles
-    (`program_tiles`).
+    `compute(tile, stage, fresh)` (wait for them, work, start its stores) over this CTA's
+    tiles (`program_tiles` in chunks of `chunk`); `fresh`: the CTA's first tile, or one
+    whose group of `group_tiles` consecutive tiles differs from the previous tile's.
 
     Before a stage is refilled, every thread has finished the tile it held (a warpgroup
     barrier) and every store but the newest has finished reading shared memory, so
     `compute` must issue a tile's stores from the stage's tile buffer before its small
     output store (the one left in flight, from a buffer the refill does not touch)."""
-    tile_of, count = program_tiles(lax.axis_index("p"), num_tiles, num_programs)  # count >= 1
+    tile_of, count = program_tiles(lax.axis_index("p"), num_tiles, num_programs, chunk)  # count >= 1
     issue(tile_of(0), 0)
 
     def stage_pair(i, carry):
@@ -102,7 +137,8 @@ def persistent_tiles(num_tiles: int, num_programs: int, issue: Callable, compute
                 def _prefetch():
                     issue(tile_of(n + 1), (stage + 1) % STAGES)
 
-                compute(tile_of(n), stage)
+                fresh = (n == 0) | (tile_of(n) // group_tiles != tile_of(n - 1) // group_tiles)
+                compute(tile_of(n), stage, fresh)
 
         return carry
 

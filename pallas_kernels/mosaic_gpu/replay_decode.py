@@ -60,7 +60,7 @@ from pallas_kernels.common import L2NORM_EPS, MODE_APPEND, MODE_FLUSH, MODE_PAD
 from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA, bcast_cols, bcast_rows, col_sum,
                                                check_smem, copy_record_rows, copy_replay_tile, load_transposed,
                                                record_copies, replay_scratch, row_sum, smem_bytes, softplus, tiled)
-from pallas_kernels.mosaic_gpu.pipeline import STAGES, programs_that_fit, serve_tiles, tile_grid
+from pallas_kernels.mosaic_gpu.pipeline import STAGES, group_shared, programs_that_fit, serve_tiles, tile_grid
 
 BLOCK_V = BLOCK_ROWS
 
@@ -166,11 +166,13 @@ def rebuild_exact(s_c, decay_total, u_smem, k_smem, g_smem, pos):
 
 
 def tf32_split(x):
-    """`(hi, lo)` with `hi + lo == x` exactly and hi exact in tf32 (11 significant bits,
-    Veltkamp's split at 2^13 + 1); lo keeps the remaining 13 bits, which a tf32 `wgmma`
+    """`(hi, lo)` with `hi + lo == x` exactly and hi exact in tf32: hi is x rounded to 11
+    significant bits by integer arithmetic on its bits (an arithmetic split such as
+    Veltkamp's `s - (s - x)` can be folded to `x` by the compiler, which makes lo 0 and the
+    result plain tf32); lo, at most 2^-11 of x, keeps 12 bits, which a tf32 `wgmma`
     truncates to 11, so `hi b + lo b` is off by about 2^-22 of `x b`."""
-    scaled = x * jnp.float32(8193.0)
-    hi = scaled - (scaled - x)
+    bits = lax.bitcast_convert_type(x, jnp.int32)
+    hi = lax.bitcast_convert_type((bits + jnp.int32(1 << 12)) & jnp.int32(-(1 << 13)), jnp.float32)
     return hi, x - hi
 
 
@@ -207,6 +209,15 @@ def rebuild_mma(s_c, decay_total, u_t, weights, keys_t, pos, operands):
     return pl.run_state(mma)(plgpu.ACC.init(s_c * decay_total))
 
 
+def qk_scales(q_col, k_col, *, use_qk_l2norm, scale):
+    """`(q_scale, k_scale)`: the factors that normalise q and k (if asked) and scale q."""
+    q_scale, k_scale = jnp.float32(scale), jnp.float32(1.0)
+    if use_qk_l2norm:
+        q_scale = q_scale * lax.rsqrt(jnp.sum(q_col * q_col) + L2NORM_EPS)
+        k_scale = lax.rsqrt(jnp.sum(k_col * k_col) + L2NORM_EPS)
+    return q_scale, k_scale
+
+
 def load_qk(q_ref, k_ref, q_row_ref, k_row_ref, *, use_qk_l2norm, scale):
     """q, k `[d_k]` (global or shared memory refs) in both vector layouts, normalised (if
     asked) and q scaled: `(q_col, k_col, q_row, k_row, k . q)`, fp32, in COL and ROW.
@@ -217,13 +228,41 @@ def load_qk(q_ref, k_ref, q_row_ref, k_row_ref, *, use_qk_l2norm, scale):
     k_col = plgpu.load(k_ref, layout=COL, optimized=False).astype(F32)
     q_row = plgpu.load(q_row_ref, layout=ROW, optimized=False).astype(F32)
     k_row = plgpu.load(k_row_ref, layout=ROW, optimized=False).astype(F32)
-    q_scale, k_scale = jnp.float32(scale), jnp.float32(1.0)
-    if use_qk_l2norm:
-        q_scale = q_scale * lax.rsqrt(jnp.sum(q_col * q_col) + L2NORM_EPS)
-        k_scale = lax.rsqrt(jnp.sum(k_col * k_col) + L2NORM_EPS)
+    q_scale, k_scale = qk_scales(q_col, k_col, use_qk_l2norm=use_qk_l2norm, scale=scale)
     q_col, q_row = q_col * q_scale, q_row * q_scale
     k_col, k_row = k_col * k_scale, k_row * k_scale
     return q_col, k_col, q_row, k_row, jnp.sum(k_col * q_col)
+
+
+def key_side(qk_smem, k_smem, *, use_qk_l2norm, scale):
+    """What every tile of a key-head group (one row, one key head) shares: `(K k, K q,
+    q_scale, k_scale, k . q)`, `K x` `[L]` (COL) over every ring entry with k normalised and
+    q normalised and scaled (stale entries included: each tile masks them), and the
+    factors that normalise and scale the raw q and k. `qk_smem [4, d_k]`: the token's q,
+    k, q, k (`copy_token`)."""
+    q_col, k_col = (plgpu.load(qk_smem.at[i], layout=COL, optimized=False).astype(F32) for i in (0, 1))
+    q_row, k_row = (plgpu.load(qk_smem.at[i], layout=ROW, optimized=False).astype(F32) for i in (2, 3))
+    q_scale, k_scale = qk_scales(q_col, k_col, use_qk_l2norm=use_qk_l2norm, scale=scale)
+    keys_t = load_transposed(k_smem)  # [Dk, L]
+    k_x = k_scale * col_sum(keys_t * bcast_rows(k_row, keys_t.shape))
+    q_x = q_scale * col_sum(keys_t * bcast_rows(q_row, keys_t.shape))
+    return k_x, q_x, q_scale, k_scale, q_scale * k_scale * jnp.sum(k_col * q_col)
+
+
+def store_key_side(shared_smem, values) -> None:
+    """`key_side`'s values into `shared_smem [3, L]`: the two `K x` rows, then the three
+    scalars in row 2."""
+    k_x, q_x, *scalars = values
+    shared_smem[0] = k_x
+    shared_smem[1] = q_x
+    for i, value in enumerate(scalars):
+        shared_smem[2, i] = value
+
+
+def load_key_side(shared_smem):
+    """`key_side`'s values back from `shared_smem` (`store_key_side`)."""
+    k_x, q_x = (plgpu.load(shared_smem.at[i], layout=COL, optimized=False) for i in (0, 1))
+    return k_x, q_x, shared_smem[2, 0], shared_smem[2, 1], shared_smem[2, 2]
 
 
 def store_output(o_smem, y_ref, y, b, h, rows):
@@ -283,7 +322,7 @@ def split_tile_buffer(tile_buf, rebuild: str):
 def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref,
             ckpt_ref, ucache_ref, kcache_ref, gcache_ref,
             y_ref,
-            stages, rebuild_bufs, barriers, rows_barrier,
+            stages, shared_smem, rebuild_bufs, barriers, rows_barrier,
             *, group_size, tiles, use_qk_l2norm, scale, raw_gates, rebuild, num_programs):
     def issue(b, h, tile, stage):
         """Start the tile's copies into `stages[stage]` (none for padding rows)."""
@@ -297,10 +336,10 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a
                              slot, h, h // group_size, rows, barrier)
             copy_token((q_ref, k_ref, v_ref), (qk_smem, v_smem), b, h, h // group_size, rows, barrier)
 
-    def compute(b, h, tile, stage):
-        _tile(b, h, tile, stages[stage], barriers.at[stage])
+    def compute(b, h, tile, stage, fresh):
+        _tile(b, h, tile, stages[stage], barriers.at[stage], fresh)
 
-    def _tile(b, h, tile, bufs, barrier):
+    def _tile(b, h, tile, bufs, barrier, fresh):
         tile_buf, u_smem, k_smem, g_smem, o_smem, qk_smem, v_smem = bufs
         t_smem, operands = split_tile_buffer(tile_buf, rebuild)
         rows = pl.ds(tile * BLOCK_V, BLOCK_V)
@@ -324,26 +363,27 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a
 
             plgpu.barrier_wait(barrier)
             # The token from shared memory (copied with the tile, so a persistent CTA has
-            # it one tile ahead): q, k in both vector layouts, v's rows of this tile.
-            q_col, k_col, q_row, k_row, k_dot_q = load_qk(*(qk_smem.at[i] for i in range(4)),
-                                                          use_qk_l2norm=use_qk_l2norm, scale=scale)
+            # it one tile ahead); the key side shared by the key head's tiles.
+            k_x, q_x, q_scale, k_scale, k_dot_q = group_shared(
+                fresh, functools.partial(key_side, qk_smem, k_smem, use_qk_l2norm=use_qk_l2norm, scale=scale),
+                functools.partial(store_key_side, shared_smem), functools.partial(load_key_side, shared_smem))
+            q_col = plgpu.load(qk_smem.at[0], layout=COL, optimized=False).astype(F32) * q_scale
+            k_col = plgpu.load(qk_smem.at[1], layout=COL, optimized=False).astype(F32) * k_scale
             v_row = plgpu.load(v_smem, layout=ROW, optimized=False).astype(F32)
             weights, decay_total = decay_weights(g_smem, pos, cache_len)
-            keys_t = load_transposed(k_smem)  # [Dk, L]
             j = plgpu.broadcasted_iota(jnp.int32, (BLOCK_V, cache_len), 1, layout=WGMMA)
             u_t = jnp.where(j < pos, load_transposed(u_smem), 0.0)  # [BV, L], stale entries 0
             valid = plgpu.broadcasted_iota(jnp.int32, (cache_len,), 0, layout=COL) < pos
             s_c = plgpu.load(t_smem, layout=WGMMA).astype(F32)  # [BV, Dk]
 
-            def readout(x_col, x_row):
-                """`S_{t-1} x` `[BV]` (ROW) for x given in both layouts."""
-                c = col_sum(keys_t * bcast_rows(x_row, keys_t.shape))  # K x, [L]
-                c = jnp.where(valid, c * weights, 0.0)
+            def readout(x_col, k_x):
+                """`S_{t-1} x` `[BV]` (ROW) for x in COL, with `K x` `[L]` (COL)."""
+                c = jnp.where(valid, k_x * weights, 0.0)
                 history = row_sum(u_t * bcast_cols(c, u_t.shape))
                 return history + decay_total * row_sum(s_c * bcast_cols(x_col, s_c.shape))
 
-            s_k = alpha * readout(k_col, k_row)
-            s_q = alpha * readout(q_col, q_row)
+            s_k = alpha * readout(k_col, k_x)
+            s_q = alpha * readout(q_col, q_x)
             u = beta * (v_row - s_k)
 
             @pl.when(mode == MODE_FLUSH)
@@ -357,6 +397,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a
                     plgpu.barrier_wait(rows_barrier)
                     prev = rebuild_exact(s_c, decay_total, u_rows, k_rows, g_smem, pos)
                 else:
+                    keys_t = load_transposed(k_smem)  # [Dk, L]
                     plgpu.commit_smem()  # every thread has S_c from the buffer its operands reuse
                     prev = rebuild_mma(s_c, decay_total, u_t, weights, keys_t, pos, operands)
                 new = alpha * prev + bcast_rows(u, prev.shape) * bcast_cols(k_col, prev.shape)
@@ -371,12 +412,13 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a
                              group_size=group_size)
 
     batch, num_heads = y_ref.shape[:2]
-    serve_tiles(batch, num_heads, tiles, num_programs, issue, compute)
+    serve_tiles(batch, num_heads, tiles, num_programs, issue, compute, group_size=group_size)
 
 
 def _scratch(head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, v_dtype, swizzle, rebuild, stages) -> list:
-    """`[stages, rebuild buffers, barriers, rows barrier]`: `stages` sets of the replay
-    buffers and the token's (`copy_token`), then the exact rebuild's untiled record copies,
+    """`[stages, shared, rebuild buffers, barriers, rows barrier]`: `stages` sets of the
+    replay buffers and the token's (`copy_token`), the key-head group's shared values
+    (`store_key_side`, `[3, L]` fp32), then the exact rebuild's untiled record copies,
     one barrier per stage and one for the record copies. Tensor-core rebuilds keep their
     `wgmma` operands (K-major: `U^T diag(W)` `[BV, L]` and `K^T` `[d_k, L]`, hi and lo
     parts for "3xtf32") in a union with each stage's checkpoint-tile buffer instead."""
@@ -394,7 +436,8 @@ def _scratch(head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, v_dtype,
 
     per_stage = [stage() for _ in range(stages)]
     rebuild_bufs = record_copies(BLOCK_V, head_k_dim, cache_len, cache_dtype) if rebuild == "exact" else []
-    return [per_stage, rebuild_bufs, plgpu.Barrier(num_arrivals=9, num_barriers=stages), plgpu.Barrier(num_arrivals=2)]
+    return [per_stage, plgpu.SMEM((3, cache_len), F32), rebuild_bufs, plgpu.Barrier(num_arrivals=9, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=2)]
 
 
 def persistent_programs(batch: int, num_v_heads: int, head_v_dim: int, head_k_dim: int, cache_len: int,

@@ -61,7 +61,7 @@ from pallas_kernels.common import L2NORM_EPS, MODE_APPEND, MODE_FLUSH, MODE_PAD
 from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA, bcast_cols, bcast_rows, col_sum,
                                                check_smem, copy_record_rows, copy_replay_tile, load_transposed,
                                                record_copies, replay_scratch, row_sum, smem_bytes)
-from pallas_kernels.mosaic_gpu.pipeline import STAGES, programs_that_fit, serve_tiles, tile_grid
+from pallas_kernels.mosaic_gpu.pipeline import STAGES, group_shared, programs_that_fit, serve_tiles, tile_grid
 from pallas_kernels.mosaic_gpu.replay_decode import MosaicReplayParams, check_shapes, decay_weights, rebuild_exact
 
 MAX_WIDTH = 16  # the window is unrolled in the kernel: code size grows as T^2
@@ -156,6 +156,34 @@ def solve_positions(width, length, A, M, beta, v_rows, o_smem, read_k, read_q, a
         append(i, in_window, u_i, k_col)
 
 
+def window_keys(k_smem, k_rows_w, q_rows, width, length):
+    """What every tile of a key-head group (one row, one key head) shares, as a function of
+    the row `r` of `[2T, L]`: `K k_i` (r = 2i) and `K q_i` (r = 2i + 1) `[L]` (COL) over
+    every ring entry, of the raw (unscaled) window vectors (stale entries included: each
+    tile masks them; zeros at and past `length`). Each sum is formed when asked for:
+    holding all 2T in registers spills."""
+    keys_t = load_transposed(k_smem)  # [Dk, L]
+
+    def key_sum(row):
+        vectors = q_rows if row % 2 else k_rows_w
+        x_row = select_if(row // 2 < length, plgpu.load(vectors.at[row // 2], layout=ROW, optimized=False).astype(F32),
+                          ROW)
+        return col_sum(keys_t * bcast_rows(x_row, keys_t.shape))
+
+    return key_sum
+
+
+def store_window_keys(shared_smem, key_sum) -> None:
+    """`window_keys`' sums into the rows of `shared_smem [2T, L]`."""
+    for row in range(shared_smem.shape[0]):
+        shared_smem[row] = key_sum(row)
+
+
+def load_window_keys(shared_smem):
+    """`window_keys`' sums from `shared_smem` (`store_window_keys`), as a function of the row."""
+    return lambda row: plgpu.load(shared_smem.at[row], layout=COL, optimized=False)
+
+
 def store_zeros(o_smem, y_ref, b, h, rows, width):
     """A padding row's outputs: zeros for every window position."""
     for i in range(width):
@@ -208,9 +236,10 @@ def window_coefficients(
 
 
 def _scratch(width, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y_dtype, swizzle, stages) -> list:
-    """`[stages, barriers, rows barrier]`: `stages` sets of a tile's replay buffers (y
-    `[T, BV]`), its window coefficients and the window's vectors (q and k `[T, d_k]` twice,
-    one copy per vector layout, v `[T, BV]`), a barrier per stage (ten copies) and one for
+    """`[stages, shared, barriers, rows barrier]`: `stages` sets of a tile's replay buffers
+    (y `[T, BV]`), its window coefficients and the window's vectors (q and k `[T, d_k]`
+    twice, one copy per vector layout, v `[T, BV]`), the key-head group's `K k_i`, `K q_i`
+    (`store_window_keys`, `[2T, L]` fp32), a barrier per stage (ten copies) and one for
     the fold's record copies. Those untiled copies share the stage's checkpoint-tile buffer
     (a `plgpu.RefUnion`): a fold fetches them once `S_c` is in registers and is done with
     them before it stores the folded tile there, and two stages of fp32 L = 16 buffers fit
@@ -223,14 +252,14 @@ def _scratch(width, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y
                 + [plgpu.SMEM((width, head_k_dim), qk_dtype) for _ in range(4)]
                 + [plgpu.SMEM((width, BLOCK_ROWS), y_dtype)])
 
-    return [[stage() for _ in range(stages)], plgpu.Barrier(num_arrivals=10, num_barriers=stages),
-            plgpu.Barrier(num_arrivals=2)]
+    return [[stage() for _ in range(stages)], plgpu.SMEM((2 * width, cache_len), F32),
+            plgpu.Barrier(num_arrivals=10, num_barriers=stages), plgpu.Barrier(num_arrivals=2)]
 
 
 def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_ref,
             ckpt_ref, ucache_ref, kcache_ref, gcache_ref,
             y_ref,
-            stages, barriers, rows_barrier,
+            stages, shared_smem, barriers, rows_barrier,
             *, width, group_size, tiles, num_programs):
     def issue(b, h, tile, stage):
         """Start the tile's copies into `stages[stage]` (none for padding rows)."""
@@ -251,10 +280,10 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
             for src, dst in zip(sources, window_smem):
                 plgpu.copy_gmem_to_smem(src, dst, barrier)
 
-    def compute(b, h, tile, stage):
-        _tile(b, h, tile, stages[stage], barriers.at[stage])
+    def compute(b, h, tile, stage, fresh):
+        _tile(b, h, tile, stages[stage], barriers.at[stage], fresh)
 
-    def _tile(b, h, tile, bufs, barrier):
+    def _tile(b, h, tile, bufs, barrier, fresh):
         tile_buf, u_smem, k_smem, g_smem, o_smem, c_smem, q_cols, k_cols, q_rows, k_rows_w, v_rows = bufs
         t_smem, (u_rows, k_rows) = tuple(tile_buf)  # the record copies alias the tile
         hk = h // group_size
@@ -271,6 +300,9 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
             slot, pos, length = slot_ref[b], pos_ref[b], length_ref[b]
             fold = mode == MODE_FLUSH
             plgpu.barrier_wait(barrier)
+            key_sum = group_shared(fresh, functools.partial(window_keys, k_smem, k_rows_w, q_rows, width, length),
+                                    functools.partial(store_window_keys, shared_smem),
+                                    functools.partial(load_window_keys, shared_smem))
             weights, decay_total = decay_weights(g_smem, pos, cache_len)
             s_c = plgpu.load(t_smem, layout=WGMMA).astype(F32)  # [BV, Dk]
 
@@ -299,15 +331,13 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(t_smem, ckpt_ref.at[slot, h, rows])
 
-            keys_t = load_transposed(k_smem)  # [Dk, L]
             j_tile = plgpu.broadcasted_iota(jnp.int32, (BLOCK_ROWS, cache_len), 1, layout=WGMMA)
             u_t = jnp.where(j_tile < history_len, load_transposed(u_smem), 0.0)  # [BV, L], stale entries 0
             valid = plgpu.broadcasted_iota(jnp.int32, (cache_len,), 0, layout=COL) < history_len
 
-            def readout(x_col, x_row):
-                """`S x` `[BV]` (ROW) for x given in both layouts."""
-                c = col_sum(keys_t * bcast_rows(x_row, keys_t.shape))  # K x, [L]
-                c = jnp.where(valid, c * weights, 0.0)
+            def readout(x_col, k_x):
+                """`S x` `[BV]` (ROW) for x in COL, with `K x` `[L]` (COL)."""
+                c = jnp.where(valid, k_x * weights, 0.0)
                 history = row_sum(u_t * bcast_cols(c, u_t.shape))
                 return history + decay_eff * row_sum(s_eff * bcast_cols(x_col, s_eff.shape))
 
@@ -316,10 +346,10 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
 
             def read_k(i, load):
                 k_col = k_scale(i) * load(k_cols.at[i], COL)
-                return e_G(i) * readout(k_col, k_scale(i) * load(k_rows_w.at[i], ROW)), k_col
+                return e_G(i) * readout(k_col, k_scale(i) * key_sum(2 * i)), k_col
 
             def read_q(i, load):
-                return e_G(i) * readout(q_scale(i) * load(q_cols.at[i], COL), q_scale(i) * load(q_rows.at[i], ROW))
+                return e_G(i) * readout(q_scale(i) * load(q_cols.at[i], COL), q_scale(i) * key_sum(2 * i + 1))
 
             def append(i, in_window, u_i, k_col):
                 @pl.when(in_window)
@@ -340,7 +370,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
             plgpu.copy_smem_to_gmem(o_smem, y_ref.at[b, :, h, rows])
 
     batch, num_v_heads = y_ref.shape[0], y_ref.shape[2]
-    serve_tiles(batch, num_v_heads, tiles, num_programs, issue, compute)
+    serve_tiles(batch, num_v_heads, tiles, num_programs, issue, compute, group_size=group_size)
 
 
 def check_params(params, kernel: str, *, pipelined: bool = False) -> None:
@@ -356,6 +386,15 @@ def check_params(params, kernel: str, *, pipelined: bool = False) -> None:
         raise ValueError(f"{kernel} runs one CTA per tile: programs must be 0, got {params.programs}")
     if not params.auto_barriers:
         raise ValueError(f"{kernel} keeps Mosaic's automatic barriers: auto_barriers must be True")
+    if getattr(params, "chunk", 0):
+        raise ValueError(f"{kernel} runs one CTA per tile: chunk must be 0, got {params.chunk}")
+
+
+def persistent_smem_bytes(width: int, head_k_dim: int, cache_len: int, state_dtype, cache_dtype, token_dtype, *,
+                          swizzle: int = 128) -> int:
+    """Shared memory of one persistent verify CTA (two stages; `token_dtype`: q, k, v and y's)."""
+    return smem_bytes(_scratch(width, head_k_dim, cache_len, state_dtype, cache_dtype, token_dtype, token_dtype,
+                               swizzle, STAGES))
 
 
 def persistent_programs(batch: int, width: int, num_v_heads: int, head_v_dim: int, head_k_dim: int,
@@ -364,9 +403,9 @@ def persistent_programs(batch: int, width: int, num_v_heads: int, head_v_dim: in
     """`MosaicReplayParams.programs` for the verify kernel on a device of `sm_count` SMs: as
     many persistent CTAs per SM as its two stages fit in shared memory (`token_dtype`: q,
     k, v and y's)."""
-    scratch = _scratch(width, head_k_dim, cache_len, state_dtype, cache_dtype, token_dtype, token_dtype, swizzle,
-                       STAGES)
-    return programs_that_fit(smem_bytes(scratch), sm_count, batch * num_v_heads * (head_v_dim // BLOCK_ROWS))
+    cta_bytes = persistent_smem_bytes(width, head_k_dim, cache_len, state_dtype, cache_dtype, token_dtype,
+                                      swizzle=swizzle)
+    return programs_that_fit(cta_bytes, sm_count, batch * num_v_heads * (head_v_dim // BLOCK_ROWS))
 
 
 @functools.lru_cache(maxsize=None)

@@ -17,10 +17,11 @@ import jax
 from jaxtyping import Array, Float
 
 from pallas_kernels import common
-from pallas_kernels.mosaic_gpu import mamba2_decode
+from pallas_kernels.mosaic_gpu import mamba2_decode, verify_decode
 from pallas_kernels.mosaic_gpu.mamba2_decode import MosaicMamba2Params, mamba2_replay_decode_mgpu
 from pallas_kernels.mosaic_gpu.replay_decode import (MosaicReplayParams, check_shapes, persistent_programs,
                                                      replay_decode_mgpu)
+from pallas_kernels.mosaic_gpu.pipeline import ctas_per_sm
 from pallas_kernels.mosaic_gpu.replay_decode_kda import check_kda_shapes, replay_decode_kda_mgpu
 from replayssm_jax.plan import StepPlan
 from replayssm_jax.state import ReplayState
@@ -46,15 +47,46 @@ def fitting_programs(cfg, batch: int, token_dtype, *, rebuild: str = "exact", sm
     return persistent_programs(*shape, rebuild=rebuild)
 
 
-def default_params(cfg, batch: int, token_dtype) -> MosaicReplayParams | MosaicMamba2Params:
+def default_params(cfg, batch: int, token_dtype, *, interpret: bool | None = None
+                   ) -> MosaicReplayParams | MosaicMamba2Params:
     """The kernel parameters a step uses when the caller gives none. GDN and Mamba-2: as
     many persistent CTAs as fit on the device's SMs and the kernel's own barriers only
     (measured fastest on the H200 at B = 128 and 512, `benchmarks/NOTES.md`); KDA: one CTA
-    per tile (its kernel has no persistent form)."""
+    per tile (its kernel has no persistent form). GDN's flush rebuild on a GPU (`interpret`
+    false; default: off GPU) is "3xtf32" wherever its operands leave as many CTAs per SM
+    as the exact rebuild's (it measured within 1e-7 normwise of IEEE fp32 and faster; the
+    tensor cores do not run in interpret mode), else "exact"."""
     if cfg.per_channel_gate:
         return MosaicReplayParams()
-    params = MosaicMamba2Params if cfg.gate == "mamba2" else MosaicReplayParams
-    return params(programs=fitting_programs(cfg, batch, token_dtype), auto_barriers=False)
+    if cfg.gate == "mamba2":
+        return MosaicMamba2Params(programs=fitting_programs(cfg, batch, token_dtype), auto_barriers=False)
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    programs = fitting_programs(cfg, batch, token_dtype)
+    if not interpret and fitting_programs(cfg, batch, token_dtype, rebuild="3xtf32") == programs:
+        return MosaicReplayParams(programs=programs, auto_barriers=False, rebuild="3xtf32")
+    return MosaicReplayParams(programs=programs, auto_barriers=False)
+
+
+def verify_default_params(cfg, batch: int, width: int, token_dtype) -> MosaicReplayParams | MosaicMamba2Params:
+    """The verify kernel's parameters when the caller gives none. GDN: persistent CTAs
+    without Mosaic's barriers where two or more fit per SM (the next tile's copies then
+    hide behind another CTA's work: 2.0x conventional verify against 1.6x with one CTA per
+    tile at fp32, L = 16, T = 4, B = 512 on the H200), else one CTA per tile (one
+    persistent CTA per SM measured 0.94x at L = 32); KDA and Mamba-2: one CTA per tile
+    (their verify kernels have no persistent form)."""
+    if cfg.gate == "mamba2":
+        return MosaicMamba2Params()
+    if cfg.per_channel_gate:
+        return MosaicReplayParams()
+    cta_bytes = verify_decode.persistent_smem_bytes(width, cfg.head_k_dim, cfg.cache_len, cfg.state_dtype,
+                                                    cfg.cache_dtype, token_dtype)
+    if ctas_per_sm(cta_bytes) < 2:
+        return MosaicReplayParams()
+    programs = verify_decode.persistent_programs(batch, width, cfg.num_v_heads, cfg.head_v_dim, cfg.head_k_dim,
+                                                 cfg.cache_len, cfg.state_dtype, cfg.cache_dtype, token_dtype,
+                                                 device_sm_count())
+    return MosaicReplayParams(programs=programs, auto_barriers=False)
 
 
 def check_config(cfg) -> None:
@@ -99,7 +131,8 @@ def layer_step(
         tokens.q, tokens.k, tokens.v, tokens.g, tokens.beta,
         plan.slot, plan.pos, common.row_modes(plan.valid, plan.flush),
         use_qk_l2norm=use_qk_l2norm, scale=scale, gate_params=gate_params,
-        params=kernel_params or default_params(cfg, tokens.v.shape[0], tokens.v.dtype), interpret=interpret,
+        params=kernel_params or default_params(cfg, tokens.v.shape[0], tokens.v.dtype, interpret=interpret),
+        interpret=interpret,
     )
     return y, dataclasses.replace(state, checkpoint=checkpoint, u_cache=u_cache, k_cache=k_cache, g_cache=g_cache)
 
