@@ -150,6 +150,12 @@ def rel(a, b) -> float:
     return float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-30))
 
 
+def normwise(a, b) -> float:
+    """`||a - b|| / ||b||` (Frobenius), the issue's measure for a rebuild against IEEE fp32."""
+    a, b = np.asarray(jnp.asarray(a, jnp.float32), np.float64), np.asarray(jnp.asarray(b, jnp.float32), np.float64)
+    return float(np.linalg.norm(a - b) / (np.linalg.norm(b) + 1e-30))
+
+
 def mosaic_params(spec: str, cfg: R.ReplayConfig, batch: int):
     """The Mosaic params of a variant spec: `default` (None: the backend's
     `default_params`), or comma-separated fields of the gate's params class (`programs=N`
@@ -237,6 +243,7 @@ def check_section(smoke: bool, gate: str = "gdn", mosaic_variants: str = "defaul
                        cache_len=cfg.cache_len, head_dim=cfg.head_k_dim, raw_gates=raw, y=rel(y, ref_y),
                        checkpoint=rel(st.checkpoint, ref_state.checkpoint),
                        flushed_checkpoints=rel(st.checkpoint[flushed], ref_state.checkpoint[flushed]),
+                       flushed_normwise=normwise(st.checkpoint[flushed], ref_state.checkpoint[flushed]),
                        u_cache=rel(st.u_cache, ref_state.u_cache), k_cache=rel(st.k_cache, ref_state.k_cache),
                        g_cache=rel(st.g_cache, ref_state.g_cache),
                        write_pos_equal=bool(np.array_equal(st.write_pos, ref_state.write_pos)),
