@@ -8,7 +8,9 @@ Grid `(B, H * P / BP)`, one warpgroup (128 threads) per CTA, BP = 64: CTA (b, h,
 serves state rows `t*BP .. t*BP + BP - 1` of head h of row b, whose slot, cursor `pos`
 and mode (padding / append / flush) it reads from `[B]` arrays; or, with
 `MosaicMamba2Params.programs = n`, n persistent CTAs serve chunks of the tiles dealt round robin
-(`pipeline.persistent_tiles`).
+(`pipeline.persistent_tiles`); the tiles of a chunk belong to one B/C group, and what they
+share (`group_side`: `B_j . C`, `B . C`) is computed on the chunk's first tile and read back
+from shared memory by the rest (`pipeline.group_shared`).
 
 Data movement (TMA, one barrier): the checkpoint tile `S_c [BP, N]`, the slot's x records
 `[L, BP]` of this tile and its B records `[L, N]` (group h // (H/G)), all swizzled, its

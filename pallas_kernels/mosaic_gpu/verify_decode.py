@@ -4,7 +4,8 @@ Grid `(B, H_v * d_v / BV)`, one warpgroup per CTA, BV = 64: CTA (b, h, t) serves
 `t*BV .. t*BV + BV - 1` of value head h of row b for all T window positions; or, with
 `MosaicReplayParams.programs = n`, n persistent CTAs serve chunks of the tiles dealt round
 robin from two stages of shared buffers, the next tile's copies in flight
-(`pipeline.serve_tiles`, as the decode kernels). Per row, `[B]`
+(`pipeline.serve_tiles`, as the decode kernels; a key head's tiles compute the window's
+`K k_i`, `K q_i` once, `window_keys`). Per row, `[B]`
 arrays give its slot, cursor `pos`, mode and valid window length; `anc [B, T, T]` says which
 window positions precede each position on its branch (a chain or a tree).
 
