@@ -85,7 +85,7 @@ class MosaicReplayParams:
         tensor cores with the operands `U^T diag(W)` and `K` rounded to that type (fp32
         accumulation from `e^G S_c`), which leaves out the untiled record copies; "3xtf32"
         as three tf32 `wgmma`s over each operand's high and low tf32 parts (`tf32_split`:
-        hi hi + hi lo + lo hi, about 2^-21 relative per product; measured within 1e-7
+        hi hi + hi lo + lo hi, about 2^-21 relative per product; measured within 1.3e-7
         normwise of the IEEE rebuild, and the backend's `default_params` choice on a GPU). The
         operands live in the stage's checkpoint-tile buffer (a `plgpu.RefUnion`), free
         once `S_c` is in registers. Their errors are measured by
