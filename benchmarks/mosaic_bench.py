@@ -52,7 +52,8 @@ from replayssm_jax import cost  # noqa: E402
 from replayssm_jax.backends import mosaic_gpu  # noqa: E402
 from replayssm_jax.plan import FlushPolicy  # noqa: E402
 from pallas_kernels.mosaic_gpu.mamba2_decode import MosaicMamba2Params  # noqa: E402
-from pallas_kernels.mosaic_gpu.replay_decode import MosaicReplayParams, check_rebuild  # noqa: E402
+from pallas_kernels.mosaic_gpu.rebuild import check_rebuild  # noqa: E402
+from pallas_kernels.mosaic_gpu.replay_decode import MosaicReplayParams  # noqa: E402
 
 START = time.time()
 MOSAIC_KERNELS = {"gdn": "replayssm_replay_decode_mgpu", "kda": "replayssm_replay_decode_mgpu_kda",

@@ -10,7 +10,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 # Imported eagerly, not on first use: importing Pallas registers jax config options, and a
 # first import during a trace would change the tracing context and cost one recompile.
-from replayssm_jax.backends import BACKENDS, mosaic_gpu, pallas_triton, xla
+from replayssm_jax.backends import BACKENDS, auto, mosaic_gpu, pallas_triton, xla
 from replayssm_jax.plan import FlushPolicy, StepPlan, advance_write_pos, as_policy, default_flush_policy, plan_step
 from replayssm_jax.state import ReplayState, check_state
 from replayssm_jax.tokens import Tokens, check_gate_params, check_tokens
@@ -38,6 +38,8 @@ def layer_step(
     Arguments as in `decode_step`; `plan` comes from `plan_step` (once per forward pass).
     """
     check_backend(backend)
+    if backend == "auto":
+        backend = auto.decode_backend(state.config, plan.slot.shape[0])
     if state.config.gate_kind.additive:
         return _mamba2_layer_step(state, tokens, plan, backend=backend, use_qk_l2norm=use_qk_l2norm,
                                   scale=scale, gate_params=gate_params, kernel_params=kernel_params)
@@ -88,8 +90,9 @@ def decode_step(
       slots: `[B]` int, the physical slot of each row; negative = padding row.
       force_flush: optional `[B]` bool, flush these rows now whatever their cursor.
       backend: "xla" (pure jax, the specification), "pallas_triton" (fused kernels;
-        interpret mode off-GPU) or "mosaic_gpu" (GDN, KDA and Mamba-2 on the Mosaic GPU
-        kernels; interpret mode off-GPU).
+        interpret mode off-GPU), "mosaic_gpu" (GDN, KDA and Mamba-2 on the Mosaic GPU
+        kernels; interpret mode off-GPU) or "auto" (`backends.auto.decode_backend`: the
+        one measured fastest for the layer and batch on this device; xla off GPU).
       policy: a `FlushPolicy` (or its value): NATURAL flushes a row when its slot holds
         L - 1 cached entries or when forced; EVERY_STEP flushes every live row. Default:
         `default_flush_policy(state.config, B)`, the same for every backend.
@@ -102,7 +105,8 @@ def decode_step(
         required (tokens.dt is the raw dt).
       kernel_params: the pallas_triton backend's launch parameters (a kernel's parameter
         class, e.g. `ReplayGroupedParams`; default: the launch table's row), or a
-        `MosaicReplayParams` (GDN) or `MosaicMamba2Params` (Mamba-2) for mosaic_gpu.
+        `MosaicReplayParams` (GDN) or `MosaicMamba2Params` (Mamba-2) for mosaic_gpu; with
+        "auto", for the backend it resolves to.
 
     Returns:
       `(y, new_state)`: y `[B, H_v, d_v]` in v's dtype (Mamba-2: `[B, H, P]` in x's dtype),

@@ -43,7 +43,7 @@ class GDNDecodeLayer(nnx.Module):
       dims: its sizes (`model.layer.GDNDims`).
       config: the `ReplayConfig` of its replay state (heads and head dims match `dims`).
       num_slots: N, the slot pool.
-      backend: the decode step's backend ("xla", "pallas_triton" or "mosaic_gpu").
+      backend: the decode step's backend ("xla", "pallas_triton", "mosaic_gpu" or "auto").
     """
 
     def __init__(self, params: GDNParams, dims: GDNDims, config: ReplayConfig, num_slots: int, *,

@@ -71,13 +71,13 @@ from pallas_kernels.mosaic_gpu.verify_decode import verify_decode_mgpu
 from pallas_kernels.mosaic_gpu.verify_decode_kda import verify_decode_kda_mgpu
 from pallas_kernels.mosaic_gpu.verify_decode_mamba2 import mamba2_verify_decode_mgpu
 from pallas_kernels.verify_readout import VerifyReadoutParams, verify_readout
-from replayssm_jax.backends import mosaic_gpu, pallas_triton, xla
+from replayssm_jax.backends import auto, mosaic_gpu, pallas_triton, xla
 from replayssm_jax.plan import plan_step
 from replayssm_jax.state import ReplayState, check_state
 from replayssm_jax.tokens import Mamba2Params, Mamba2Tokens, Tokens, check_gate_params
 from replayssm_jax.validation import check_array, check_slots, concrete_or_none, debug_check
 
-VERIFY_BACKENDS = ("xla", "pallas_triton", "mosaic_gpu")
+VERIFY_BACKENDS = ("xla", "pallas_triton", "mosaic_gpu", "auto")
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
@@ -240,7 +240,8 @@ def verify_step(
         `verify_decode_kda_mgpu`; Mamba-2: `mamba2_verify_decode_mgpu`) launch (the
         readouts, the T x T solve or masked sum, the outputs, the records and the folds)
         after the window's T x T scalars in XLA, plus XLA's scatter of the folding rows' key
-        and gate records (Mamba-2: B and dt).
+        and gate records (Mamba-2: B and dt); or "auto" (`backends.auto.verify_backend`:
+        "mosaic_gpu" on a Hopper GPU, "xla" elsewhere).
       lengths: optional `[B]` int in [0, T]: positions >= lengths[b] are padding (output 0,
         no record written, no effect on the capacity rule). Default: T for every row.
       parents: optional `[B, T]` int tree: `parents[b, i]` in [-1, i), -1 for a child of
@@ -276,6 +277,8 @@ def verify_step(
     check_gate_params(cfg, gate_params)
     if backend not in VERIFY_BACKENDS:
         raise ValueError(f"backend must be one of {VERIFY_BACKENDS} for verify_step, got {backend!r}")
+    if backend == "auto":
+        backend = auto.verify_backend(cfg)
     if cfg.cache_len < 2:
         raise ValueError("verify_step needs cache_len >= 2: at cache_len = 1 an accepted token stays in the "
                          "cache, which the pallas_triton decode step (the plain kernel at L = 1) never reads")

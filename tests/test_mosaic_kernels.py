@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels import common
-from pallas_kernels.mosaic_gpu.replay_decode import MosaicReplayParams, check_shapes, replay_decode_mgpu, tf32_split
+from pallas_kernels.mosaic_gpu.rebuild import tf32_split
+from pallas_kernels.mosaic_gpu.replay_decode import MosaicReplayParams, check_shapes, replay_decode_mgpu
 from pallas_kernels.mosaic_gpu.replay_decode_kda import check_kda_shapes, replay_decode_kda_mgpu
 
 NUM_SLOTS, H_K, H_V, D, L = 6, 1, 2, 64, 8
@@ -409,6 +410,11 @@ def test_backend_default_params_per_gate(monkeypatch):
     assert mosaic_gpu.default_params(bf16(16), 512, jnp.bfloat16, interpret=False).rebuild == "3xtf32"
     assert mosaic_gpu.default_params(bf16(32), 512, jnp.bfloat16, interpret=False).rebuild == "exact"
     assert mosaic_gpu.default_params(gdn, 512, jnp.bfloat16, interpret=True).rebuild == "exact"
+    # Mamba-2 likewise (same tile and operand shapes: P = 64 rows, N = 128 columns).
+    assert mosaic_gpu.default_params(nemotron, 512, jnp.bfloat16, interpret=False).rebuild == "3xtf32"
+    assert mosaic_gpu.default_params(nemotron, 512, jnp.bfloat16, interpret=True).rebuild == "exact"
+    bf16_mamba2 = ReplayConfig.mamba2(128, 64, 128, 8, 32, state_dtype=jnp.bfloat16, cache_dtype=jnp.bfloat16)
+    assert mosaic_gpu.default_params(bf16_mamba2, 512, jnp.bfloat16, interpret=False).rebuild == "exact"
 
     class Device:
         core_count = 66

@@ -173,6 +173,43 @@ def test_lowers_for_an_abstract_h200(heads, groups, use_z, dt_limit, state_dtype
     assert "replayssm_mamba2_decode_mgpu" in text
 
 
+@pytest.mark.parametrize("rebuild,state_dtype,cache_len,programs", [
+    ("3xtf32", jnp.float32, 16, 264), ("3xtf32", jnp.bfloat16, 32, 0), ("tf32", jnp.float32, 8, 264),
+    ("bf16", jnp.float32, 16, 0),
+])
+def test_tensor_core_rebuilds_lower_for_an_abstract_h200(rebuild, state_dtype, cache_len, programs):
+    """The tensor-core flush rebuilds (`rebuild.rebuild_mma`, shared with GDN: its algebra is
+    tested on CPU in `test_mosaic_kernels.py`) lower for the H200 at the Nemotron-H shapes;
+    interpret mode cannot run wgmma, so their numbers come from the GPU check
+    (`benchmarks/mosaic_bench.py`, mamba2-check section)."""
+    S = jax.ShapeDtypeStruct
+    heads, groups, n, b, p, ns = 128, 8, 16, 8, 64, 128
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    args = [S((n, heads, p, ns), state_dtype), S((n, heads, cache_len, p), state_dtype),
+            S((n, groups, cache_len, ns), state_dtype), S((n, heads, cache_len), f32),
+            S((b, heads, p), bf16), S((b, groups, ns), bf16), S((b, groups, ns), bf16), S((b, heads), f32),
+            S((heads,), f32), S((heads,), f32), S((heads,), f32), S((b,), jnp.int32), S((b,), jnp.int32),
+            S((b,), jnp.int32)]
+    params = MosaicMamba2Params(programs=programs, auto_barriers=not programs, rebuild=rebuild)
+    step = lambda *a: mamba2_replay_decode_mgpu(*a, params=params, interpret=False)
+    text = jax.jit(step, donate_argnums=(0, 1, 2, 3)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "wgmma" in text
+
+
+def test_tensor_core_rebuild_refusals():
+    with pytest.raises(ValueError, match="rebuild must be one of"):
+        MosaicMamba2Params(rebuild="fp8")
+    cfg = R.ReplayConfig.mamba2(2, 64, 64, 1, 8)
+    tokens = R.Mamba2Tokens(jnp.zeros((1, 2, 64)), jnp.zeros((1, 1, 64)), jnp.zeros((1, 1, 64)), jnp.zeros((1, 2)))
+    params = R.Mamba2Params(jnp.full((2,), -1.0), jnp.ones((2,)), jnp.zeros((2,)))
+    step = functools.partial(R.decode_step, R.init_state(cfg, 2), tokens, jnp.zeros((1,), jnp.int32),
+                             backend="mosaic_gpu", gate_params=params)
+    with pytest.raises(ValueError, match="interpret mode does not run"):
+        step(kernel_params=MosaicMamba2Params(rebuild="3xtf32"))
+    with pytest.raises(ValueError, match="needs cache_len a multiple of 16"):
+        step(kernel_params=MosaicMamba2Params(rebuild="bf16"))
+
+
 @pytest.mark.parametrize("dims,match", [
     ((96, 128, 16, 4, 4), "head dim P a multiple of 64"), ((64, 96, 16, 4, 4), "state size N a multiple of 64"),
     ((64, 128, 12, 4, 4), "cache_len a multiple of 8"), ((64, 128, 4, 4, 4), "cache_len a multiple of 8"),

@@ -40,9 +40,11 @@ so a stale record (NaN included) cannot reach an output.
 Append rows store x at `pos` (each tile its rows; dt from tile 0; B from tile 0 of the
 first head of each group). Flush rows rebuild `S_{t-1}` from the `S_c` tile already in
 registers, in exact fp32 on CUDA cores (one fused multiply-add per element and entry,
-newest entry first with a running decay), and store `S_t = exp(A dt) S_{t-1} + dt x B^T`
-in place through shared memory and TMA; the checkpoint is read from memory once per step,
-flush or not. Padding rows write y = 0 and nothing else.
+newest entry first with a running decay), or with `MosaicMamba2Params.rebuild` on tensor
+cores as `e^{A Gamma} S_c + (X^T diag(w)) B` (`rebuild.rebuild_mma`, operands in a union with
+the stage's tile buffer), and store `S_t = exp(A dt) S_{t-1} + dt x B^T` in place through
+shared memory and TMA; the checkpoint is read from memory once per step, flush or not.
+Padding rows write y = 0 and nothing else.
 
 The state arrays are mutable refs (`jax.new_ref`): under a donated `jit` the kernel
 updates them in place.
@@ -65,6 +67,8 @@ from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA,
                                                check_smem, copy_record_rows, copy_replay_tile, load_transposed,
                                                record_copies, replay_scratch, row_sum, smem_bytes, softplus)
 from pallas_kernels.mosaic_gpu.pipeline import STAGES, group_shared, programs_that_fit, serve_tiles, tile_grid
+from pallas_kernels.mosaic_gpu.rebuild import (check_rebuild, check_rebuild_mode, rebuild_mma, split_tile_buffer,
+                                               tile_with_operands)
 
 BLOCK_P = BLOCK_ROWS
 
@@ -75,6 +79,10 @@ class MosaicMamba2Params:
 
     Attributes:
       swizzle: shared-memory swizzle of the checkpoint tile in bytes (32, 64 or 128).
+      rebuild: how flush rows rebuild `S_{t-1} = e^{A Gamma} S_c + X^T diag(w) B`: "exact"
+        (default) in fp32 on CUDA cores; "3xtf32", "tf32" or "bf16" on tensor cores, as
+        `MosaicReplayParams.rebuild` (`rebuild.py`); the backend's `default_params` takes
+        "3xtf32" on a GPU where it costs no CTAs per SM.
       programs: 0 (default) launches one CTA per tile (grid `(B, H P / 64)`); n > 0
         launches n persistent CTAs (at most one per tile), each walking chunks of tiles
         dealt round robin, the next tile's copies in flight (`pipeline.persistent_tiles`).
@@ -89,10 +97,12 @@ class MosaicMamba2Params:
     programs: int = 0
     auto_barriers: bool = True
     chunk: int = 0
+    rebuild: str = "exact"
 
     def __post_init__(self) -> None:
         if self.swizzle not in (32, 64, 128):
             raise ValueError(f"swizzle must be 32, 64 or 128 bytes, got {self.swizzle!r}")
+        check_rebuild_mode(self.rebuild)
         if not isinstance(self.programs, int) or self.programs < 0:
             raise ValueError(f"programs must be an int >= 0, got {self.programs!r}")
         if not isinstance(self.chunk, int) or self.chunk < 0:
@@ -100,16 +110,20 @@ class MosaicMamba2Params:
 
 
 def _scratch(state_size, cache_len, state_dtype, cache_dtype, bc_dtype, xz_dtype, y_dtype, swizzle, stages=1,
-             has_z=True) -> list:
+             has_z=True, rebuild="exact") -> list:
     """`[stages, shared, record copies, barriers, rows barrier]`: `stages` sets of a
-    `[64, N]` state tile's replay buffers and its token's (`bc_smem [3, N]`, `xz_smem
-    [2, BP]`), the head group's shared values (`store_group_side`, `[2, L]` fp32), the
-    rebuild's untiled record copies, a barrier per stage (the tile's four copies and the
-    token's, `copy_token`) and one for the record copies."""
-    per_stage = [replay_scratch(BLOCK_P, state_size, cache_len, state_dtype, cache_dtype, (BLOCK_P,), y_dtype,
-                                swizzle) + [plgpu.SMEM((3, state_size), bc_dtype), plgpu.SMEM((2, BLOCK_P), xz_dtype)]
-                 for _ in range(stages)]
-    return [per_stage, plgpu.SMEM((2, cache_len), F32), record_copies(BLOCK_P, state_size, cache_len, cache_dtype),
+    `[64, N]` state tile's replay buffers (the tile in a union with a tensor-core
+    rebuild's operands, `rebuild.tile_with_operands`) and its token's (`bc_smem [3, N]`,
+    `xz_smem [2, BP]`), the head group's shared values (`store_group_side`, `[2, L]` fp32),
+    the exact rebuild's untiled record copies, a barrier per stage (the tile's four copies
+    and the token's, `copy_token`) and one for the record copies."""
+    def stage():
+        bufs = replay_scratch(BLOCK_P, state_size, cache_len, state_dtype, cache_dtype, (BLOCK_P,), y_dtype, swizzle)
+        bufs[0] = tile_with_operands(bufs[0], BLOCK_P, state_size, cache_len, rebuild)
+        return bufs + [plgpu.SMEM((3, state_size), bc_dtype), plgpu.SMEM((2, BLOCK_P), xz_dtype)]
+
+    copies = record_copies(BLOCK_P, state_size, cache_len, cache_dtype) if rebuild == "exact" else []
+    return [[stage() for _ in range(stages)], plgpu.SMEM((2, cache_len), F32), copies,
             plgpu.Barrier(num_arrivals=4 + token_copies(has_z), num_barriers=stages), plgpu.Barrier(num_arrivals=2)]
 
 
@@ -220,10 +234,11 @@ def _kernel(slot_ref, pos_ref, mode_ref, x_ref, b_ref, c_ref, dt_ref, z_ref, a_r
             ckpt_ref, xcache_ref, bcache_ref, dtcache_ref,
             y_ref,
             stages, shared_smem, record_bufs, barriers, rows_barrier,
-            *, group_size, tiles, dt_softplus, dt_limit, has_z, num_programs, chunk):
+            *, group_size, tiles, dt_softplus, dt_limit, has_z, num_programs, chunk, rebuild):
     def issue(b, h, tile, stage):
         """Start the tile's copies into `stages[stage]` (none for padding rows)."""
-        t_smem, x_smem, b_smem, dt_smem, _, bc_smem, xz_smem = stages[stage]
+        tile_buf, x_smem, b_smem, dt_smem, _, bc_smem, xz_smem = stages[stage]
+        t_smem, _ = split_tile_buffer(tile_buf, rebuild)
         barrier, slot, rows = barriers.at[stage], slot_ref[b], pl.ds(tile * BLOCK_P, BLOCK_P)
 
         @pl.when(mode_ref[b] != MODE_PAD)
@@ -237,7 +252,8 @@ def _kernel(slot_ref, pos_ref, mode_ref, x_ref, b_ref, c_ref, dt_ref, z_ref, a_r
         _tile(b, h, tile, stages[stage], barriers.at[stage], fresh)
 
     def _tile(b, h, tile, bufs, barrier, fresh):
-        t_smem, x_smem, b_smem, dt_smem, o_smem, bc_smem, xz_smem = bufs
+        tile_buf, x_smem, b_smem, dt_smem, o_smem, bc_smem, xz_smem = bufs
+        t_smem, operands = split_tile_buffer(tile_buf, rebuild)
         grp = h // group_size
         rows = pl.ds(tile * BLOCK_P, BLOCK_P)
         mode = mode_ref[b]
@@ -282,12 +298,17 @@ def _kernel(slot_ref, pos_ref, mode_ref, x_ref, b_ref, c_ref, dt_ref, z_ref, a_r
 
             @pl.when(mode == MODE_FLUSH)
             def _flush():
-                # The rebuild reads single records at a dynamic index, which the swizzled
-                # buffers cannot serve: flush rows fetch an untiled copy (L2-resident).
-                x_rows, b_rows = record_bufs
-                copy_record_rows((xcache_ref, bcache_ref), record_bufs, slot, h, grp, rows, rows_barrier)
-                plgpu.barrier_wait(rows_barrier)
-                prev = rebuild_exact(s_c, decay_total, x_rows, b_rows, dt_smem, a, pos)
+                if rebuild == "exact":
+                    # The rebuild reads single records at a dynamic index, which the swizzled
+                    # buffers cannot serve: flush rows fetch an untiled copy (L2-resident).
+                    x_rows, b_rows = record_bufs
+                    copy_record_rows((xcache_ref, bcache_ref), record_bufs, slot, h, grp, rows, rows_barrier)
+                    plgpu.barrier_wait(rows_barrier)
+                    prev = rebuild_exact(s_c, decay_total, x_rows, b_rows, dt_smem, a, pos)
+                else:
+                    b_t = load_transposed(b_smem)  # [N, L]
+                    plgpu.commit_smem()  # every thread has S_c from the buffer its operands reuse
+                    prev = rebuild_mma(s_c * decay_total, x_t * bcast_cols(weights, x_t.shape), b_t, pos, operands)
                 new = alpha * prev + bcast_rows(dt * x_row, prev.shape) * bcast_cols(b_col, prev.shape)
                 plgpu.commit_smem()  # every thread's loads of the tile done before it is rewritten
                 t_smem[...] = new.astype(t_smem.dtype)
@@ -316,24 +337,24 @@ def _kernel(slot_ref, pos_ref, mode_ref, x_ref, b_ref, c_ref, dt_ref, z_ref, a_r
 
 
 def persistent_programs(batch: int, heads: int, head_dim: int, state_size: int, cache_len: int, state_dtype,
-                        cache_dtype, token_dtype, sm_count: int, *, swizzle: int = 128) -> int:
+                        cache_dtype, token_dtype, sm_count: int, *, swizzle: int = 128, rebuild: str = "exact") -> int:
     """`MosaicMamba2Params.programs` for a device of `sm_count` SMs: as many persistent CTAs
     per SM as the two-stage buffers fit in shared memory (`token_dtype`: x, B, C, z and y's)."""
     scratch = _scratch(state_size, cache_len, state_dtype, cache_dtype, token_dtype, token_dtype, token_dtype,
-                       swizzle, STAGES)
+                       swizzle, STAGES, rebuild=rebuild)
     return programs_that_fit(smem_bytes(scratch), sm_count, batch * heads * (head_dim // BLOCK_P))
 
 
 @functools.lru_cache(maxsize=None)
 def _build(batch, heads, head_dim, state_size, cache_len, state_dtype, cache_dtype, bc_dtype, xz_dtype, y_dtype,
-           group_size, dt_softplus, dt_limit, has_z, swizzle, programs, auto_barriers, chunk, interpret):
+           group_size, dt_softplus, dt_limit, has_z, swizzle, programs, auto_barriers, chunk, rebuild, interpret):
     tiles = head_dim // BLOCK_P
     num_programs = min(programs, batch * heads * tiles)
     scratch = _scratch(state_size, cache_len, state_dtype, cache_dtype, bc_dtype, xz_dtype, y_dtype, swizzle,
-                       STAGES if programs else 1, has_z)
+                       STAGES if programs else 1, has_z, rebuild)
     check_smem(scratch, f"the Mamba-2 kernel at cache_len = {cache_len}, N = {state_size}")
     body = functools.partial(_kernel, group_size=group_size, tiles=tiles, dt_softplus=dt_softplus,
-                             dt_limit=dt_limit, has_z=has_z, num_programs=num_programs, chunk=chunk)
+                             dt_limit=dt_limit, has_z=has_z, num_programs=num_programs, chunk=chunk, rebuild=rebuild)
     return plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((batch, heads, head_dim), y_dtype),
@@ -371,12 +392,13 @@ def mamba2_replay_decode_mgpu(
 
     Args and returns as `pallas_kernels.mamba2_decode.mamba2_replay_decode`: y `[B, H, P]`
     in x's dtype (0 on padding rows), the state arrays updated in place when the caller
-    donates them. `params`: the checkpoint tile's swizzle, persistent CTAs. `interpret`: run in Mosaic GPU
-    interpret mode (default: off GPU).
+    donates them. `params`: the checkpoint tile's swizzle, flush rebuild, persistent CTAs.
+    `interpret`: run in Mosaic GPU interpret mode (default: off GPU).
 
     Raises:
       ValueError: on shapes the kernel cannot take (`check_shapes`), a dt_cache that is not
-        float32, caches of two dtypes or a group count that does not divide H.
+        float32, caches of two dtypes, a group count that does not divide H, or a
+        tensor-core rebuild in interpret mode or with a ring it cannot take (`rebuild.check_rebuild`).
     """
     batch, heads, head_dim = x.shape
     num_groups, state_size = B.shape[1], B.shape[2]
@@ -391,6 +413,7 @@ def mamba2_replay_decode_mgpu(
                  x.dtype.itemsize, params.swizzle)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
+    check_rebuild(params.rebuild, cache_len, interpret)
     # The token's shared buffers hold B and C in one dtype, x and z in another: promoted
     # (lossless) where the caller's differ.
     bc_dtype = jnp.result_type(B.dtype, C.dtype)
@@ -398,7 +421,7 @@ def mamba2_replay_decode_mgpu(
     kernel = _build(
         batch, heads, head_dim, state_size, cache_len, state.dtype, x_cache.dtype, bc_dtype, xz_dtype, x.dtype,
         heads // num_groups, bool(dt_softplus), tuple(float(v) for v in dt_limit), z is not None, params.swizzle,
-        params.programs, params.auto_barriers, params.chunk, bool(interpret),
+        params.programs, params.auto_barriers, params.chunk, params.rebuild, bool(interpret),
     )
     z = jnp.zeros((1,), xz_dtype) if z is None else z.astype(xz_dtype)
     refs = [jax.new_ref(a) for a in (state, x_cache, b_cache, dt_cache)]

@@ -62,15 +62,13 @@ from jaxtyping import Array, Float, Int
 from pallas_kernels.common import L2NORM_EPS, MODE_APPEND, MODE_FLUSH, MODE_PAD
 from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA, bcast_cols, bcast_rows, col_sum,
                                                check_smem, copy_record_rows, copy_replay_tile, load_transposed,
-                                               record_copies, replay_scratch, row_sum, smem_bytes, softplus, tiled)
+                                               record_copies, replay_scratch, row_sum, smem_bytes, softplus)
 from pallas_kernels.mosaic_gpu.pipeline import STAGES, group_shared, programs_that_fit, serve_tiles, tile_grid
+from pallas_kernels.mosaic_gpu.rebuild import (check_rebuild, check_rebuild_mode, rebuild_mma, split_tile_buffer,
+                                               tile_with_operands)
 
 BLOCK_V = BLOCK_ROWS
 
-
-# The tensor-core rebuild's operand type per mode (fp32 operands are tf32 in `wgmma`);
-# "3xtf32" splits each fp32 operand into two tf32 parts (`tf32_split`).
-REBUILD_DTYPES = {"exact": None, "tf32": jnp.float32, "bf16": jnp.bfloat16, "3xtf32": jnp.float32}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +82,7 @@ class MosaicReplayParams:
         and entry in the Triton "ieee" order; "tf32" or "bf16" (opt-in) as one `wgmma` on
         tensor cores with the operands `U^T diag(W)` and `K` rounded to that type (fp32
         accumulation from `e^G S_c`), which leaves out the untiled record copies; "3xtf32"
-        as three tf32 `wgmma`s over each operand's high and low tf32 parts (`tf32_split`:
+        as three tf32 `wgmma`s over each operand's high and low tf32 parts (`rebuild.tf32_split`:
         hi hi + hi lo + lo hi, about 2^-21 relative per product; measured within 1.3e-7
         normwise of the IEEE rebuild, and the backend's `default_params` choice on a GPU). The
         operands live in the stage's checkpoint-tile buffer (a `plgpu.RefUnion`), free
@@ -109,19 +107,9 @@ class MosaicReplayParams:
     def __post_init__(self) -> None:
         if self.swizzle not in (32, 64, 128):
             raise ValueError(f"swizzle must be 32, 64 or 128 bytes, got {self.swizzle!r}")
-        if self.rebuild not in REBUILD_DTYPES:
-            raise ValueError(f"rebuild must be one of {tuple(REBUILD_DTYPES)}, got {self.rebuild!r}")
+        check_rebuild_mode(self.rebuild)
         if not isinstance(self.programs, int) or self.programs < 0:
             raise ValueError(f"programs must be an int >= 0, got {self.programs!r}")
-
-
-def check_rebuild(rebuild: str, cache_len: int) -> None:
-    """Raise ValueError unless the tensor-core rebuild can take a ring of `cache_len`:
-    `wgmma` reduces over whole 32-byte rows of the operands (8 fp32 or 16 bf16 entries)."""
-    dtype = REBUILD_DTYPES[rebuild]
-    if dtype is not None and (cache_len * jnp.dtype(dtype).itemsize) % 32:
-        raise ValueError(f"rebuild={rebuild!r} needs cache_len a multiple of {32 // jnp.dtype(dtype).itemsize}, "
-                         f"got {cache_len}")
 
 
 def check_shapes(head_k_dim: int, head_v_dim: int, cache_len: int, state_itemsize: int,
@@ -167,50 +155,6 @@ def rebuild_exact(s_c, decay_total, u_smem, k_smem, g_smem, pos):
 
     state, _ = lax.fori_loop(0, pos, body, (s_c * decay_total, jnp.float32(1.0)))
     return state
-
-
-def tf32_split(x):
-    """`(hi, lo)` with `hi + lo == x` exactly and hi exact in tf32: hi is x rounded to 11
-    significant bits by integer arithmetic on its bits (an arithmetic split such as
-    Veltkamp's `s - (s - x)` can be folded to `x` by the compiler, which makes lo 0 and the
-    result plain tf32); lo, at most 2^-11 of x, keeps 12 bits, which a tf32 `wgmma`
-    truncates to 11, so `hi b + lo b` is off by about 2^-22 of `x b`."""
-    bits = lax.bitcast_convert_type(x, jnp.int32)
-    hi = lax.bitcast_convert_type((bits + jnp.int32(1 << 12)) & jnp.int32(-(1 << 13)), jnp.float32)
-    return hi, x - hi
-
-
-def rebuild_mma(s_c, decay_total, u_t, weights, keys_t, pos, operands):
-    """`e^G S_c + (U^T diag(W)) K` on tensor cores, accumulating in fp32 from `e^G S_c`:
-    `U^T diag(W)` `[BV, L]` (stale entries already 0 in `u_t` and `W`) and `K^T` `[d_k, L]`
-    with stale entries replaced by 0 (a NaN there would reach every output through the
-    product), both K-major (L contiguous) in `operands`: `(a, b)` rounded to their dtype
-    for one `wgmma`, or `(a_hi, a_lo, b_hi, b_lo)` for three (`tf32_split`; the small
-    products first). The caller has synchronised the warpgroup if `operands` alias a
-    buffer it was reading."""
-    a = u_t * bcast_cols(weights, u_t.shape)
-    j = plgpu.broadcasted_iota(jnp.int32, keys_t.shape, 1, layout=WGMMA)
-    b = jnp.where(j < pos, keys_t, 0.0)
-    if len(operands) == 2:
-        a_smem, b_smem = operands
-        a_smem[...] = a.astype(a_smem.dtype)
-        b_smem[...] = b.astype(b_smem.dtype)
-        products = [(a_smem, b_smem)]
-    else:
-        a_hi, a_lo, b_hi, b_lo = operands
-        for (hi_smem, lo_smem), x in (((a_hi, a_lo), a), ((b_hi, b_lo), b)):
-            hi, lo = tf32_split(x)
-            hi_smem[...] = hi
-            lo_smem[...] = lo
-        products = [(a_lo, b_hi), (a_hi, b_lo), (a_hi, b_hi)]
-    plgpu.commit_smem()
-
-    def mma(acc_ref):
-        for a_smem, b_smem in products:
-            plgpu.wgmma(acc_ref, a_smem, b_smem.T)
-        return acc_ref[...]
-
-    return pl.run_state(mma)(plgpu.ACC.init(s_c * decay_total))
 
 
 def qk_scales(q_col, k_col, *, use_qk_l2norm, scale):
@@ -313,16 +257,6 @@ def copy_token(token_refs, bufs, b, h, hk, rows, barrier) -> None:
     plgpu.copy_gmem_to_smem(v_ref.at[b, h, rows], v_smem, barrier)
 
 
-def split_tile_buffer(tile_buf, rebuild: str):
-    """`(checkpoint tile ref, rebuild operand refs)` of a stage's tile buffer: a tensor-core
-    rebuild's buffer is a `plgpu.RefUnion` of the tile and its operands (one entry per
-    group when iterated); the exact rebuild's is the tile alone."""
-    if rebuild == "exact":
-        return tile_buf, ()
-    t_smem, operands = tuple(tile_buf)
-    return t_smem, operands
-
-
 def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref,
             ckpt_ref, ucache_ref, kcache_ref, gcache_ref,
             y_ref,
@@ -403,7 +337,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a
                 else:
                     keys_t = load_transposed(k_smem)  # [Dk, L]
                     plgpu.commit_smem()  # every thread has S_c from the buffer its operands reuse
-                    prev = rebuild_mma(s_c, decay_total, u_t, weights, keys_t, pos, operands)
+                    prev = rebuild_mma(s_c * decay_total, u_t * bcast_cols(weights, u_t.shape), keys_t, pos, operands)
                 new = alpha * prev + bcast_rows(u, prev.shape) * bcast_cols(k_col, prev.shape)
                 store_tile(t_smem, ckpt_ref, new, slot, h, rows)
 
@@ -429,13 +363,7 @@ def _scratch(head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, v_dtype,
     def stage():
         bufs = (replay_scratch(BLOCK_V, head_k_dim, cache_len, state_dtype, cache_dtype, (BLOCK_V,), v_dtype, swizzle)
                 + [plgpu.SMEM((4, head_k_dim), qk_dtype), plgpu.SMEM((BLOCK_V,), v_dtype)])
-        operand = REBUILD_DTYPES[rebuild]
-        if operand is not None:
-            operand_swizzle = min(128, cache_len * jnp.dtype(operand).itemsize)
-            parts = 2 if rebuild == "3xtf32" else 1
-            operands = [plgpu.SMEM((rows, cache_len), operand, transforms=tiled(operand_swizzle, operand))
-                        for rows in (BLOCK_V, head_k_dim) for _ in range(parts)]
-            bufs[0] = plgpu.RefUnion(bufs[0], operands)
+        bufs[0] = tile_with_operands(bufs[0], BLOCK_V, head_k_dim, cache_len, rebuild)
         return bufs
 
     per_stage = [stage() for _ in range(stages)]
@@ -510,12 +438,9 @@ def replay_decode_mgpu(
         raise ValueError(f"replay_decode_mgpu takes a per-head (GDN) decay, g_cache [N, H_v, L]; got shape "
                          f"{g_cache.shape} (per-channel decay: replay_decode_kda.replay_decode_kda_mgpu)")
     check_shapes(head_k_dim, head_v_dim, cache_len, checkpoint.dtype.itemsize, params.swizzle)
-    check_rebuild(params.rebuild, cache_len)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    if interpret and params.rebuild != "exact":
-        raise ValueError(f"rebuild={params.rebuild!r} runs on tensor cores (wgmma), which Mosaic GPU interpret "
-                         "mode does not run: use rebuild='exact' off GPU")
+    check_rebuild(params.rebuild, cache_len, interpret)
     a_log, dt_bias = gate_params if gate_params is not None else (jnp.zeros((1,), F32),) * 2
     kernel = _build(
         batch, num_v_heads, head_v_dim, head_k_dim, cache_len, checkpoint.dtype, u_cache.dtype, q.dtype, v.dtype,

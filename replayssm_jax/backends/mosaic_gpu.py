@@ -43,7 +43,7 @@ def fitting_programs(cfg, batch: int, token_dtype, *, rebuild: str = "exact", sm
     shape = (batch, cfg.num_v_heads, cfg.head_v_dim, cfg.head_k_dim, cfg.cache_len, cfg.state_dtype,
              cfg.cache_dtype, token_dtype, sms)
     if cfg.gate == "mamba2":
-        return mamba2_decode.persistent_programs(*shape)
+        return mamba2_decode.persistent_programs(*shape, rebuild=rebuild)
     return persistent_programs(*shape, rebuild=rebuild)
 
 
@@ -52,20 +52,19 @@ def default_params(cfg, batch: int, token_dtype, *, interpret: bool | None = Non
     """The kernel parameters a step uses when the caller gives none. GDN and Mamba-2: as
     many persistent CTAs as fit on the device's SMs and the kernel's own barriers only
     (measured fastest on the H200 at B = 128 and 512, `benchmarks/NOTES.md`); KDA: one CTA
-    per tile (its kernel has no persistent form). GDN's flush rebuild on a GPU (`interpret`
+    per tile (its kernel has no persistent form). The flush rebuild on a GPU (`interpret`
     false; default: off GPU) is "3xtf32" wherever its operands leave as many CTAs per SM
-    as the exact rebuild's (it measured within 1.3e-7 normwise of IEEE fp32 and faster; the
-    tensor cores do not run in interpret mode), else "exact"."""
+    as the exact rebuild's (GDN's measured within 1.3e-7 normwise of IEEE fp32 and faster;
+    the tensor cores do not run in interpret mode), else "exact"."""
     if cfg.per_channel_gate:
         return MosaicReplayParams()
-    if cfg.gate == "mamba2":
-        return MosaicMamba2Params(programs=fitting_programs(cfg, batch, token_dtype), auto_barriers=False)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
+    params = MosaicMamba2Params if cfg.gate == "mamba2" else MosaicReplayParams
     programs = fitting_programs(cfg, batch, token_dtype)
     if not interpret and fitting_programs(cfg, batch, token_dtype, rebuild="3xtf32") == programs:
-        return MosaicReplayParams(programs=programs, auto_barriers=False, rebuild="3xtf32")
-    return MosaicReplayParams(programs=programs, auto_barriers=False)
+        return params(programs=programs, auto_barriers=False, rebuild="3xtf32")
+    return params(programs=programs, auto_barriers=False)
 
 
 def verify_default_params(cfg, batch: int, width: int, token_dtype) -> MosaicReplayParams | MosaicMamba2Params:
@@ -157,6 +156,7 @@ def mamba2_layer_step(
         tokens.x, tokens.B, tokens.C, tokens.dt, params.A, params.D, params.dt_bias,
         plan.slot, plan.pos, common.row_modes(plan.valid, plan.flush),
         z=tokens.z, dt_softplus=params.dt_softplus, dt_limit=params.dt_limit,
-        params=kernel_params or default_params(cfg, tokens.x.shape[0], tokens.x.dtype), interpret=interpret,
+        params=kernel_params or default_params(cfg, tokens.x.shape[0], tokens.x.dtype, interpret=interpret),
+        interpret=interpret,
     )
     return y, dataclasses.replace(state, checkpoint=checkpoint, u_cache=x_cache, k_cache=b_cache, g_cache=dt_cache)

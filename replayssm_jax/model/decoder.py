@@ -390,7 +390,7 @@ def decode_step(
       tokens: `[B]` input token of each row (ignored on padding rows).
       slots: `[B]` slot of each row; negative = padding row (writes nothing).
       force_flush: optional `[B]` bool, e.g. `slots.track_flush(seq_lens, interval)`.
-      backend: the layer steps' backend ("xla", "pallas_triton" or "mosaic_gpu"; any layer
+      backend: the layer steps' backend ("xla", "pallas_triton", "mosaic_gpu" or "auto"; any layer
         shape the backend cannot take raises ValueError).
       policy: the step's `FlushPolicy`; default `model_flush_policy(state, B)` (a GDN
         stack: `default_flush_policy(config, B)`).

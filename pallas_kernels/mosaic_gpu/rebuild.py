@@ -1,0 +1,115 @@
+"""Tensor-core flush rebuilds shared by the Mosaic decode kernels (GDN, Mamba-2).
+
+A flush row rebuilds the live state `S_{t-1} = D S_c + A B^T` from the checkpoint tile
+`S_c [M, W]` already in registers (D a scalar decay), where `A [M, L]` is the tile's value
+records weighted per entry (GDN `U^T diag(W)`, Mamba-2 `X^T diag(w)`) and `B^T [W, L]` the
+key-side records (GDN `K^T`, Mamba-2 `B^T`). `rebuild_mma` forms `A B^T` as `wgmma`s over
+K-major shared-memory operands, accumulating in fp32 from `D S_c`:
+
+- "tf32" / "bf16": one `wgmma` with both operands rounded to that type;
+- "3xtf32": three tf32 `wgmma`s over each operand's high and low tf32 parts
+  (`tf32_split`: `lo hi + hi lo + hi hi`, about 2^-21 relative per product).
+
+The operands live in a `plgpu.RefUnion` with the stage's checkpoint-tile buffer
+(`tile_with_operands`), which is free once `S_c` is in registers; "exact" (CUDA-core FMAs)
+is each kernel's own.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.mosaic_gpu.layouts import WGMMA, tiled
+
+# The tensor-core rebuild's operand type per mode (fp32 operands are tf32 in `wgmma`);
+# "3xtf32" splits each fp32 operand into two tf32 parts (`tf32_split`).
+REBUILD_DTYPES = {"exact": None, "tf32": jnp.float32, "bf16": jnp.bfloat16, "3xtf32": jnp.float32}
+
+
+def check_rebuild_mode(rebuild: str) -> None:
+    """Raise ValueError unless `rebuild` names a mode of `REBUILD_DTYPES`."""
+    if rebuild not in REBUILD_DTYPES:
+        raise ValueError(f"rebuild must be one of {tuple(REBUILD_DTYPES)}, got {rebuild!r}")
+
+
+def check_rebuild(rebuild: str, cache_len: int, interpret: bool = False) -> None:
+    """Raise ValueError unless the tensor-core rebuild can take a ring of `cache_len`
+    (`wgmma` reduces over whole 32-byte rows of the operands: 8 fp32 or 16 bf16 entries)
+    and can run (interpret mode does not run `wgmma`)."""
+    dtype = REBUILD_DTYPES[rebuild]
+    if dtype is None:
+        return
+    if (cache_len * jnp.dtype(dtype).itemsize) % 32:
+        raise ValueError(f"rebuild={rebuild!r} needs cache_len a multiple of {32 // jnp.dtype(dtype).itemsize}, "
+                         f"got {cache_len}")
+    if interpret:
+        raise ValueError(f"rebuild={rebuild!r} runs on tensor cores (wgmma), which Mosaic GPU interpret "
+                         "mode does not run: use rebuild='exact' off GPU")
+
+
+def tile_with_operands(tile, rows: int, width: int, cache_len: int, rebuild: str):
+    """A stage's checkpoint-tile buffer `tile` (`plgpu.SMEM`), as a `plgpu.RefUnion` with
+    the rebuild's K-major operands `A [rows, L]` and `B^T [width, L]` (hi and lo parts for
+    "3xtf32") for a tensor-core rebuild, or alone for "exact"."""
+    operand = REBUILD_DTYPES[rebuild]
+    if operand is None:
+        return tile
+    swizzle = min(128, cache_len * jnp.dtype(operand).itemsize)
+    parts = 2 if rebuild == "3xtf32" else 1
+    operands = [plgpu.SMEM((n, cache_len), operand, transforms=tiled(swizzle, operand))
+                for n in (rows, width) for _ in range(parts)]
+    return plgpu.RefUnion(tile, operands)
+
+
+def split_tile_buffer(tile_buf, rebuild: str):
+    """`(checkpoint tile ref, operand refs)` of a buffer made by `tile_with_operands`."""
+    if rebuild == "exact":
+        return tile_buf, ()
+    t_smem, operands = tuple(tile_buf)
+    return t_smem, operands
+
+
+def tf32_split(x):
+    """`(hi, lo)` with `hi + lo == x` exactly and hi exact in tf32: hi is x rounded to 11
+    significant bits by integer arithmetic on its bits (an arithmetic split such as
+    Veltkamp's `s - (s - x)` can be folded to `x` by the compiler, which makes lo 0 and the
+    result plain tf32); lo, at most 2^-11 of x, keeps 12 bits, which a tf32 `wgmma`
+    truncates to 11, so `hi b + lo b` is off by about 2^-22 of `x b`."""
+    bits = lax.bitcast_convert_type(x, jnp.int32)
+    hi = lax.bitcast_convert_type((bits + jnp.int32(1 << 12)) & jnp.int32(-(1 << 13)), jnp.float32)
+    return hi, x - hi
+
+
+def rebuild_mma(start, a, keys_t, pos, operands):
+    """`start + A B^T` on tensor cores, accumulating in fp32 from `start` `[M, W]` (the
+    decayed checkpoint tile): `A` `[M, L]` (stale entries already 0) and `B^T` `[W, L]`
+    with stale entries replaced by 0 here (a NaN there would reach every output through
+    the product), both written K-major (L contiguous) into `operands`: `(a, b)` rounded to
+    their dtype for one `wgmma`, or `(a_hi, a_lo, b_hi, b_lo)` for three (`tf32_split`;
+    the small products first). The caller has synchronised the warpgroup if `operands`
+    alias a buffer it was reading."""
+    j = plgpu.broadcasted_iota(jnp.int32, keys_t.shape, 1, layout=WGMMA)
+    b = jnp.where(j < pos, keys_t, 0.0)
+    if len(operands) == 2:
+        a_smem, b_smem = operands
+        a_smem[...] = a.astype(a_smem.dtype)
+        b_smem[...] = b.astype(b_smem.dtype)
+        products = [(a_smem, b_smem)]
+    else:
+        a_hi, a_lo, b_hi, b_lo = operands
+        for (hi_smem, lo_smem), x in (((a_hi, a_lo), a), ((b_hi, b_lo), b)):
+            hi, lo = tf32_split(x)
+            hi_smem[...] = hi
+            lo_smem[...] = lo
+        products = [(a_lo, b_hi), (a_hi, b_lo), (a_hi, b_hi)]
+    plgpu.commit_smem()
+
+    def mma(acc_ref):
+        for a_smem, b_smem in products:
+            plgpu.wgmma(acc_ref, a_smem, b_smem.T)
+        return acc_ref[...]
+
+    return pl.run_state(mma)(plgpu.ACC.init(start))
