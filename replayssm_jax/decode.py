@@ -95,7 +95,7 @@ def decode_step(
         one measured fastest for the layer and batch on this device; xla off GPU).
       policy: a `FlushPolicy` (or its value): NATURAL flushes a row when its slot holds
         L - 1 cached entries or when forced; EVERY_STEP flushes every live row. Default:
-        `default_flush_policy(state.config, B)`, the same for every backend.
+        `default_flush_policy(state.config, B, backend)`.
       use_qk_l2norm: L2-normalise q and k (`x / sqrt(sum x^2 + 1e-6)`).
       scale: multiplies q after the norm; default `d_k ** -0.5`.
       gate_params: optional `(A_log [H_v], dt_bias [H_v] or [H_v, d_k])`: `tokens.g` and
@@ -122,7 +122,9 @@ def decode_step(
     check_flags("force_flush", force_flush, batch)
     check_gate_params(state.config, gate_params)
     check_backend(backend)
-    policy = default_flush_policy(state.config, batch) if policy is None else as_policy(policy)
+    if backend == "auto":
+        backend = auto.decode_backend(state.config, batch)
+    policy = default_flush_policy(state.config, batch, backend) if policy is None else as_policy(policy)
     plan = plan_step(state.write_pos, slots, force_flush, state.config.cache_len, policy)
     y, new_state = layer_step(
         state, tokens, plan, backend=backend, use_qk_l2norm=use_qk_l2norm, scale=scale,

@@ -15,9 +15,11 @@ Flush policies:
               cache traffic; the cursor returns to 0 every step.
 
 `default_flush_policy` picks EVERY_STEP where it measured faster on the H200 than the
-replay cycle (small batches; KDA with a 4-byte state; Mamba-2 up to B = 16 with a 4-byte
-state and at every batch with a 2-byte one: benchmarks/NOTES.md). It depends on
-the layer's config and the batch only, never on the backend, so a plan is the same for all.
+replay cycle on the Pallas-Triton kernels, whose fold is the plain kernel's step (small
+batches; KDA with a 4-byte state; Mamba-2 up to B = 16 with a 4-byte state and at every
+batch with a 2-byte one: benchmarks/NOTES.md), and NATURAL on the Mosaic GPU kernels,
+whose fold is their flush step (slower than their replay cycle at every batch measured).
+Given the same plan, every backend ends in the same state.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ import enum
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int
+
+from replayssm_jax.backends import auto
 
 from replayssm_jax.config import ReplayConfig
 
@@ -54,8 +58,16 @@ _FOLD_MAX_BATCH = {4: 5, 2: 8}
 _MAMBA2_FOLD_MAX_BATCH = {4: 16, 2: None}  # None: every batch
 
 
-def default_flush_policy(config: ReplayConfig, batch: int) -> FlushPolicy:
-    """The policy `decode_step` uses when none is given, for `batch` rows of `config`."""
+def default_flush_policy(config: ReplayConfig, batch: int, backend: str | None = None) -> FlushPolicy:
+    """The policy `decode_step` uses when none is given, for `batch` rows of `config` on
+    `backend` ("auto" as the step resolves it; None or any other: the Pallas-Triton
+    measurements). "mosaic_gpu": NATURAL (a fold there is its flush step, which measured
+    slower than its replay cycle: GDN fp32 B = 8 16.8 against 11.3 µs, Mamba-2 B = 8 31.7
+    against 18.4, B = 1 6.6 against 4.4 on the H200)."""
+    if backend == "auto":
+        backend = auto.decode_backend(config, batch)
+    if backend == "mosaic_gpu":
+        return FlushPolicy.NATURAL
     state_bytes = config.state_dtype.itemsize
     if config.gate == "mamba2":
         limit = _MAMBA2_FOLD_MAX_BATCH[state_bytes]

@@ -167,12 +167,12 @@ def _plan_specs(policy: FlushPolicy) -> StepPlan:
     return StepPlan(slot=rows, valid=rows, pos=rows, flush=rows, launch_order=rows, policy=policy)
 
 
-def _sharded_policy(state_config, num_slots: int, mesh: Mesh, batch: int, slots, policy) -> FlushPolicy:
+def _sharded_policy(state_config, num_slots: int, mesh: Mesh, batch: int, slots, policy, backend) -> FlushPolicy:
     """The mesh checks of a sharded step; its policy (default: that of the per-device batch)."""
     _, dp = axis_sizes(mesh)
     check_fits(state_config, num_slots, mesh, batch)
     check_row_slots("slots", slots, num_slots, dp)
-    return default_flush_policy(state_config, batch // dp) if policy is None else as_policy(policy)
+    return default_flush_policy(state_config, batch // dp, backend) if policy is None else as_policy(policy)
 
 
 def decode_step(
@@ -201,7 +201,7 @@ def decode_step(
     check_slots("slots", slots, batch, state.num_slots)
     check_flags("force_flush", force_flush, batch)
     check_backend(backend)
-    policy = _sharded_policy(state.config, state.num_slots, mesh, batch, slots, policy)
+    policy = _sharded_policy(state.config, state.num_slots, mesh, batch, slots, policy, backend)
     tp, _ = axis_sizes(mesh)
     config = state.config
     token_specs = Tokens(q=P(DP, TP), k=P(DP, TP), v=P(DP, TP), g=P(DP, TP), beta=P(DP, TP))
@@ -321,7 +321,7 @@ def model_decode_step(
     check_slots("slots", slots, batch, state.num_slots)
     check_flags("force_flush", force_flush, batch)
     check_backend(backend)
-    policy = _sharded_policy(state.config, state.num_slots, mesh, batch, slots, policy)
+    policy = _sharded_policy(state.config, state.num_slots, mesh, batch, slots, policy, backend)
     force = jnp.zeros((batch,), bool) if force_flush is None else force_flush
 
     def local(params, state, tokens, slots, force):

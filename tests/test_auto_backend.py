@@ -19,10 +19,11 @@ NEMOTRON = ReplayConfig.mamba2(128, 64, 128, 8, 16)
 
 
 @pytest.mark.parametrize("config,batch,platform,want", [
-    (GDN, 512, "cpu", "xla"), (GDN, 512, "hopper", "mosaic_gpu"), (GDN, 128, "hopper", "mosaic_gpu"),
-    (GDN, 127, "hopper", "pallas_triton"), (GDN, 8, "hopper", "pallas_triton"), (GDN, 512, "gpu", "pallas_triton"),
+    (GDN, 512, "cpu", "xla"), (GDN, 512, "hopper", "mosaic_gpu"), (GDN, 32, "hopper", "mosaic_gpu"),
+    (GDN, 31, "hopper", "pallas_triton"), (GDN, 8, "hopper", "pallas_triton"), (GDN, 512, "gpu", "pallas_triton"),
     (KDA, 512, "hopper", "pallas_triton"), (GDN_BF16, 512, "hopper", "pallas_triton"),
-    (NEMOTRON, 512, "hopper", "mosaic_gpu"), (NEMOTRON, 8, "hopper", "pallas_triton"), (NEMOTRON, 8, "cpu", "xla"),
+    (NEMOTRON, 512, "hopper", "mosaic_gpu"), (NEMOTRON, 1, "hopper", "mosaic_gpu"), (NEMOTRON, 8, "cpu", "xla"),
+    (NEMOTRON, 8, "gpu", "pallas_triton"),
 ])
 def test_decode_backend_per_device_layer_and_batch(config, batch, platform, want):
     assert auto.decode_backend(config, batch, platform) == want
@@ -32,16 +33,20 @@ def test_verify_backend_per_device():
     assert [auto.verify_backend(GDN, p) for p in ("hopper", "gpu", "cpu")] == ["mosaic_gpu", "xla", "xla"]
 
 
-@pytest.mark.parametrize("key", sorted(auto.MOSAIC_FROM_BATCH))
-def test_mosaic_rows_start_where_the_default_policy_replays(key):
-    """The Mosaic kernels' fold-every-step path is slower than the Triton fold kernel at
-    small batches, so a row must start where `default_flush_policy` is NATURAL."""
-    gate, itemsize = key
-    dtype = {4: jnp.float32, 2: jnp.bfloat16}[itemsize]
-    config = (ReplayConfig.mamba2(128, 64, 128, 8, 16, state_dtype=dtype, cache_dtype=dtype) if gate == "mamba2"
-              else ReplayConfig(16, 32, 128, 128, 16, gate=gate, state_dtype=dtype, cache_dtype=dtype))
-    start = auto.MOSAIC_FROM_BATCH[key]
-    assert all(default_flush_policy(config, b) == FlushPolicy.NATURAL for b in range(start, start + 512))
+@pytest.mark.parametrize("config", [GDN, KDA, GDN_BF16, NEMOTRON])
+def test_default_policy_follows_the_backend(config, monkeypatch):
+    """The Mosaic kernels' fold is their flush step, slower than their replay cycle: NATURAL
+    at every batch there; "auto" takes the policy of the backend it resolves to."""
+    batches = (1, 4, 8, 16, 31, 32, 128, 512)
+    assert all(default_flush_policy(config, b, "mosaic_gpu") is FlushPolicy.NATURAL for b in batches)
+    monkeypatch.setattr(auto, "_platform", lambda: "hopper")
+    for b in batches:
+        resolved = auto.decode_backend(config, b)
+        assert default_flush_policy(config, b, "auto") is default_flush_policy(config, b, resolved), b
+    # The Triton measurements fold small batches (GDN fp32 to B = 5, Mamba-2 fp32 to B = 16).
+    assert default_flush_policy(NEMOTRON, 8, "auto") is FlushPolicy.NATURAL
+    assert default_flush_policy(NEMOTRON, 8, "pallas_triton") is FlushPolicy.EVERY_STEP
+    assert default_flush_policy(GDN, 4, "auto") is default_flush_policy(GDN, 4) is FlushPolicy.EVERY_STEP
 
 
 def test_auto_steps_are_the_resolved_backends_steps(rng):

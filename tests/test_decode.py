@@ -492,7 +492,7 @@ def test_kda_gate_shape_is_checked(rng):
 def test_bad_backend_and_state_are_rejected(rng):
     state, inputs = _valid_inputs(rng)
     for bad in ("cuda", "pallas"):  # "pallas" is now "pallas_triton"
-        with pytest.raises(ValueError, match=rf"backend must be one of \('xla', 'pallas_triton', 'mosaic_gpu'\), got '{bad}'"):
+        with pytest.raises(ValueError, match=rf"backend must be one of \('xla', 'pallas_triton', 'mosaic_gpu', 'auto'\), got '{bad}'"):
             decode_step(state, **inputs, backend=bad)
     with pytest.raises(ValueError, match=r"policy must be a FlushPolicy or one of"):
         decode_step(state, **inputs, policy="always")

@@ -16,10 +16,14 @@ from __future__ import annotations
 
 import jax
 
-# (gate, state itemsize) -> the smallest batch for "mosaic_gpu". A row needs the default
-# flush policy there to be NATURAL (the Mosaic kernels' flush-every-step path is slower than
-# the Triton fold kernel at small batches).
-MOSAIC_FROM_BATCH: dict[tuple[str, int], int] = {("gdn", 4): 128, ("mamba2", 4): 128}
+# (gate, state itemsize) -> the smallest batch for "mosaic_gpu", each under its backend's
+# default policy (`plan.default_flush_policy`). GDN fp32, L = 16: Mosaic 25.6 / 93.2 / 340
+# µs at B = 32 / 128 / 512 against Triton 31.3 / 107.4 / 385, but 11.3 against 10.0 at
+# B = 8. Mamba-2 fp32 (Nemotron-H-8B, L = 16): Mosaic 4.4 / 18.4 / 166 / 638 µs at B = 1 /
+# 8 / 128 / 512 against plain 4.6 / 20.4 / 282 / 1119 (Triton folds at B <= 16 at
+# 0.98-1.06x plain; its replay cycle 216 / 836 from B = 17). GDN bf16 states and KDA stay on
+# Triton (Mosaic 0.86x plain with a bf16 state at B = 512; KDA 0.97x).
+MOSAIC_FROM_BATCH: dict[tuple[str, int], int] = {("gdn", 4): 32, ("mamba2", 4): 1}
 
 
 def _platform() -> str:

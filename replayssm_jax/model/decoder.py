@@ -340,11 +340,11 @@ def layer_gate_params(params: DecoderParams) -> tuple | None:
     return tuple(ssm_params(b.mixer) if isinstance(b.mixer, Mamba2LayerParams) else None for b in params.blocks)
 
 
-def model_flush_policy(state: ModelState | HybridState, batch: int) -> FlushPolicy:
-    """The default policy of a model step: `default_flush_policy` of its layers. One cursor
-    serves every layer, so a hybrid stack folds every step only where every layer's default
-    does."""
-    policies = {default_flush_policy(config, batch) for config in layer_configs(state)}
+def model_flush_policy(state: ModelState | HybridState, batch: int, backend: str | None = None) -> FlushPolicy:
+    """The default policy of a model step on `backend`: `default_flush_policy` of its
+    layers. One cursor serves every layer, so a hybrid stack folds every step only where
+    every layer's default does."""
+    policies = {default_flush_policy(config, batch, backend) for config in layer_configs(state)}
     return FlushPolicy.EVERY_STEP if policies == {FlushPolicy.EVERY_STEP} else FlushPolicy.NATURAL
 
 
@@ -392,8 +392,8 @@ def decode_step(
       force_flush: optional `[B]` bool, e.g. `slots.track_flush(seq_lens, interval)`.
       backend: the layer steps' backend ("xla", "pallas_triton", "mosaic_gpu" or "auto"; any layer
         shape the backend cannot take raises ValueError).
-      policy: the step's `FlushPolicy`; default `model_flush_policy(state, B)` (a GDN
-        stack: `default_flush_policy(config, B)`).
+      policy: the step's `FlushPolicy`; default `model_flush_policy(state, B, backend)` (a
+        GDN stack: `default_flush_policy(config, B, backend)`).
 
     Returns:
       `(logits [B, V], new_state, plan)`; `plan` says which rows flushed and their cursor
@@ -412,7 +412,7 @@ def decode_step(
 
 def _hybrid_decode(params, state: HybridState, tokens, slots, force_flush, *, backend, policy):
     """`decode_core` for a hybrid stack: the layers one after the other under one plan."""
-    policy = model_flush_policy(state, jnp.shape(tokens)[0]) if policy is None else as_policy(policy)
+    policy = model_flush_policy(state, jnp.shape(tokens)[0], backend) if policy is None else as_policy(policy)
     plan = plan_step(state.write_pos, slots, force_flush, state.cache_len, policy)
     x = _embed(params, tokens)
     for index, block in enumerate(params.blocks):
@@ -443,7 +443,7 @@ def decode_core(
     `replayssm_jax.sharding`) the state's arrays hold this device's heads only and its
     config stays the global one."""
     batch = jnp.shape(tokens)[0]
-    policy = default_flush_policy(state.config, batch) if policy is None else as_policy(policy)
+    policy = default_flush_policy(state.config, batch, backend) if policy is None else as_policy(policy)
     plan = plan_step(state.write_pos, slots, force_flush, state.config.cache_len, policy)
     dims = _dims(params, state.config)
     view, conv_pool = flat_view(state)

@@ -149,7 +149,7 @@ def test_bad_decode_inputs_raise(params):
         decoder.decode_step(params, state, jnp.zeros(2, jnp.int32), jnp.array([0, 2], jnp.int32))
     with pytest.raises(ValueError, match="tokens must be an integer"):
         decoder.decode_step(params, state, jnp.zeros(2), jnp.array([0, 1], jnp.int32))
-    with pytest.raises(ValueError, match=r"backend must be one of \('xla', 'pallas_triton', 'mosaic_gpu'\), got 'pallas'"):
+    with pytest.raises(ValueError, match=r"backend must be one of \('xla', 'pallas_triton', 'mosaic_gpu', 'auto'\), got 'pallas'"):
         decoder.decode_step(params, state, jnp.zeros(2, jnp.int32), jnp.array([0, 1], jnp.int32), backend="pallas")
     with pytest.raises(ValueError, match="policy must be a FlushPolicy or one of"):
         decoder.decode_step(params, state, jnp.zeros(2, jnp.int32), jnp.array([0, 1], jnp.int32), policy="often")
