@@ -226,9 +226,8 @@ def check_section(smoke: bool, gate: str = "gdn", mosaic_variants: str = "defaul
         variants = {name: (name, None) for name in ("xla", "pallas_triton", "mosaic_gpu")}
         variants.update({f"mosaic_gpu rebuild={mode}": ("mosaic_gpu", MosaicReplayParams(rebuild=mode))
                          for mode in tensor_core_rebuilds(smoke, cfg)})
-        if gate != "kda":
-            variants.update({f"mosaic_gpu {spec}": ("mosaic_gpu", mosaic_params(spec, cfg, batch))
-                             for spec in mosaic_variants.split(";") if spec != "default"})
+        variants.update({f"mosaic_gpu {spec}": ("mosaic_gpu", mosaic_params(spec, cfg, batch))
+                         for spec in mosaic_variants.split(";") if spec != "default"})
         for name, (backend, kernel_params) in variants.items():
             step = functools.partial(R.decode_step, backend=backend, policy="natural", kernel_params=kernel_params,
                                      **step_options(cfg, raw))
@@ -336,19 +335,29 @@ def kda_section(timer, args, bandwidth) -> list[dict]:
                 params = db.table_params(cfg, batch, policy)
                 cycle_bytes = cost.replay_cycle_bytes(cfg, batch).total
                 floor = cost.floor_us(cycle_bytes, bandwidth)
-                for staggered in (False, True):
+                for staggered in (cursors == "staggered" for cursors in args.cursors.split(",")):
                     _, _, t_step = db.time_replay(timer, cfg, batch, params, policy, rng, 3, args.smoke, staggered)
-                    m_nf, m_fl, m_cyc = time_mosaic(timer, cfg, batch, rng, 3, args.smoke, staggered)
-                    row = dict(gate="kda", state_dtype=cfg.state_dtype.name, cache_len=cfg.cache_len, batch=batch,
-                               cursors="staggered" if staggered else "sync", triton_policy=policy.value,
-                               triton_params=repr(params), plain_us=plain_us, triton_cycle_us=t_step,
-                               mosaic_nonflush_us=m_nf, mosaic_flush_us=m_fl, mosaic_cycle_us=m_cyc,
-                               cycle_bytes=cycle_bytes, cycle_floor_us=floor, mosaic_floor_fraction=floor / m_cyc,
-                               mosaic_vs_plain=plain_us / m_cyc, triton_vs_plain=plain_us / t_step,
-                               mosaic_vs_triton=t_step / m_cyc)
-                    print(f"kda {json.dumps(row)}", flush=True)
-                    rows.append(row)
+                    for variant in args.variants.split(";"):
+                        rows.append(kda_row(timer, args, cfg, batch, rng, staggered, variant, plain_us, policy, params,
+                                            t_step, floor, cycle_bytes))
     return rows
+
+
+def kda_row(timer, args, cfg, batch, rng, staggered, variant, plain_us, policy, params, t_step, floor,
+            cycle_bytes) -> dict:
+    """One Mosaic variant timed beside the KDA cell's plain and Triton times."""
+    kernel_params = mosaic_params(variant, cfg, batch)
+    m_nf, m_fl, m_cyc = time_mosaic(timer, cfg, batch, rng, 3, args.smoke, staggered, kernel_params)
+    effective = kernel_params or mosaic_gpu.default_params(cfg, batch, jnp.bfloat16)
+    row = dict(mosaic_variant=variant, mosaic_params=repr(effective), gate="kda", state_dtype=cfg.state_dtype.name,
+               cache_len=cfg.cache_len, batch=batch, cursors="staggered" if staggered else "sync",
+               triton_policy=policy.value,
+               triton_params=repr(params), plain_us=plain_us, triton_cycle_us=t_step,
+               mosaic_nonflush_us=m_nf, mosaic_flush_us=m_fl, mosaic_cycle_us=m_cyc,
+               cycle_bytes=cycle_bytes, cycle_floor_us=floor, mosaic_floor_fraction=floor / m_cyc,
+               mosaic_vs_plain=plain_us / m_cyc, triton_vs_plain=plain_us / t_step, mosaic_vs_triton=t_step / m_cyc)
+    print(f"kda {json.dumps(row)}", flush=True)
+    return row
 
 
 def print_table(rows):
@@ -398,7 +407,7 @@ def main(argv=None) -> None:
     print(f"copy bandwidth {bandwidth:.0f} GB/s", flush=True)
     parts = (("check", "check", lambda: check_section(args.smoke, "gdn", args.variants)),
              ("sweep", "sweep", lambda: sweep_section(timer, args, bandwidth)),
-             ("kda-check", "kda_check", lambda: check_section(args.smoke, "kda")),
+             ("kda-check", "kda_check", lambda: check_section(args.smoke, "kda", args.variants)),
              ("kda", "kda_sweep", lambda: kda_section(timer, args, bandwidth)),
              ("mamba2-check", "mamba2_check", lambda: check_section(args.smoke, "mamba2", args.variants)),
              ("mamba2", "mamba2_sweep", lambda: sweep_section(timer, args, bandwidth, "mamba2")))

@@ -74,11 +74,11 @@ def _model_step(ckpt, u_c, k_c, g_c, q, k, v, g, beta, a_log, dt_bias, *, l2norm
     return y, ckpt, u_c, k_c, g_c
 
 
-def _inputs(rng, state_dtype, cache_dtype, per_channel):
+def _inputs(rng, state_dtype, cache_dtype, per_channel, d_v=D):
     f = lambda *s: rng.standard_normal(s).astype(np.float32)
     channels = (D,) if per_channel else ()
-    ckpt = f(NUM_SLOTS, H_V, D, D)
-    u_c, k_c = f(NUM_SLOTS, H_V, L, D), f(NUM_SLOTS, H_K, L, D) * 0.2
+    ckpt = f(NUM_SLOTS, H_V, d_v, D)
+    u_c, k_c = f(NUM_SLOTS, H_V, L, d_v), f(NUM_SLOTS, H_K, L, D) * 0.2
     g_c = -np.abs(f(NUM_SLOTS, H_V, L, *channels)) * 0.2
     # Stale entries (at and past each row's cursor) hold NaN / Inf: they must never be read.
     for slot, pos in zip(SLOTS, POS):
@@ -86,7 +86,7 @@ def _inputs(rng, state_dtype, cache_dtype, per_channel):
     ckpt, u_c, k_c = (np.asarray(jnp.asarray(x).astype(dt).astype(jnp.float32))
                       for x, dt in ((ckpt, state_dtype), (u_c, cache_dtype), (k_c, cache_dtype)))
     batch = len(SLOTS)
-    q, k, v = f(batch, H_K, D), f(batch, H_K, D), f(batch, H_V, D)
+    q, k, v = f(batch, H_K, D), f(batch, H_K, D), f(batch, H_V, d_v)
     g, beta = -np.abs(f(batch, H_V, *channels)) * 0.3, rng.random((batch, H_V)).astype(np.float32)
     pad = MODES == common.MODE_PAD
     q[pad], v[pad], g[pad] = np.nan, np.inf, np.nan  # a padding row's inputs reach nothing
@@ -95,15 +95,19 @@ def _inputs(rng, state_dtype, cache_dtype, per_channel):
 
 @pytest.mark.parametrize("state_dtype,cache_dtype", [(jnp.float32, jnp.float32), (jnp.bfloat16, jnp.bfloat16)])
 @pytest.mark.parametrize("l2norm,raw", [(True, False), (False, True)])
-@pytest.mark.parametrize("gate,programs", [("gdn", 0), ("gdn", 3), ("kda", 0)])
-def test_step_matches_the_float64_model(rng, gate, programs, state_dtype, cache_dtype, l2norm, raw):
+@pytest.mark.parametrize("gate,programs,d_v", [("gdn", 0, D), ("gdn", 3, D), ("kda", 0, D), ("kda", 3, D),
+                                               ("kda", 3, 2 * D), ("kda", 7, 2 * D)])
+def test_step_matches_the_float64_model(rng, gate, programs, d_v, state_dtype, cache_dtype, l2norm, raw):
     """programs = 3: persistent CTAs over the 10 tiles (4, 3 and 3 each, in chunks of 3:
     both stages, an odd and an even count, chunks that cross rows, padding and flush tiles
-    among them)."""
+    among them). KDA at d_v = 64: every tile its own value head, so every tile fresh, each
+    one's key and decay records copied while the tile before it is computed; at d_v = 128
+    a value head's second tile reads the head's values its first tile computed (20 tiles in
+    chunks of two; 7 programs: two or three chunks each, stages out of step with chunks)."""
     per_channel = gate == "kda"
-    kernel = replay_decode_kda_mgpu if per_channel else functools.partial(
-        replay_decode_mgpu, params=MosaicReplayParams(programs=programs))
-    ckpt, u_c, k_c, g_c, q, k, v, g, beta = _inputs(rng, state_dtype, cache_dtype, per_channel)
+    kernel = functools.partial(replay_decode_kda_mgpu if per_channel else replay_decode_mgpu,
+                               params=MosaicReplayParams(programs=programs))
+    ckpt, u_c, k_c, g_c, q, k, v, g, beta = _inputs(rng, state_dtype, cache_dtype, per_channel, d_v)
     a_log = rng.standard_normal(H_V).astype(np.float32) * 0.3
     dt_bias = rng.standard_normal((H_V, D) if per_channel else H_V).astype(np.float32)
     if raw:
@@ -160,16 +164,22 @@ def test_lowers_for_an_abstract_h200(state_dtype, cache_dtype, cache_len, raw, p
     assert "mosaic_gpu" in text
 
 
-@pytest.mark.parametrize("state_dtype,cache_dtype,cache_len,raw,head_dim", [
-    (jnp.float32, jnp.float32, 8, False, 128), (jnp.float32, jnp.float32, 16, True, 128),
-    (jnp.bfloat16, jnp.bfloat16, 16, False, 128), (jnp.float32, jnp.bfloat16, 32, True, 128),
-    (jnp.bfloat16, jnp.bfloat16, 32, True, 128), (jnp.float32, jnp.float32, 16, False, 64),
+@pytest.mark.parametrize("state_dtype,cache_dtype,cache_len,raw,head_dim,params", [
+    (jnp.float32, jnp.float32, 8, False, 128, MosaicReplayParams()),
+    (jnp.float32, jnp.float32, 16, True, 128, MosaicReplayParams(programs=264, auto_barriers=False)),
+    (jnp.float32, jnp.float32, 16, False, 128, MosaicReplayParams(programs=264, auto_barriers=False, rebuild="3xtf32")),
+    (jnp.bfloat16, jnp.bfloat16, 16, False, 128, MosaicReplayParams(programs=264, rebuild="3xtf32")),
+    (jnp.float32, jnp.bfloat16, 32, True, 128, MosaicReplayParams(rebuild="tf32")),
+    (jnp.bfloat16, jnp.bfloat16, 32, True, 128, MosaicReplayParams(programs=132)),
+    (jnp.float32, jnp.float32, 16, False, 64, MosaicReplayParams(programs=264, rebuild="bf16")),
 ])
-def test_kda_lowers_for_an_abstract_h200(state_dtype, cache_dtype, cache_len, raw, head_dim):
-    """KDA at the benchmark shapes (d = 128; and d = 64, where two warps hold each channel)."""
+def test_kda_lowers_for_an_abstract_h200(state_dtype, cache_dtype, cache_len, raw, head_dim, params):
+    """KDA at the benchmark shapes (d = 128; and d = 64, where two warps hold each channel),
+    one CTA per tile or persistent, each flush rebuild."""
     text = _lower_for_h200(replay_decode_kda_mgpu, state_dtype, cache_dtype, cache_len, raw, per_channel=True,
-                           head_dim=head_dim)
+                           head_dim=head_dim, params=params)
     assert "mosaic_gpu" in text
+    assert ("wgmma" in text) == (params.rebuild != "exact")
 
 
 @pytest.mark.parametrize("dims,match", [
@@ -254,18 +264,19 @@ def test_tensor_core_rebuild_refusals(rng):
         arrays = [jnp.asarray(x) for x in _inputs(rng, jnp.float32, jnp.float32, False)]
         replay_decode_mgpu(*arrays, jnp.asarray(SLOTS), jnp.asarray(POS), jnp.asarray(MODES),
                            params=MosaicReplayParams(rebuild="tf32"), interpret=True)
-    with pytest.raises(ValueError, match="exact fp32 only"):
-        _lower_for_h200(replay_decode_kda_mgpu, jnp.float32, jnp.float32, 16, False, per_channel=True,
-                        params=MosaicReplayParams(rebuild="tf32"))
+    with pytest.raises(ValueError, match="interpret mode does not run"):
+        arrays = [jnp.asarray(x) for x in _inputs(rng, jnp.float32, jnp.float32, True)]
+        replay_decode_kda_mgpu(*arrays, jnp.asarray(SLOTS), jnp.asarray(POS), jnp.asarray(MODES),
+                               params=MosaicReplayParams(rebuild="3xtf32"), interpret=True)
 
 
 @pytest.mark.parametrize("kernel,per_channel,cache_len", [
-    (replay_decode_mgpu, False, 128), (replay_decode_kda_mgpu, True, 96),
+    (replay_decode_mgpu, False, 128), (replay_decode_kda_mgpu, True, 128),
 ])
 def test_a_ring_past_shared_memory_is_refused(kernel, per_channel, cache_len):
     """fp32 records of the whole ring at d = 128 outgrow a CTA's 227 KiB (GDN: ~1.8 KiB per
-    entry, from L ~ 120; KDA's fp32 decay records and weights add 1 KiB, from L ~ 80): a
-    ValueError naming the size, not a failed compile."""
+    entry, from L ~ 120; KDA: u records, and key, decay and weighted-key records once per
+    CTA, also ~1.8 KiB, from L ~ 110): a ValueError naming the size, not a failed compile."""
     with pytest.raises(ValueError, match="bytes of shared memory per CTA"):
         _lower_for_h200(kernel, jnp.float32, jnp.float32, cache_len, False, per_channel=per_channel)
     _lower_for_h200(kernel, jnp.float32, jnp.float32, cache_len // 2, False, per_channel=per_channel)
@@ -339,9 +350,6 @@ def test_persistent_programs_are_validated_and_fit_shared_memory():
     for bad in (-1, 2.0):
         with pytest.raises(ValueError, match="programs must be an int >= 0"):
             MosaicReplayParams(programs=bad)
-    with pytest.raises(ValueError, match="programs must be 0"):
-        _lower_for_h200(replay_decode_kda_mgpu, jnp.float32, jnp.float32, 16, False, per_channel=True,
-                        params=MosaicReplayParams(programs=8))
     # Two stages of ~48 KiB (fp32, L = 16, d = 128) plus the rebuild's 12 KiB copies: two CTAs
     # per SM; a bf16 state three; never more CTAs than tiles, never none.
     f32, bf16 = jnp.float32, jnp.bfloat16
@@ -386,8 +394,8 @@ def test_without_auto_barriers_the_kernels_lower(kernel, per_channel, params):
 
 
 def test_backend_default_params_per_gate(monkeypatch):
-    """GDN and Mamba-2 get persistent CTAs that fit and the kernels' own barriers; KDA, whose
-    kernel has no persistent form, one CTA per tile; the device's SM count sets the CTAs."""
+    """Every gate gets persistent CTAs that fit and the kernels' own barriers; the device's SM
+    count sets the CTAs."""
     from pallas_kernels.mosaic_gpu.mamba2_decode import MosaicMamba2Params
     from replayssm_jax import ReplayConfig
     from replayssm_jax.backends import mosaic_gpu
@@ -395,8 +403,10 @@ def test_backend_default_params_per_gate(monkeypatch):
     gdn = ReplayConfig(16, 32, 128, 128, 16)
     assert mosaic_gpu.default_params(gdn, 512, jnp.bfloat16) == MosaicReplayParams(programs=264, auto_barriers=False)
     assert mosaic_gpu.default_params(gdn, 1, jnp.bfloat16).programs == 64  # one row's 64 tiles
-    kda = ReplayConfig(16, 32, 128, 128, 16, gate="kda")
-    assert mosaic_gpu.default_params(kda, 512, jnp.bfloat16) == MosaicReplayParams()
+    # KDA: its two stages plus the head's key and decay records (one copy per CTA) fit two CTAs per SM.
+    kda = ReplayConfig(32, 32, 128, 128, 16, gate="kda")
+    assert mosaic_gpu.default_params(kda, 512, jnp.bfloat16) == MosaicReplayParams(programs=264, auto_barriers=False)
+    assert mosaic_gpu.default_params(kda, 512, jnp.bfloat16, interpret=False).rebuild == "3xtf32"
     nemotron = ReplayConfig.mamba2(128, 64, 128, 8, 16)
     mamba2 = mosaic_gpu.default_params(nemotron, 512, jnp.bfloat16)
     assert isinstance(mamba2, MosaicMamba2Params) and not mamba2.auto_barriers

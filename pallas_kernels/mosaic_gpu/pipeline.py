@@ -14,6 +14,12 @@ tile is *fresh* when the CTA's previous tile belonged to another row or group; t
 computes the group's shared values (e.g. `K k`, `K q`) on fresh tiles only, keeps them in
 shared memory, and reads them back on the group's other tiles.
 
+Group copies (`issue_group`, KDA): records only a group's fresh tile reads (its key and
+decay records) go into one buffer, not one per stage: the copy for the CTA's next fresh
+tile starts when the current tile calls its `prefetch` (after the group's values are
+computed from the buffer), so it overlaps the rest of this tile and, with two or more
+tiles per group, the group's other tiles.
+
 The stages are separate buffers addressed with a static stage index (the loop is unrolled
 by two). Mosaic aligns each buffer to 1 KiB, as TMA needs; a stage axis inside one buffer,
 indexed dynamically, would place a small buffer's second stage at an unaligned address.
@@ -55,7 +61,7 @@ def tile_grid(batch: int, heads: int, tiles: int, num_programs: int) -> dict:
 
 
 def serve_tiles(batch: int, heads: int, tiles: int, num_programs: int, issue: Callable, compute: Callable, *,
-                group_size: int = 1, chunk: int = 0) -> None:
+                group_size: int = 1, chunk: int = 0, issue_group: Callable | None = None) -> None:
     """Serve tile t of head h of row b for every `(b, h, t)`: `issue(b, h, t, stage)`
     starts its copies into a stage of shared buffers, `compute(b, h, t, stage, fresh)`
     waits for them and works; `fresh` (a static True for one CTA per tile, else a traced
@@ -63,18 +69,24 @@ def serve_tiles(batch: int, heads: int, tiles: int, num_programs: int, issue: Ca
     (`h // group_size`; `heads` a multiple of `group_size`). One CTA per tile
     (`num_programs = 0`), or `persistent_tiles` over the tiles numbered with b slowest in
     chunks of `chunk` tiles (0: one group's tiles, at most `MAX_CHUNK`); the kernel's grid
-    is `tile_grid`'s."""
+    is `tile_grid`'s. With `issue_group(b, h, t)` (the group copies above), `compute` takes
+    a sixth argument, `prefetch()`, to call once the group's buffer is no longer read."""
     per_row = heads * tiles
     where = lambda index: (index // per_row, index % per_row // tiles, index % tiles)
     if num_programs:
         group_tiles = group_size * tiles
         persistent_tiles(batch * per_row, num_programs, lambda index, stage: issue(*where(index), stage),
-                         lambda index, stage, fresh: compute(*where(index), stage, fresh),
-                         chunk=chunk or min(MAX_CHUNK, group_tiles), group_tiles=group_tiles)
+                         lambda index, stage, *rest: compute(*where(index), stage, *rest),
+                         chunk=chunk or min(MAX_CHUNK, group_tiles), group_tiles=group_tiles,
+                         issue_group=None if issue_group is None else lambda index: issue_group(*where(index)))
         return
     b, ht = lax.axis_index("b"), lax.axis_index("ht")
     issue(b, ht // tiles, ht % tiles, 0)
-    compute(b, ht // tiles, ht % tiles, 0, True)
+    if issue_group is None:
+        compute(b, ht // tiles, ht % tiles, 0, True)
+    else:
+        issue_group(b, ht // tiles, ht % tiles)
+        compute(b, ht // tiles, ht % tiles, 0, True, lambda: None)
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -111,7 +123,7 @@ def program_tiles(program, num_tiles: int, num_programs: int, chunk: int):
 
 
 def persistent_tiles(num_tiles: int, num_programs: int, issue: Callable, compute: Callable, *, chunk: int,
-                     group_tiles: int) -> None:
+                     group_tiles: int, issue_group: Callable | None = None) -> None:
     """Run `issue(tile, stage)` (start tile's copies into `stage`) one tile ahead of
     `compute(tile, stage, fresh)` (wait for them, work, start its stores) over this CTA's
     tiles (`program_tiles` in chunks of `chunk`); `fresh`: the CTA's first tile, or one
@@ -120,9 +132,15 @@ def persistent_tiles(num_tiles: int, num_programs: int, issue: Callable, compute
     Before a stage is refilled, every thread has finished the tile it held (a warpgroup
     barrier) and every store but the newest has finished reading shared memory, so
     `compute` must issue a tile's stores from the stage's tile buffer before its small
-    output store (the one left in flight, from a buffer the refill does not touch)."""
+    output store (the one left in flight, from a buffer the refill does not touch).
+
+    `issue_group(tile)`: the group copies of fresh tiles, the first one here and each next
+    one from `compute(tile, stage, fresh, prefetch)` calling `prefetch()`."""
     tile_of, count = program_tiles(lax.axis_index("p"), num_tiles, num_programs, chunk)  # count >= 1
+    group_of = lambda n: tile_of(n) // group_tiles
     issue(tile_of(0), 0)
+    if issue_group is not None:
+        issue_group(tile_of(0))
 
     def stage_pair(i, carry):
         for stage in range(STAGES):
@@ -137,8 +155,17 @@ def persistent_tiles(num_tiles: int, num_programs: int, issue: Callable, compute
                 def _prefetch():
                     issue(tile_of(n + 1), (stage + 1) % STAGES)
 
-                fresh = (n == 0) | (tile_of(n) // group_tiles != tile_of(n - 1) // group_tiles)
-                compute(tile_of(n), stage, fresh)
+                fresh = (n == 0) | (group_of(n) != group_of(n - 1))
+                if issue_group is None:
+                    compute(tile_of(n), stage, fresh)
+                    return
+
+                def prefetch():
+                    @pl.when((n + 1 < count) & (group_of(n + 1) != group_of(n)))
+                    def _next_group():
+                        issue_group(tile_of(n + 1))
+
+                compute(tile_of(n), stage, fresh, prefetch)
 
         return carry
 

@@ -1,9 +1,10 @@
 """Fused ReplaySSM decode step for KDA (per-channel decay) on Mosaic GPU, one launch per step.
 
-The GDN kernel's structure (`replay_decode.py`: grid `(B, H_v * d_v / BV)`, one warpgroup
-per `[BV, d_k]` tile, TMA of the checkpoint tile and the swizzled u / k record tiles, pad /
-append / flush per row, in-place writes) with a log-decay per key channel: g `[B, H_v,
-d_k]` per token and g records `[N, H_v, L, d_k]` (fp32, one per value head).
+The GDN kernel's structure (`replay_decode.py`: one warpgroup per `[BV, d_k]` tile, BV = 64,
+TMA of the checkpoint tile and the swizzled u records, pad / append / flush per row,
+in-place writes; one CTA per tile or `MosaicReplayParams.programs` persistent CTAs on
+`pipeline.serve_tiles`) with a log-decay per key channel: g `[B, H_v, d_k]` per token and g
+records `[N, H_v, L, d_k]` (fp32, one per value head).
 
 Step math (as `backends.xla`): with `G = sum_{j<pos} g_j` and
 `W_j = exp(sum_{j<i<pos} g_i)` per channel (`[d_k]`), alpha = e^{g_t},
@@ -13,33 +14,28 @@ Step math (as `backends.xla`): with `G = sum_{j<pos} g_j` and
 for x = alpha * k and alpha * q, never forming `S_{t-1}`; then
 `u = beta (v - S_{t-1}(alpha k))`, `y = S_{t-1}(alpha q) + u (k . q)`.
 
-Decay weights (the part GDN does not have): the suffix sums `log W_j` run along the ring
-in `channel_layout` over the untiled g records `[L, d_k]`, where thread c % 128 holds
-channel c of every entry in registers: newest entry first, each step one shared-memory
-load, one select (stale entries, NaN included, add 0), one add and one exp per thread, in
-fp32 (the spec's `exp(G - c_j)` summed in another order); no cross-thread work, O(L) per
-thread where a running sum in `ROW` writing each column of `W^T` by selects costs
-O(L^2). `W` (`[L, d_k]`; 1 at and past `pos`, where the readout
-selects c to 0 and the rebuild never reads) is stored to a swizzled buffer and read back
-transposed, `W^T [d_k, L]` in `WGMMA` like the key records, and
-`e^G` and alpha go through a `[2, d_k]` buffer into `COL` (one warpgroup barrier serves
-all three).
+Head side (`head_side`): everything but the tile's own rows depends on the value head only,
+so the head's first tile on a CTA (a *fresh* tile, `pipeline`) computes it and the head's
+other tiles read it back from shared memory: the suffix sums `log W_j` in `channel_layout`
+(thread c % 128 holds channel c of every entry: one load, select, add and exp per entry and
+thread, O(L), no cross-thread work), the weighted keys `W * K` `[L, d_k]` (zero at and past
+`pos`, so a stale record, NaN included, reaches nothing), `(W * K)(alpha k)` and
+`(W * K)(alpha q)` `[L]` (column reductions of `(W * K)^T` read transposed), `e^G alpha k`,
+`e^G alpha q` and `k . q`. Its inputs, the key and g records and the token's g, are the
+pipeline's group copies: one buffer per CTA, the next fresh tile's copy started once this
+one's head side is done (`pipeline.persistent_tiles`), which keeps two persistent CTAs per
+SM at fp32, L = 16, d = 128.
 
-Layouts of the readout (`WGMMA` family as in the GDN kernel):
-- `WK^T = W^T * K^T` `[d_k, L]`, formed once and shared by both readouts:
-  `c = WK x` is a column reduction into `COL [L]`, x broadcast from `ROW [d_k]`; stale
-  columns of c are selected to 0 before `U^T c`.
-- `U^T [BV, L]` (stale entries selected to 0): `U^T c` a row reduction into `ROW [BV]`.
-- `S_c [BV, d_k]`: `S_c (e^G * x)` a row reduction into `ROW [BV]`, `e^G * x` in `COL`.
+Per tile: `U^T [BV, L]` (stale entries selected to 0) and `S_c [BV, d_k]` in `WGMMA`;
+`S_{t-1}(alpha x) = U^T c_x + S_c (e^G alpha x)`, two row reductions into `ROW [BV]`.
 
 Append rows store u at `pos` (and g `[d_k]` from tile 0, k from tile 0 of the first value
-head of each key head). Flush rows rebuild `S_{t-1} = e^G S_c + sum_j u_j (W_j * k_j)^T`
-from the `S_c` tile already in registers in exact fp32 on CUDA cores (one fused
-multiply-add per element and entry, newest entry first): `W_j * k_j` is formed in
-`channel_layout` and written over the g records' buffer (its rows are read at a dynamic
-index, which swizzled buffers cannot serve), and the u records come in an untiled copy.
-They store `S_t = S_{t-1} diag(alpha) + u k^T` in place; the checkpoint is read from
-memory once per step.
+head of each key head). Flush rows rebuild `S_{t-1} = e^G S_c + U^T (W * K)` from the `S_c`
+tile already in registers: exact fp32 on CUDA cores (one fused multiply-add per element and
+entry, newest entry first, from an untiled copy of the u records in the tile's buffer), or
+on tensor cores (`rebuild.rebuild_mma`, "3xtf32" the backend's GPU default), and store
+`S_t = S_{t-1} diag(alpha) + u k^T` in place; the checkpoint is read from memory once per
+step.
 """
 
 from __future__ import annotations
@@ -54,12 +50,12 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels.common import MODE_APPEND, MODE_FLUSH, MODE_PAD
-from pallas_kernels.mosaic_gpu.layouts import (COL, F32, ROW, WGMMA, bcast_cols, bcast_rows, col_sum,
-                                              check_smem, copy_replay_tile, load_transposed, row_sum, softplus, tiled)
+from pallas_kernels.mosaic_gpu.layouts import (COL, F32, ROW, WGMMA, bcast_cols, bcast_rows, col_sum, check_smem,
+                                              load_transposed, row_sum, smem_bytes, softplus, tiled)
+from pallas_kernels.mosaic_gpu.pipeline import STAGES, programs_that_fit, serve_tiles, tile_grid
+from pallas_kernels.mosaic_gpu.rebuild import check_rebuild, rebuild_mma, tile_with_operands
 from pallas_kernels.mosaic_gpu.replay_decode import (BLOCK_V, MosaicReplayParams, append_entry, check_shapes,
-                                                     load_qk, store_output, store_tile)
-
-SMEM_BYTES = 227 * 1024  # shared memory one CTA may use on the H100 / H200
+                                                     copy_token, qk_scales, store_output, store_tile)
 
 
 def channel_layout(head_k_dim: int):
@@ -72,25 +68,16 @@ def channel_layout(head_k_dim: int):
                               vector_dim=-1)
 
 
-def smem_bytes(head_k_dim: int, cache_len: int, state_itemsize: int, cache_itemsize: int) -> int:
-    """Shared memory of one CTA: the checkpoint tile, the swizzled u / k records, the g
-    records (fp32, reused for `W * K` on flush rows), `W`, the `[2, d_k]` relayout buffer,
-    y and the untiled u copy of flush rows."""
-    tile = BLOCK_V * head_k_dim * state_itemsize
-    records = cache_len * (2 * BLOCK_V + head_k_dim) * cache_itemsize + 2 * cache_len * head_k_dim * 4
-    return tile + records + 2 * head_k_dim * 4 + BLOCK_V * 4
-
-
 def check_kda_shapes(head_k_dim: int, head_v_dim: int, cache_len: int, state_itemsize: int,
                      cache_itemsize: int, swizzle: int = 128) -> None:
     """Raise ValueError unless the shapes fit the KDA kernel's layouts and shared memory."""
     check_shapes(head_k_dim, head_v_dim, cache_len, state_itemsize, swizzle)
     if head_k_dim > 128 and head_k_dim % 128:
         raise ValueError(f"mosaic_gpu KDA needs d_k = 64 or a multiple of 128, got d_k = {head_k_dim}")
-    need = smem_bytes(head_k_dim, cache_len, state_itemsize, cache_itemsize)
-    if need > SMEM_BYTES:
-        raise ValueError(f"mosaic_gpu KDA with d_k = {head_k_dim}, cache_len = {cache_len} needs {need} bytes "
-                         f"of shared memory per CTA, more than {SMEM_BYTES}")
+    as_dtype = lambda itemsize: jnp.dtype(f"float{8 * itemsize}")  # only the sizes matter here
+    check_smem(_scratch(head_k_dim, cache_len, as_dtype(state_itemsize), as_dtype(cache_itemsize), F32, F32,
+                        swizzle, "exact", 1),
+               f"mosaic_gpu KDA with d_k = {head_k_dim}, cache_len = {cache_len}")
 
 
 def decay_weights(g_smem, w_smem, chan_smem, pos, channels):
@@ -130,113 +117,217 @@ def rebuild_exact(state, u_rows, wk_rows, pos):
     return lax.fori_loop(0, pos, body, state)
 
 
-def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, q_row_ref, k_row_ref, v_ref, g_ref, beta_ref, a_log_ref,
-            dt_bias_ref,
-            ckpt_ref, ucache_ref, kcache_ref, gcache_ref,
-            y_ref,
-            t_smem, u_smem, k_smem, g_smem, w_smem, chan_smem, o_smem, u_rows, barrier, rows_barrier,
-            *, group_size, tiles, use_qk_l2norm, scale, raw_gates):
-    b = lax.axis_index("b")
-    hv = lax.axis_index("hv")
-    h, tile = hv // tiles, hv % tiles
-    hk = h // group_size
-    rows = pl.ds(tile * BLOCK_V, BLOCK_V)
-    mode = mode_ref[b]
+def _scratch(head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, v_dtype, swizzle, rebuild, stages) -> list:
+    """`[stages, group buffers, shared, weighted keys, barriers, group barrier, rows barrier]`.
+
+    Per stage: the checkpoint tile (in a union with the flush rebuild's buffers, free once
+    `S_c` is in registers: the tensor-core operands, or the exact rebuild's untiled copy of
+    the u records), the swizzled u records, y, the token's q, k, q, k (`[4, d_k]`) and v rows.
+    Once per CTA (`pipeline` group copies): the key records `[L, d_k]` and g records
+    `[L, d_k]` (fp32) of the next fresh tile; the value head's shared values
+    (`head_side`: `[7, d_k]` and `[3, L]` fp32) and its weighted keys `W * K` `[L, d_k]`."""
+    def stage():
+        tile = plgpu.SMEM((BLOCK_V, head_k_dim), state_dtype, transforms=tiled(swizzle, state_dtype))
+        if rebuild == "exact":
+            tile = plgpu.RefUnion(tile, [plgpu.SMEM((cache_len, BLOCK_V), cache_dtype)])
+        else:
+            tile = tile_with_operands(tile, BLOCK_V, head_k_dim, cache_len, rebuild)
+        return [tile, plgpu.SMEM((cache_len, BLOCK_V), cache_dtype, transforms=tiled(128, cache_dtype)),
+                plgpu.SMEM((BLOCK_V,), v_dtype), plgpu.SMEM((4, head_k_dim), qk_dtype), plgpu.SMEM((BLOCK_V,), v_dtype)]
+
+    group = [plgpu.SMEM((cache_len, head_k_dim), cache_dtype), plgpu.SMEM((cache_len, head_k_dim), F32)]
+    shared = [plgpu.SMEM((SHARED_ROWS, head_k_dim), F32), plgpu.SMEM((3, cache_len), F32)]
+    return [[stage() for _ in range(stages)], group, shared, plgpu.SMEM((cache_len, head_k_dim), F32),
+            plgpu.Barrier(num_arrivals=7, num_barriers=stages), plgpu.Barrier(num_arrivals=3),
+            plgpu.Barrier(num_arrivals=1)]
+
+
+# Rows of the value head's shared `[SHARED_ROWS, d_k]` buffer (`head_side`).
+EG, ALPHA, X_K, X_Q, K_N, G_TOKEN, G_GATED = range(7)
+SHARED_ROWS = 7
+
+
+def head_side(b, h, pos, qk_smem, group_bufs, shared, wk_smem, a_log_ref, dt_bias_ref, *, use_qk_l2norm, scale,
+              raw_gates) -> None:
+    """What every tile of value head h of row b shares, into `shared` (`[7, d_k]`, `[3, L]`)
+    and `wk_smem`: the token's gate `g` (row G_GATED, appended) and `alpha = e^g` (ALPHA),
+    `e^G` (EG), the readout vectors `x_k = e^G alpha k` (X_K) and `x_q = e^G alpha q` (X_Q)
+    with k normalised (K_N) and q normalised and scaled, `W * K` `[L, d_k]` (zero at and past
+    `pos`), and `(W * K)(alpha k)`, `(W * K)(alpha q)` `[L]` and `k . q`.
+
+    The suffix sums `log W_j` run newest entry first in `channel_layout` over the g records
+    (one load, select, add and exp per entry and thread); an entry at or past `pos` adds 0
+    through a select and its weighted key is selected to 0, so a stale record (NaN
+    included) reaches nothing. e^G and alpha reach COL through `shared` (one warpgroup
+    barrier)."""
+    k_smem, g_smem = group_bufs
+    vectors, scalars = shared
     cache_len, head_k_dim = g_smem.shape
     channels = channel_layout(head_k_dim)
+    q_col, k_col = (plgpu.load(qk_smem.at[i], layout=COL, optimized=False).astype(F32) for i in (0, 1))
+    q_row, k_row = (plgpu.load(qk_smem.at[i], layout=ROW, optimized=False).astype(F32) for i in (2, 3))
+    q_scale, k_scale = qk_scales(q_col, k_col, use_qk_l2norm=use_qk_l2norm, scale=scale)
+    g = plgpu.load(vectors.at[G_TOKEN], layout=ROW, optimized=False)
+    if raw_gates:
+        dt_bias = plgpu.load(dt_bias_ref.at[h], layout=ROW, optimized=False).astype(F32)
+        g = -jnp.exp(a_log_ref[h].astype(F32)) * softplus(g + dt_bias)
+    alpha_row = jnp.exp(g)
+    vectors[G_GATED] = g
+    vectors[ALPHA] = alpha_row
 
-    @pl.when(mode == MODE_PAD)
-    def _padding_row():
-        store_output(o_smem, y_ref, plgpu.layout_cast(jnp.zeros((BLOCK_V,), o_smem.dtype), ROW), b, h, rows)
+    running = plgpu.layout_cast(jnp.zeros((1, head_k_dim), F32), channels)
+    weighted = [None] * cache_len
+    for i in reversed(range(cache_len)):
+        live = jnp.broadcast_to(i < pos, (1, head_k_dim))
+        k_i = plgpu.load(k_smem.at[pl.ds(i, 1)], layout=channels, optimized=False).astype(F32)
+        weighted[i] = jnp.where(live, jnp.exp(running) * k_i, 0.0)
+        g_i = plgpu.load(g_smem.at[pl.ds(i, 1)], layout=channels, optimized=False)
+        running = running + jnp.where(live, g_i, 0.0)
+    wk_smem[...] = jnp.concatenate(weighted, axis=0)
+    vectors[pl.ds(EG, 1)] = jnp.exp(running)
+    plgpu.commit_smem()  # W * K, e^G and alpha visible to every thread
 
-    @pl.when(mode != MODE_PAD)
-    def _live_row():
-        slot, pos = slot_ref[b], pos_ref[b]
-        copy_replay_tile((ckpt_ref, ucache_ref, kcache_ref, gcache_ref), (t_smem, u_smem, k_smem, g_smem),
-                         slot, h, hk, rows, barrier)
+    decayed_alpha = plgpu.load(vectors.at[EG], layout=COL) * plgpu.load(vectors.at[ALPHA], layout=COL)
+    wk_t = load_transposed(wk_smem)  # [Dk, L]
+    k_n, q_n = k_col * k_scale, q_col * q_scale
+    for row, x in ((X_K, decayed_alpha * k_n), (X_Q, decayed_alpha * q_n), (K_N, k_n)):
+        vectors[row] = x
+    scalars[0] = col_sum(wk_t * bcast_rows(alpha_row * k_row * k_scale, wk_t.shape))
+    scalars[1] = col_sum(wk_t * bcast_rows(alpha_row * q_row * q_scale, wk_t.shape))
+    scalars[2, 0] = jnp.sum(k_n * q_n)
 
-        # The token, while the copies fly. The gates are computed in ROW (few values per
-        # thread); alpha reaches COL through shared memory with e^G below.
-        q_col, k_col, q_row, k_row, k_dot_q = load_qk(*(ref.at[b, hk] for ref in (q_ref, k_ref, q_row_ref, k_row_ref)),
-                                                      use_qk_l2norm=use_qk_l2norm, scale=scale)
-        g = plgpu.load(g_ref.at[b, h], layout=ROW, optimized=False).astype(F32)
-        beta = beta_ref[b, h].astype(F32)
-        if raw_gates:
-            dt_bias = plgpu.load(dt_bias_ref.at[h], layout=ROW, optimized=False).astype(F32)
-            g = -jnp.exp(a_log_ref[h].astype(F32)) * softplus(g + dt_bias)
-            beta = 1.0 / (1.0 + jnp.exp(-beta))
-        alpha_row = jnp.exp(g)
-        chan_smem[1] = alpha_row
-        v_row = plgpu.load(v_ref.at[b, h, rows], layout=ROW, optimized=False).astype(F32)
 
-        plgpu.barrier_wait(barrier)
-        decay_weights(g_smem, w_smem, chan_smem, pos, channels)
-        plgpu.commit_smem()  # W, e^G and alpha visible to every thread
-        decayed_alpha = plgpu.load(chan_smem.at[0], layout=COL) * plgpu.load(chan_smem.at[1], layout=COL)
-        wk_t = load_transposed(w_smem) * load_transposed(k_smem)  # [Dk, L]; stale columns 0 or NaN
-        j = plgpu.broadcasted_iota(jnp.int32, (BLOCK_V, cache_len), 1, layout=WGMMA)
-        u_t = jnp.where(j < pos, load_transposed(u_smem), 0.0)  # [BV, L], stale entries 0
-        valid = plgpu.broadcasted_iota(jnp.int32, (cache_len,), 0, layout=COL) < pos
-        s_c = plgpu.load(t_smem, layout=WGMMA).astype(F32)  # [BV, Dk]
+def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref,
+            ckpt_ref, ucache_ref, kcache_ref, gcache_ref,
+            y_ref,
+            stages, group_bufs, shared, wk_smem, barriers, group_barrier, rows_barrier,
+            *, group_size, tiles, use_qk_l2norm, scale, raw_gates, rebuild, num_programs):
+    vectors, scalars = shared
 
-        def readout(x_col, x_row):
-            """`S_{t-1} (alpha * x)` `[BV]` (ROW) from `e^G * alpha * x` in COL and
-            `alpha * x` in ROW."""
-            c = jnp.where(valid, col_sum(wk_t * bcast_rows(x_row, wk_t.shape)), 0.0)  # (W * K) x, [L]
-            history = row_sum(u_t * bcast_cols(c, u_t.shape))
-            return history + row_sum(s_c * bcast_cols(x_col, s_c.shape))
+    def issue(b, h, tile, stage):
+        """Start the tile's copies into `stages[stage]` (none for padding rows)."""
+        tile_buf, u_smem, _, qk_smem, v_smem = stages[stage]
+        t_smem = tuple(tile_buf)[0]
+        barrier, slot, rows = barriers.at[stage], slot_ref[b], pl.ds(tile * BLOCK_V, BLOCK_V)
 
-        s_k = readout(decayed_alpha * k_col, alpha_row * k_row)
-        s_q = readout(decayed_alpha * q_col, alpha_row * q_row)
-        u = beta * (v_row - s_k)
-        store_output(o_smem, y_ref, s_q + u * k_dot_q, b, h, rows)
+        @pl.when(mode_ref[b] != MODE_PAD)
+        def _copies():
+            plgpu.copy_gmem_to_smem(ckpt_ref.at[slot, h, rows], t_smem, barrier)
+            plgpu.copy_gmem_to_smem(ucache_ref.at[slot, h, :, rows], u_smem, barrier)
+            copy_token((q_ref, k_ref, v_ref), (qk_smem, v_smem), b, h, h // group_size, rows, barrier)
 
-        @pl.when(mode == MODE_APPEND)
-        def _append():
-            append_entry(ucache_ref, kcache_ref, gcache_ref, slot, h, tile, pos, u, k_col, g, group_size=group_size)
+    def issue_group(b, h, tile):
+        """Start the copies only a fresh tile reads: the key and g records, the token's g."""
+        k_smem, g_smem = group_bufs
 
-        @pl.when(mode == MODE_FLUSH)
-        def _flush():
-            plgpu.copy_gmem_to_smem(ucache_ref.at[slot, h, :, rows], u_rows, rows_barrier)
-            # The g records were last read before the barrier above: their buffer takes W * K.
-            weighted_keys(w_smem, k_smem, g_smem, channels)
-            plgpu.commit_smem()
-            plgpu.barrier_wait(rows_barrier)
-            # e^G and alpha again from shared memory rather than held in registers through the readout.
-            decay_col = plgpu.load(chan_smem.at[0], layout=COL)
-            alpha_col = plgpu.load(chan_smem.at[1], layout=COL)
-            prev = rebuild_exact(s_c * bcast_cols(decay_col, s_c.shape), u_rows, g_smem, pos)
-            new = prev * bcast_cols(alpha_col, prev.shape) + bcast_rows(u, prev.shape) * bcast_cols(k_col, prev.shape)
-            store_tile(t_smem, ckpt_ref, new, slot, h, rows)
+        @pl.when(mode_ref[b] != MODE_PAD)
+        def _copies():
+            slot = slot_ref[b]
+            plgpu.copy_gmem_to_smem(kcache_ref.at[slot, h // group_size], k_smem, group_barrier)
+            plgpu.copy_gmem_to_smem(gcache_ref.at[slot, h], g_smem, group_barrier)
+            plgpu.copy_gmem_to_smem(g_ref.at[b, h], vectors.at[G_TOKEN], group_barrier)
 
-    plgpu.wait_smem_to_gmem(0)
+    def compute(b, h, tile, stage, fresh, prefetch):
+        tile_buf, u_smem, o_smem, qk_smem, v_smem = stages[stage]
+        t_smem, rebuild_bufs = tuple(tile_buf)
+        rows = pl.ds(tile * BLOCK_V, BLOCK_V)
+        mode = mode_ref[b]
+        cache_len = u_smem.shape[0]
+
+        @pl.when(mode == MODE_PAD)
+        def _padding_row():
+            prefetch()
+            store_output(o_smem, y_ref, plgpu.layout_cast(jnp.zeros((BLOCK_V,), o_smem.dtype), ROW), b, h, rows)
+
+        @pl.when(mode != MODE_PAD)
+        def _live_row():
+            slot, pos = slot_ref[b], pos_ref[b]
+            beta = beta_ref[b, h].astype(F32)
+            if raw_gates:
+                beta = 1.0 / (1.0 + jnp.exp(-beta))
+            plgpu.barrier_wait(barriers.at[stage])
+
+            def _head_side():
+                plgpu.barrier_wait(group_barrier)
+                head_side(b, h, pos, qk_smem, group_bufs, shared, wk_smem, a_log_ref, dt_bias_ref,
+                          use_qk_l2norm=use_qk_l2norm, scale=scale, raw_gates=raw_gates)
+                plgpu.commit_smem()  # the head's values visible; its group buffers free
+
+            _head_side() if fresh is True else pl.when(fresh)(_head_side)
+
+            prefetch()
+            load = lambda i: plgpu.load(vectors.at[i], layout=COL, optimized=False)
+            c_k, c_q = (plgpu.load(scalars.at[i], layout=COL, optimized=False) for i in (0, 1))
+            v_row = plgpu.load(v_smem, layout=ROW, optimized=False).astype(F32)
+            j = plgpu.broadcasted_iota(jnp.int32, (BLOCK_V, cache_len), 1, layout=WGMMA)
+            u_t = jnp.where(j < pos, load_transposed(u_smem), 0.0)  # [BV, L], stale entries 0
+            valid = plgpu.broadcasted_iota(jnp.int32, (cache_len,), 0, layout=COL) < pos
+            s_c = plgpu.load(t_smem, layout=WGMMA).astype(F32)  # [BV, Dk]
+
+            def readout(x_col, c):
+                """`S_{t-1} (alpha x)` `[BV]` (ROW) from `x_col = e^G alpha x` and
+                `c = (W * K)(alpha x)` `[L]`."""
+                history = row_sum(u_t * bcast_cols(jnp.where(valid, c, 0.0), u_t.shape))
+                return history + row_sum(s_c * bcast_cols(x_col, s_c.shape))
+
+            s_k = readout(load(X_K), c_k)
+            s_q = readout(load(X_Q), c_q)
+            u = beta * (v_row - s_k)
+            k_n = load(K_N)
+
+            @pl.when(mode == MODE_FLUSH)
+            def _flush():
+                start = s_c * bcast_cols(load(EG), s_c.shape)
+                plgpu.commit_smem()  # every thread has S_c from the buffer the rebuild reuses
+                if rebuild == "exact":
+                    # The rebuild reads single u records at a dynamic index, which the
+                    # swizzled buffer cannot serve: an untiled copy (L2-resident).
+                    (u_rows,) = rebuild_bufs
+                    plgpu.copy_gmem_to_smem(ucache_ref.at[slot, h, :, rows], u_rows, rows_barrier)
+                    plgpu.barrier_wait(rows_barrier)
+                    prev = rebuild_exact(start, u_rows, wk_smem, pos)
+                else:
+                    prev = rebuild_mma(start, u_t, load_transposed(wk_smem), pos, rebuild_bufs)
+                new = prev * bcast_cols(load(ALPHA), prev.shape) + bcast_rows(u, prev.shape) * bcast_cols(k_n, prev.shape)
+                store_tile(t_smem, ckpt_ref, new, slot, h, rows)
+
+            # After the tile's store: the persistent loop leaves only the newest store in flight.
+            store_output(o_smem, y_ref, s_q + u * scalars[2, 0], b, h, rows)
+
+            @pl.when(mode == MODE_APPEND)
+            def _append():
+                append_entry(ucache_ref, kcache_ref, gcache_ref, slot, h, tile, pos, u, k_n, load(G_GATED),
+                             group_size=group_size)
+
+    batch, num_heads = y_ref.shape[:2]
+    serve_tiles(batch, num_heads, tiles, num_programs, issue, compute, issue_group=issue_group)
+
+
+def persistent_programs(batch: int, num_v_heads: int, head_v_dim: int, head_k_dim: int, cache_len: int,
+                        state_dtype, cache_dtype, token_dtype, sm_count: int, *, swizzle: int = 128,
+                        rebuild: str = "exact") -> int:
+    """`MosaicReplayParams.programs` for a device of `sm_count` SMs: as many persistent CTAs
+    per SM as the two-stage buffers fit in shared memory (`token_dtype`: q, k and v's)."""
+    scratch = _scratch(head_k_dim, cache_len, state_dtype, cache_dtype, token_dtype, token_dtype, swizzle, rebuild,
+                       STAGES)
+    return programs_that_fit(smem_bytes(scratch), sm_count, batch * num_v_heads * (head_v_dim // BLOCK_V))
 
 
 @functools.lru_cache(maxsize=None)
-def _build(batch, num_v_heads, head_v_dim, head_k_dim, cache_len, state_dtype, cache_dtype, y_dtype,
-           group_size, use_qk_l2norm, scale, raw_gates, swizzle, auto_barriers, interpret):
+def _build(batch, num_v_heads, head_v_dim, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y_dtype,
+           group_size, use_qk_l2norm, scale, raw_gates, swizzle, rebuild, programs, auto_barriers, interpret):
     tiles = head_v_dim // BLOCK_V
-    body = functools.partial(_kernel, group_size=group_size, tiles=tiles, use_qk_l2norm=use_qk_l2norm,
-                             scale=scale, raw_gates=raw_gates)
-    scratch = [
-        plgpu.SMEM((BLOCK_V, head_k_dim), state_dtype, transforms=tiled(swizzle, state_dtype)),
-        plgpu.SMEM((cache_len, BLOCK_V), cache_dtype, transforms=tiled(128, cache_dtype)),
-        plgpu.SMEM((cache_len, head_k_dim), cache_dtype, transforms=tiled(128, cache_dtype)),
-        plgpu.SMEM((cache_len, head_k_dim), F32),  # g records, then W * K on flush rows
-        plgpu.SMEM((cache_len, head_k_dim), F32, transforms=tiled(128, F32)),  # W
-        plgpu.SMEM((2, head_k_dim), F32),  # e^G and alpha
-        plgpu.SMEM((BLOCK_V,), y_dtype),
-        plgpu.SMEM((cache_len, BLOCK_V), cache_dtype),
-        plgpu.Barrier(num_arrivals=4),
-        plgpu.Barrier(num_arrivals=1),
-    ]
+    num_programs = min(programs, batch * num_v_heads * tiles)
+    scratch = _scratch(head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y_dtype, swizzle, rebuild,
+                       STAGES if programs else 1)
     check_smem(scratch, f"replay_decode_kda_mgpu at cache_len = {cache_len}, d_k = {head_k_dim}")
+    body = functools.partial(_kernel, group_size=group_size, tiles=tiles, use_qk_l2norm=use_qk_l2norm,
+                             scale=scale, raw_gates=raw_gates, rebuild=rebuild, num_programs=num_programs)
     return plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((batch, num_v_heads, head_v_dim), y_dtype),
         scratch_types=scratch,
-        grid=(batch, num_v_heads * tiles),
-        grid_names=("b", "hv"),
+        **tile_grid(batch, num_v_heads, tiles, num_programs),
         compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=not auto_barriers),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
         kernel_name="replayssm_replay_decode_mgpu_kda",
@@ -279,19 +370,19 @@ def replay_decode_kda_mgpu(
                          f"got g_cache {g_cache.shape}, g {g.shape}")
     check_kda_shapes(head_k_dim, head_v_dim, cache_len, checkpoint.dtype.itemsize, u_cache.dtype.itemsize,
                      params.swizzle)
-    if params.rebuild != "exact":
-        raise ValueError(f"replay_decode_kda_mgpu rebuilds in exact fp32 only, got rebuild={params.rebuild!r}")
-    if params.programs:
-        raise ValueError(f"replay_decode_kda_mgpu runs one CTA per tile: programs must be 0, got {params.programs}")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
+    check_rebuild(params.rebuild, cache_len, interpret)
     a_log, dt_bias = gate_params if gate_params is not None else (jnp.zeros((1,), F32),) * 2
+    # The token's q and k share one shared buffer (`[4, d_k]`): one dtype, promoted (lossless).
+    qk_dtype = jnp.result_type(q.dtype, k.dtype)
     kernel = _build(
-        batch, num_v_heads, head_v_dim, head_k_dim, cache_len, checkpoint.dtype, u_cache.dtype, v.dtype,
+        batch, num_v_heads, head_v_dim, head_k_dim, cache_len, checkpoint.dtype, u_cache.dtype, qk_dtype, v.dtype,
         num_v_heads // q.shape[1], bool(use_qk_l2norm), float(head_k_dim ** -0.5 if scale is None else scale),
-        gate_params is not None, params.swizzle, params.auto_barriers, bool(interpret),
+        gate_params is not None, params.swizzle, params.rebuild, params.programs, params.auto_barriers,
+        bool(interpret),
     )
     refs = [jax.new_ref(x) for x in (checkpoint, u_cache, k_cache, g_cache)]
-    y = kernel(slot.astype(jnp.int32), pos.astype(jnp.int32), mode.astype(jnp.int32), q, k, q, k, v, g, beta,
-               a_log, dt_bias, *refs)
+    y = kernel(slot.astype(jnp.int32), pos.astype(jnp.int32), mode.astype(jnp.int32), q.astype(qk_dtype),
+               k.astype(qk_dtype), v, g.astype(F32), beta, a_log, dt_bias, *refs)
     return (y, *(jax.freeze(r) for r in refs))

@@ -17,7 +17,7 @@ import jax
 from jaxtyping import Array, Float
 
 from pallas_kernels import common
-from pallas_kernels.mosaic_gpu import mamba2_decode, verify_decode
+from pallas_kernels.mosaic_gpu import mamba2_decode, replay_decode_kda, verify_decode
 from pallas_kernels.mosaic_gpu.mamba2_decode import MosaicMamba2Params, mamba2_replay_decode_mgpu
 from pallas_kernels.mosaic_gpu.replay_decode import (MosaicReplayParams, check_shapes, persistent_programs,
                                                      replay_decode_mgpu)
@@ -44,20 +44,19 @@ def fitting_programs(cfg, batch: int, token_dtype, *, rebuild: str = "exact", sm
              cfg.cache_dtype, token_dtype, sms)
     if cfg.gate == "mamba2":
         return mamba2_decode.persistent_programs(*shape, rebuild=rebuild)
+    if cfg.per_channel_gate:
+        return replay_decode_kda.persistent_programs(*shape, rebuild=rebuild)
     return persistent_programs(*shape, rebuild=rebuild)
 
 
 def default_params(cfg, batch: int, token_dtype, *, interpret: bool | None = None
                    ) -> MosaicReplayParams | MosaicMamba2Params:
-    """The kernel parameters a step uses when the caller gives none. GDN and Mamba-2: as
-    many persistent CTAs as fit on the device's SMs and the kernel's own barriers only
-    (measured fastest on the H200 at B = 128 and 512, `benchmarks/NOTES.md`); KDA: one CTA
-    per tile (its kernel has no persistent form). The flush rebuild on a GPU (`interpret`
-    false; default: off GPU) is "3xtf32" wherever its operands leave as many CTAs per SM
-    as the exact rebuild's (GDN's measured within 1.3e-7 normwise of IEEE fp32 and faster;
-    the tensor cores do not run in interpret mode), else "exact"."""
-    if cfg.per_channel_gate:
-        return MosaicReplayParams()
+    """The kernel parameters a step uses when the caller gives none: as many persistent CTAs
+    as fit on the device's SMs and the kernel's own barriers only (measured fastest on the
+    H200 at B = 128 and 512 for GDN and Mamba-2, `benchmarks/NOTES.md`). The flush rebuild
+    on a GPU (`interpret` false; default: off GPU) is "3xtf32" wherever its operands leave
+    as many CTAs per SM as the exact rebuild's (GDN's measured within 1.3e-7 normwise of
+    IEEE fp32 and faster; the tensor cores do not run in interpret mode), else "exact"."""
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     params = MosaicMamba2Params if cfg.gate == "mamba2" else MosaicReplayParams
