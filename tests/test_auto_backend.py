@@ -21,7 +21,8 @@ NEMOTRON = ReplayConfig.mamba2(128, 64, 128, 8, 16)
 @pytest.mark.parametrize("config,batch,platform,want", [
     (GDN, 512, "cpu", "xla"), (GDN, 512, "hopper", "mosaic_gpu"), (GDN, 32, "hopper", "mosaic_gpu"),
     (GDN, 31, "hopper", "pallas_triton"), (GDN, 8, "hopper", "pallas_triton"), (GDN, 512, "gpu", "pallas_triton"),
-    (KDA, 512, "hopper", "pallas_triton"), (GDN_BF16, 512, "hopper", "pallas_triton"),
+    (KDA, 512, "hopper", "mosaic_gpu"), (KDA, 127, "hopper", "pallas_triton"),
+    (GDN_BF16, 512, "hopper", "pallas_triton"),
     (NEMOTRON, 512, "hopper", "mosaic_gpu"), (NEMOTRON, 1, "hopper", "mosaic_gpu"), (NEMOTRON, 8, "cpu", "xla"),
     (NEMOTRON, 8, "gpu", "pallas_triton"),
 ])

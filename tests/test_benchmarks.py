@@ -51,17 +51,15 @@ def test_decode_bench_smoke_writes_every_section(tmp_path):
 def test_mosaic_bench_smoke(tmp_path):
     """The Mosaic GPU bench end to end in interpret mode, GDN, KDA (raw gates too) and Mamba-2:
     the checks agree with xla and the sweep rows carry both backends' cycles, and a second
-    Mosaic variant (persistent CTAs) runs beside the default in the GDN and Mamba-2 sections."""
+    Mosaic variant (persistent CTAs) runs beside the default in every section."""
     out = tmp_path / "mosaic.json"
     mosaic_bench.main(["--smoke", "--sections", "check,sweep,kda-check,kda,mamba2-check,mamba2",
                        "--variants", "default;programs=3", "--out", str(out)])
     result = json.loads(out.read_text())
     for check, sweep, gate in (("check", "sweep", "gdn"), ("kda_check", "kda_sweep", "kda"),
                                ("mamba2_check", "mamba2_sweep", "mamba2")):
-        persistent = set() if gate == "kda" else {"mosaic_gpu programs=3"}
-        assert {row["backend"] for row in result[check]} == {"pallas_triton", "mosaic_gpu", *persistent}
-        if persistent:
-            assert {row["mosaic_variant"] for row in result[sweep]} == {"default", "programs=3"}
+        assert {row["backend"] for row in result[check]} == {"pallas_triton", "mosaic_gpu", "mosaic_gpu programs=3"}
+        assert {row["mosaic_variant"] for row in result[sweep]} == {"default", "programs=3"}
         assert all(row["gate"] == gate and row["checkpoint"] < 1e-5 and row["write_pos_equal"]
                    for row in result[check])
         # the Mosaic kernels' state refs are updated in place even in interpret mode

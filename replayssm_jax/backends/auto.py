@@ -3,11 +3,10 @@
 Off GPU a step runs on "xla" (the kernel backends would run in their interpreters). On a
 Hopper GPU (compute capability 9.x, the Mosaic kernels' `wgmma` and TMA), a decode step
 runs on "mosaic_gpu" from the smallest batch at which its kernels measured faster than the
-Pallas-Triton launch table's on the H200 under the same default policy
+Pallas-Triton launch table's on the H200, each under its backend's default policy
 (`MOSAIC_FROM_BATCH`, per gate and state itemsize; the measurements are lines of
-`benchmarks/NOTES.md`), and on "pallas_triton" below it and for the layers with no row (KDA,
-whose Triton table folds every step at the plain kernel's speed; 2-byte states); a verify
-step runs on "mosaic_gpu" (its one-launch verify kernels: 1.3-2.7x conventional verify,
+`benchmarks/NOTES.md`), and on "pallas_triton" below it and for the layers with no row
+(2-byte states); a verify step runs on "mosaic_gpu" (its one-launch verify kernels: 1.3-2.7x conventional verify,
 against 0.9-1.2x for the Triton readouts). Other GPUs run "pallas_triton" (decode) and
 "xla" (verify).
 """
@@ -21,9 +20,10 @@ import jax
 # µs at B = 32 / 128 / 512 against Triton 31.3 / 107.4 / 385, but 11.3 against 10.0 at
 # B = 8. Mamba-2 fp32 (Nemotron-H-8B, L = 16): Mosaic 4.4 / 18.4 / 166 / 638 µs at B = 1 /
 # 8 / 128 / 512 against plain 4.6 / 20.4 / 282 / 1119 (Triton folds at B <= 16 at
-# 0.98-1.06x plain; its replay cycle 216 / 836 from B = 17). GDN bf16 states and KDA stay on
-# Triton (Mosaic 0.86x plain with a bf16 state at B = 512; KDA 0.97x).
-MOSAIC_FROM_BATCH: dict[tuple[str, int], int] = {("gdn", 4): 32, ("mamba2", 4): 1}
+# 0.98-1.06x plain; its replay cycle 216 / 836 from B = 17). KDA fp32 (H = 32, d = 128,
+# L = 16): Mosaic 114.7 / 418.6 µs at B = 128 / 512 against Triton's fold 149.1 / 588.8 (B < 128
+# not measured). GDN bf16 states stay on Triton (Mosaic 0.86x plain at B = 512).
+MOSAIC_FROM_BATCH: dict[tuple[str, int], int] = {("gdn", 4): 32, ("kda", 4): 128, ("mamba2", 4): 1}
 
 
 def _platform() -> str:
