@@ -374,11 +374,13 @@ def _scratch(head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, v_dtype,
 
 def persistent_programs(batch: int, num_v_heads: int, head_v_dim: int, head_k_dim: int, cache_len: int,
                         state_dtype, cache_dtype, token_dtype, sm_count: int, *, swizzle: int = 128,
-                        rebuild: str = "exact") -> int:
+                        rebuild: str = "exact", scratch_of=None) -> int:
     """`MosaicReplayParams.programs` for a device of `sm_count` SMs: as many persistent CTAs
-    per SM as the two-stage buffers fit in shared memory (`token_dtype`: q, k and v's)."""
-    scratch = _scratch(head_k_dim, cache_len, state_dtype, cache_dtype, token_dtype, token_dtype, swizzle, rebuild,
-                       STAGES)
+    per SM as the two-stage buffers fit in shared memory (`token_dtype`: q, k and v's).
+    `scratch_of`: the kernel's scratch builder, this module's by default (the KDA kernel's
+    takes the same arguments)."""
+    scratch = (scratch_of or _scratch)(head_k_dim, cache_len, state_dtype, cache_dtype, token_dtype, token_dtype,
+                                       swizzle, rebuild, STAGES)
     return programs_that_fit(smem_bytes(scratch), sm_count, batch * num_v_heads * (head_v_dim // BLOCK_V))
 
 

@@ -51,8 +51,9 @@ from jaxtyping import Array, Float, Int
 
 from pallas_kernels.common import MODE_APPEND, MODE_FLUSH, MODE_PAD
 from pallas_kernels.mosaic_gpu.layouts import (COL, F32, ROW, WGMMA, bcast_cols, bcast_rows, col_sum, check_smem,
-                                              load_transposed, row_sum, smem_bytes, softplus, tiled)
-from pallas_kernels.mosaic_gpu.pipeline import STAGES, programs_that_fit, serve_tiles, tile_grid
+                                              load_transposed, row_sum, softplus, tiled)
+from pallas_kernels.mosaic_gpu import replay_decode
+from pallas_kernels.mosaic_gpu.pipeline import STAGES, serve_tiles, tile_grid
 from pallas_kernels.mosaic_gpu.rebuild import check_rebuild, rebuild_mma, tile_with_operands
 from pallas_kernels.mosaic_gpu.replay_decode import (BLOCK_V, MosaicReplayParams, append_entry, check_shapes,
                                                      copy_token, qk_scales, store_output, store_tile)
@@ -303,14 +304,9 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a
     serve_tiles(batch, num_heads, tiles, num_programs, issue, compute, issue_group=issue_group)
 
 
-def persistent_programs(batch: int, num_v_heads: int, head_v_dim: int, head_k_dim: int, cache_len: int,
-                        state_dtype, cache_dtype, token_dtype, sm_count: int, *, swizzle: int = 128,
-                        rebuild: str = "exact") -> int:
-    """`MosaicReplayParams.programs` for a device of `sm_count` SMs: as many persistent CTAs
-    per SM as the two-stage buffers fit in shared memory (`token_dtype`: q, k and v's)."""
-    scratch = _scratch(head_k_dim, cache_len, state_dtype, cache_dtype, token_dtype, token_dtype, swizzle, rebuild,
-                       STAGES)
-    return programs_that_fit(smem_bytes(scratch), sm_count, batch * num_v_heads * (head_v_dim // BLOCK_V))
+def persistent_programs(*args, **kwargs) -> int:
+    """`replay_decode.persistent_programs` (same arguments) for this kernel's buffers."""
+    return replay_decode.persistent_programs(*args, **kwargs, scratch_of=_scratch)
 
 
 @functools.lru_cache(maxsize=None)

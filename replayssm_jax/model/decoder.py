@@ -474,8 +474,11 @@ def verify_window(
     state: ModelState,
     tokens: Int[Array, "B T"],
     slots: Int[Array, " B"],
+    *,
+    backend: str = "xla",
 ) -> tuple[Float[Array, "B T V"], ModelState, Float[Array, "Y B T C"], Bool[Array, " B"]]:
-    """Score a window of T tokens per row (the row's next input, then T - 1 drafts).
+    """Score a window of T tokens per row (the row's next input, then T - 1 drafts), each
+    layer through `speculative.verify_step` on `backend`.
 
     logits[b, i] are the logits after window tokens 0..i, as T decode steps over them would
     give. The cursor does not move and the conv state is not written: call `accept_window`.
@@ -486,7 +489,8 @@ def verify_window(
       folded, whose cursor is now 0)`.
 
     Raises:
-      ValueError: on bad token ids or slots, or T > cache_len.
+      ValueError: on bad token ids or slots, T > cache_len, or a backend verify_step does
+        not take for a layer (Mamba-2: "xla", "mosaic_gpu" or "auto").
     """
     check_any_model_state(state)
     _check_params_fit(params, state)
@@ -497,7 +501,7 @@ def verify_window(
     if width > cache_len:
         raise ValueError(f"window width T = {width} exceeds cache_len = {cache_len}")
     if isinstance(state, HybridState):
-        return _hybrid_verify(params, state, tokens, slots)
+        return _hybrid_verify(params, state, tokens, slots, backend)
     dims = _dims(params, state.config)
     view, conv_pool = flat_view(state)
     valid = slots >= 0
@@ -507,7 +511,7 @@ def verify_window(
         block, index = xs
         flat_slots = jnp.where(valid, slots + index * state.num_slots, -1)
         mixed, view, conv_inputs = gdn_verify(
-            block.gdn, dims, rms_norm(x, block.attn_norm), view, conv_pool, flat_slots
+            block.gdn, dims, rms_norm(x, block.attn_norm), view, conv_pool, flat_slots, backend=backend
         )
         x = x + mixed
         return (x + _mlp(block, x), view), conv_inputs
@@ -522,7 +526,7 @@ def verify_window(
     return _logits(params, x), state, conv_inputs, folded
 
 
-def _hybrid_verify(params, state: HybridState, tokens, slots):
+def _hybrid_verify(params, state: HybridState, tokens, slots, backend):
     """`verify_window` for a hybrid stack: each layer verifies the window from the cursor
     before the step (every layer folds the same rows)."""
     x, conv_inputs, write_pos = _embed(params, tokens), [], None
@@ -530,7 +534,8 @@ def _hybrid_verify(params, state: HybridState, tokens, slots):
         replay = layer_state(state, index)
         dims = _hybrid_dims(block, x.shape[-1], replay.checkpoint.shape)
         mixed, replay, inputs = _MIXERS[type(block.mixer)].verify(
-            block.mixer, dims, rms_norm(x, block.attn_norm), replay, state.layers[index].conv_state, slots)
+            block.mixer, dims, rms_norm(x, block.attn_norm), replay, state.layers[index].conv_state, slots,
+            backend=backend)
         write_pos = replay.write_pos if write_pos is None else write_pos
         state = with_layer(state, index, replay, state.layers[index].conv_state)
         conv_inputs.append(inputs)
@@ -570,7 +575,7 @@ def accept_window(
     )
 
 
-jitted_verify_window = jax.jit(verify_window, donate_argnames=("state",))
+jitted_verify_window = jax.jit(verify_window, static_argnames=("backend",), donate_argnames=("state",))
 jitted_accept_window = jax.jit(accept_window, donate_argnames=("state",))
 
 

@@ -214,9 +214,11 @@ def gdn_verify(
     state: ReplayState,
     conv_pool: Float[Array, "N Km1 C"],
     slots: Int[Array, " B"],
+    *,
+    backend: str = "xla",
 ) -> tuple[Float[Array, "B T D"], ReplayState, Float[Array, "B T C"]]:
-    """A draft window of T tokens per row through `speculative.verify_step` (slots index
-    `state` and `conv_pool`; negative: padding row, output 0).
+    """A draft window of T tokens per row through `speculative.verify_step` on `backend`
+    (slots index `state` and `conv_pool`; negative: padding row, output 0).
 
     The conv pool is not written: the conv state after accepting n tokens is the last K-1
     of (conv state, the window's first n conv inputs), so the window's conv inputs are
@@ -227,7 +229,7 @@ def gdn_verify(
     """
     conv_rows = conv_pool[jnp.where(slots >= 0, slots, 0)]
     q, k, v, g, beta, z, _ = _project(params, dims, x, conv_rows, None)
-    y, state = verify_step(state, Tokens(q, k, v, g, beta), slots, use_qk_l2norm=True)
+    y, state = verify_step(state, Tokens(q, k, v, g, beta), slots, backend=backend, use_qk_l2norm=True)
     return _output(params, y, z), state, matmul(x, params.w_qkv)
 
 

@@ -173,14 +173,16 @@ def mamba2_verify(
     state: ReplayState,
     conv_pool: Float[Array, "N Km1 C"],
     slots: Int[Array, " B"],
+    *,
+    backend: str = "xla",
 ) -> tuple[Float[Array, "B T D"], ReplayState, Float[Array, "B T C"]]:
-    """A draft window of T tokens per row through `speculative.verify_step` (slots index
-    `state` and `conv_pool`; negative: padding row, output 0). As `layer.gdn_verify`: the
+    """A draft window of T tokens per row through `speculative.verify_step` on `backend`
+    (slots index `state` and `conv_pool`; negative: padding row, output 0). As `layer.gdn_verify`: the
     conv pool is not written, the window's conv inputs are returned for `accept_conv`.
 
     Returns:
       `(out [B, T, D], state with the window's records appended, conv inputs [B, T, C])`.
     """
     tokens, z, _ = _project(params, dims, u, conv_pool[jnp.where(slots >= 0, slots, 0)], None)
-    y, state = verify_step(state, tokens, slots, gate_params=ssm_params(params))
+    y, state = verify_step(state, tokens, slots, backend=backend, gate_params=ssm_params(params))
     return _output(params, y, z), state, _split_in(params, dims, u)[1]

@@ -223,7 +223,7 @@ class Engine:
     decode step is bit-identical to one device; the partitioned prefill is not with tp > 1
     (its output projection sums partial products over tp: another summation order).
 
-    With `speculate = T` (2 <= T <= cache_len; one device, xla backend) `step` is
+    With `speculate = T` (2 <= T <= cache_len; one device, any backend) `step` is
     `speculative_step`: `drafter` (default `NgramDrafter()`) proposes T - 1 tokens per row.
     """
 
@@ -265,8 +265,8 @@ class Engine:
         self._policy = None if policy is None else as_policy(policy)
         if speculate and not 2 <= speculate <= cache_len:
             raise ValueError(f"speculate (the window T) must be 0 or in [2, cache_len = {cache_len}], got {speculate}")
-        if speculate and (mesh is not None or backend != "xla"):
-            raise ValueError("speculative decoding runs on one device with the xla backend")
+        if speculate and mesh is not None:
+            raise ValueError("speculative decoding runs on one device (no mesh)")
         self.speculate = speculate
         self.drafter = NgramDrafter() if drafter is None else drafter
 
@@ -352,7 +352,8 @@ class Engine:
         if self.speculate:
             self.drafter.propose(self, zeros, padding, self.speculate - 1)
             window = jnp.zeros((self.max_batch, self.speculate), jnp.int32)
-            _, self.state, conv_inputs, _ = decoder.jitted_verify_window(self.params, self.state, window, padding)
+            _, self.state, conv_inputs, _ = decoder.jitted_verify_window(self.params, self.state, window, padding,
+                                                                        backend=self._backend)
             self.state = decoder.jitted_accept_window(self.state, padding, zeros, conv_inputs)
             return
         _, _, self.state, _, _ = _serve_step(
@@ -417,7 +418,7 @@ class Engine:
         drafts = self.drafter.propose(self, tokens_d, slots_d, width - 1)
         window = np.concatenate([tokens[:, None], drafts], axis=1)
         logits, self.state, conv_inputs, folded = decoder.jitted_verify_window(
-            self.params, self.state, jnp.asarray(window), slots_d
+            self.params, self.state, jnp.asarray(window), slots_d, backend=self._backend
         )
         argmax = np.asarray(jnp.argmax(logits, axis=-1))
         kept = np.where(slots >= 0, greedy_accept(drafts, argmax), 0).astype(np.int32)

@@ -3,6 +3,8 @@ prefix per row, and get exactly the greedy tokens of non-speculative decoding.""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -83,11 +85,11 @@ class NoisySelfDrafter(serving.SelfDrafter):
         return np.where(wrong, (drafts + 1) % TINY.vocab_size, drafts)
 
 
-def _serve(params, drafter, rng, steps=10):
-    engine = serving.Engine(params, TINY, max_batch=3, num_slots=6, cache_len=CACHE_LEN,
-                            track_interval=4, speculate=WIDTH, drafter=drafter)
+def _serve(params, drafter, rng, steps=10, config=TINY, backend="xla"):
+    engine = serving.Engine(params, config, max_batch=3, num_slots=6, cache_len=CACHE_LEN,
+                            track_interval=4, speculate=WIDTH, drafter=drafter, backend=backend)
     engine.warm_up()
-    workload = demo.Workload(rng, TINY.vocab_size, 4, CACHE_LEN)
+    workload = demo.Workload(rng, config.vocab_size, 4, CACHE_LEN)
     demo.serve(engine, workload, steps)
     return [r for r in workload.issued if r.generated]
 
@@ -110,6 +112,19 @@ def test_speculative_serving_gives_the_tokens_of_plain_decoding(params, rng, dra
         assert accepted == drafted
     if drafter == "noisy":
         assert 0 < accepted < drafted
+
+
+def test_speculative_serving_on_the_kernel_backend(rng):
+    """The engine's verify windows through the Pallas kernels (interpret mode on CPU; the
+    kernels take head dims >= 16): the greedy tokens of plain decoding, some drafts kept."""
+    config = dataclasses.replace(TINY, head_k_dim=16, head_v_dim=16)
+    params = decoder.init_params(config, seed=2)
+    requests = _serve(params, NoisySelfDrafter(rng), rng, steps=6, config=config, backend="pallas_triton")
+    ref_tokens, ref_logits = serving.reference_decode(params, config, requests)
+    for request, tokens, logits in zip(requests, ref_tokens, ref_logits):
+        assert request.generated == tokens
+        np.testing.assert_allclose(np.stack(request.logits), logits, atol=LOGIT_ATOL, rtol=0)
+    assert 0 < sum(r.accepted_drafts for r in requests) < sum(r.drafted for r in requests)
 
 
 def test_demo_speculate_exits_zero(capsys):
