@@ -122,8 +122,6 @@ def decode_step(
     check_flags("force_flush", force_flush, batch)
     check_gate_params(state.config, gate_params)
     check_backend(backend)
-    if backend == "auto":
-        backend = auto.decode_backend(state.config, batch)
     policy = default_flush_policy(state.config, batch, backend) if policy is None else as_policy(policy)
     plan = plan_step(state.write_pos, slots, force_flush, state.config.cache_len, policy)
     y, new_state = layer_step(

@@ -125,9 +125,8 @@ class Decoder(nnx.Module):
         """One token per row through every layer under one flush plan: logits `[B, V]`."""
         state = self.layers[0].replay.get_value()
         check_slots("slots", slots, jnp.shape(tokens)[0], state.num_slots)
-        batch = jnp.shape(tokens)[0]
-        policy = default_flush_policy(state.config, batch, self.layers[0].backend) if policy is None else as_policy(
-            policy)
+        batch, backend = jnp.shape(tokens)[0], self.layers[0].backend
+        policy = default_flush_policy(state.config, batch, backend) if policy is None else as_policy(policy)
         plan = plan_step(state.write_pos, slots, force_flush, state.config.cache_len, policy)
         head = self.head.get_value()
         x = self._blocks(decoder_lib._embed(head, tokens), lambda layer, h: layer.decode(h, plan))

@@ -56,7 +56,7 @@ from pallas_kernels.mosaic_gpu import replay_decode
 from pallas_kernels.mosaic_gpu.pipeline import STAGES, serve_tiles, tile_grid
 from pallas_kernels.mosaic_gpu.rebuild import check_rebuild, rebuild_mma, tile_with_operands
 from pallas_kernels.mosaic_gpu.replay_decode import (BLOCK_V, MosaicReplayParams, append_entry, check_shapes,
-                                                     copy_token, qk_scales, store_output, store_tile)
+                                                     copy_token, load_qk, store_output, store_tile)
 
 
 def channel_layout(head_k_dim: int):
@@ -81,12 +81,13 @@ def check_kda_shapes(head_k_dim: int, head_v_dim: int, cache_len: int, state_ite
                f"mosaic_gpu KDA with d_k = {head_k_dim}, cache_len = {cache_len}")
 
 
-def decay_weights(g_smem, w_smem, chan_smem, pos, channels):
-    """`W [L, d_k]` into `w_smem` (`W_j = exp(sum_{j<i<pos} g_i)` for j < pos, 1 past it)
-    and `e^G` into row 0 of `chan_smem`, from the g records `g_smem [L, d_k]`.
+def suffix_decays(g_smem, pos, channels):
+    """`(W, e^G)`: `W` the L rows `W_j = exp(sum_{j<i<pos} g_i)` `[1, d_k]` (1 past `pos`)
+    and `e^G` `[1, d_k]`, in `channels`, from the g records `g_smem [L, d_k]`.
 
-    The suffix sums run newest entry first in `channels`; an entry at or past `pos` adds 0
-    through a select, so a stale g (NaN included) is never used."""
+    The suffix sums run newest entry first (one load, select, add and exp per entry and
+    thread); an entry at or past `pos` adds 0 through a select, so a stale g (NaN
+    included) is never used."""
     cache_len, head_k_dim = g_smem.shape
     running = plgpu.layout_cast(jnp.zeros((1, head_k_dim), F32), channels)
     weights = [None] * cache_len
@@ -95,8 +96,14 @@ def decay_weights(g_smem, w_smem, chan_smem, pos, channels):
         weights[i] = jnp.exp(running)
         g_i = plgpu.load(g_smem.at[pl.ds(i, 1)], layout=channels, optimized=False)
         running = running + jnp.where(live, g_i, 0.0)
+    return weights, jnp.exp(running)
+
+
+def decay_weights(g_smem, w_smem, chan_smem, pos, channels):
+    """`W [L, d_k]` into `w_smem` and `e^G` into row 0 of `chan_smem` (`suffix_decays`)."""
+    weights, decay_total = suffix_decays(g_smem, pos, channels)
     w_smem[...] = jnp.concatenate(weights, axis=0)
-    chan_smem[pl.ds(0, 1)] = jnp.exp(running)
+    chan_smem[pl.ds(0, 1)] = decay_total
 
 
 def weighted_keys(w_smem, k_smem, wk_rows, channels):
@@ -156,18 +163,16 @@ def head_side(b, h, pos, qk_smem, group_bufs, shared, wk_smem, a_log_ref, dt_bia
     with k normalised (K_N) and q normalised and scaled, `W * K` `[L, d_k]` (zero at and past
     `pos`), and `(W * K)(alpha k)`, `(W * K)(alpha q)` `[L]` and `k . q`.
 
-    The suffix sums `log W_j` run newest entry first in `channel_layout` over the g records
-    (one load, select, add and exp per entry and thread); an entry at or past `pos` adds 0
-    through a select and its weighted key is selected to 0, so a stale record (NaN
-    included) reaches nothing. e^G and alpha reach COL through `shared` (one warpgroup
-    barrier)."""
+    `W` comes from `suffix_decays` in `channel_layout`; a weighted key at or past `pos` is
+    selected to 0, so a stale record (NaN included) reaches nothing. e^G and alpha reach
+    COL through `shared` (one warpgroup barrier)."""
     k_smem, g_smem = group_bufs
     vectors, scalars = shared
-    cache_len, head_k_dim = g_smem.shape
+    head_k_dim = g_smem.shape[1]
     channels = channel_layout(head_k_dim)
-    q_col, k_col = (plgpu.load(qk_smem.at[i], layout=COL, optimized=False).astype(F32) for i in (0, 1))
-    q_row, k_row = (plgpu.load(qk_smem.at[i], layout=ROW, optimized=False).astype(F32) for i in (2, 3))
-    q_scale, k_scale = qk_scales(q_col, k_col, use_qk_l2norm=use_qk_l2norm, scale=scale)
+    # k normalised, q normalised and scaled, in both vector layouts (`qk_smem`: q, k, q, k).
+    q_n, k_n, q_row, k_row, k_dot_q = load_qk(*(qk_smem.at[i] for i in range(4)), use_qk_l2norm=use_qk_l2norm,
+                                              scale=scale)
     g = plgpu.load(vectors.at[G_TOKEN], layout=ROW, optimized=False)
     if raw_gates:
         dt_bias = plgpu.load(dt_bias_ref.at[h], layout=ROW, optimized=False).astype(F32)
@@ -176,26 +181,21 @@ def head_side(b, h, pos, qk_smem, group_bufs, shared, wk_smem, a_log_ref, dt_bia
     vectors[G_GATED] = g
     vectors[ALPHA] = alpha_row
 
-    running = plgpu.layout_cast(jnp.zeros((1, head_k_dim), F32), channels)
-    weighted = [None] * cache_len
-    for i in reversed(range(cache_len)):
-        live = jnp.broadcast_to(i < pos, (1, head_k_dim))
-        k_i = plgpu.load(k_smem.at[pl.ds(i, 1)], layout=channels, optimized=False).astype(F32)
-        weighted[i] = jnp.where(live, jnp.exp(running) * k_i, 0.0)
-        g_i = plgpu.load(g_smem.at[pl.ds(i, 1)], layout=channels, optimized=False)
-        running = running + jnp.where(live, g_i, 0.0)
+    weights, decay_total = suffix_decays(g_smem, pos, channels)
+    weighted = [jnp.where(jnp.broadcast_to(i < pos, (1, head_k_dim)),
+                          w_i * plgpu.load(k_smem.at[pl.ds(i, 1)], layout=channels, optimized=False).astype(F32), 0.0)
+                for i, w_i in enumerate(weights)]
     wk_smem[...] = jnp.concatenate(weighted, axis=0)
-    vectors[pl.ds(EG, 1)] = jnp.exp(running)
+    vectors[pl.ds(EG, 1)] = decay_total
     plgpu.commit_smem()  # W * K, e^G and alpha visible to every thread
 
     decayed_alpha = plgpu.load(vectors.at[EG], layout=COL) * plgpu.load(vectors.at[ALPHA], layout=COL)
     wk_t = load_transposed(wk_smem)  # [Dk, L]
-    k_n, q_n = k_col * k_scale, q_col * q_scale
     for row, x in ((X_K, decayed_alpha * k_n), (X_Q, decayed_alpha * q_n), (K_N, k_n)):
         vectors[row] = x
-    scalars[0] = col_sum(wk_t * bcast_rows(alpha_row * k_row * k_scale, wk_t.shape))
-    scalars[1] = col_sum(wk_t * bcast_rows(alpha_row * q_row * q_scale, wk_t.shape))
-    scalars[2, 0] = jnp.sum(k_n * q_n)
+    scalars[0] = col_sum(wk_t * bcast_rows(alpha_row * k_row, wk_t.shape))
+    scalars[1] = col_sum(wk_t * bcast_rows(alpha_row * q_row, wk_t.shape))
+    scalars[2, 0] = k_dot_q
 
 
 def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref,

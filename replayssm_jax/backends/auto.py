@@ -6,9 +6,9 @@ runs on "mosaic_gpu" from the smallest batch at which its kernels measured faste
 Pallas-Triton launch table's on the H200, each under its backend's default policy
 (`MOSAIC_FROM_BATCH`, per gate and state itemsize; the measurements are lines of
 `benchmarks/NOTES.md`), and on "pallas_triton" below it and for the layers with no row
-(2-byte states); a verify step runs on "mosaic_gpu" (its one-launch verify kernels: 1.3-2.7x conventional verify,
-against 0.9-1.2x for the Triton readouts). Other GPUs run "pallas_triton" (decode) and
-"xla" (verify).
+(2-byte states); a verify step runs on "mosaic_gpu" (its one-launch verify kernels: 1.3-2.7x
+conventional verify, against 0.9-1.2x for the Triton readouts). Other GPUs run
+"pallas_triton" (decode) and "xla" (verify).
 """
 
 from __future__ import annotations
