@@ -193,13 +193,17 @@ def kernel_runs(fn, args, iterations: int) -> list[list[tuple[str, float]]]:
 def per_step_us(runs, steps: int) -> tuple[float, dict]:
     """Median over runs of the µs per step of the kernels launched once per step (a count
     per run that `steps` divides: the jit's one-off copies into the loop carry are left
-    out); and those kernels' names with their launches per run."""
+    out); and per such kernel, its launches per run and its median µs per step (where a
+    step's time goes)."""
     counts = {}
     for name, _ in runs[0]:
         counts[name] = counts.get(name, 0) + 1
     per_step = {name: n for name, n in counts.items() if n % steps == 0}
     totals = [sum(us for name, us in run if name in per_step) / steps for run in runs]
-    return statistics.median(totals), per_step
+    kernel_us = {name: statistics.median(sum(us for n, us in run if n == name) / steps for run in runs)
+                 for name in per_step}
+    return statistics.median(totals), {name: dict(launches=per_step[name], us_per_step=kernel_us[name])
+                                       for name in sorted(per_step, key=kernel_us.get, reverse=True)}
 
 
 def flush_fraction(cache_len: int, width: int, accepted: int) -> float:

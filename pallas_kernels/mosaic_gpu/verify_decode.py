@@ -216,14 +216,27 @@ def window_coefficients(
     NaN included, are dropped first)."""
     width, num_k_heads = q.shape[1], q.shape[2]
     group = g.shape[2] // num_k_heads
-    in_window, qn, kn, g, beta, q_scale, k_scale = prepare_window(q, k, g, beta, length, use_qk_l2norm=use_qk_l2norm,
-                                                                   scale=scale)
-    heads = lambda x: jnp.repeat(x, group, axis=1)  # [B, Hk, ...] -> [B, Hv, ...]
-    kk = heads(jnp.einsum("bihc,bjhc->bhij", kn, kn, precision=lax.Precision.HIGHEST))
-    qk = heads(jnp.einsum("bihc,bjhc->bhij", qn, kn, precision=lax.Precision.HIGHEST))
+    in_window = jnp.arange(width)[None, :] < length[:, None]  # [B, T]
+    # One Gram matrix of the raw vectors [q; k] per (row, key head) gives the norms (its
+    # diagonal) and every product the kernel needs, rescaled afterwards: one reduction
+    # over d_k, where normalising first costs a reduction per norm and per product.
+    x = jnp.where(jnp.tile(in_window, 2)[:, :, None, None], jnp.concatenate([q, k], axis=1), 0)  # [B, 2T, Hk, Dk]
+    gram = jnp.einsum("bihc,bjhc->bhij", x, x, precision=lax.Precision.HIGHEST,
+                      preferred_element_type=F32)  # [B, Hk, 2T, 2T]
+    squares = jnp.diagonal(gram, axis1=2, axis2=3)  # [B, Hk, 2T]
+    inv_norm = lax.rsqrt(squares + L2NORM_EPS) if use_qk_l2norm else jnp.ones_like(squares)
+    valid_hk = in_window[:, None, :]
+    q_scale = jnp.where(valid_hk, scale * inv_norm[..., :width], 0.0)  # [B, Hk, T]
+    k_scale = jnp.where(valid_hk, inv_norm[..., width:], 0.0)
+    outer = lambda a, b: a[..., :, None] * b[..., None, :]
+    heads = lambda y: jnp.repeat(y, group, axis=1)  # [B, Hk, ...] -> [B, Hv, ...]
+    kk = heads(gram[..., width:, width:] * outer(k_scale, k_scale))
+    qk = heads(gram[..., :width, width:] * outer(q_scale, k_scale))
     seen = (anc | jnp.eye(width, dtype=bool)[None]) & in_window[:, :, None] & in_window[:, None, :]
-    g_t, beta_t = jnp.moveaxis(g, 1, 2), jnp.moveaxis(beta, 1, 2)  # [B, Hv, T]
-    G = jnp.einsum("bij,bhj->bhi", seen.astype(F32), g_t, precision=lax.Precision.HIGHEST)
+    keep = lambda y: jnp.where(in_window[:, None, :], jnp.moveaxis(y, 1, 2).astype(F32), 0.0)  # [B, T, Hv] -> [B, Hv, T]
+    g_t, beta_t = keep(g), keep(beta)
+    # G_i: the sum of g over i's branch (a masked sum over T, which fuses with its users).
+    G = jnp.sum(jnp.where(seen[:, None], g_t[..., None, :], 0.0), axis=-1)  # [B, Hv, T]
     # e^{G_i - G_j} only where j is on i's branch (<= 1 there); elsewhere the difference
     # can be large and positive, so it is zeroed before the exponential.
     mask = seen[:, None]
@@ -232,7 +245,7 @@ def window_coefficients(
     A = jnp.where(strict, beta_t[..., :, None] * decay * kk, 0.0)
     M = decay * qk
     e_G = jnp.where(in_window[:, None, :], jnp.exp(G), 0.0)
-    scales = [heads(jnp.moveaxis(x, 1, 2)) for x in (q_scale, k_scale)]
+    scales = [heads(x) for x in (q_scale, k_scale)]
     return pack_coefficients([A, M, e_G, beta_t, g_t, *scales], width, GDN_VECTORS)
 
 
