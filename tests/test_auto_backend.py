@@ -16,6 +16,9 @@ GDN = ReplayConfig(16, 32, 128, 128, 16)
 KDA = ReplayConfig(32, 32, 128, 128, 16, gate="kda")
 GDN_BF16 = ReplayConfig(16, 32, 128, 128, 16, state_dtype=jnp.bfloat16, cache_dtype=jnp.bfloat16)
 NEMOTRON = ReplayConfig.mamba2(128, 64, 128, 8, 16)
+NEMOTRON_L32 = ReplayConfig.mamba2(128, 64, 128, 8, 32)
+NEMOTRON_BF16 = ReplayConfig.mamba2(128, 64, 128, 8, 16, state_dtype=jnp.bfloat16, cache_dtype=jnp.bfloat16)
+GDN_L32 = ReplayConfig(16, 32, 128, 128, 32)
 
 
 @pytest.mark.parametrize("config,batch,platform,want", [
@@ -25,9 +28,20 @@ NEMOTRON = ReplayConfig.mamba2(128, 64, 128, 8, 16)
     (GDN_BF16, 512, "hopper", "pallas_triton"),
     (NEMOTRON, 512, "hopper", "mosaic_gpu"), (NEMOTRON, 1, "hopper", "mosaic_gpu"), (NEMOTRON, 8, "cpu", "xla"),
     (NEMOTRON, 8, "gpu", "pallas_triton"),
+    (NEMOTRON_BF16, 512, "hopper", "mosaic_gpu"), (NEMOTRON_BF16, 128, "hopper", "mosaic_gpu"),
+    (NEMOTRON_BF16, 127, "hopper", "pallas_triton"),
+    # One persistent CTA per SM (fp32 rings of 32): Triton (Mamba-2 measured 0.98x plain on Mosaic).
+    (NEMOTRON_L32, 512, "hopper", "pallas_triton"), (GDN_L32, 512, "hopper", "pallas_triton"),
 ])
 def test_decode_backend_per_device_layer_and_batch(config, batch, platform, want):
     assert auto.decode_backend(config, batch, platform) == want
+
+
+def test_mosaic_ctas_per_sm_of_the_measured_layers():
+    """Two or three persistent CTAs per SM for every layer `auto` sends to Mosaic, one for the
+    fp32 rings of 32 it keeps off it."""
+    assert [auto.mosaic_ctas_per_sm(c) for c in (GDN, KDA, NEMOTRON, NEMOTRON_BF16)] == [2, 2, 2, 3]
+    assert [auto.mosaic_ctas_per_sm(c) for c in (GDN_L32, NEMOTRON_L32)] == [1, 1]
 
 
 def test_verify_backend_per_device():

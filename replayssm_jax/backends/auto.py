@@ -5,8 +5,10 @@ Hopper GPU (compute capability 9.x, the Mosaic kernels' `wgmma` and TMA), a deco
 runs on "mosaic_gpu" from the smallest batch at which its kernels measured faster than the
 Pallas-Triton launch table's on the H200, each under its backend's default policy
 (`MOSAIC_FROM_BATCH`, per gate and state itemsize; the measurements are lines of
-`benchmarks/NOTES.md`), and on "pallas_triton" below it and for the layers with no row
-(2-byte states); a verify step runs on "mosaic_gpu" (its one-launch verify kernels: 1.3-2.7x
+`benchmarks/NOTES.md`) where its persistent kernel fits two or more CTAs per SM, and on
+"pallas_triton" below that batch, for the layers with no row (GDN's 2-byte states) and
+where one CTA per SM is all that fits (longer rings: Mamba-2 fp32 at L = 32 measured 0.98x
+plain, Triton 1.13x, since one warpgroup per SM leaves each tile's latency exposed); a verify step runs on "mosaic_gpu" (its one-launch verify kernels: 1.3-2.7x
 conventional verify, against 0.9-1.2x for the Triton readouts). Other GPUs run
 "pallas_triton" (decode) and "xla" (verify).
 """
@@ -14,16 +16,22 @@ conventional verify, against 0.9-1.2x for the Triton readouts). Other GPUs run
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 # (gate, state itemsize) -> the smallest batch for "mosaic_gpu", each under its backend's
 # default policy (`plan.default_flush_policy`). GDN fp32, L = 16: Mosaic 25.6 / 93.2 / 340
 # µs at B = 32 / 128 / 512 against Triton 31.3 / 107.4 / 385, but 11.3 against 10.0 at
 # B = 8. Mamba-2 fp32 (Nemotron-H-8B, L = 16): Mosaic 4.4 / 18.4 / 166 / 638 µs at B = 1 /
 # 8 / 128 / 512 against plain 4.6 / 20.4 / 282 / 1119 (Triton folds at B <= 16 at
-# 0.98-1.06x plain; its replay cycle 216 / 836 from B = 17). KDA fp32 (H = 32, d = 128,
-# L = 16): Mosaic 114.7 / 418.6 µs at B = 128 / 512 against Triton's fold 149.1 / 588.8 (B < 128
-# not measured). GDN bf16 states stay on Triton (Mosaic 0.86x plain at B = 512).
-MOSAIC_FROM_BATCH: dict[tuple[str, int], int] = {("gdn", 4): 32, ("kda", 4): 128, ("mamba2", 4): 1}
+# 0.98-1.06x plain; its replay cycle 216 / 836 from B = 17); L = 8, B = 128: 164.9 against
+# Triton 205.6. Mamba-2 bf16 (L = 16): Mosaic 150.5 / 596.0 µs at B = 128 / 512, 1.01-1.02x
+# plain, against Triton's fold at 0.92-0.94x (B < 128 not measured). KDA fp32 (H = 32,
+# d = 128, L = 16): Mosaic 114.7 / 418.6 µs at B = 128 / 512 against Triton's fold 149.1 /
+# 588.8 (B < 128 not measured). GDN bf16 states stay on Triton (Mosaic 0.86x plain at B = 512).
+MOSAIC_FROM_BATCH: dict[tuple[str, int], int] = {("gdn", 4): 32, ("kda", 4): 128, ("mamba2", 4): 1,
+                                                 ("mamba2", 2): 128}
+# The fewest persistent CTAs per SM at which "auto" takes "mosaic_gpu" (every row above ran two or three).
+MOSAIC_MIN_CTAS_PER_SM = 2
 
 
 def _platform() -> str:
@@ -41,9 +49,19 @@ def decode_backend(config, batch: int, platform: str | None = None) -> str:
     if platform == "cpu":
         return "xla"
     start = MOSAIC_FROM_BATCH.get((config.gate, config.state_dtype.itemsize))
-    if platform == "hopper" and start is not None and batch >= start:
+    if platform == "hopper" and start is not None and batch >= start and mosaic_ctas_per_sm(config) >= \
+            MOSAIC_MIN_CTAS_PER_SM:
         return "mosaic_gpu"
     return "pallas_triton"
+
+
+def mosaic_ctas_per_sm(config) -> int:
+    """Persistent CTAs of the layer's Mosaic decode kernel that one SM's shared memory holds
+    (bf16 tokens, the exact rebuild's buffers: the 3xTF32 default never takes more)."""
+    # Imported here: `backends.mosaic_gpu` imports `plan`, which imports this module.
+    from replayssm_jax.backends import mosaic_gpu
+
+    return mosaic_gpu.fitting_programs(config, 512, jnp.bfloat16, sm_count=1)
 
 
 def verify_backend(config, platform: str | None = None) -> str:
