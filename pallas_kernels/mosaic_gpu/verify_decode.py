@@ -312,26 +312,39 @@ def window_coefficients(
 def _scratch(width, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y_dtype, swizzle, stages,
              readout="fma") -> list:
     """`[stages, shared, barriers, rows barrier]`: `stages` sets of a tile's replay buffers
-    (y `[T, BV]`), its window coefficients and the window's vectors (q and k `[T, d_k]`
-    twice, one copy per vector layout, v `[T, BV]`), the key-head group's `K k_i`, `K q_i`
-    (`store_window_keys`, `[2T, L]` fp32), a barrier per stage (ten copies) and one for
-    the fold's record copies. Those untiled copies share the stage's checkpoint-tile buffer
-    (a `plgpu.RefUnion`): a fold fetches them once `S_c` is in registers and is done with
-    them before it stores the folded tile there, and two stages of fp32 L = 16 buffers fit
-    twice per SM. The "mma" readout adds the window's raw vectors `[N, d_k]` per stage
-    (`window_vectors`, swizzled: its `wgmma` operand), an eleventh copy."""
+    (y `[T, BV]`), its window coefficients, the window's vectors for ROW loads (q and k
+    `[T, d_k]`: `window_keys`; v `[T, BV]`) and the readout's (`readout_scratch`), the
+    key-head group's `K k_i`, `K q_i` (`store_window_keys`, `[2T, L]` fp32), a barrier per
+    stage (`stage_copies`) and one for the fold's record copies. Those untiled copies share
+    the stage's checkpoint-tile buffer (a `plgpu.RefUnion`): a fold fetches them once `S_c`
+    is in registers and is done with them before it stores the folded tile there, and two
+    stages of fp32 L = 16 buffers fit twice per SM."""
     def stage():
         bufs = replay_scratch(BLOCK_ROWS, head_k_dim, cache_len, state_dtype, cache_dtype, (width, BLOCK_ROWS),
                               y_dtype, swizzle)
         bufs[0] = plgpu.RefUnion(bufs[0], record_copies(BLOCK_ROWS, head_k_dim, cache_len, cache_dtype))
-        vectors = [plgpu.SMEM((window_rows(width), head_k_dim), qk_dtype, transforms=tiled(128, qk_dtype))]
         return (bufs + [plgpu.SMEM(coefficient_shape(width), F32)]
-                + [plgpu.SMEM((width, head_k_dim), qk_dtype) for _ in range(4)]
-                + [plgpu.SMEM((width, BLOCK_ROWS), y_dtype)] + (vectors if readout == "mma" else []))
+                + [plgpu.SMEM((width, head_k_dim), qk_dtype) for _ in range(2)]
+                + [plgpu.SMEM((width, BLOCK_ROWS), y_dtype)] + readout_scratch(width, head_k_dim, qk_dtype, readout))
 
-    copies = 11 if readout == "mma" else 10
+    copies = stage_copies(readout)
     return [[stage() for _ in range(stages)], plgpu.SMEM((2 * width, cache_len), F32),
             plgpu.Barrier(num_arrivals=copies, num_barriers=stages), plgpu.Barrier(num_arrivals=2)]
+
+
+def readout_scratch(width: int, head_k_dim: int, qk_dtype, readout: str) -> list:
+    """The buffers a tile's readout reads: "fma", q and k `[T, d_k]` again for COL loads
+    (layout inference cannot give two layouts to loads of one buffer); "mma", the window's
+    raw vectors `[N, d_k]` (`window_vectors`, swizzled: the `wgmma` operand)."""
+    if readout == "mma":
+        return [plgpu.SMEM((window_rows(width), head_k_dim), qk_dtype, transforms=tiled(128, qk_dtype))]
+    return [plgpu.SMEM((width, head_k_dim), qk_dtype) for _ in range(2)]
+
+
+def stage_copies(readout: str) -> int:
+    """TMA copies per tile: its four replay buffers, the coefficients, q, k and v, and the
+    readout's (`readout_scratch`)."""
+    return 8 + (1 if readout == "mma" else 2)
 
 
 def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_ref, *refs,
@@ -351,11 +364,10 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
             copy_replay_tile((ckpt_ref, ucache_ref, kcache_ref, gcache_ref), (t_smem, u_smem, k_smem, g_smem),
                              slot, h, hk, rows, barrier)
             plgpu.copy_gmem_to_smem(coef_ref.at[b, h], c_smem, barrier)
-            # The window's vectors, each for loads in one layout (layout inference cannot
-            # give two layouts to loads of one buffer): per-position loads then hit shared
-            # memory instead of waiting on global memory one position after another.
-            sources = (q_ref.at[b, :, hk], k_ref.at[b, :, hk], q_ref.at[b, :, hk], k_ref.at[b, :, hk],
-                       v_ref.at[b, :, h, rows]) + ((xw_ref.at[b, hk],) if readout == "mma" else ())
+            # The window's vectors: per-position loads then hit shared memory instead of
+            # waiting on global memory one position after another.
+            readout_sources = (xw_ref.at[b, hk],) if readout == "mma" else (q_ref.at[b, :, hk], k_ref.at[b, :, hk])
+            sources = (q_ref.at[b, :, hk], k_ref.at[b, :, hk], v_ref.at[b, :, h, rows]) + readout_sources
             for src, dst in zip(sources, window_smem):
                 plgpu.copy_gmem_to_smem(src, dst, barrier)
 
@@ -363,7 +375,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
         _tile(b, h, tile, stages[stage], barriers.at[stage], fresh)
 
     def _tile(b, h, tile, bufs, barrier, fresh):
-        tile_buf, u_smem, k_smem, g_smem, o_smem, c_smem, q_cols, k_cols, q_rows, k_rows_w, v_rows, *x_smem = bufs
+        tile_buf, u_smem, k_smem, g_smem, o_smem, c_smem, q_rows, k_rows_w, v_rows, *readout_bufs = bufs
         t_smem, (u_rows, k_rows) = tuple(tile_buf)  # the record copies alias the tile
         hk = h // group_size
         rows = pl.ds(tile * BLOCK_ROWS, BLOCK_ROWS)
@@ -415,7 +427,8 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
             valid = plgpu.broadcasted_iota(jnp.int32, (cache_len,), 0, layout=COL) < history_len
 
             # "mma": `S_eff x` for all 2T raw vectors at once (column j: q_j, column T + j: k_j).
-            products = tile_products(s_eff, x_smem[0], parts) if readout == "mma" else None
+            products = tile_products(s_eff, readout_bufs[0], parts) if readout == "mma" else None
+            q_cols, k_cols = readout_bufs if readout == "fma" else (None, None)
 
             def tile_x(x_col):
                 """`S_eff x` `[BV]` (ROW) for x in COL, on CUDA cores."""
@@ -454,8 +467,8 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
                 @pl.when(in_window & (mode == MODE_APPEND) & (tile == 0) & (h % group_size == 0))
                 def _append_key():
                     key = k_col
-                    if key is None:
-                        key = k_scale(i) * plgpu.load(k_cols.at[i], layout=COL, optimized=False).astype(F32)
+                    if key is None:  # "mma": from global memory, on the one tile that stores it
+                        key = k_scale(i) * plgpu.load(k_ref.at[b, i, hk], layout=COL, optimized=False).astype(F32)
                     kcache_ref[slot, hk, base + i] = key.astype(kcache_ref.dtype)
 
             solve_positions(width, length, A, M, beta, v_rows, o_smem, read_k, read_q, append)
