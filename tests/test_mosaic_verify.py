@@ -113,15 +113,21 @@ def _ancestors(parents):
 @pytest.mark.parametrize("gate,params", [
     ("gdn", MosaicReplayParams()), ("kda", MosaicReplayParams()),
     ("gdn", MosaicReplayParams(programs=5, auto_barriers=False)),  # 12 tiles: 4 / 4 / 4 / 0 ... chunks of 2
+    ("gdn", MosaicReplayParams(readout="mma")), ("gdn", MosaicReplayParams(programs=5, auto_barriers=False,
+                                                                           readout="mma")),
 ])
 def test_verify_matches_the_float64_model(rng, gate, params, state_dtype):
     """GDN also as persistent CTAs without Mosaic's barriers: each CTA serves several tiles
-    of different rows and modes from two stages of buffers."""
+    of different rows and modes from two stages of buffers; and with the tensor-core
+    readout, whose `wgmma`s interpret mode replaces by dots of the same bf16 parts (bf16 q
+    and k, as it requires)."""
     kernel = verify_decode_kda_mgpu if gate == "kda" else verify_decode_mgpu
     ckpt, u_c, k_c, g_c, q, k, v, g, beta, parents = _inputs(rng, state_dtype, state_dtype, gate == "kda")
+    qk_dtype = jnp.bfloat16 if params.readout == "mma" else jnp.float32
+    q, k = (np.asarray(jnp.asarray(x, qk_dtype).astype(jnp.float32)) for x in (q, k))  # the model sees the rounding
     out = kernel(
         jnp.asarray(ckpt, state_dtype), jnp.asarray(u_c, state_dtype), jnp.asarray(k_c, state_dtype),
-        jnp.asarray(g_c), *(jnp.asarray(x) for x in (q, k, v, g, beta)),
+        jnp.asarray(g_c), jnp.asarray(q, qk_dtype), jnp.asarray(k, qk_dtype), *(jnp.asarray(x) for x in (v, g, beta)),
         jnp.asarray(SLOTS), jnp.asarray(POS), jnp.asarray(MODES), jnp.asarray(LENGTHS),
         jnp.asarray(_ancestors(parents), bool), use_qk_l2norm=True, params=params, interpret=True)
     want = _model(ckpt, u_c, k_c, g_c, q, k, v, g, beta, parents, state_dtype=state_dtype)

@@ -101,8 +101,9 @@ class MosaicReplayParams:
       readout: how the GDN verify kernel reads the checkpoint tile out on its window's 2T
         vectors: "fma" (default) as a row reduction per vector on CUDA cores; "mma" as
         `wgmma`s over all of them at once (`verify_decode.tile_products`: the tile split
-        into bf16 parts in registers against the raw 16-bit vectors, exact products, so
-        fp32 accuracy; opt-in, GPU only). The decode kernels read out with "fma".
+        into bf16 parts in registers against the raw bf16 q and k, exact products, so fp32
+        accuracy; opt-in; interpret mode computes the same products as dots). The decode
+        kernels read out with "fma".
     """
 
     swizzle: int = 128

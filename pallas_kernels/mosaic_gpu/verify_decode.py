@@ -19,10 +19,14 @@ ancestors and i, and q_i, k_i after the L2 norm and the scale:
 
 The scalars of these sums (the `T x T` products, decays and norms: `window_coefficients`,
 a few small XLA ops on `[B, T, H, d_k]` inputs) arrive packed per (row, value head); the
-kernel applies them to vectors. `S x` is read out as in `replay_decode` without forming S: `e^G S_c x + U^T (W * (K x))`
-over the row's `pos` valid cache entries (WGMMA-layout row and column reductions, records
-loaded transposed from swizzled buffers; entries at and past `pos` are masked with selects
-before any product). The checkpoint tile and the records are read once for all 2T vectors.
+kernel applies them to vectors. `S x` is read out as in `replay_decode` without forming S:
+`e^G S_c x + U^T (W * (K x))` over the row's `pos` valid cache entries (WGMMA-layout row and
+column reductions, records loaded transposed from swizzled buffers; entries at and past
+`pos` are masked with selects before any product). The checkpoint tile and the records are
+read once for all 2T vectors. The tile's part `S_c x` is a row reduction per vector
+(`MosaicReplayParams.readout = "fma"`, default) or, with "mma", one product `S_c X^T` for
+all 2T raw bf16 vectors on tensor cores (`tile_products`; the raw vectors staged by XLA,
+`window_vectors`).
 
 Row modes:
 - `MODE_APPEND`: the window's records go to `pos .. pos + length - 1`; the checkpoint is
@@ -232,12 +236,19 @@ def split_bf16(x, parts: int) -> list:
     return out
 
 
-def tile_products(s, x_smem, parts: int):
+def tile_products(s, x_smem, parts: int, *, interpret: bool = False):
     """`S X^T` `[BV, N]` in fp32 (WGMMA layout) on tensor cores: S `[BV, d_k]` (WGMMA, fp32,
     exact in `parts` bf16 parts) against the window's raw bf16 vectors X (`x_smem [N, d_k]`,
     K-major: `window_vectors`). Each part is a `wgmma` operand from registers; a bf16 times
     a bf16 is exact in fp32, so the products carry fp32 accuracy (the tensor cores' fp32
-    accumulation)."""
+    accumulation). `interpret`: the same parts and products as fp32 dots (interpret mode
+    runs no `wgmma`), so CPU tests cover everything around the instruction."""
+    if interpret:
+        x = x_smem[...].astype(F32)
+        dot = lambda part: lax.dot_general(part.astype(F32), x, (((1,), (1,)), ((), ())),
+                                           precision=lax.Precision.HIGHEST)
+        return sum(dot(part) for part in split_bf16(s, parts))
+
     def mma(acc_ref):  # returns nothing: `run_state` gives the accumulator's final value
         for part in split_bf16(s, parts):
             plgpu.wgmma(acc_ref, part, x_smem.T)
@@ -348,7 +359,7 @@ def stage_copies(readout: str) -> int:
 
 
 def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_ref, *refs,
-            width, group_size, tiles, num_programs, readout, parts):
+            width, group_size, tiles, num_programs, readout, parts, interpret):
     # Inputs, the window's raw vectors first with the "mma" readout; outputs; scratch.
     xw_ref, *refs = refs if readout == "mma" else (None, *refs)
     ckpt_ref, ucache_ref, kcache_ref, gcache_ref, y_ref, stages, shared_smem, barriers, rows_barrier = refs
@@ -427,7 +438,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
             valid = plgpu.broadcasted_iota(jnp.int32, (cache_len,), 0, layout=COL) < history_len
 
             # "mma": `S_eff x` for all 2T raw vectors at once (column j: q_j, column T + j: k_j).
-            products = tile_products(s_eff, readout_bufs[0], parts) if readout == "mma" else None
+            products = tile_products(s_eff, readout_bufs[0], parts, interpret=interpret) if readout == "mma" else None
             q_cols, k_cols = readout_bufs if readout == "fma" else (None, None)
 
             def tile_x(x_col):
@@ -524,7 +535,7 @@ def _build(batch, width, num_v_heads, head_v_dim, head_k_dim, cache_len, state_d
     tiles = head_v_dim // BLOCK_ROWS
     num_programs = min(programs, batch * num_v_heads * tiles)
     body = functools.partial(_kernel, width=width, group_size=group_size, tiles=tiles, num_programs=num_programs,
-                             readout=readout, parts=tile_parts(state_dtype))
+                             readout=readout, parts=tile_parts(state_dtype), interpret=interpret)
     scratch = _scratch(width, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y_dtype, swizzle,
                        STAGES if programs else 1, readout)
     check_smem(scratch, f"verify_decode_mgpu at T = {width}, cache_len = {cache_len}, d_k = {head_k_dim}")
@@ -596,9 +607,9 @@ def verify_decode_mgpu(
     check_params(params, "verify_decode_mgpu", pipelined=True)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    if params.readout == "mma" and (q.dtype != jnp.bfloat16 or interpret):
-        raise ValueError("readout='mma' multiplies bf16 parts of the tile by the raw window vectors on tensor "
-                         f"cores: it needs bf16 q and k (got {q.dtype}) and a GPU (interpret mode runs no wgmma)")
+    if params.readout == "mma" and q.dtype != jnp.bfloat16:
+        raise ValueError("readout='mma' multiplies bf16 parts of the tile by the raw window vectors: it needs bf16 "
+                         f"q and k, got {q.dtype}")
     length = length.astype(jnp.int32)
     coef = window_coefficients(q, k, g, beta, anc.astype(bool), length, use_qk_l2norm=bool(use_qk_l2norm),
                                scale=float(head_k_dim ** -0.5 if scale is None else scale))
