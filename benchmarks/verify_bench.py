@@ -113,7 +113,8 @@ def backend_params(backend: str, cfg: R.ReplayConfig, batch: int, width: int):
     """`(backend name, kernel_params)` of a `--backends` entry: a backend name, or for the GDN
     Mosaic verify kernel `mosaic_gpu:` and `+`-separated `MosaicReplayParams` fields
     (`programs=N` or `programs=fit`: as many persistent CTAs as fit on the device,
-    `auto_barriers=false`, `swizzle=64`); a plain name takes the backend's defaults."""
+    `auto_barriers=false`, `swizzle=64`, `readout=mma`); a plain name takes the backend's
+    defaults."""
     name, _, spec = backend.partition(":")
     if not spec:
         return name, None
@@ -124,7 +125,7 @@ def backend_params(backend: str, cfg: R.ReplayConfig, batch: int, width: int):
     if fields.get("programs") == "fit":
         fields["programs"] = verify_decode.persistent_programs(
             batch, width, cfg.num_v_heads, cfg.head_v_dim, cfg.head_k_dim, cfg.cache_len, cfg.state_dtype,
-            cfg.cache_dtype, jnp.bfloat16, mosaic_gpu.device_sm_count())
+            cfg.cache_dtype, jnp.bfloat16, mosaic_gpu.device_sm_count(), readout=fields.get("readout", "fma"))
     return name, MosaicReplayParams(**fields)
 
 

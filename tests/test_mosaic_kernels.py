@@ -268,6 +268,12 @@ def test_tensor_core_rebuild_refusals(rng):
         arrays = [jnp.asarray(x) for x in _inputs(rng, jnp.float32, jnp.float32, True)]
         replay_decode_kda_mgpu(*arrays, jnp.asarray(SLOTS), jnp.asarray(POS), jnp.asarray(MODES),
                                params=MosaicReplayParams(rebuild="3xtf32"), interpret=True)
+    # The tensor-core readout is the verify kernel's: both decode kernels refuse it.
+    for kernel, per_channel in ((replay_decode_mgpu, False), (replay_decode_kda_mgpu, True)):
+        with pytest.raises(ValueError, match="readout='fma' only"):
+            arrays = [jnp.asarray(x) for x in _inputs(rng, jnp.float32, jnp.float32, per_channel)]
+            kernel(*arrays, jnp.asarray(SLOTS), jnp.asarray(POS), jnp.asarray(MODES),
+                   params=MosaicReplayParams(readout="mma"), interpret=True)
 
 
 @pytest.mark.parametrize("kernel,per_channel,cache_len", [

@@ -20,7 +20,8 @@ import pytest
 from pallas_kernels import common
 from pallas_kernels.mosaic_gpu.mamba2_decode import MosaicMamba2Params
 from pallas_kernels.mosaic_gpu.replay_decode import MosaicReplayParams
-from pallas_kernels.mosaic_gpu.verify_decode import persistent_programs, verify_decode_mgpu
+from pallas_kernels.mosaic_gpu.verify_decode import (persistent_programs, split_bf16, tile_parts, verify_decode_mgpu,
+                                                     window_rows, window_vectors)
 from pallas_kernels.mosaic_gpu.verify_decode_kda import verify_decode_kda_mgpu
 
 NUM_SLOTS, H_K, H_V, D, L, T = 6, 1, 2, 64, 8, 3
@@ -112,15 +113,21 @@ def _ancestors(parents):
 @pytest.mark.parametrize("gate,params", [
     ("gdn", MosaicReplayParams()), ("kda", MosaicReplayParams()),
     ("gdn", MosaicReplayParams(programs=5, auto_barriers=False)),  # 12 tiles: 4 / 4 / 4 / 0 ... chunks of 2
+    ("gdn", MosaicReplayParams(readout="mma")), ("gdn", MosaicReplayParams(programs=5, auto_barriers=False,
+                                                                           readout="mma")),
 ])
 def test_verify_matches_the_float64_model(rng, gate, params, state_dtype):
     """GDN also as persistent CTAs without Mosaic's barriers: each CTA serves several tiles
-    of different rows and modes from two stages of buffers."""
+    of different rows and modes from two stages of buffers; and with the tensor-core
+    readout, whose `wgmma`s interpret mode replaces by dots of the same bf16 parts (bf16 q
+    and k, as it requires)."""
     kernel = verify_decode_kda_mgpu if gate == "kda" else verify_decode_mgpu
     ckpt, u_c, k_c, g_c, q, k, v, g, beta, parents = _inputs(rng, state_dtype, state_dtype, gate == "kda")
+    qk_dtype = jnp.bfloat16 if params.readout == "mma" else jnp.float32
+    q, k = (np.asarray(jnp.asarray(x, qk_dtype).astype(jnp.float32)) for x in (q, k))  # the model sees the rounding
     out = kernel(
         jnp.asarray(ckpt, state_dtype), jnp.asarray(u_c, state_dtype), jnp.asarray(k_c, state_dtype),
-        jnp.asarray(g_c), *(jnp.asarray(x) for x in (q, k, v, g, beta)),
+        jnp.asarray(g_c), jnp.asarray(q, qk_dtype), jnp.asarray(k, qk_dtype), *(jnp.asarray(x) for x in (v, g, beta)),
         jnp.asarray(SLOTS), jnp.asarray(POS), jnp.asarray(MODES), jnp.asarray(LENGTHS),
         jnp.asarray(_ancestors(parents), bool), use_qk_l2norm=True, params=params, interpret=True)
     want = _model(ckpt, u_c, k_c, g_c, q, k, v, g, beta, parents, state_dtype=state_dtype)
@@ -170,14 +177,62 @@ def test_lowers_for_an_abstract_h200(gate, state_dtype, cache_len, width, head_d
     assert "mosaic_gpu" in _lower_for_h200(gate, state_dtype, cache_len, width, head_dim)
 
 
-@pytest.mark.parametrize("state_dtype,cache_len,width,auto_barriers", [
-    (jnp.float32, 16, 4, True), (jnp.float32, 16, 4, False), (jnp.bfloat16, 32, 4, False)])
-def test_persistent_gdn_verify_lowers_for_an_abstract_h200(state_dtype, cache_len, width, auto_barriers):
-    """As many persistent CTAs as fit (132 SMs), with and without Mosaic's barriers."""
-    programs = persistent_programs(8, width, 32, 128, 128, cache_len, state_dtype, state_dtype, jnp.bfloat16, 132)
+@pytest.mark.parametrize("state_dtype,cache_len,width,auto_barriers,readout", [
+    (jnp.float32, 16, 4, True, "fma"), (jnp.float32, 16, 4, False, "fma"), (jnp.bfloat16, 32, 4, False, "fma"),
+    (jnp.float32, 16, 4, False, "mma"), (jnp.bfloat16, 32, 8, False, "mma")])
+def test_persistent_gdn_verify_lowers_for_an_abstract_h200(state_dtype, cache_len, width, auto_barriers, readout):
+    """As many persistent CTAs as fit (132 SMs), with and without Mosaic's barriers, and
+    with the tensor-core readout (which interpret mode cannot run: the GPU check of
+    `benchmarks/verify_bench.py` compares it with xla)."""
+    programs = persistent_programs(8, width, 32, 128, 128, cache_len, state_dtype, state_dtype, jnp.bfloat16, 132,
+                                   readout=readout)
     assert 1 <= programs <= 8 * 32 * 2
-    params = MosaicReplayParams(programs=programs, auto_barriers=auto_barriers)
+    params = MosaicReplayParams(programs=programs, auto_barriers=auto_barriers, readout=readout)
     assert "mosaic_gpu" in _lower_for_h200("gdn", state_dtype, cache_len, width, params=params)
+
+
+@pytest.mark.parametrize("state_dtype,cache_len,width", [(jnp.float32, 32, 2), (jnp.bfloat16, 16, 11)])
+def test_mma_readout_lowers_for_an_abstract_h200(state_dtype, cache_len, width):
+    """One CTA per tile; T = 2 (2T < 8: zero rows pad the window) and T = 11 (N = 24)."""
+    params = MosaicReplayParams(readout="mma")
+    assert "mosaic_gpu" in _lower_for_h200("gdn", state_dtype, cache_len, width, params=params)
+
+
+@pytest.mark.parametrize("dtype,parts", [(jnp.float32, 3), (jnp.float16, 2), (jnp.bfloat16, 1)])
+def test_bf16_parts_hold_the_tile_exactly(rng, dtype, parts):
+    """The "mma" readout's algebra (the kernel's `wgmma`s run on a GPU only): a state value
+    is the exact sum of `tile_parts` bf16 parts, so each part times a raw bf16 vector is
+    exact in fp32 and `S x` keeps the accuracy of fp32 sums; one part fewer loses it."""
+    assert tile_parts(dtype) == parts
+    s = (rng.standard_normal((64, 128)) * np.exp2(rng.integers(-8, 8, (64, 128)))).astype(np.float32)
+    s = np.asarray(jnp.asarray(s).astype(dtype).astype(jnp.float32), np.float64)
+    x = np.asarray(jnp.asarray(rng.standard_normal((128, 8)), jnp.bfloat16).astype(jnp.float32), np.float64)
+    split = [np.asarray(p.astype(jnp.float32), np.float64) for p in split_bf16(jnp.asarray(s, jnp.float32), parts)]
+    np.testing.assert_array_equal(sum(split), s)
+    # The parts' products against the tile's, both summed in float64: the same up to
+    # float64 rounding of the sums (2^-50 of the magnitudes summed).
+    scale = np.abs(s) @ np.abs(x)
+    assert np.max(np.abs(sum(p @ x for p in split) - s @ x) / scale) < 2.0 ** -50
+    if parts > 1:
+        short = sum(split[:-1])
+        assert np.max(np.abs(short - s) / np.abs(s)) > 2.0 ** -20, "the last part carries bits"
+
+
+def test_window_vectors_are_the_raw_rows_padded():
+    """Rows q_0 .. q_{T-1}, k_0 .. k_{T-1}, then zeros to a multiple of 8; positions at and
+    past a row's length are zeros (NaN there included)."""
+    B, width, hk, d = 2, 3, 2, 64
+    q = jnp.arange(B * width * hk * d, dtype=jnp.float32).reshape(B, width, hk, d).astype(jnp.bfloat16)
+    k = -q
+    q = q.at[1, 2].set(jnp.nan)
+    x = np.asarray(window_vectors(q, k, jnp.array([3, 2])).astype(jnp.float32))
+    assert x.shape == (B, hk, window_rows(width), d) == (2, 2, 8, 64)
+    np.testing.assert_array_equal(x[0, :, :3], np.moveaxis(np.asarray(q[0].astype(jnp.float32)), 0, 1))
+    np.testing.assert_array_equal(x[0, :, 3:6], np.moveaxis(np.asarray(k[0].astype(jnp.float32)), 0, 1))
+    np.testing.assert_array_equal(x[1, :, 2], 0.0)  # past row 1's length: its NaN dropped
+    np.testing.assert_array_equal(x[1, :, 5], 0.0)
+    np.testing.assert_array_equal(x[:, :, 6:], 0.0)
+    assert window_rows(11) == 24
 
 
 def test_persistent_verify_fits_shared_memory():
@@ -220,6 +275,11 @@ def test_refuses_shapes_it_cannot_take():
     with pytest.raises(ValueError, match="exact fp32 only"):  # persistent CTAs and barriers: its options
         verify_decode_mgpu(*args, *window(2), *rows, jnp.zeros((1, 2, 2), bool),
                            params=MosaicReplayParams(rebuild="tf32"))
+    with pytest.raises(ValueError, match="needs bf16 q and k"):  # fp32 q and k, and interpret mode
+        verify_decode_mgpu(*args, *window(2), *rows, jnp.zeros((1, 2, 2), bool),
+                           params=MosaicReplayParams(readout="mma"), interpret=True)
+    with pytest.raises(ValueError, match="readout must be one of"):
+        MosaicReplayParams(readout="wgmma")
 
 
 def test_kda_refuses_shapes_it_cannot_take():
@@ -242,6 +302,8 @@ def test_kda_refuses_shapes_it_cannot_take():
         verify_decode_kda_mgpu(*state(64), *window(2), *rows, anc(2), params=MosaicReplayParams(rebuild="tf32"))
     with pytest.raises(ValueError, match="programs must be 0"):
         verify_decode_kda_mgpu(*state(64), *window(2), *rows, anc(2), params=MosaicReplayParams(programs=4))
+    with pytest.raises(ValueError, match="readout='fma' only"):
+        verify_decode_kda_mgpu(*state(64), *window(2), *rows, anc(2), params=MosaicReplayParams(readout="mma"))
     # fp32 records of a 96-entry ring at d = 128 (with the weights W and the window) outgrow
     # a CTA's shared memory: a ValueError naming the size, not a failed compile.
     with pytest.raises(ValueError, match="bytes of shared memory per CTA"):

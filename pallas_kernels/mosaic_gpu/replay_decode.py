@@ -68,6 +68,7 @@ from pallas_kernels.mosaic_gpu.rebuild import (check_rebuild, check_rebuild_mode
                                                tile_with_operands)
 
 BLOCK_V = BLOCK_ROWS
+READOUTS = ("fma", "mma")
 
 
 
@@ -97,12 +98,19 @@ class MosaicReplayParams:
         every vector store and before every TMA copy; False leaves only the kernel's own
         (`commit_smem` before each TMA store, each shared buffer a thread rewrites, and
         each stage refill), which its access pattern needs.
+      readout: how the GDN verify kernel reads the checkpoint tile out on its window's 2T
+        vectors: "fma" (default) as a row reduction per vector on CUDA cores; "mma" as
+        `wgmma`s over all of them at once (`verify_decode.tile_products`: the tile split
+        into bf16 parts in registers against the raw bf16 q and k, exact products, so fp32
+        accuracy; opt-in; interpret mode computes the same products as dots). The decode
+        kernels read out with "fma".
     """
 
     swizzle: int = 128
     rebuild: str = "exact"
     programs: int = 0
     auto_barriers: bool = True
+    readout: str = "fma"
 
     def __post_init__(self) -> None:
         if self.swizzle not in (32, 64, 128):
@@ -110,6 +118,15 @@ class MosaicReplayParams:
         check_rebuild_mode(self.rebuild)
         if not isinstance(self.programs, int) or self.programs < 0:
             raise ValueError(f"programs must be an int >= 0, got {self.programs!r}")
+        if self.readout not in READOUTS:
+            raise ValueError(f"readout must be one of {READOUTS}, got {self.readout!r}")
+
+
+def check_fma_readout(params, kernel: str) -> None:
+    """Raise ValueError unless `params` reads out on CUDA cores ("mma" is the GDN verify
+    kernel's)."""
+    if params.readout != "fma":
+        raise ValueError(f"{kernel} reads out with readout='fma' only, got readout={params.readout!r}")
 
 
 def check_shapes(head_k_dim: int, head_v_dim: int, cache_len: int, state_itemsize: int,
@@ -443,6 +460,7 @@ def replay_decode_mgpu(
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     check_rebuild(params.rebuild, cache_len, interpret)
+    check_fma_readout(params, "replay_decode_mgpu")
     a_log, dt_bias = gate_params if gate_params is not None else (jnp.zeros((1,), F32),) * 2
     kernel = _build(
         batch, num_v_heads, head_v_dim, head_k_dim, cache_len, checkpoint.dtype, u_cache.dtype, q.dtype, v.dtype,

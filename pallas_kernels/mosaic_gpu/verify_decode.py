@@ -19,10 +19,14 @@ ancestors and i, and q_i, k_i after the L2 norm and the scale:
 
 The scalars of these sums (the `T x T` products, decays and norms: `window_coefficients`,
 a few small XLA ops on `[B, T, H, d_k]` inputs) arrive packed per (row, value head); the
-kernel applies them to vectors. `S x` is read out as in `replay_decode` without forming S: `e^G S_c x + U^T (W * (K x))`
-over the row's `pos` valid cache entries (WGMMA-layout row and column reductions, records
-loaded transposed from swizzled buffers; entries at and past `pos` are masked with selects
-before any product). The checkpoint tile and the records are read once for all 2T vectors.
+kernel applies them to vectors. `S x` is read out as in `replay_decode` without forming S:
+`e^G S_c x + U^T (W * (K x))` over the row's `pos` valid cache entries (WGMMA-layout row and
+column reductions, records loaded transposed from swizzled buffers; entries at and past
+`pos` are masked with selects before any product). The checkpoint tile and the records are
+read once for all 2T vectors. The tile's part `S_c x` is a row reduction per vector
+(`MosaicReplayParams.readout = "fma"`, default) or, with "mma", one product `S_c X^T` for
+all 2T raw bf16 vectors on tensor cores (`tile_products`; the raw vectors staged by XLA,
+`window_vectors`).
 
 Row modes:
 - `MODE_APPEND`: the window's records go to `pos .. pos + length - 1`; the checkpoint is
@@ -61,7 +65,7 @@ from jaxtyping import Array, Bool, Float, Int
 from pallas_kernels.common import L2NORM_EPS, MODE_APPEND, MODE_FLUSH, MODE_PAD
 from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA, bcast_cols, bcast_rows, col_sum,
                                                check_smem, copy_record_rows, copy_replay_tile, load_transposed,
-                                               record_copies, replay_scratch, row_sum, smem_bytes)
+                                               record_copies, replay_scratch, row_sum, smem_bytes, tiled)
 from pallas_kernels.mosaic_gpu.pipeline import STAGES, group_shared, programs_that_fit, serve_tiles, tile_grid
 from pallas_kernels.mosaic_gpu.replay_decode import MosaicReplayParams, check_shapes, decay_weights, rebuild_exact
 
@@ -193,6 +197,73 @@ def store_zeros(o_smem, y_ref, b, h, rows, width):
     plgpu.copy_smem_to_gmem(o_smem, y_ref.at[b, :, h, rows])
 
 
+def masked_window(q: Float[Array, "B T Hk Dk"], k: Float[Array, "B T Hk Dk"],
+                  length: Int[Array, " B"]) -> Float[Array, "B 2T Hk Dk"]:
+    """The window's raw q and k stacked along T (`[q_0 .. q_{T-1}, k_0 .. k_{T-1}]`), zeros
+    at and past each row's length (its inputs there, NaN included, are dropped)."""
+    in_window = jnp.arange(q.shape[1])[None, :] < length[:, None]
+    return jnp.where(jnp.tile(in_window, 2)[:, :, None, None], jnp.concatenate([q, k], axis=1), 0)
+
+
+def window_rows(width: int) -> int:
+    """N, the rows of `window_vectors`: 2T rounded up to a multiple of 8 (`wgmma`'s N)."""
+    return -(-2 * width // 8) * 8
+
+
+def window_vectors(q: Float[Array, "B T Hk Dk"], k: Float[Array, "B T Hk Dk"],
+                   length: Int[Array, " B"]) -> Float[Array, "B Hk N Dk"]:
+    """The "mma" readout's B operand per (row, key head): `masked_window`'s rows, then zero
+    rows up to `window_rows(T)`, in q's dtype."""
+    x = jnp.moveaxis(masked_window(q, k, length), 1, 2)  # [B, Hk, 2T, Dk]
+    return jnp.pad(x, ((0, 0), (0, 0), (0, window_rows(q.shape[1]) - x.shape[2]), (0, 0)))
+
+
+def tile_parts(state_dtype) -> int:
+    """How many bf16 parts hold a value of `state_dtype` exactly (8 significant bits each)."""
+    return -(-(jnp.finfo(state_dtype).nmant + 1) // 8)
+
+
+def split_bf16(x, parts: int) -> list:
+    """`parts` bf16 arrays whose sum is x: each the bf16 rounding of what the ones before
+    left (the remainder of a rounding is exact in fp32), so three carry an fp32 value's 24
+    significant bits and one a bf16 value."""
+    out, rest = [], x
+    for p in range(parts):
+        part = rest.astype(jnp.bfloat16)
+        out.append(part)
+        if p + 1 < parts:
+            rest = rest - part.astype(F32)
+    return out
+
+
+def tile_products(s, x_smem, parts: int, *, interpret: bool = False):
+    """`S X^T` `[BV, N]` in fp32 (WGMMA layout) on tensor cores: S `[BV, d_k]` (WGMMA, fp32,
+    exact in `parts` bf16 parts) against the window's raw bf16 vectors X (`x_smem [N, d_k]`,
+    K-major: `window_vectors`). Each part is a `wgmma` operand from registers; a bf16 times
+    a bf16 is exact in fp32, so the products carry fp32 accuracy (the tensor cores' fp32
+    accumulation). `interpret`: the same parts and products as fp32 dots (interpret mode
+    runs no `wgmma`), so CPU tests cover everything around the instruction."""
+    if interpret:
+        x = x_smem[...].astype(F32)
+        dot = lambda part: lax.dot_general(part.astype(F32), x, (((1,), (1,)), ((), ())),
+                                           precision=lax.Precision.HIGHEST)
+        return sum(dot(part) for part in split_bf16(s, parts))
+
+    def mma(acc_ref):  # returns nothing: `run_state` gives the accumulator's final value
+        for part in split_bf16(s, parts):
+            plgpu.wgmma(acc_ref, part, x_smem.T)
+            plgpu.wgmma_wait(0)  # the part's registers are read until its `wgmma` completes
+
+    zeros = plgpu.layout_cast(jnp.zeros((s.shape[0], x_smem.shape[0]), F32), WGMMA)
+    return pl.run_state(mma)(plgpu.ACC.init(zeros))
+
+
+def column(products, j: int):
+    """Column j of `[BV, N]` (WGMMA) as a ROW vector `[BV]`."""
+    cols = plgpu.broadcasted_iota(jnp.int32, products.shape, 1, layout=WGMMA)
+    return row_sum(jnp.where(cols == j, products, 0.0))
+
+
 def window_coefficients(
     q: Float[Array, "B T Hk Dk"],
     k: Float[Array, "B T Hk Dk"],
@@ -220,7 +291,7 @@ def window_coefficients(
     # One Gram matrix of the raw vectors [q; k] per (row, key head) gives the norms (its
     # diagonal) and every product the kernel needs, rescaled afterwards: one reduction
     # over d_k, where normalising first costs a reduction per norm and per product.
-    x = jnp.where(jnp.tile(in_window, 2)[:, :, None, None], jnp.concatenate([q, k], axis=1), 0)  # [B, 2T, Hk, Dk]
+    x = masked_window(q, k, length)  # [B, 2T, Hk, Dk]
     gram = jnp.einsum("bihc,bjhc->bhij", x, x, precision=lax.Precision.HIGHEST,
                       preferred_element_type=F32)  # [B, Hk, 2T, 2T]
     squares = jnp.diagonal(gram, axis1=2, axis2=3)  # [B, Hk, 2T]
@@ -249,32 +320,50 @@ def window_coefficients(
     return pack_coefficients([A, M, e_G, beta_t, g_t, *scales], width, GDN_VECTORS)
 
 
-def _scratch(width, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y_dtype, swizzle, stages) -> list:
+def _scratch(width, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y_dtype, swizzle, stages,
+             readout="fma") -> list:
     """`[stages, shared, barriers, rows barrier]`: `stages` sets of a tile's replay buffers
-    (y `[T, BV]`), its window coefficients and the window's vectors (q and k `[T, d_k]`
-    twice, one copy per vector layout, v `[T, BV]`), the key-head group's `K k_i`, `K q_i`
-    (`store_window_keys`, `[2T, L]` fp32), a barrier per stage (ten copies) and one for
-    the fold's record copies. Those untiled copies share the stage's checkpoint-tile buffer
-    (a `plgpu.RefUnion`): a fold fetches them once `S_c` is in registers and is done with
-    them before it stores the folded tile there, and two stages of fp32 L = 16 buffers fit
-    twice per SM."""
+    (y `[T, BV]`), its window coefficients, the window's vectors for ROW loads (q and k
+    `[T, d_k]`: `window_keys`; v `[T, BV]`) and the readout's (`readout_scratch`), the
+    key-head group's `K k_i`, `K q_i` (`store_window_keys`, `[2T, L]` fp32), a barrier per
+    stage (`stage_copies`) and one for the fold's record copies. Those untiled copies share
+    the stage's checkpoint-tile buffer (a `plgpu.RefUnion`): a fold fetches them once `S_c`
+    is in registers and is done with them before it stores the folded tile there, and two
+    stages of fp32 L = 16 buffers fit twice per SM."""
     def stage():
         bufs = replay_scratch(BLOCK_ROWS, head_k_dim, cache_len, state_dtype, cache_dtype, (width, BLOCK_ROWS),
                               y_dtype, swizzle)
         bufs[0] = plgpu.RefUnion(bufs[0], record_copies(BLOCK_ROWS, head_k_dim, cache_len, cache_dtype))
         return (bufs + [plgpu.SMEM(coefficient_shape(width), F32)]
-                + [plgpu.SMEM((width, head_k_dim), qk_dtype) for _ in range(4)]
-                + [plgpu.SMEM((width, BLOCK_ROWS), y_dtype)])
+                + [plgpu.SMEM((width, head_k_dim), qk_dtype) for _ in range(2)]
+                + [plgpu.SMEM((width, BLOCK_ROWS), y_dtype)] + readout_scratch(width, head_k_dim, qk_dtype, readout))
 
+    copies = stage_copies(readout)
     return [[stage() for _ in range(stages)], plgpu.SMEM((2 * width, cache_len), F32),
-            plgpu.Barrier(num_arrivals=10, num_barriers=stages), plgpu.Barrier(num_arrivals=2)]
+            plgpu.Barrier(num_arrivals=copies, num_barriers=stages), plgpu.Barrier(num_arrivals=2)]
 
 
-def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_ref,
-            ckpt_ref, ucache_ref, kcache_ref, gcache_ref,
-            y_ref,
-            stages, shared_smem, barriers, rows_barrier,
-            *, width, group_size, tiles, num_programs):
+def readout_scratch(width: int, head_k_dim: int, qk_dtype, readout: str) -> list:
+    """The buffers a tile's readout reads: "fma", q and k `[T, d_k]` again for COL loads
+    (layout inference cannot give two layouts to loads of one buffer); "mma", the window's
+    raw vectors `[N, d_k]` (`window_vectors`, swizzled: the `wgmma` operand)."""
+    if readout == "mma":
+        return [plgpu.SMEM((window_rows(width), head_k_dim), qk_dtype, transforms=tiled(128, qk_dtype))]
+    return [plgpu.SMEM((width, head_k_dim), qk_dtype) for _ in range(2)]
+
+
+def stage_copies(readout: str) -> int:
+    """TMA copies per tile: its four replay buffers, the coefficients, q, k and v, and the
+    readout's (`readout_scratch`)."""
+    return 8 + (1 if readout == "mma" else 2)
+
+
+def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_ref, *refs,
+            width, group_size, tiles, num_programs, readout, parts, interpret):
+    # Inputs, the window's raw vectors first with the "mma" readout; outputs; scratch.
+    xw_ref, *refs = refs if readout == "mma" else (None, *refs)
+    ckpt_ref, ucache_ref, kcache_ref, gcache_ref, y_ref, stages, shared_smem, barriers, rows_barrier = refs
+
     def issue(b, h, tile, stage):
         """Start the tile's copies into `stages[stage]` (none for padding rows)."""
         tile_buf, u_smem, k_smem, g_smem, _, c_smem, *window_smem = stages[stage]
@@ -286,11 +375,10 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
             copy_replay_tile((ckpt_ref, ucache_ref, kcache_ref, gcache_ref), (t_smem, u_smem, k_smem, g_smem),
                              slot, h, hk, rows, barrier)
             plgpu.copy_gmem_to_smem(coef_ref.at[b, h], c_smem, barrier)
-            # The window's vectors, each for loads in one layout (layout inference cannot
-            # give two layouts to loads of one buffer): per-position loads then hit shared
-            # memory instead of waiting on global memory one position after another.
-            sources = (q_ref.at[b, :, hk], k_ref.at[b, :, hk], q_ref.at[b, :, hk], k_ref.at[b, :, hk],
-                       v_ref.at[b, :, h, rows])
+            # The window's vectors: per-position loads then hit shared memory instead of
+            # waiting on global memory one position after another.
+            readout_sources = (xw_ref.at[b, hk],) if readout == "mma" else (q_ref.at[b, :, hk], k_ref.at[b, :, hk])
+            sources = (q_ref.at[b, :, hk], k_ref.at[b, :, hk], v_ref.at[b, :, h, rows]) + readout_sources
             for src, dst in zip(sources, window_smem):
                 plgpu.copy_gmem_to_smem(src, dst, barrier)
 
@@ -298,7 +386,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
         _tile(b, h, tile, stages[stage], barriers.at[stage], fresh)
 
     def _tile(b, h, tile, bufs, barrier, fresh):
-        tile_buf, u_smem, k_smem, g_smem, o_smem, c_smem, q_cols, k_cols, q_rows, k_rows_w, v_rows = bufs
+        tile_buf, u_smem, k_smem, g_smem, o_smem, c_smem, q_rows, k_rows_w, v_rows, *readout_bufs = bufs
         t_smem, (u_rows, k_rows) = tuple(tile_buf)  # the record copies alias the tile
         hk = h // group_size
         rows = pl.ds(tile * BLOCK_ROWS, BLOCK_ROWS)
@@ -349,21 +437,34 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
             u_t = jnp.where(j_tile < history_len, load_transposed(u_smem), 0.0)  # [BV, L], stale entries 0
             valid = plgpu.broadcasted_iota(jnp.int32, (cache_len,), 0, layout=COL) < history_len
 
-            def readout(x_col, k_x):
-                """`S x` `[BV]` (ROW) for x in COL, with `K x` `[L]` (COL)."""
+            # "mma": `S_eff x` for all 2T raw vectors at once (column j: q_j, column T + j: k_j).
+            products = tile_products(s_eff, readout_bufs[0], parts, interpret=interpret) if readout == "mma" else None
+            q_cols, k_cols = readout_bufs if readout == "fma" else (None, None)
+
+            def tile_x(x_col):
+                """`S_eff x` `[BV]` (ROW) for x in COL, on CUDA cores."""
+                return row_sum(s_eff * bcast_cols(x_col, s_eff.shape))
+
+            def live_x(s_x, k_x):
+                """`S x` `[BV]` (ROW) of the live state from `S_eff x` and `K x` `[L]` (COL)."""
                 c = jnp.where(valid, k_x * weights, 0.0)
-                history = row_sum(u_t * bcast_cols(c, u_t.shape))
-                return history + decay_eff * row_sum(s_eff * bcast_cols(x_col, s_eff.shape))
+                return row_sum(u_t * bcast_cols(c, u_t.shape)) + decay_eff * s_x
 
             A, M, e_G, beta, g, q_scale, k_scale = unpack_coefficients(c_smem, width, GDN_VECTORS)
             base = jnp.where(fold, 0, pos)
 
             def read_k(i, load):
+                k_x = k_scale(i) * key_sum(2 * i)
+                if readout == "mma":  # the key record is loaded by the append that stores it
+                    return e_G(i) * live_x(k_scale(i) * column(products, width + i), k_x), None
                 k_col = k_scale(i) * load(k_cols.at[i], COL)
-                return e_G(i) * readout(k_col, k_scale(i) * key_sum(2 * i)), k_col
+                return e_G(i) * live_x(tile_x(k_col), k_x), k_col
 
             def read_q(i, load):
-                return e_G(i) * readout(q_scale(i) * load(q_cols.at[i], COL), q_scale(i) * key_sum(2 * i + 1))
+                q_x = q_scale(i) * key_sum(2 * i + 1)
+                if readout == "mma":
+                    return e_G(i) * live_x(q_scale(i) * column(products, i), q_x)
+                return e_G(i) * live_x(tile_x(q_scale(i) * load(q_cols.at[i], COL)), q_x)
 
             def append(i, in_window, u_i, k_col):
                 @pl.when(in_window)
@@ -376,7 +477,10 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
 
                 @pl.when(in_window & (mode == MODE_APPEND) & (tile == 0) & (h % group_size == 0))
                 def _append_key():
-                    kcache_ref[slot, hk, base + i] = k_col.astype(kcache_ref.dtype)
+                    key = k_col
+                    if key is None:  # "mma": from global memory, on the one tile that stores it
+                        key = k_scale(i) * plgpu.load(k_ref.at[b, i, hk], layout=COL, optimized=False).astype(F32)
+                    kcache_ref[slot, hk, base + i] = key.astype(kcache_ref.dtype)
 
             solve_positions(width, length, A, M, beta, v_rows, o_smem, read_k, read_q, append)
             # After the tile's store: the persistent loop leaves only the newest store in flight.
@@ -390,12 +494,15 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
 def check_params(params, kernel: str, *, pipelined: bool = False) -> None:
     """Raise ValueError on the decode kernels' options a verify kernel does not take: it
     rebuilds folds in exact fp32 and, unless `pipelined` (the GDN kernel), runs one CTA per
-    tile and keeps Mosaic's barriers. `params`: a `MosaicReplayParams`, or a
-    `MosaicMamba2Params` (which has no rebuild option: the Mamba-2 rebuild is exact)."""
+    tile and keeps Mosaic's barriers, and reads out on CUDA cores ("mma" is the GDN kernel's,
+    `pipelined`). `params`: a `MosaicReplayParams`, or a `MosaicMamba2Params` (which has no
+    rebuild or readout option: the Mamba-2 rebuild is exact)."""
     if getattr(params, "rebuild", "exact") != "exact":
         raise ValueError(f"{kernel} rebuilds in exact fp32 only, got rebuild={params.rebuild!r}")
     if pipelined:
         return
+    if getattr(params, "readout", "fma") != "fma":
+        raise ValueError(f"{kernel} reads out with readout='fma' only, got readout={params.readout!r}")
     if params.programs:
         raise ValueError(f"{kernel} runs one CTA per tile: programs must be 0, got {params.programs}")
     if not params.auto_barriers:
@@ -405,31 +512,32 @@ def check_params(params, kernel: str, *, pipelined: bool = False) -> None:
 
 
 def persistent_smem_bytes(width: int, head_k_dim: int, cache_len: int, state_dtype, cache_dtype, token_dtype, *,
-                          swizzle: int = 128) -> int:
+                          swizzle: int = 128, readout: str = "fma") -> int:
     """Shared memory of one persistent verify CTA (two stages; `token_dtype`: q, k, v and y's)."""
     return smem_bytes(_scratch(width, head_k_dim, cache_len, state_dtype, cache_dtype, token_dtype, token_dtype,
-                               swizzle, STAGES))
+                               swizzle, STAGES, readout))
 
 
 def persistent_programs(batch: int, width: int, num_v_heads: int, head_v_dim: int, head_k_dim: int,
                         cache_len: int, state_dtype, cache_dtype, token_dtype, sm_count: int, *,
-                        swizzle: int = 128) -> int:
+                        swizzle: int = 128, readout: str = "fma") -> int:
     """`MosaicReplayParams.programs` for the verify kernel on a device of `sm_count` SMs: as
     many persistent CTAs per SM as its two stages fit in shared memory (`token_dtype`: q,
     k, v and y's)."""
     cta_bytes = persistent_smem_bytes(width, head_k_dim, cache_len, state_dtype, cache_dtype, token_dtype,
-                                      swizzle=swizzle)
+                                      swizzle=swizzle, readout=readout)
     return programs_that_fit(cta_bytes, sm_count, batch * num_v_heads * (head_v_dim // BLOCK_ROWS))
 
 
 @functools.lru_cache(maxsize=None)
 def _build(batch, width, num_v_heads, head_v_dim, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y_dtype,
-           group_size, swizzle, programs, auto_barriers, interpret):
+           group_size, swizzle, programs, auto_barriers, readout, interpret):
     tiles = head_v_dim // BLOCK_ROWS
     num_programs = min(programs, batch * num_v_heads * tiles)
-    body = functools.partial(_kernel, width=width, group_size=group_size, tiles=tiles, num_programs=num_programs)
+    body = functools.partial(_kernel, width=width, group_size=group_size, tiles=tiles, num_programs=num_programs,
+                             readout=readout, parts=tile_parts(state_dtype), interpret=interpret)
     scratch = _scratch(width, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y_dtype, swizzle,
-                       STAGES if programs else 1)
+                       STAGES if programs else 1, readout)
     check_smem(scratch, f"verify_decode_mgpu at T = {width}, cache_len = {cache_len}, d_k = {head_k_dim}")
     return plgpu.kernel(
         body,
@@ -475,8 +583,9 @@ def verify_decode_mgpu(
       length: per row the valid window length in [0, T] (`pos + length <= L` unless folding).
       anc: `[B, T, T]` bool, True where position j precedes position i on i's branch.
       use_qk_l2norm, scale: as `replay_decode_mgpu`.
-      params: the checkpoint tile's swizzle, persistent CTAs and automatic barriers
-        (`MosaicReplayParams`; the rebuild is exact fp32).
+      params: the checkpoint tile's swizzle, persistent CTAs, automatic barriers and readout
+        (`MosaicReplayParams`; the rebuild is exact fp32; readout "mma" takes bf16 q and k
+        and a GPU).
       interpret: run in Mosaic GPU interpret mode (default: off GPU).
 
     Returns:
@@ -498,6 +607,9 @@ def verify_decode_mgpu(
     check_params(params, "verify_decode_mgpu", pipelined=True)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
+    if params.readout == "mma" and q.dtype != jnp.bfloat16:
+        raise ValueError("readout='mma' multiplies bf16 parts of the tile by the raw window vectors: it needs bf16 "
+                         f"q and k, got {q.dtype}")
     length = length.astype(jnp.int32)
     coef = window_coefficients(q, k, g, beta, anc.astype(bool), length, use_qk_l2norm=bool(use_qk_l2norm),
                                scale=float(head_k_dim ** -0.5 if scale is None else scale))
@@ -505,8 +617,9 @@ def verify_decode_mgpu(
         raise ValueError(f"q and k must share a dtype, got {q.dtype} and {k.dtype}")
     kernel = _build(batch, width, num_v_heads, head_v_dim, head_k_dim, cache_len, checkpoint.dtype, u_cache.dtype,
                     q.dtype, v.dtype, num_v_heads // q.shape[2], params.swizzle, params.programs,
-                    params.auto_barriers, bool(interpret))
+                    params.auto_barriers, params.readout, bool(interpret))
     refs = [jax.new_ref(x) for x in (checkpoint, u_cache, k_cache, g_cache)]
     i32 = lambda x: x.astype(jnp.int32)
-    y = kernel(i32(slot), i32(pos), i32(mode), length, q, k, v, coef, *refs)
+    vectors = [window_vectors(q, k, length)] if params.readout == "mma" else []
+    y = kernel(i32(slot), i32(pos), i32(mode), length, q, k, v, coef, *vectors, *refs)
     return (y, *(jax.freeze(r) for r in refs))
