@@ -584,8 +584,8 @@ def verify_decode_mgpu(
       anc: `[B, T, T]` bool, True where position j precedes position i on i's branch.
       use_qk_l2norm, scale: as `replay_decode_mgpu`.
       params: the checkpoint tile's swizzle, persistent CTAs, automatic barriers and readout
-        (`MosaicReplayParams`; the rebuild is exact fp32; readout "mma" takes bf16 q and k
-        and a GPU).
+        (`MosaicReplayParams`; the rebuild is exact fp32; readout "mma" takes bf16 q and k,
+        and interpret mode computes its products as dots).
       interpret: run in Mosaic GPU interpret mode (default: off GPU).
 
     Returns:
