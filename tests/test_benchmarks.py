@@ -157,13 +157,15 @@ def test_verify_bench_smoke_writes_its_rows(tmp_path, gate):
 
 def test_verify_bench_runs_mosaic_kernel_options(tmp_path):
     """A `mosaic_gpu:` backend entry runs the GDN verify kernel as persistent CTAs without
-    Mosaic's barriers, checked against xla and timed beside the default."""
-    variant = "mosaic_gpu:programs=fit+auto_barriers=false"
+    Mosaic's barriers and with the tensor-core readout (its products as dots in interpret
+    mode), checked against xla and timed beside the default."""
+    variant = "mosaic_gpu:programs=fit+auto_barriers=false+readout=mma"
     result = verify_bench.main(["--smoke", "--batches", "2", "--cache-lens", "8", "--widths", "2",
                                 "--backends", f"mosaic_gpu,{variant}", "--out", str(tmp_path / "v.json")])
     (row,) = result["rows"]
     assert row["backends"][variant]["kernel_params"] == dict(swizzle=128, rebuild="exact", programs=4,
-                                                             auto_barriers=False)  # 2 rows x 2 heads x 1 tile
+                                                             auto_barriers=False,  # 2 rows x 2 heads x 1 tile
+                                                             readout="mma")
     assert row["backends"][variant]["nonflush_us"] > 0
     errors = result["check"]["backends"][variant]
     assert errors.pop("write_pos_equal") and max(errors.values()) < 1e-4, errors
