@@ -67,7 +67,8 @@ from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA,
                                                check_smem, copy_record_rows, copy_replay_tile, load_transposed,
                                                record_copies, replay_scratch, row_sum, smem_bytes, tiled)
 from pallas_kernels.mosaic_gpu.pipeline import STAGES, group_shared, programs_that_fit, serve_tiles, tile_grid
-from pallas_kernels.mosaic_gpu.replay_decode import MosaicReplayParams, check_shapes, decay_weights, rebuild_exact
+from pallas_kernels.mosaic_gpu.replay_decode import (MosaicReplayParams, check_fma_readout, check_shapes, decay_weights,
+                                                     rebuild_exact)
 
 MAX_WIDTH = 16  # the window is unrolled in the kernel: code size grows as T^2
 
@@ -501,8 +502,7 @@ def check_params(params, kernel: str, *, pipelined: bool = False) -> None:
         raise ValueError(f"{kernel} rebuilds in exact fp32 only, got rebuild={params.rebuild!r}")
     if pipelined:
         return
-    if getattr(params, "readout", "fma") != "fma":
-        raise ValueError(f"{kernel} reads out with readout='fma' only, got readout={params.readout!r}")
+    check_fma_readout(params, kernel)
     if params.programs:
         raise ValueError(f"{kernel} runs one CTA per tile: programs must be 0, got {params.programs}")
     if not params.auto_barriers:

@@ -49,8 +49,8 @@ def decode_backend(config, batch: int, platform: str | None = None) -> str:
     if platform == "cpu":
         return "xla"
     start = MOSAIC_FROM_BATCH.get((config.gate, config.state_dtype.itemsize))
-    if platform == "hopper" and start is not None and batch >= start and mosaic_ctas_per_sm(config) >= \
-            MOSAIC_MIN_CTAS_PER_SM:
+    measured = platform == "hopper" and start is not None and batch >= start
+    if measured and mosaic_ctas_per_sm(config) >= MOSAIC_MIN_CTAS_PER_SM:
         return "mosaic_gpu"
     return "pallas_triton"
 

@@ -18,11 +18,10 @@ from jaxtyping import Array, Float
 
 from pallas_kernels import common
 from pallas_kernels.mosaic_gpu import mamba2_decode, replay_decode_kda, verify_decode
-from pallas_kernels.mosaic_gpu.layouts import BLOCK_ROWS
 from pallas_kernels.mosaic_gpu.mamba2_decode import MosaicMamba2Params, mamba2_replay_decode_mgpu
 from pallas_kernels.mosaic_gpu.replay_decode import (MosaicReplayParams, check_shapes, persistent_programs,
                                                      replay_decode_mgpu)
-from pallas_kernels.mosaic_gpu.pipeline import ctas_per_sm, programs_that_fit
+from pallas_kernels.mosaic_gpu.pipeline import ctas_per_sm
 from pallas_kernels.mosaic_gpu.replay_decode_kda import check_kda_shapes, replay_decode_kda_mgpu
 from replayssm_jax.plan import StepPlan
 from replayssm_jax.state import ReplayState
@@ -82,8 +81,10 @@ def verify_default_params(cfg, batch: int, width: int, token_dtype) -> MosaicRep
                                                     cfg.cache_dtype, token_dtype)
     if ctas_per_sm(cta_bytes) < 2:
         return MosaicReplayParams()
-    tiles = batch * cfg.num_v_heads * (cfg.head_v_dim // BLOCK_ROWS)
-    return MosaicReplayParams(programs=programs_that_fit(cta_bytes, device_sm_count(), tiles), auto_barriers=False)
+    programs = verify_decode.persistent_programs(batch, width, cfg.num_v_heads, cfg.head_v_dim, cfg.head_k_dim,
+                                                 cfg.cache_len, cfg.state_dtype, cfg.cache_dtype, token_dtype,
+                                                 device_sm_count())
+    return MosaicReplayParams(programs=programs, auto_barriers=False)
 
 
 def check_config(cfg) -> None:
