@@ -245,16 +245,18 @@ def test_persistent_verify_fits_shared_memory():
 
 
 def test_backend_verify_defaults():
-    """GDN verifies on persistent CTAs where two fit per SM (fp32 L = 16, T = 4: measured 2.0x
-    conventional verify against 1.6x with one CTA per tile), one CTA per tile where one
-    would (fp32 L = 32: 0.94x against 1.35x); KDA and Mamba-2 one CTA per tile."""
+    """GDN verifies with the tensor-core readout where q and k are bf16 (measured faster at
+    fp32 and bf16 states), on persistent CTAs where two fit per SM (fp32 L = 16, T = 4),
+    one CTA per tile where one would (fp32 L = 32: measured faster); KDA and Mamba-2 one
+    CTA per tile on CUDA cores."""
     from replayssm_jax import ReplayConfig
     from replayssm_jax.backends import mosaic_gpu
 
     gdn = lambda L: ReplayConfig(16, 32, 128, 128, L)
     assert mosaic_gpu.verify_default_params(gdn(16), 512, 4, jnp.bfloat16) == MosaicReplayParams(
-        programs=264, auto_barriers=False)
-    assert mosaic_gpu.verify_default_params(gdn(32), 512, 4, jnp.bfloat16) == MosaicReplayParams()
+        programs=264, auto_barriers=False, readout="mma")
+    assert mosaic_gpu.verify_default_params(gdn(32), 512, 4, jnp.bfloat16) == MosaicReplayParams(readout="mma")
+    assert mosaic_gpu.verify_default_params(gdn(16), 512, 4, jnp.float32).readout == "fma"  # mma needs bf16 q, k
     assert mosaic_gpu.verify_default_params(ReplayConfig(32, 32, 128, 128, 16, gate="kda"), 512, 4,
                                             jnp.bfloat16) == MosaicReplayParams()
     assert mosaic_gpu.verify_default_params(ReplayConfig.mamba2(128, 64, 128, 8, 16), 512, 4,

@@ -102,8 +102,8 @@ class MosaicReplayParams:
         vectors: "fma" (default) as a row reduction per vector on CUDA cores; "mma" as
         `wgmma`s over all of them at once (`verify_decode.tile_products`: the tile split
         into bf16 parts in registers against the raw bf16 q and k, exact products, so fp32
-        accuracy; opt-in; interpret mode computes the same products as dots). The decode
-        kernels read out with "fma".
+        accuracy; the backend's verify default for bf16 q and k; interpret mode computes
+        the same products as dots). The decode kernels read out with "fma".
     """
 
     swizzle: int = 128

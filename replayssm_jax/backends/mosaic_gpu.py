@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from pallas_kernels import common
@@ -67,24 +68,26 @@ def default_params(cfg, batch: int, token_dtype, *, interpret: bool | None = Non
 
 
 def verify_default_params(cfg, batch: int, width: int, token_dtype) -> MosaicReplayParams | MosaicMamba2Params:
-    """The verify kernel's parameters when the caller gives none. GDN: persistent CTAs
-    without Mosaic's barriers where two or more fit per SM (the next tile's copies then
-    hide behind another CTA's work: 2.0x conventional verify against 1.6x with one CTA per
-    tile at fp32, L = 16, T = 4, B = 512 on the H200), else one CTA per tile (one
-    persistent CTA per SM measured 0.94x at L = 32); KDA and Mamba-2: one CTA per tile
-    (their verify kernels have no persistent form)."""
+    """The verify kernel's parameters when the caller gives none. GDN: the tensor-core
+    readout where q and k are bf16 (`readout="mma"`: on the H200 at T = 4, B = 512 the
+    non-flush step went 907 -> 803 µs at fp32, L = 16, and 1112 -> 732 µs with a bf16
+    state), and persistent CTAs without Mosaic's barriers where two or more fit per SM
+    (the next tile's copies then hide behind another CTA's work), else one CTA per tile
+    (one persistent CTA per SM measured slower at L = 32); KDA and Mamba-2: one CTA per
+    tile on CUDA cores (their verify kernels have no persistent form)."""
     if cfg.gate == "mamba2":
         return MosaicMamba2Params()
     if cfg.per_channel_gate:
         return MosaicReplayParams()
+    readout = "mma" if jnp.dtype(token_dtype) == jnp.bfloat16 else "fma"
     cta_bytes = verify_decode.persistent_smem_bytes(width, cfg.head_k_dim, cfg.cache_len, cfg.state_dtype,
-                                                    cfg.cache_dtype, token_dtype)
+                                                    cfg.cache_dtype, token_dtype, readout=readout)
     if ctas_per_sm(cta_bytes) < 2:
-        return MosaicReplayParams()
+        return MosaicReplayParams(readout=readout)
     programs = verify_decode.persistent_programs(batch, width, cfg.num_v_heads, cfg.head_v_dim, cfg.head_k_dim,
                                                  cfg.cache_len, cfg.state_dtype, cfg.cache_dtype, token_dtype,
-                                                 device_sm_count())
-    return MosaicReplayParams(programs=programs, auto_barriers=False)
+                                                 device_sm_count(), readout=readout)
+    return MosaicReplayParams(programs=programs, auto_barriers=False, readout=readout)
 
 
 def check_config(cfg) -> None:
