@@ -160,8 +160,8 @@ def normwise(a, b) -> float:
 def mosaic_params(spec: str, cfg: R.ReplayConfig, batch: int):
     """The Mosaic params of a variant spec: `default` (None: the backend's
     `default_params`), or comma-separated fields of the gate's params class (`programs=N`
-    or `programs=fit`, `rebuild=tf32`, `swizzle=64`, `auto_barriers=false`; the others at
-    the class's defaults)."""
+    or `programs=fit`, `rebuild=tf32`, `swizzle=64`, `auto_barriers=false`, `readout=mma`;
+    the others at the class's defaults)."""
     if spec == "default":
         return None
     cls = MosaicMamba2Params if cfg.gate_kind.additive else MosaicReplayParams
@@ -169,8 +169,8 @@ def mosaic_params(spec: str, cfg: R.ReplayConfig, batch: int):
     fields = dict((name, parse(value)) for name, value in
                   (item.split("=") for item in spec.split(",")))
     if fields.get("programs") == "fit":
-        fields["programs"] = mosaic_gpu.fitting_programs(cfg, batch, jnp.bfloat16,
-                                                        rebuild=fields.get("rebuild", "exact"))
+        fields["programs"] = mosaic_gpu.fitting_programs(cfg, batch, jnp.bfloat16, rebuild=fields.get("rebuild", "exact"),
+                                                        readout=fields.get("readout", "fma"))
     return cls(**fields)
 
 

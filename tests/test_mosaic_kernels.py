@@ -95,19 +95,29 @@ def _inputs(rng, state_dtype, cache_dtype, per_channel, d_v=D):
 
 @pytest.mark.parametrize("state_dtype,cache_dtype", [(jnp.float32, jnp.float32), (jnp.bfloat16, jnp.bfloat16)])
 @pytest.mark.parametrize("l2norm,raw", [(True, False), (False, True)])
-@pytest.mark.parametrize("gate,programs,d_v", [("gdn", 0, D), ("gdn", 3, D), ("kda", 0, D), ("kda", 3, D),
-                                               ("kda", 3, 2 * D), ("kda", 7, 2 * D)])
-def test_step_matches_the_float64_model(rng, gate, programs, d_v, state_dtype, cache_dtype, l2norm, raw):
+@pytest.mark.parametrize("gate,programs,d_v,readout,grouped", [
+    ("gdn", 0, D, "fma", None), ("gdn", 3, D, "fma", None), ("gdn", 3, D, "fma", True), ("gdn", 0, D, "mma", True),
+    ("gdn", 3, D, "mma", None), ("gdn", 3, D, "mma", True), ("kda", 0, D, "fma", None), ("kda", 3, D, "fma", None),
+    ("kda", 3, 2 * D, "fma", None), ("kda", 7, 2 * D, "fma", None)])
+def test_step_matches_the_float64_model(rng, gate, programs, d_v, readout, grouped, state_dtype, cache_dtype, l2norm,
+                                        raw):
     """programs = 3: persistent CTAs over the 10 tiles (4, 3 and 3 each, in chunks of 3:
     both stages, an odd and an even count, chunks that cross rows, padding and flush tiles
     among them). KDA at d_v = 64: every tile its own value head, so every tile fresh, each
     one's key and decay records copied while the tile before it is computed; at d_v = 128
     a value head's second tile reads the head's values its first tile computed (20 tiles in
-    chunks of two; 7 programs: two or three chunks each, stages out of step with chunks)."""
+    chunks of two; 7 programs: two or three chunks each, stages out of step with chunks).
+    GDN copies its key records with every tile (the default at these shapes) or once per
+    group (`group_records=True`, as at fp32 rings of 32).
+    GDN's "mma" readout takes bf16 q and k (the model gets the same rounded values): its
+    `wgmma`s run in interpret mode as dots of the same bf16 parts (a bf16 tile from its
+    buffer), so the staging, the product's columns and the flush's tile load are tested."""
     per_channel = gate == "kda"
     kernel = functools.partial(replay_decode_kda_mgpu if per_channel else replay_decode_mgpu,
-                               params=MosaicReplayParams(programs=programs))
+                               params=MosaicReplayParams(programs=programs, readout=readout, group_records=grouped))
     ckpt, u_c, k_c, g_c, q, k, v, g, beta = _inputs(rng, state_dtype, cache_dtype, per_channel, d_v)
+    qk_dtype = jnp.bfloat16 if readout == "mma" else jnp.float32
+    q, k = (np.asarray(jnp.asarray(x, qk_dtype).astype(jnp.float32)) for x in (q, k))
     a_log = rng.standard_normal(H_V).astype(np.float32) * 0.3
     dt_bias = rng.standard_normal((H_V, D) if per_channel else H_V).astype(np.float32)
     if raw:
@@ -115,8 +125,8 @@ def test_step_matches_the_float64_model(rng, gate, programs, d_v, state_dtype, c
         g[MODES == common.MODE_PAD] = np.nan
     out = kernel(
         jnp.asarray(ckpt, state_dtype), jnp.asarray(u_c, cache_dtype), jnp.asarray(k_c, cache_dtype),
-        jnp.asarray(g_c), jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(g), jnp.asarray(beta),
-        jnp.asarray(SLOTS), jnp.asarray(POS), jnp.asarray(MODES), use_qk_l2norm=l2norm,
+        jnp.asarray(g_c), jnp.asarray(q, qk_dtype), jnp.asarray(k, qk_dtype), jnp.asarray(v), jnp.asarray(g),
+        jnp.asarray(beta), jnp.asarray(SLOTS), jnp.asarray(POS), jnp.asarray(MODES), use_qk_l2norm=l2norm,
         gate_params=(jnp.asarray(a_log), jnp.asarray(dt_bias)) if raw else None, interpret=True)
     want = _model_step(ckpt, u_c, k_c, g_c, q, k, v, g, beta, a_log, dt_bias, l2norm=l2norm, raw=raw)
     # fp32: the model's float64 sums vs fp32 FMAs in another order, relative ~1e-6 of the
@@ -162,6 +172,21 @@ def test_lowers_for_an_abstract_h200(state_dtype, cache_dtype, cache_len, raw, p
     text = _lower_for_h200(replay_decode_mgpu, state_dtype, cache_dtype, cache_len, raw, per_channel=False,
                            params=MosaicReplayParams(programs=programs))
     assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("state_dtype,cache_len,params", [
+    (jnp.float32, 16, MosaicReplayParams(readout="mma")),
+    (jnp.float32, 16, MosaicReplayParams(programs=264, auto_barriers=False, rebuild="3xtf32", readout="mma")),
+    (jnp.bfloat16, 16, MosaicReplayParams(programs=264, auto_barriers=False, rebuild="3xtf32", readout="mma")),
+    (jnp.bfloat16, 32, MosaicReplayParams(readout="mma")),
+    (jnp.float32, 32, MosaicReplayParams(programs=264, auto_barriers=False, rebuild="3xtf32", readout="mma")),
+])
+def test_the_tensor_core_readout_lowers_for_an_abstract_h200(state_dtype, cache_len, params):
+    """GDN's "mma" readout: `wgmma`s from the tile's three bf16 register parts (fp32 state)
+    or from its swizzled buffer (bf16 state) against the staged raw q and k."""
+    text = _lower_for_h200(replay_decode_mgpu, state_dtype, state_dtype, cache_len, True, per_channel=False,
+                           params=params)
+    assert "wgmma" in text
 
 
 @pytest.mark.parametrize("state_dtype,cache_dtype,cache_len,raw,head_dim,params", [
@@ -268,9 +293,16 @@ def test_tensor_core_rebuild_refusals(rng):
         arrays = [jnp.asarray(x) for x in _inputs(rng, jnp.float32, jnp.float32, True)]
         replay_decode_kda_mgpu(*arrays, jnp.asarray(SLOTS), jnp.asarray(POS), jnp.asarray(MODES),
                                params=MosaicReplayParams(rebuild="3xtf32"), interpret=True)
-    # The tensor-core readout is the verify kernel's: both decode kernels refuse it.
-    for kernel, per_channel in ((replay_decode_mgpu, False), (replay_decode_kda_mgpu, True)):
-        with pytest.raises(ValueError, match="readout='fma' only"):
+    with pytest.raises(ValueError, match="group_records must be None"):  # KDA lays out its records itself
+        arrays = [jnp.asarray(x) for x in _inputs(rng, jnp.float32, jnp.float32, True)]
+        replay_decode_kda_mgpu(*arrays, jnp.asarray(SLOTS), jnp.asarray(POS), jnp.asarray(MODES),
+                               params=MosaicReplayParams(group_records=True), interpret=True)
+    with pytest.raises(ValueError, match="group_records must be None, True or False"):
+        MosaicReplayParams(group_records=1)
+    # The tensor-core readout: GDN's needs bf16 q and k; the KDA kernel refuses it.
+    for kernel, per_channel, match in ((replay_decode_mgpu, False, "needs bf16 q and k"),
+                                       (replay_decode_kda_mgpu, True, "readout='fma' only")):
+        with pytest.raises(ValueError, match=match):
             arrays = [jnp.asarray(x) for x in _inputs(rng, jnp.float32, jnp.float32, per_channel)]
             kernel(*arrays, jnp.asarray(SLOTS), jnp.asarray(POS), jnp.asarray(MODES),
                    params=MosaicReplayParams(readout="mma"), interpret=True)
@@ -419,18 +451,32 @@ def test_backend_default_params_per_gate(monkeypatch):
     assert mamba2.programs == mosaic_gpu.fitting_programs(nemotron, 512, jnp.bfloat16, sm_count=132) >= 132
 
     # On a GPU GDN's flush rebuild is 3xTF32 where its operands cost no CTAs per SM: fp32 and
-    # bf16 states at L = 16; at L = 32 a bf16 state's three per SM would drop to one.
+    # bf16 states at L = 16, and fp32 at L = 32, where its operands in chunks of 16 entries
+    # fit two CTAs per SM and the exact rebuild's record copies one; a bf16 state at L = 32
+    # keeps the exact rebuild (three CTAs per SM against two).
     assert mosaic_gpu.default_params(gdn, 512, jnp.bfloat16, interpret=False) == MosaicReplayParams(
         programs=264, auto_barriers=False, rebuild="3xtf32")
+    gdn_l32 = ReplayConfig(16, 32, 128, 128, 32)
+    assert mosaic_gpu.default_params(gdn_l32, 512, jnp.bfloat16, interpret=False) == MosaicReplayParams(
+        programs=264, auto_barriers=False, rebuild="3xtf32")
+    assert mosaic_gpu.default_params(gdn_l32, 512, jnp.bfloat16).programs == 132  # exact off GPU: one per SM
     bf16 = lambda L: ReplayConfig(16, 32, 128, 128, L, state_dtype=jnp.bfloat16, cache_dtype=jnp.bfloat16)
     assert mosaic_gpu.default_params(bf16(16), 512, jnp.bfloat16, interpret=False).rebuild == "3xtf32"
     assert mosaic_gpu.default_params(bf16(32), 512, jnp.bfloat16, interpret=False).rebuild == "exact"
     assert mosaic_gpu.default_params(gdn, 512, jnp.bfloat16, interpret=True).rebuild == "exact"
+    # GDN 2-byte states read the tile out on tensor cores (bf16 q and k only); fp32 ones and KDA do not.
+    assert mosaic_gpu.default_params(bf16(16), 512, jnp.bfloat16).readout == "mma"
+    assert mosaic_gpu.default_params(bf16(16), 512, jnp.float32).readout == "fma"
+    assert mosaic_gpu.default_params(gdn, 512, jnp.bfloat16).readout == "fma"
+    kda_bf16 = ReplayConfig(32, 32, 128, 128, 16, gate="kda", state_dtype=jnp.bfloat16, cache_dtype=jnp.bfloat16)
+    assert mosaic_gpu.default_params(kda_bf16, 512, jnp.bfloat16).readout == "fma"
     # Mamba-2 likewise (same tile and operand shapes: P = 64 rows, N = 128 columns).
     assert mosaic_gpu.default_params(nemotron, 512, jnp.bfloat16, interpret=False).rebuild == "3xtf32"
     assert mosaic_gpu.default_params(nemotron, 512, jnp.bfloat16, interpret=True).rebuild == "exact"
     bf16_mamba2 = ReplayConfig.mamba2(128, 64, 128, 8, 32, state_dtype=jnp.bfloat16, cache_dtype=jnp.bfloat16)
     assert mosaic_gpu.default_params(bf16_mamba2, 512, jnp.bfloat16, interpret=False).rebuild == "exact"
+    nemotron_l32 = ReplayConfig.mamba2(128, 64, 128, 8, 32)
+    assert mosaic_gpu.default_params(nemotron_l32, 512, jnp.bfloat16, interpret=False).programs == 264
 
     class Device:
         core_count = 66

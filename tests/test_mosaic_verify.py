@@ -19,9 +19,9 @@ import pytest
 
 from pallas_kernels import common
 from pallas_kernels.mosaic_gpu.mamba2_decode import MosaicMamba2Params
+from pallas_kernels.mosaic_gpu.readout import split_bf16, tile_parts
 from pallas_kernels.mosaic_gpu.replay_decode import MosaicReplayParams
-from pallas_kernels.mosaic_gpu.verify_decode import (persistent_programs, split_bf16, tile_parts, verify_decode_mgpu,
-                                                     window_rows, window_vectors)
+from pallas_kernels.mosaic_gpu.verify_decode import persistent_programs, verify_decode_mgpu, window_rows, window_vectors
 from pallas_kernels.mosaic_gpu.verify_decode_kda import verify_decode_kda_mgpu
 
 NUM_SLOTS, H_K, H_V, D, L, T = 6, 1, 2, 64, 8, 3

@@ -12,12 +12,15 @@ and mode (padding / append / flush) it reads from `[B]` arrays; or, with
 share (`group_side`: `B_j . C`, `B . C`) is computed on the chunk's first tile and read back
 from shared memory by the rest (`pipeline.group_shared`).
 
-Data movement (TMA, one barrier): the checkpoint tile `S_c [BP, N]`, the slot's x records
-`[L, BP]` of this tile and its B records `[L, N]` (group h // (H/G)), all swizzled, its
-time steps dt `[L]`, and the token (`copy_token`: B, C and C again `[3, N]`, this tile's
-rows of x and z `[2, BP]`) land in shared memory, so a persistent CTA has the next tile's
-token with its state; flush rows fetch a second, untiled copy of the records for the
-rebuild; everything else is registers. C is never cached.
+Data movement (TMA, one barrier per stage): the checkpoint tile `S_c [BP, N]`, the slot's
+x records `[L, BP]` of this tile (swizzled), its time steps dt `[L]`, and the token
+(`copy_token`: B, C and C again `[3, N]`, this tile's rows of x and z `[2, BP]`) land in
+shared memory, so a persistent CTA has the next tile's token with its state. The B records
+`[L, N]` (group h // (H/G), swizzled) only a group's fresh tile and flush rows read: one
+buffer per CTA, copied for each fresh tile (`pipeline` group copies, started while the
+tile before it is computed), which keeps two CTAs per SM at fp32 with a ring of 32. The
+exact rebuild fetches a second, untiled copy of the records; everything else is
+registers. C is never cached.
 
 Layouts (Hopper WGMMA family, `m % 64 == 0 == n % 8`):
 - `S_c` in `WGMMA` `[BP, N]`; `S_c C` is a row reduction into `ROW = WGMMA.reduce(1)`
@@ -64,9 +67,12 @@ from jaxtyping import Array, Float, Int
 
 from pallas_kernels.common import MODE_APPEND, MODE_FLUSH, MODE_PAD
 from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA, bcast_cols, bcast_rows, col_sum,
-                                               check_smem, copy_record_rows, copy_replay_tile, load_transposed,
-                                               record_copies, replay_scratch, row_sum, smem_bytes, softplus)
-from pallas_kernels.mosaic_gpu.pipeline import STAGES, group_shared, programs_that_fit, serve_tiles, tile_grid
+                                               check_smem, copy_record_rows, load_transposed,
+                                               record_copies, replay_scratch, row_sum, smem_bytes, softplus, tiled)
+from pallas_kernels.mosaic_gpu.pipeline import (STAGES, group_shared, grouped_fits_more, programs_that_fit,
+                                                serve_tiles, tile_grid)
+from pallas_kernels.mosaic_gpu.readout import (READOUTS, buffer_products, column, stage_vectors, tile_parts,
+                                               tile_products, vector_rows)
 from pallas_kernels.mosaic_gpu.rebuild import (check_rebuild, check_rebuild_mode, rebuild_mma, split_tile_buffer,
                                                tile_with_operands)
 
@@ -91,6 +97,14 @@ class MosaicMamba2Params:
         heads sharing B and C, whose `B_j . C` a CTA sums once per chunk), at most
         `pipeline.MAX_CHUNK`. Longer chunks share more and balance rows that flush (twice
         the work) worse over the CTAs when cursors are staggered.
+      readout: `S_c C` as a row reduction on CUDA cores ("fma", default) or as a `wgmma`
+        against the raw bf16 C ("mma", as `MosaicReplayParams.readout`: a bf16 tile read
+        from its shared-memory buffer, an fp32 one split into three exact bf16 parts in
+        registers); it needs bf16 B and C. The verify kernel reads out with "fma".
+      group_records: whether the B records `[L, N]` are copied once per group of tiles
+        into one buffer per CTA (True) or with every tile into its stage (False); None
+        (default): grouped where that fits more persistent CTAs per SM
+        (`pipeline.grouped_fits_more`: fp32 rings of 32), as `MosaicReplayParams`.
     """
 
     swizzle: int = 128
@@ -98,6 +112,8 @@ class MosaicMamba2Params:
     auto_barriers: bool = True
     chunk: int = 0
     rebuild: str = "exact"
+    readout: str = "fma"
+    group_records: bool | None = None
 
     def __post_init__(self) -> None:
         if self.swizzle not in (32, 64, 128):
@@ -107,24 +123,41 @@ class MosaicMamba2Params:
             raise ValueError(f"programs must be an int >= 0, got {self.programs!r}")
         if not isinstance(self.chunk, int) or self.chunk < 0:
             raise ValueError(f"chunk must be an int >= 0, got {self.chunk!r}")
+        if self.readout not in READOUTS:
+            raise ValueError(f"readout must be one of {READOUTS}, got {self.readout!r}")
+        if self.group_records is not None and not isinstance(self.group_records, bool):
+            raise ValueError(f"group_records must be None, True or False, got {self.group_records!r}")
 
 
 def _scratch(state_size, cache_len, state_dtype, cache_dtype, bc_dtype, xz_dtype, y_dtype, swizzle, stages=1,
-             has_z=True, rebuild="exact") -> list:
-    """`[stages, shared, record copies, barriers, rows barrier]`: `stages` sets of a
-    `[64, N]` state tile's replay buffers (the tile in a union with a tensor-core
-    rebuild's operands, `rebuild.tile_with_operands`) and its token's (`bc_smem [3, N]`,
-    `xz_smem [2, BP]`), the head group's shared values (`store_group_side`, `[2, L]` fp32),
-    the exact rebuild's untiled record copies, a barrier per stage (the tile's four copies
-    and the token's, `copy_token`) and one for the record copies."""
+             has_z=True, rebuild="exact", readout="fma", grouped=False) -> list:
+    """`[stages, group B records, shared, record copies, barriers, group barrier, rows
+    barrier]`: `stages` sets of a `[64, N]` state tile's replay buffers (the tile in a
+    union with a tensor-core rebuild's operands, `rebuild.tile_with_operands`; the B
+    records among them `[b]` unless `grouped`, else `[]`), its token's (`bc_smem [3, N]`,
+    `xz_smem [2, BP]`) and, for the "mma" readout, `[c]` the raw C `[8, N]` (swizzled: the
+    `wgmma` operand, `stage_vectors`); if `grouped`, `[b]` the B records of the CTA's
+    current group (a pipeline group copy: only fresh tiles and flushes read them) and
+    `[barrier]` for their copy (else `[]`, `[]`); the head group's shared values
+    (`store_group_side`, `[2, L]` fp32), the exact rebuild's untiled record copies, a
+    barrier per stage (the tile's copies and the token's, `copy_token`) and one for the
+    record copies."""
     def stage():
-        bufs = replay_scratch(BLOCK_P, state_size, cache_len, state_dtype, cache_dtype, (BLOCK_P,), y_dtype, swizzle)
-        bufs[0] = tile_with_operands(bufs[0], BLOCK_P, state_size, cache_len, rebuild)
-        return bufs + [plgpu.SMEM((3, state_size), bc_dtype), plgpu.SMEM((2, BLOCK_P), xz_dtype)]
+        tile, x, _, dts, y = replay_scratch(BLOCK_P, state_size, cache_len, state_dtype, cache_dtype, (BLOCK_P,),
+                                            y_dtype, swizzle)
+        tile = tile_with_operands(tile, BLOCK_P, state_size, cache_len, rebuild)
+        vectors = ([plgpu.SMEM((vector_rows(1), state_size), bc_dtype, transforms=tiled(128, bc_dtype))]
+                   if readout == "mma" else [])
+        return [tile, x, dts, y, plgpu.SMEM((3, state_size), bc_dtype), plgpu.SMEM((2, BLOCK_P), xz_dtype),
+                [] if grouped else [b_records], vectors]
 
+    b_records = replay_scratch(BLOCK_P, state_size, cache_len, state_dtype, cache_dtype, (BLOCK_P,), y_dtype,
+                               swizzle)[2]
     copies = record_copies(BLOCK_P, state_size, cache_len, cache_dtype) if rebuild == "exact" else []
-    return [[stage() for _ in range(stages)], plgpu.SMEM((2, cache_len), F32), copies,
-            plgpu.Barrier(num_arrivals=4 + token_copies(has_z), num_barriers=stages), plgpu.Barrier(num_arrivals=2)]
+    tma_copies = 3 + (not grouped) + token_copies(has_z) + (readout == "mma")
+    return [[stage() for _ in range(stages)], [b_records] if grouped else [], plgpu.SMEM((2, cache_len), F32), copies,
+            plgpu.Barrier(num_arrivals=tma_copies, num_barriers=stages),
+            [plgpu.Barrier(num_arrivals=1)] if grouped else [], plgpu.Barrier(num_arrivals=2)]
 
 
 def token_copies(has_z: bool) -> int:
@@ -230,29 +263,42 @@ def rebuild_exact(s_c, decay_total, x_smem, b_smem, dt_smem, a, pos):
     return state
 
 
-def _kernel(slot_ref, pos_ref, mode_ref, x_ref, b_ref, c_ref, dt_ref, z_ref, a_ref, d_ref, dt_bias_ref,
-            ckpt_ref, xcache_ref, bcache_ref, dtcache_ref,
-            y_ref,
-            stages, shared_smem, record_bufs, barriers, rows_barrier,
-            *, group_size, tiles, dt_softplus, dt_limit, has_z, num_programs, chunk, rebuild):
+def _kernel(slot_ref, pos_ref, mode_ref, x_ref, b_ref, c_ref, dt_ref, z_ref, a_ref, d_ref, dt_bias_ref, *refs,
+            group_size, tiles, dt_softplus, dt_limit, has_z, num_programs, chunk, rebuild, readout, parts, grouped,
+            interpret):
+    # Inputs, the raw C staged for the "mma" readout first; outputs; scratch.
+    cv_ref, *refs = refs if readout == "mma" else (None, *refs)
+    (ckpt_ref, xcache_ref, bcache_ref, dtcache_ref, y_ref,
+     stages, group_b, shared_smem, record_bufs, barriers, group_barrier, rows_barrier) = refs
+
     def issue(b, h, tile, stage):
         """Start the tile's copies into `stages[stage]` (none for padding rows)."""
-        tile_buf, x_smem, b_smem, dt_smem, _, bc_smem, xz_smem = stages[stage]
+        tile_buf, x_smem, dt_smem, _, bc_smem, xz_smem, stage_b, c_smem = stages[stage]
         t_smem, _ = split_tile_buffer(tile_buf, rebuild)
         barrier, slot, rows = barriers.at[stage], slot_ref[b], pl.ds(tile * BLOCK_P, BLOCK_P)
 
         @pl.when(mode_ref[b] != MODE_PAD)
         def _copies():
-            copy_replay_tile((ckpt_ref, xcache_ref, bcache_ref, dtcache_ref), (t_smem, x_smem, b_smem, dt_smem),
-                             slot, h, h // group_size, rows, barrier)
+            plgpu.copy_gmem_to_smem(ckpt_ref.at[slot, h, rows], t_smem, barrier)
+            plgpu.copy_gmem_to_smem(xcache_ref.at[slot, h, :, rows], x_smem, barrier)
+            plgpu.copy_gmem_to_smem(dtcache_ref.at[slot, h], dt_smem, barrier)
+            if not grouped:
+                plgpu.copy_gmem_to_smem(bcache_ref.at[slot, h // group_size], stage_b[0], barrier)
             copy_token((x_ref, b_ref, c_ref, z_ref), (bc_smem, xz_smem), b, h, h // group_size, rows, barrier,
                        has_z=has_z)
+            if readout == "mma":
+                plgpu.copy_gmem_to_smem(cv_ref.at[b, h // group_size], c_smem[0], barrier)
 
-    def compute(b, h, tile, stage, fresh):
-        _tile(b, h, tile, stages[stage], barriers.at[stage], fresh)
+    def issue_group(b, h, tile):
+        """Start the copy of the B records, which only a fresh tile (and a flush) reads."""
+        @pl.when(mode_ref[b] != MODE_PAD)
+        def _copy():
+            plgpu.copy_gmem_to_smem(bcache_ref.at[slot_ref[b], h // group_size], group_b[0], group_barrier[0])
 
-    def _tile(b, h, tile, bufs, barrier, fresh):
-        tile_buf, x_smem, b_smem, dt_smem, o_smem, bc_smem, xz_smem = bufs
+    def compute(b, h, tile, stage, fresh, prefetch=lambda: None):
+        tile_buf, x_smem, dt_smem, o_smem, bc_smem, xz_smem, stage_b, c_smem = stages[stage]
+        b_smem = group_b[0] if grouped else stage_b[0]
+        barrier = barriers.at[stage]
         t_smem, operands = split_tile_buffer(tile_buf, rebuild)
         grp = h // group_size
         rows = pl.ds(tile * BLOCK_P, BLOCK_P)
@@ -261,6 +307,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, x_ref, b_ref, c_ref, dt_ref, z_ref, a_r
 
         @pl.when(mode == MODE_PAD)
         def _padding_row():
+            prefetch()
             o_smem[...] = plgpu.layout_cast(jnp.zeros((BLOCK_P,), o_smem.dtype), ROW)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(o_smem, y_ref.at[b, h, rows])
@@ -276,21 +323,38 @@ def _kernel(slot_ref, pos_ref, mode_ref, x_ref, b_ref, c_ref, dt_ref, z_ref, a_r
             plgpu.barrier_wait(barrier)
             # The token: B and C in COL (C again in ROW for the group's `B_j . C`, a second
             # copy: layout inference gives one ref one layout), x and z on this tile's rows.
+            def fresh_group_side():
+                if grouped:
+                    plgpu.barrier_wait(group_barrier[0])
+                return group_side(bc_smem, b_smem)
+
             b_dot_c_records, b_dot_c = group_shared(  # B_j . C [L], B . C
-                fresh, functools.partial(group_side, bc_smem, b_smem), functools.partial(store_group_side, shared_smem),
+                fresh, fresh_group_side, functools.partial(store_group_side, shared_smem),
                 functools.partial(load_group_side, shared_smem))
+            # The next group's B records may replace these now, unless this row flushes: a
+            # flush reads them again (all tiles of a group are one row's, one mode).
+            pl.when(mode != MODE_FLUSH)(prefetch)
             b_col = plgpu.load(bc_smem.at[0], layout=COL, optimized=False).astype(F32)
-            c_col = plgpu.load(bc_smem.at[1], layout=COL, optimized=False).astype(F32)
             x_row = plgpu.load(xz_smem.at[0], layout=ROW, optimized=False).astype(F32)
             weights, decay_total = window_weights(dt_smem, a, pos, cache_len)
             j = plgpu.broadcasted_iota(jnp.int32, (BLOCK_P, cache_len), 1, layout=WGMMA)
             x_t = jnp.where(j < pos, load_transposed(x_smem), 0.0)  # [BP, L], stale entries 0
             valid = plgpu.broadcasted_iota(jnp.int32, (cache_len,), 0, layout=COL) < pos
-            s_c = plgpu.load(t_smem, layout=WGMMA).astype(F32)  # [BP, N]
+            load_tile = lambda: plgpu.load(t_smem, layout=WGMMA).astype(F32)  # [BP, N]
+            if readout == "mma":
+                # `S_c C` as one product; a bf16 tile straight from its buffer, so a
+                # non-flush row never holds it in registers.
+                s_c = None if parts == 1 else load_tile()
+                products = (buffer_products(t_smem, c_smem[0], interpret=interpret) if s_c is None
+                            else tile_products(s_c, c_smem[0], parts, interpret=interpret))
+                tile_c = column(products, 0)
+            else:
+                s_c = load_tile()
+                c_col = plgpu.load(bc_smem.at[1], layout=COL, optimized=False).astype(F32)
+                tile_c = row_sum(s_c * bcast_cols(c_col, s_c.shape))
 
             coef = jnp.where(valid, b_dot_c_records * weights, 0.0)
-            prev_readout = decay_total * row_sum(s_c * bcast_cols(c_col, s_c.shape)) + row_sum(
-                x_t * bcast_cols(coef, x_t.shape))  # S_{t-1} C, [BP]
+            prev_readout = decay_total * tile_c + row_sum(x_t * bcast_cols(coef, x_t.shape))  # S_{t-1} C, [BP]
             y = alpha * prev_readout + (dt * b_dot_c + d) * x_row
             if has_z:
                 z = plgpu.load(xz_smem.at[1], layout=ROW, optimized=False).astype(F32)
@@ -298,22 +362,24 @@ def _kernel(slot_ref, pos_ref, mode_ref, x_ref, b_ref, c_ref, dt_ref, z_ref, a_r
 
             @pl.when(mode == MODE_FLUSH)
             def _flush():
+                s_tile = load_tile() if s_c is None else s_c
                 if rebuild == "exact":
                     # The rebuild reads single records at a dynamic index, which the swizzled
                     # buffers cannot serve: flush rows fetch an untiled copy (L2-resident).
                     x_rows, b_rows = record_bufs
                     copy_record_rows((xcache_ref, bcache_ref), record_bufs, slot, h, grp, rows, rows_barrier)
                     plgpu.barrier_wait(rows_barrier)
-                    prev = rebuild_exact(s_c, decay_total, x_rows, b_rows, dt_smem, a, pos)
+                    prev = rebuild_exact(s_tile, decay_total, x_rows, b_rows, dt_smem, a, pos)
                 else:
                     b_t = load_transposed(b_smem)  # [N, L]
                     plgpu.commit_smem()  # every thread has S_c from the buffer its operands reuse
-                    prev = rebuild_mma(s_c * decay_total, x_t * bcast_cols(weights, x_t.shape), b_t, pos, operands)
+                    prev = rebuild_mma(s_tile * decay_total, x_t * bcast_cols(weights, x_t.shape), b_t, pos, operands)
                 new = alpha * prev + bcast_rows(dt * x_row, prev.shape) * bcast_cols(b_col, prev.shape)
                 plgpu.commit_smem()  # every thread's loads of the tile done before it is rewritten
                 t_smem[...] = new.astype(t_smem.dtype)
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(t_smem, ckpt_ref.at[slot, h, rows])
+                prefetch()
 
             # After the tile's store: the persistent loop leaves only the newest store in flight.
             o_smem[...] = y.astype(o_smem.dtype)
@@ -333,28 +399,35 @@ def _kernel(slot_ref, pos_ref, mode_ref, x_ref, b_ref, c_ref, dt_ref, z_ref, a_r
                     bcache_ref[slot, grp, pos] = b_col.astype(bcache_ref.dtype)
 
     batch, heads = y_ref.shape[:2]
-    serve_tiles(batch, heads, tiles, num_programs, issue, compute, group_size=group_size, chunk=chunk)
+    serve_tiles(batch, heads, tiles, num_programs, issue, compute, group_size=group_size, chunk=chunk,
+                issue_group=issue_group if grouped else None)
 
 
 def persistent_programs(batch: int, heads: int, head_dim: int, state_size: int, cache_len: int, state_dtype,
-                        cache_dtype, token_dtype, sm_count: int, *, swizzle: int = 128, rebuild: str = "exact") -> int:
+                        cache_dtype, token_dtype, sm_count: int, *, swizzle: int = 128, rebuild: str = "exact",
+                        readout: str = "fma") -> int:
     """`MosaicMamba2Params.programs` for a device of `sm_count` SMs: as many persistent CTAs
-    per SM as the two-stage buffers fit in shared memory (`token_dtype`: x, B, C, z and y's)."""
+    per SM as the two-stage buffers fit in shared memory (`token_dtype`: x, B, C, z and y's;
+    the B records grouped where that fits more, `group_records=None`)."""
     scratch = _scratch(state_size, cache_len, state_dtype, cache_dtype, token_dtype, token_dtype, token_dtype,
-                       swizzle, STAGES, rebuild=rebuild)
+                       swizzle, STAGES, rebuild=rebuild, readout=readout, grouped=True)
     return programs_that_fit(smem_bytes(scratch), sm_count, batch * heads * (head_dim // BLOCK_P))
 
 
 @functools.lru_cache(maxsize=None)
 def _build(batch, heads, head_dim, state_size, cache_len, state_dtype, cache_dtype, bc_dtype, xz_dtype, y_dtype,
-           group_size, dt_softplus, dt_limit, has_z, swizzle, programs, auto_barriers, chunk, rebuild, interpret):
+           group_size, dt_softplus, dt_limit, has_z, swizzle, programs, auto_barriers, chunk, rebuild, readout,
+           group_records, interpret):
     tiles = head_dim // BLOCK_P
     num_programs = min(programs, batch * heads * tiles)
-    scratch = _scratch(state_size, cache_len, state_dtype, cache_dtype, bc_dtype, xz_dtype, y_dtype, swizzle,
-                       STAGES if programs else 1, has_z, rebuild)
+    scratch_of = functools.partial(_scratch, state_size, cache_len, state_dtype, cache_dtype, bc_dtype, xz_dtype,
+                                   y_dtype, swizzle, STAGES if programs else 1, has_z, rebuild, readout)
+    grouped = group_records if group_records is not None else bool(programs) and grouped_fits_more(scratch_of)
+    scratch = scratch_of(grouped)
     check_smem(scratch, f"the Mamba-2 kernel at cache_len = {cache_len}, N = {state_size}")
     body = functools.partial(_kernel, group_size=group_size, tiles=tiles, dt_softplus=dt_softplus,
-                             dt_limit=dt_limit, has_z=has_z, num_programs=num_programs, chunk=chunk, rebuild=rebuild)
+                             dt_limit=dt_limit, has_z=has_z, num_programs=num_programs, chunk=chunk, rebuild=rebuild,
+                             readout=readout, parts=tile_parts(state_dtype), grouped=grouped, interpret=interpret)
     return plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((batch, heads, head_dim), y_dtype),
@@ -418,13 +491,18 @@ def mamba2_replay_decode_mgpu(
     # (lossless) where the caller's differ.
     bc_dtype = jnp.result_type(B.dtype, C.dtype)
     xz_dtype = x.dtype if z is None else jnp.result_type(x.dtype, z.dtype)
+    if params.readout == "mma" and bc_dtype != jnp.bfloat16:
+        raise ValueError("mamba2_replay_decode_mgpu: readout='mma' multiplies the tile by the raw C on tensor cores: "
+                         f"it needs bf16 B and C, got {bc_dtype}")
     kernel = _build(
         batch, heads, head_dim, state_size, cache_len, state.dtype, x_cache.dtype, bc_dtype, xz_dtype, x.dtype,
         heads // num_groups, bool(dt_softplus), tuple(float(v) for v in dt_limit), z is not None, params.swizzle,
-        params.programs, params.auto_barriers, params.chunk, params.rebuild, bool(interpret),
+        params.programs, params.auto_barriers, params.chunk, params.rebuild, params.readout,
+        params.group_records, bool(interpret),
     )
     z = jnp.zeros((1,), xz_dtype) if z is None else z.astype(xz_dtype)
     refs = [jax.new_ref(a) for a in (state, x_cache, b_cache, dt_cache)]
+    vectors = [stage_vectors(C[:, None])] if params.readout == "mma" else []
     y = kernel(slot.astype(jnp.int32), pos.astype(jnp.int32), mode.astype(jnp.int32), x.astype(xz_dtype),
-               B.astype(bc_dtype), C.astype(bc_dtype), dt, z, A, D, dt_bias, *refs)
+               B.astype(bc_dtype), C.astype(bc_dtype), dt, z, A, D, dt_bias, *vectors, *refs)
     return (y, *(jax.freeze(r) for r in refs))

@@ -33,6 +33,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.mosaic_gpu.layouts import smem_bytes
+
 STAGES = 2
 # Tiles per chunk at most: longer chunks share a group's values over more tiles but balance
 # rows that flush (twice the work) worse over the CTAs when cursors are staggered.
@@ -44,6 +46,13 @@ _CTA_RESERVED = 1024
 def ctas_per_sm(cta_smem_bytes: int) -> int:
     """Persistent CTAs of `cta_smem_bytes` that one SM's shared memory holds (at least one)."""
     return max(1, SMEM_PER_SM // (cta_smem_bytes + _CTA_RESERVED))
+
+
+def grouped_fits_more(scratch_of) -> bool:
+    """Whether a kernel's shared buffers with its key-side records grouped
+    (`scratch_of(True)`: one buffer per CTA, a group copy) fit more persistent CTAs per SM
+    than with them copied into every stage (`scratch_of(False)`)."""
+    return ctas_per_sm(smem_bytes(scratch_of(True))) > ctas_per_sm(smem_bytes(scratch_of(False)))
 
 
 def programs_that_fit(cta_smem_bytes: int, sm_count: int, num_tiles: int) -> int:

@@ -11,8 +11,10 @@ K-major shared-memory operands, accumulating in fp32 from `D S_c`:
   (`tf32_split`: `lo hi + hi lo + hi hi`, about 2^-21 relative per product).
 
 The operands live in a `plgpu.RefUnion` with the stage's checkpoint-tile buffer
-(`tile_with_operands`), which is free once `S_c` is in registers; "exact" (CUDA-core FMAs)
-is each kernel's own.
+(`tile_with_operands`), which is free once `S_c` is in registers; a ring longer than
+`OPERAND_ENTRIES` is reduced over in chunks of that many entries through one chunk's
+operands, so the union is no larger than the tile and a ring of 32 keeps two CTAs per SM.
+"exact" (CUDA-core FMAs) is each kernel's own.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ from pallas_kernels.mosaic_gpu.layouts import WGMMA, tiled
 # The tensor-core rebuild's operand type per mode (fp32 operands are tf32 in `wgmma`);
 # "3xtf32" splits each fp32 operand into two tf32 parts (`tf32_split`).
 REBUILD_DTYPES = {"exact": None, "tf32": jnp.float32, "bf16": jnp.bfloat16, "3xtf32": jnp.float32}
+# Ring entries per operand chunk: "3xtf32" operands of a [64, 16] and a [128, 16] chunk
+# (hi and lo) take 24 KiB, within a [64, 128] fp32 tile's 32 KiB.
+OPERAND_ENTRIES = 16
 
 
 def check_rebuild_mode(rebuild: str) -> None:
@@ -57,11 +62,17 @@ def tile_with_operands(tile, rows: int, width: int, cache_len: int, rebuild: str
     operand = REBUILD_DTYPES[rebuild]
     if operand is None:
         return tile
-    swizzle = min(128, cache_len * jnp.dtype(operand).itemsize)
+    entries = operand_entries(cache_len)
+    swizzle = min(128, entries * jnp.dtype(operand).itemsize)
     parts = 2 if rebuild == "3xtf32" else 1
-    operands = [plgpu.SMEM((n, cache_len), operand, transforms=tiled(swizzle, operand))
+    operands = [plgpu.SMEM((n, entries), operand, transforms=tiled(swizzle, operand))
                 for n in (rows, width) for _ in range(parts)]
     return plgpu.RefUnion(tile, operands)
+
+
+def operand_entries(cache_len: int) -> int:
+    """Ring entries in one chunk of the rebuild's operands (the K extent of its `wgmma`s)."""
+    return min(cache_len, OPERAND_ENTRIES)
 
 
 def split_tile_buffer(tile_buf, rebuild: str):
@@ -87,29 +98,40 @@ def rebuild_mma(start, a, keys_t, pos, operands):
     """`start + A B^T` on tensor cores, accumulating in fp32 from `start` `[M, W]` (the
     decayed checkpoint tile): `A` `[M, L]` (stale entries already 0) and `B^T` `[W, L]`
     with stale entries replaced by 0 here (a NaN there would reach every output through
-    the product), both written K-major (L contiguous) into `operands`: `(a, b)` rounded to
-    their dtype for one `wgmma`, or `(a_hi, a_lo, b_hi, b_lo)` for three (`tf32_split`;
-    the small products first). The caller has synchronised the warpgroup if `operands`
-    alias a buffer it was reading."""
+    the product), both written K-major (L contiguous) into `operands` one chunk of
+    `operand_entries` entries at a time: `(a, b)` rounded to their dtype for one `wgmma`,
+    or `(a_hi, a_lo, b_hi, b_lo)` for three (`tf32_split`; the small products first). The
+    caller has synchronised the warpgroup if `operands` alias a buffer it was reading."""
     j = plgpu.broadcasted_iota(jnp.int32, keys_t.shape, 1, layout=WGMMA)
     b = jnp.where(j < pos, keys_t, 0.0)
-    if len(operands) == 2:
-        a_smem, b_smem = operands
-        a_smem[...] = a.astype(a_smem.dtype)
-        b_smem[...] = b.astype(b_smem.dtype)
-        products = [(a_smem, b_smem)]
-    else:
-        a_hi, a_lo, b_hi, b_lo = operands
-        for (hi_smem, lo_smem), x in (((a_hi, a_lo), a), ((b_hi, b_lo), b)):
-            hi, lo = tf32_split(x)
-            hi_smem[...] = hi
-            lo_smem[...] = lo
-        products = [(a_lo, b_hi), (a_hi, b_lo), (a_hi, b_hi)]
-    plgpu.commit_smem()
+    entries = operands[0].shape[1]
 
-    def mma(acc_ref):
-        for a_smem, b_smem in products:
-            plgpu.wgmma(acc_ref, a_smem, b_smem.T)
-        return acc_ref[...]
+    def write(chunk):
+        """The operands of entries `chunk` (a slice) into shared memory; the products."""
+        a_c, b_c = a[:, chunk], b[:, chunk]
+        if len(operands) == 2:
+            a_smem, b_smem = operands
+            a_smem[...] = a_c.astype(a_smem.dtype)
+            b_smem[...] = b_c.astype(b_smem.dtype)
+            products = [(a_smem, b_smem)]
+        else:
+            a_hi, a_lo, b_hi, b_lo = operands
+            for (hi_smem, lo_smem), x in (((a_hi, a_lo), a_c), ((b_hi, b_lo), b_c)):
+                hi, lo = tf32_split(x)
+                hi_smem[...] = hi
+                lo_smem[...] = lo
+            products = [(a_lo, b_hi), (a_hi, b_lo), (a_hi, b_hi)]
+        plgpu.commit_smem()
+        return products
+
+    def mma(acc_ref):  # returns nothing: `run_state` gives the accumulator's final value
+        for first in range(0, keys_t.shape[1], entries):
+            if first:
+                # The previous chunk's `wgmma`s read the operands until they complete, and
+                # every thread must be past them before the buffers are rewritten.
+                plgpu.wgmma_wait(0)
+                plgpu.commit_smem()
+            for a_smem, b_smem in write(slice(first, first + entries)):
+                plgpu.wgmma(acc_ref, a_smem, b_smem.T)
 
     return pl.run_state(mma)(plgpu.ACC.init(start))

@@ -9,11 +9,13 @@ is one key head's tiles, and what they share (`key_side`: `K k`, `K q`, the q/k 
 `k . q`) is computed on the chunk's first tile and read back from shared memory by the rest
 (`pipeline.group_shared`).
 
-Data movement (TMA, one barrier): the checkpoint tile `S_c [BV, d_k]`, the slot's u
-records `[L, BV]` of this tile and its key records `[L, d_k]` (key head h // G), all
-swizzled, its log-decays `[L]` and the token's q, k (twice: one copy per vector layout)
-and v rows land in shared memory; flush rows fetch a second, untiled copy of the records
-for the rebuild; everything else is registers.
+Data movement (TMA, one barrier per stage): the checkpoint tile `S_c [BV, d_k]`, the
+slot's u records `[L, BV]` of this tile (swizzled), its log-decays `[L]` and the token's q,
+k (twice: one copy per vector layout) and v rows land in shared memory. The key records
+`[L, d_k]` (key head h // G, swizzled) only a group's fresh tile and flush rows read: one
+buffer per CTA, copied for each fresh tile (`pipeline` group copies, started while the
+tile before it is computed). The exact rebuild fetches a second, untiled copy of the
+records; everything else is registers.
 
 Layouts (Hopper WGMMA family, `m % 64 == 0 == n % 8`):
 - `S_c` in `WGMMA` `[BV, d_k]`; `S_c x` is a row reduction into `ROW = WGMMA.reduce(1)`
@@ -61,14 +63,17 @@ from jaxtyping import Array, Float, Int
 
 from pallas_kernels.common import L2NORM_EPS, MODE_APPEND, MODE_FLUSH, MODE_PAD
 from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA, bcast_cols, bcast_rows, col_sum,
-                                               check_smem, copy_record_rows, copy_replay_tile, load_transposed,
-                                               record_copies, replay_scratch, row_sum, smem_bytes, softplus)
-from pallas_kernels.mosaic_gpu.pipeline import STAGES, group_shared, programs_that_fit, serve_tiles, tile_grid
+                                               check_smem, copy_record_rows, load_transposed,
+                                               record_copies, replay_scratch, row_sum, smem_bytes, softplus, tiled)
+from pallas_kernels.mosaic_gpu.pipeline import (STAGES, group_shared, grouped_fits_more, programs_that_fit,
+                                                serve_tiles, tile_grid)
+from pallas_kernels.mosaic_gpu.readout import (READOUTS, buffer_products, column, stage_vectors, tile_parts,
+                                               tile_products, vector_rows)
 from pallas_kernels.mosaic_gpu.rebuild import (check_rebuild, check_rebuild_mode, rebuild_mma, split_tile_buffer,
                                                tile_with_operands)
 
 BLOCK_V = BLOCK_ROWS
-READOUTS = ("fma", "mma")
+DECODE_VECTORS = 2  # the "mma" readout's vectors: q, then k
 
 
 
@@ -98,12 +103,19 @@ class MosaicReplayParams:
         every vector store and before every TMA copy; False leaves only the kernel's own
         (`commit_smem` before each TMA store, each shared buffer a thread rewrites, and
         each stage refill), which its access pattern needs.
-      readout: how the GDN verify kernel reads the checkpoint tile out on its window's 2T
-        vectors: "fma" (default) as a row reduction per vector on CUDA cores; "mma" as
-        `wgmma`s over all of them at once (`verify_decode.tile_products`: the tile split
-        into bf16 parts in registers against the raw bf16 q and k, exact products, so fp32
-        accuracy; the backend's verify default for bf16 q and k; interpret mode computes
-        the same products as dots). The decode kernels read out with "fma".
+      readout: how the GDN kernels read the checkpoint tile out on their vectors (decode:
+        k and q; verify: the window's 2T): "fma" (default) as a row reduction per vector
+        on CUDA cores; "mma" as `wgmma`s over all of them at once against the raw bf16
+        vectors (`readout.tile_products`: an fp32 tile split into three bf16 parts in
+        registers, exact products, so fp32 accuracy; a bf16 tile read by the tensor cores
+        from its shared-memory buffer, `readout.buffer_products`); interpret mode computes
+        the same products as dots. It needs bf16 q and k; the KDA kernels refuse it.
+      group_records: whether the GDN decode kernel copies a key head's records `[L, d_k]`
+        once per group of tiles into one buffer per CTA (True) or with every tile into its
+        stage (False); None (default): grouped where that fits more persistent CTAs per SM
+        (`grouped_fits_more`: fp32 rings of 32), since a fresh tile then waits for the
+        group's copy (measured 5% slower with bf16 states at L = 16). The KDA kernel
+        always groups its records.
     """
 
     swizzle: int = 128
@@ -111,6 +123,7 @@ class MosaicReplayParams:
     programs: int = 0
     auto_barriers: bool = True
     readout: str = "fma"
+    group_records: bool | None = None
 
     def __post_init__(self) -> None:
         if self.swizzle not in (32, 64, 128):
@@ -120,13 +133,31 @@ class MosaicReplayParams:
             raise ValueError(f"programs must be an int >= 0, got {self.programs!r}")
         if self.readout not in READOUTS:
             raise ValueError(f"readout must be one of {READOUTS}, got {self.readout!r}")
+        if self.group_records is not None and not isinstance(self.group_records, bool):
+            raise ValueError(f"group_records must be None, True or False, got {self.group_records!r}")
+
+
+def check_own_layout(params, kernel: str) -> None:
+    """Raise ValueError if `params` sets `group_records`, an option of the GDN and Mamba-2
+    decode kernels that a kernel with its own record layout (KDA decode, verify) ignores."""
+    if getattr(params, "group_records", None) is not None:
+        raise ValueError(f"{kernel} lays out its records itself: group_records must be None, got "
+                         f"{params.group_records!r}")
 
 
 def check_fma_readout(params, kernel: str) -> None:
-    """Raise ValueError unless `params` reads out on CUDA cores ("mma" is the GDN verify
-    kernel's; parameters without a readout, `MosaicMamba2Params`, pass)."""
+    """Raise ValueError unless `params` reads out on CUDA cores ("mma" is the GDN kernels';
+    parameters without a readout, `MosaicMamba2Params`, pass)."""
     if getattr(params, "readout", "fma") != "fma":
         raise ValueError(f"{kernel} reads out with readout='fma' only, got readout={params.readout!r}")
+
+
+def check_mma_readout(params, qk_dtype, kernel: str) -> None:
+    """Raise ValueError if `params` asks for the "mma" readout without bf16 q and k (its
+    products are exact for raw bf16 vectors only)."""
+    if params.readout == "mma" and jnp.dtype(qk_dtype) != jnp.bfloat16:
+        raise ValueError(f"{kernel}: readout='mma' multiplies the tile by the raw q and k on tensor cores: it needs "
+                         f"bf16 q and k, got {jnp.dtype(qk_dtype)}")
 
 
 def check_shapes(head_k_dim: int, head_v_dim: int, cache_len: int, state_itemsize: int,
@@ -274,35 +305,49 @@ def copy_token(token_refs, bufs, b, h, hk, rows, barrier) -> None:
     plgpu.copy_gmem_to_smem(v_ref.at[b, h, rows], v_smem, barrier)
 
 
-def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref,
-            ckpt_ref, ucache_ref, kcache_ref, gcache_ref,
-            y_ref,
-            stages, shared_smem, rebuild_bufs, barriers, rows_barrier,
-            *, group_size, tiles, use_qk_l2norm, scale, raw_gates, rebuild, num_programs):
+def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref, *refs,
+            group_size, tiles, use_qk_l2norm, scale, raw_gates, rebuild, num_programs, readout, parts, grouped,
+            interpret):
+    # Inputs, the raw q and k staged for the "mma" readout first; outputs; scratch.
+    xv_ref, *refs = refs if readout == "mma" else (None, *refs)
+    (ckpt_ref, ucache_ref, kcache_ref, gcache_ref, y_ref,
+     stages, group_keys, shared_smem, rebuild_bufs, barriers, group_barrier, rows_barrier) = refs
+
     def issue(b, h, tile, stage):
         """Start the tile's copies into `stages[stage]` (none for padding rows)."""
-        tile_buf, u_smem, k_smem, g_smem, _, qk_smem, v_smem = stages[stage]
+        tile_buf, u_smem, g_smem, _, qk_smem, v_smem, stage_keys, x_smem = stages[stage]
         t_smem, _ = split_tile_buffer(tile_buf, rebuild)
         barrier, slot, rows = barriers.at[stage], slot_ref[b], pl.ds(tile * BLOCK_V, BLOCK_V)
 
         @pl.when(mode_ref[b] != MODE_PAD)
         def _copies():
-            copy_replay_tile((ckpt_ref, ucache_ref, kcache_ref, gcache_ref), (t_smem, u_smem, k_smem, g_smem),
-                             slot, h, h // group_size, rows, barrier)
+            plgpu.copy_gmem_to_smem(ckpt_ref.at[slot, h, rows], t_smem, barrier)
+            plgpu.copy_gmem_to_smem(ucache_ref.at[slot, h, :, rows], u_smem, barrier)
+            plgpu.copy_gmem_to_smem(gcache_ref.at[slot, h], g_smem, barrier)
+            if not grouped:
+                plgpu.copy_gmem_to_smem(kcache_ref.at[slot, h // group_size], stage_keys[0], barrier)
             copy_token((q_ref, k_ref, v_ref), (qk_smem, v_smem), b, h, h // group_size, rows, barrier)
+            if readout == "mma":
+                plgpu.copy_gmem_to_smem(xv_ref.at[b, h // group_size], x_smem[0], barrier)
 
-    def compute(b, h, tile, stage, fresh):
-        _tile(b, h, tile, stages[stage], barriers.at[stage], fresh)
+    def issue_group(b, h, tile):
+        """Start the copy of the key records, which only a fresh tile (and a flush) reads."""
+        @pl.when(mode_ref[b] != MODE_PAD)
+        def _copy():
+            plgpu.copy_gmem_to_smem(kcache_ref.at[slot_ref[b], h // group_size], group_keys[0], group_barrier[0])
 
-    def _tile(b, h, tile, bufs, barrier, fresh):
-        tile_buf, u_smem, k_smem, g_smem, o_smem, qk_smem, v_smem = bufs
+    def compute(b, h, tile, stage, fresh, prefetch=lambda: None):
+        tile_buf, u_smem, g_smem, o_smem, qk_smem, v_smem, stage_keys, x_smem = stages[stage]
+        k_smem = group_keys[0] if grouped else stage_keys[0]
         t_smem, operands = split_tile_buffer(tile_buf, rebuild)
         rows = pl.ds(tile * BLOCK_V, BLOCK_V)
         mode = mode_ref[b]
         cache_len = u_smem.shape[0]
+        barrier = barriers.at[stage]
 
         @pl.when(mode == MODE_PAD)
         def _padding_row():
+            prefetch()
             store_output(o_smem, y_ref, plgpu.layout_cast(jnp.zeros((BLOCK_V,), o_smem.dtype), ROW), b, h, rows)
 
         @pl.when(mode != MODE_PAD)
@@ -317,32 +362,51 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a
             alpha = jnp.exp(g)
 
             plgpu.barrier_wait(barrier)
+
+            def fresh_key_side():
+                if grouped:
+                    plgpu.barrier_wait(group_barrier[0])
+                return key_side(qk_smem, k_smem, use_qk_l2norm=use_qk_l2norm, scale=scale)
+
             # The token from shared memory (copied with the tile, so a persistent CTA has
             # it one tile ahead); the key side shared by the key head's tiles.
             k_x, q_x, q_scale, k_scale, k_dot_q = group_shared(
-                fresh, functools.partial(key_side, qk_smem, k_smem, use_qk_l2norm=use_qk_l2norm, scale=scale),
-                functools.partial(store_key_side, shared_smem), functools.partial(load_key_side, shared_smem))
-            q_col = plgpu.load(qk_smem.at[0], layout=COL, optimized=False).astype(F32) * q_scale
+                fresh, fresh_key_side, functools.partial(store_key_side, shared_smem),
+                functools.partial(load_key_side, shared_smem))
+            # The next group's key records may replace these now, unless this row flushes:
+            # a flush reads them again (all tiles of a group are one row's, one mode).
+            pl.when(mode != MODE_FLUSH)(prefetch)
             k_col = plgpu.load(qk_smem.at[1], layout=COL, optimized=False).astype(F32) * k_scale
             v_row = plgpu.load(v_smem, layout=ROW, optimized=False).astype(F32)
             weights, decay_total = decay_weights(g_smem, pos, cache_len)
             j = plgpu.broadcasted_iota(jnp.int32, (BLOCK_V, cache_len), 1, layout=WGMMA)
             u_t = jnp.where(j < pos, load_transposed(u_smem), 0.0)  # [BV, L], stale entries 0
             valid = plgpu.broadcasted_iota(jnp.int32, (cache_len,), 0, layout=COL) < pos
-            s_c = plgpu.load(t_smem, layout=WGMMA).astype(F32)  # [BV, Dk]
+            load_tile = lambda: plgpu.load(t_smem, layout=WGMMA).astype(F32)  # [BV, Dk]
+            if readout == "mma":
+                # `S_c q`, `S_c k` (raw vectors) as one product; a bf16 tile straight from
+                # its buffer, so a non-flush row never holds it in registers.
+                s_c = None if parts == 1 else load_tile()
+                products = (buffer_products(t_smem, x_smem[0], interpret=interpret) if s_c is None
+                            else tile_products(s_c, x_smem[0], parts, interpret=interpret))
+                tile_q, tile_k = q_scale * column(products, 0), k_scale * column(products, 1)
+            else:
+                s_c = load_tile()
+                q_col = plgpu.load(qk_smem.at[0], layout=COL, optimized=False).astype(F32) * q_scale
+                tile_q, tile_k = (row_sum(s_c * bcast_cols(x, s_c.shape)) for x in (q_col, k_col))
 
-            def readout(x_col, k_x):
-                """`S_{t-1} x` `[BV]` (ROW) for x in COL, with `K x` `[L]` (COL)."""
+            def live_readout(tile_x, k_x):
+                """`S_{t-1} x` `[BV]` (ROW) from the tile's `S_c x` (ROW) and `K x` `[L]` (COL)."""
                 c = jnp.where(valid, k_x * weights, 0.0)
-                history = row_sum(u_t * bcast_cols(c, u_t.shape))
-                return history + decay_total * row_sum(s_c * bcast_cols(x_col, s_c.shape))
+                return row_sum(u_t * bcast_cols(c, u_t.shape)) + decay_total * tile_x
 
-            s_k = alpha * readout(k_col, k_x)
-            s_q = alpha * readout(q_col, q_x)
+            s_k = alpha * live_readout(tile_k, k_x)
+            s_q = alpha * live_readout(tile_q, q_x)
             u = beta * (v_row - s_k)
 
             @pl.when(mode == MODE_FLUSH)
             def _flush():
+                s_tile = load_tile() if s_c is None else s_c
                 if rebuild == "exact":
                     # The rebuild reads single records at a dynamic index, which the swizzled
                     # buffers cannot serve: flush rows fetch an untiled copy (L2-resident).
@@ -350,13 +414,15 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a
                     copy_record_rows((ucache_ref, kcache_ref), rebuild_bufs, slot, h, h // group_size, rows,
                                      rows_barrier)
                     plgpu.barrier_wait(rows_barrier)
-                    prev = rebuild_exact(s_c, decay_total, u_rows, k_rows, g_smem, pos)
+                    prev = rebuild_exact(s_tile, decay_total, u_rows, k_rows, g_smem, pos)
                 else:
                     keys_t = load_transposed(k_smem)  # [Dk, L]
                     plgpu.commit_smem()  # every thread has S_c from the buffer its operands reuse
-                    prev = rebuild_mma(s_c * decay_total, u_t * bcast_cols(weights, u_t.shape), keys_t, pos, operands)
+                    prev = rebuild_mma(s_tile * decay_total, u_t * bcast_cols(weights, u_t.shape), keys_t, pos,
+                                       operands)
                 new = alpha * prev + bcast_rows(u, prev.shape) * bcast_cols(k_col, prev.shape)
                 store_tile(t_smem, ckpt_ref, new, slot, h, rows)
+                prefetch()
 
             # After the tile's store: the persistent loop leaves only the newest store in flight.
             store_output(o_smem, y_ref, s_q + u * k_dot_q, b, h, rows)
@@ -367,51 +433,70 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a
                              group_size=group_size)
 
     batch, num_heads = y_ref.shape[:2]
-    serve_tiles(batch, num_heads, tiles, num_programs, issue, compute, group_size=group_size)
+    serve_tiles(batch, num_heads, tiles, num_programs, issue, compute, group_size=group_size,
+                issue_group=issue_group if grouped else None)
 
 
-def _scratch(head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, v_dtype, swizzle, rebuild, stages) -> list:
-    """`[stages, shared, rebuild buffers, barriers, rows barrier]`: `stages` sets of the
-    replay buffers and the token's (`copy_token`), the key-head group's shared values
-    (`store_key_side`, `[3, L]` fp32), then the exact rebuild's untiled record copies,
-    one barrier per stage and one for the record copies. Tensor-core rebuilds keep their
-    `wgmma` operands (K-major: `U^T diag(W)` `[BV, L]` and `K^T` `[d_k, L]`, hi and lo
-    parts for "3xtf32") in a union with each stage's checkpoint-tile buffer instead."""
+def _scratch(head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, v_dtype, swizzle, rebuild, stages,
+             readout="fma", grouped=False) -> list:
+    """`[stages, group keys, shared, rebuild buffers, barriers, group barrier, rows
+    barrier]`: `stages` sets of the replay buffers (the key records among them `[k]` unless
+    `grouped`, else `[]`), the token's (`copy_token`) and, for the "mma" readout, `[x]` the
+    raw q and k `[8, d_k]` (swizzled: the `wgmma` operand, `stage_vectors`); if `grouped`,
+    `[k]` the key records of the CTA's current key head (a pipeline group copy: only fresh
+    tiles and flushes read them) and `[barrier]` for their copy (else `[]`, `[]`); the
+    key-head group's shared values (`store_key_side`, `[3, L]` fp32), the exact rebuild's
+    untiled record copies, one barrier per stage and one for the record copies.
+    Tensor-core rebuilds keep their `wgmma` operands (K-major: `U^T diag(W)` `[BV, L]` and
+    `K^T` `[d_k, L]`, hi and lo parts for "3xtf32") in a union with each stage's
+    checkpoint-tile buffer instead."""
     def stage():
-        bufs = (replay_scratch(BLOCK_V, head_k_dim, cache_len, state_dtype, cache_dtype, (BLOCK_V,), v_dtype, swizzle)
-                + [plgpu.SMEM((4, head_k_dim), qk_dtype), plgpu.SMEM((BLOCK_V,), v_dtype)])
-        bufs[0] = tile_with_operands(bufs[0], BLOCK_V, head_k_dim, cache_len, rebuild)
-        return bufs
+        tile, u, keys, g, y = replay_scratch(BLOCK_V, head_k_dim, cache_len, state_dtype, cache_dtype, (BLOCK_V,),
+                                             v_dtype, swizzle)
+        tile = tile_with_operands(tile, BLOCK_V, head_k_dim, cache_len, rebuild)
+        vectors = ([plgpu.SMEM((vector_rows(DECODE_VECTORS), head_k_dim), qk_dtype, transforms=tiled(128, qk_dtype))]
+                   if readout == "mma" else [])
+        return [tile, u, g, y, plgpu.SMEM((4, head_k_dim), qk_dtype), plgpu.SMEM((BLOCK_V,), v_dtype),
+                [] if grouped else [keys], vectors]
 
+    keys = replay_scratch(BLOCK_V, head_k_dim, cache_len, state_dtype, cache_dtype, (BLOCK_V,), v_dtype, swizzle)[2]
     per_stage = [stage() for _ in range(stages)]
     rebuild_bufs = record_copies(BLOCK_V, head_k_dim, cache_len, cache_dtype) if rebuild == "exact" else []
-    return [per_stage, plgpu.SMEM((3, cache_len), F32), rebuild_bufs, plgpu.Barrier(num_arrivals=9, num_barriers=stages),
-            plgpu.Barrier(num_arrivals=2)]
+    copies = 8 + (not grouped) + (readout == "mma")
+    return [per_stage, [keys] if grouped else [], plgpu.SMEM((3, cache_len), F32), rebuild_bufs,
+            plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
+            [plgpu.Barrier(num_arrivals=1)] if grouped else [], plgpu.Barrier(num_arrivals=2)]
+
 
 
 def persistent_programs(batch: int, num_v_heads: int, head_v_dim: int, head_k_dim: int, cache_len: int,
                         state_dtype, cache_dtype, token_dtype, sm_count: int, *, swizzle: int = 128,
-                        rebuild: str = "exact", scratch_of=None) -> int:
+                        rebuild: str = "exact", readout: str = "fma", scratch_of=None) -> int:
     """`MosaicReplayParams.programs` for a device of `sm_count` SMs: as many persistent CTAs
-    per SM as the two-stage buffers fit in shared memory (`token_dtype`: q, k and v's).
-    `scratch_of`: the kernel's scratch builder, this module's by default (the KDA kernel's
-    takes the same arguments)."""
-    scratch = (scratch_of or _scratch)(head_k_dim, cache_len, state_dtype, cache_dtype, token_dtype, token_dtype,
-                                       swizzle, rebuild, STAGES)
+    per SM as the two-stage buffers fit in shared memory (`token_dtype`: q, k and v's; the
+    key records grouped where that fits more, `group_records=None`). `scratch_of`: the
+    kernel's scratch builder, this module's by default (the KDA kernel's takes the same
+    arguments but `readout` and `grouped`)."""
+    args = (head_k_dim, cache_len, state_dtype, cache_dtype, token_dtype, token_dtype, swizzle, rebuild, STAGES)
+    scratch = scratch_of(*args) if scratch_of else _scratch(*args, readout, grouped=True)
     return programs_that_fit(smem_bytes(scratch), sm_count, batch * num_v_heads * (head_v_dim // BLOCK_V))
 
 
 @functools.lru_cache(maxsize=None)
 def _build(batch, num_v_heads, head_v_dim, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y_dtype,
-           group_size, use_qk_l2norm, scale, raw_gates, swizzle, rebuild, programs, auto_barriers, interpret):
+           group_size, use_qk_l2norm, scale, raw_gates, swizzle, rebuild, programs, auto_barriers, readout,
+           group_records, interpret):
     tiles = head_v_dim // BLOCK_V
     num_tiles = batch * num_v_heads * tiles
-    scratch = _scratch(head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y_dtype, swizzle, rebuild,
-                       STAGES if programs else 1)
+    scratch_of = functools.partial(_scratch, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y_dtype,
+                                   swizzle, rebuild, STAGES if programs else 1, readout)
+    grouped = group_records if group_records is not None else bool(programs) and grouped_fits_more(scratch_of)
+    scratch = scratch_of(grouped)
     check_smem(scratch, f"replay_decode_mgpu at cache_len = {cache_len}, d_k = {head_k_dim}")
     num_programs = min(programs, num_tiles)
     body = functools.partial(_kernel, group_size=group_size, tiles=tiles, use_qk_l2norm=use_qk_l2norm,
-                             scale=scale, raw_gates=raw_gates, rebuild=rebuild, num_programs=num_programs)
+                             scale=scale, raw_gates=raw_gates, rebuild=rebuild, num_programs=num_programs,
+                             readout=readout, parts=tile_parts(state_dtype), grouped=grouped, interpret=interpret)
     return plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((batch, num_v_heads, head_v_dim), y_dtype),
@@ -460,15 +545,17 @@ def replay_decode_mgpu(
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     check_rebuild(params.rebuild, cache_len, interpret)
-    check_fma_readout(params, "replay_decode_mgpu")
+    check_mma_readout(params, q.dtype, "replay_decode_mgpu")
     a_log, dt_bias = gate_params if gate_params is not None else (jnp.zeros((1,), F32),) * 2
     kernel = _build(
         batch, num_v_heads, head_v_dim, head_k_dim, cache_len, checkpoint.dtype, u_cache.dtype, q.dtype, v.dtype,
         num_v_heads // q.shape[1], bool(use_qk_l2norm), float(head_k_dim ** -0.5 if scale is None else scale),
         gate_params is not None, params.swizzle, params.rebuild, params.programs, params.auto_barriers,
-        bool(interpret),
+        params.readout, params.group_records, bool(interpret),
     )
     refs = [jax.new_ref(x) for x in (checkpoint, u_cache, k_cache, g_cache)]
-    y = kernel(slot.astype(jnp.int32), pos.astype(jnp.int32), mode.astype(jnp.int32), q, k.astype(q.dtype), v, g, beta,
-               a_log, dt_bias, *refs)
+    k = k.astype(q.dtype)
+    vectors = [stage_vectors(jnp.stack([q, k], axis=1))] if params.readout == "mma" else []
+    y = kernel(slot.astype(jnp.int32), pos.astype(jnp.int32), mode.astype(jnp.int32), q, k, v, g, beta,
+               a_log, dt_bias, *vectors, *refs)
     return (y, *(jax.freeze(r) for r in refs))

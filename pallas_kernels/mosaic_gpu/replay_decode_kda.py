@@ -56,7 +56,8 @@ from pallas_kernels.mosaic_gpu import replay_decode
 from pallas_kernels.mosaic_gpu.pipeline import STAGES, serve_tiles, tile_grid
 from pallas_kernels.mosaic_gpu.rebuild import check_rebuild, rebuild_mma, tile_with_operands
 from pallas_kernels.mosaic_gpu.replay_decode import (BLOCK_V, MosaicReplayParams, append_entry, check_fma_readout,
-                                                     check_shapes, copy_token, load_qk, store_output, store_tile)
+                                                     check_own_layout, check_shapes, copy_token, load_qk, store_output,
+                                                     store_tile)
 
 
 def channel_layout(head_k_dim: int):
@@ -370,6 +371,7 @@ def replay_decode_kda_mgpu(
         interpret = jax.default_backend() != "gpu"
     check_rebuild(params.rebuild, cache_len, interpret)
     check_fma_readout(params, "replay_decode_kda_mgpu")
+    check_own_layout(params, "replay_decode_kda_mgpu")
     a_log, dt_bias = gate_params if gate_params is not None else (jnp.zeros((1,), F32),) * 2
     # The token's q and k share one shared buffer (`[4, d_k]`): one dtype, promoted (lossless).
     qk_dtype = jnp.result_type(q.dtype, k.dtype)

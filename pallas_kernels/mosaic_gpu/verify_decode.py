@@ -67,8 +67,9 @@ from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA,
                                                check_smem, copy_record_rows, copy_replay_tile, load_transposed,
                                                record_copies, replay_scratch, row_sum, smem_bytes, tiled)
 from pallas_kernels.mosaic_gpu.pipeline import STAGES, group_shared, programs_that_fit, serve_tiles, tile_grid
-from pallas_kernels.mosaic_gpu.replay_decode import (MosaicReplayParams, check_fma_readout, check_shapes, decay_weights,
-                                                     rebuild_exact)
+from pallas_kernels.mosaic_gpu.readout import column, stage_vectors, tile_parts, tile_products, vector_rows
+from pallas_kernels.mosaic_gpu.replay_decode import (MosaicReplayParams, check_fma_readout, check_mma_readout,
+                                                     check_own_layout, check_shapes, decay_weights, rebuild_exact)
 
 MAX_WIDTH = 16  # the window is unrolled in the kernel: code size grows as T^2
 
@@ -208,61 +209,14 @@ def masked_window(q: Float[Array, "B T Hk Dk"], k: Float[Array, "B T Hk Dk"],
 
 def window_rows(width: int) -> int:
     """N, the rows of `window_vectors`: 2T rounded up to a multiple of 8 (`wgmma`'s N)."""
-    return -(-2 * width // 8) * 8
+    return vector_rows(2 * width)
 
 
 def window_vectors(q: Float[Array, "B T Hk Dk"], k: Float[Array, "B T Hk Dk"],
                    length: Int[Array, " B"]) -> Float[Array, "B Hk N Dk"]:
     """The "mma" readout's B operand per (row, key head): `masked_window`'s rows, then zero
     rows up to `window_rows(T)`, in q's dtype."""
-    x = jnp.moveaxis(masked_window(q, k, length), 1, 2)  # [B, Hk, 2T, Dk]
-    return jnp.pad(x, ((0, 0), (0, 0), (0, window_rows(q.shape[1]) - x.shape[2]), (0, 0)))
-
-
-def tile_parts(state_dtype) -> int:
-    """How many bf16 parts hold a value of `state_dtype` exactly (8 significant bits each)."""
-    return -(-(jnp.finfo(state_dtype).nmant + 1) // 8)
-
-
-def split_bf16(x, parts: int) -> list:
-    """`parts` bf16 arrays whose sum is x: each the bf16 rounding of what the ones before
-    left (the remainder of a rounding is exact in fp32), so three carry an fp32 value's 24
-    significant bits and one a bf16 value."""
-    out, rest = [], x
-    for p in range(parts):
-        part = rest.astype(jnp.bfloat16)
-        out.append(part)
-        if p + 1 < parts:
-            rest = rest - part.astype(F32)
-    return out
-
-
-def tile_products(s, x_smem, parts: int, *, interpret: bool = False):
-    """`S X^T` `[BV, N]` in fp32 (WGMMA layout) on tensor cores: S `[BV, d_k]` (WGMMA, fp32,
-    exact in `parts` bf16 parts) against the window's raw bf16 vectors X (`x_smem [N, d_k]`,
-    K-major: `window_vectors`). Each part is a `wgmma` operand from registers; a bf16 times
-    a bf16 is exact in fp32, so the products carry fp32 accuracy (the tensor cores' fp32
-    accumulation). `interpret`: the same parts and products as fp32 dots (interpret mode
-    runs no `wgmma`), so CPU tests cover everything around the instruction."""
-    if interpret:
-        x = x_smem[...].astype(F32)
-        dot = lambda part: lax.dot_general(part.astype(F32), x, (((1,), (1,)), ((), ())),
-                                           precision=lax.Precision.HIGHEST)
-        return sum(dot(part) for part in split_bf16(s, parts))
-
-    def mma(acc_ref):  # returns nothing: `run_state` gives the accumulator's final value
-        for part in split_bf16(s, parts):
-            plgpu.wgmma(acc_ref, part, x_smem.T)
-            plgpu.wgmma_wait(0)  # the part's registers are read until its `wgmma` completes
-
-    zeros = plgpu.layout_cast(jnp.zeros((s.shape[0], x_smem.shape[0]), F32), WGMMA)
-    return pl.run_state(mma)(plgpu.ACC.init(zeros))
-
-
-def column(products, j: int):
-    """Column j of `[BV, N]` (WGMMA) as a ROW vector `[BV]`."""
-    cols = plgpu.broadcasted_iota(jnp.int32, products.shape, 1, layout=WGMMA)
-    return row_sum(jnp.where(cols == j, products, 0.0))
+    return stage_vectors(masked_window(q, k, length))
 
 
 def window_coefficients(
@@ -496,10 +450,11 @@ def check_params(params, kernel: str, *, pipelined: bool = False) -> None:
     """Raise ValueError on the decode kernels' options a verify kernel does not take: it
     rebuilds folds in exact fp32 and, unless `pipelined` (the GDN kernel), runs one CTA per
     tile and keeps Mosaic's barriers, and reads out on CUDA cores ("mma" is the GDN kernel's,
-    `pipelined`). `params`: a `MosaicReplayParams`, or a `MosaicMamba2Params` (which has no
-    rebuild or readout option: the Mamba-2 rebuild is exact)."""
+    `pipelined`); its records' layout is its own (`group_records` None). `params`: a
+    `MosaicReplayParams` or a `MosaicMamba2Params`."""
     if getattr(params, "rebuild", "exact") != "exact":
         raise ValueError(f"{kernel} rebuilds in exact fp32 only, got rebuild={params.rebuild!r}")
+    check_own_layout(params, kernel)
     if pipelined:
         return
     check_fma_readout(params, kernel)
@@ -607,9 +562,7 @@ def verify_decode_mgpu(
     check_params(params, "verify_decode_mgpu", pipelined=True)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    if params.readout == "mma" and q.dtype != jnp.bfloat16:
-        raise ValueError("readout='mma' multiplies bf16 parts of the tile by the raw window vectors: it needs bf16 "
-                         f"q and k, got {q.dtype}")
+    check_mma_readout(params, q.dtype, "verify_decode_mgpu")
     length = length.astype(jnp.int32)
     coef = window_coefficients(q, k, g, beta, anc.astype(bool), length, use_qk_l2norm=bool(use_qk_l2norm),
                                scale=float(head_k_dim ** -0.5 if scale is None else scale))

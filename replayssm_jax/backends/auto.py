@@ -7,10 +7,11 @@ Pallas-Triton launch table's on the H200, each under its backend's default polic
 (`MOSAIC_FROM_BATCH`, per gate and state itemsize; the measurements are lines of
 `benchmarks/NOTES.md`) where its persistent kernel fits two or more CTAs per SM, and on
 "pallas_triton" below that batch, for the layers with no row (GDN's 2-byte states) and
-where one CTA per SM is all that fits (longer rings: Mamba-2 fp32 at L = 32 measured 0.98x
-plain, Triton 1.13x, since one warpgroup per SM leaves each tile's latency exposed); a verify step runs on "mosaic_gpu" (its one-launch verify kernels: 1.3-2.7x
-conventional verify, against 0.9-1.2x for the Triton readouts). Other GPUs run
-"pallas_triton" (decode) and "xla" (verify).
+where one CTA per SM is all that fits (Mamba-2 fp32 at L = 32 measured 0.98x plain with one,
+since one warpgroup per SM leaves each tile's latency exposed, and 1.51x with two). A
+verify step runs on "mosaic_gpu" (its one-launch verify kernels: 1.3-2.7x conventional
+verify, against 0.9-1.2x for the Triton readouts). Other GPUs run "pallas_triton" (decode)
+and "xla" (verify).
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ import jax.numpy as jnp
 # Triton 205.6. Mamba-2 bf16 (L = 16): Mosaic 150.5 / 596.0 µs at B = 128 / 512, 1.01-1.02x
 # plain, against Triton's fold at 0.92-0.94x (B < 128 not measured). KDA fp32 (H = 32,
 # d = 128, L = 16): Mosaic 114.7 / 418.6 µs at B = 128 / 512 against Triton's fold 149.1 /
-# 588.8 (B < 128 not measured). GDN bf16 states stay on Triton (Mosaic 0.86x plain at B = 512).
+# 588.8 (B < 128 not measured). fp32 rings of 32 (two CTAs per SM): GDN 104.3 / 387.3 µs at
+# B = 128 / 512 against Triton 119.6 / 409.6; Mamba-2 B = 128 187.1 against 248.2. GDN bf16
+# states stay on Triton (Mosaic 0.92x plain at B = 512 with the tensor-core readout).
 MOSAIC_FROM_BATCH: dict[tuple[str, int], int] = {("gdn", 4): 32, ("kda", 4): 128, ("mamba2", 4): 1,
                                                  ("mamba2", 2): 128}
 # The fewest persistent CTAs per SM at which "auto" takes "mosaic_gpu" (every row above ran two or three).
@@ -57,11 +60,12 @@ def decode_backend(config, batch: int, platform: str | None = None) -> str:
 
 def mosaic_ctas_per_sm(config) -> int:
     """Persistent CTAs of the layer's Mosaic decode kernel that one SM's shared memory holds
-    (bf16 tokens, the exact rebuild's buffers: the 3xTF32 default never takes more)."""
+    on a GPU (bf16 tokens, the backend's GPU rebuild)."""
     # Imported here: `backends.mosaic_gpu` imports `plan`, which imports this module.
     from replayssm_jax.backends import mosaic_gpu
 
-    return mosaic_gpu.fitting_programs(config, 512, jnp.bfloat16, sm_count=1)
+    rebuild = mosaic_gpu.gpu_rebuild(config, jnp.bfloat16)
+    return mosaic_gpu.fitting_programs(config, 512, jnp.bfloat16, rebuild=rebuild, sm_count=1)
 
 
 def verify_backend(config, platform: str | None = None) -> str:

@@ -37,34 +37,50 @@ def device_sm_count() -> int:
     return int(getattr(jax.devices()[0], "core_count", 0) or H200_SMS)
 
 
-def fitting_programs(cfg, batch: int, token_dtype, *, rebuild: str = "exact", sm_count: int | None = None) -> int:
+def fitting_programs(cfg, batch: int, token_dtype, *, rebuild: str = "exact", readout: str = "fma",
+                     sm_count: int | None = None) -> int:
     """Persistent CTAs for a step of `batch` rows: as many per SM as the kernel's two-stage
-    buffers fit in shared memory, on `sm_count` SMs (default: the device's)."""
+    buffers fit in shared memory, on `sm_count` SMs (default: the device's); `readout`:
+    the GDN and Mamba-2 kernels'."""
     sms = device_sm_count() if sm_count is None else sm_count
     shape = (batch, cfg.num_v_heads, cfg.head_v_dim, cfg.head_k_dim, cfg.cache_len, cfg.state_dtype,
              cfg.cache_dtype, token_dtype, sms)
     if cfg.gate == "mamba2":
-        return mamba2_decode.persistent_programs(*shape, rebuild=rebuild)
+        return mamba2_decode.persistent_programs(*shape, rebuild=rebuild, readout=readout)
     if cfg.per_channel_gate:
         return replay_decode_kda.persistent_programs(*shape, rebuild=rebuild)
-    return persistent_programs(*shape, rebuild=rebuild)
+    return persistent_programs(*shape, rebuild=rebuild, readout=readout)
+
+
+def gpu_rebuild(cfg, token_dtype) -> str:
+    """The flush rebuild a step takes on a GPU: "3xtf32" wherever its operands leave at
+    least as many CTAs per SM as the exact rebuild's buffers (GDN's measured within 1.3e-7
+    normwise of IEEE fp32 and faster; from a ring of 32 its chunked operands fit two CTAs
+    per SM where the exact rebuild's record copies fit one), else "exact"."""
+    fits = lambda rebuild: fitting_programs(cfg, 1, token_dtype, rebuild=rebuild, sm_count=1)
+    return "3xtf32" if fits("3xtf32") >= fits("exact") else "exact"
 
 
 def default_params(cfg, batch: int, token_dtype, *, interpret: bool | None = None
                    ) -> MosaicReplayParams | MosaicMamba2Params:
     """The kernel parameters a step uses when the caller gives none: as many persistent CTAs
     as fit on the device's SMs and the kernel's own barriers only (measured fastest on the
-    H200 at B = 128 and 512 for GDN and Mamba-2, `benchmarks/NOTES.md`). The flush rebuild
-    on a GPU (`interpret` false; default: off GPU) is "3xtf32" wherever its operands leave
-    as many CTAs per SM as the exact rebuild's (GDN's measured within 1.3e-7 normwise of
-    IEEE fp32 and faster; the tensor cores do not run in interpret mode), else "exact"."""
+    H200 at B = 128 and 512 for GDN and Mamba-2, `benchmarks/NOTES.md`), with `gpu_rebuild`
+    on a GPU (`interpret` false; default: off GPU; the tensor cores do not run in
+    interpret mode) and the exact rebuild off it. GDN with a 2-byte state and bf16 q, k
+    reads the tile out on tensor cores (`readout="mma"`: 366 -> 322 µs per cycle at B = 512,
+    L = 16 on the H200; with an fp32 state the tile's split into three parts made it
+    slower, 342 -> 494)."""
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    params = MosaicMamba2Params if cfg.gate == "mamba2" else MosaicReplayParams
-    programs = fitting_programs(cfg, batch, token_dtype)
-    if not interpret and fitting_programs(cfg, batch, token_dtype, rebuild="3xtf32") == programs:
-        return params(programs=programs, auto_barriers=False, rebuild="3xtf32")
-    return params(programs=programs, auto_barriers=False)
+    rebuild = "exact" if interpret else gpu_rebuild(cfg, token_dtype)
+    if cfg.gate == "mamba2":
+        programs = fitting_programs(cfg, batch, token_dtype, rebuild=rebuild)
+        return MosaicMamba2Params(programs=programs, auto_barriers=False, rebuild=rebuild)
+    two_byte = cfg.state_dtype.itemsize == 2 and jnp.dtype(token_dtype) == jnp.bfloat16
+    readout = "mma" if two_byte and not cfg.per_channel_gate else "fma"
+    programs = fitting_programs(cfg, batch, token_dtype, rebuild=rebuild, readout=readout)
+    return MosaicReplayParams(programs=programs, auto_barriers=False, rebuild=rebuild, readout=readout)
 
 
 def verify_default_params(cfg, batch: int, width: int, token_dtype) -> MosaicReplayParams | MosaicMamba2Params:
@@ -132,7 +148,9 @@ def layer_step(
         tokens.q, tokens.k, tokens.v, tokens.g, tokens.beta,
         plan.slot, plan.pos, common.row_modes(plan.valid, plan.flush),
         use_qk_l2norm=use_qk_l2norm, scale=scale, gate_params=gate_params,
-        params=kernel_params or default_params(cfg, tokens.v.shape[0], tokens.v.dtype, interpret=interpret),
+        # One token dtype for q, k and v's buffers: bf16 only where all three are.
+        params=kernel_params or default_params(cfg, tokens.v.shape[0], jnp.result_type(tokens.q, tokens.v),
+                                               interpret=interpret),
         interpret=interpret,
     )
     return y, dataclasses.replace(state, checkpoint=checkpoint, u_cache=u_cache, k_cache=k_cache, g_cache=g_cache)
