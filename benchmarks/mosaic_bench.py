@@ -169,7 +169,8 @@ def mosaic_params(spec: str, cfg: R.ReplayConfig, batch: int):
     fields = dict((name, parse(value)) for name, value in
                   (item.split("=") for item in spec.split(",")))
     if fields.get("programs") == "fit":
-        fields["programs"] = mosaic_gpu.fitting_programs(cfg, batch, jnp.bfloat16, rebuild=fields.get("rebuild", "exact"),
+        fields["programs"] = mosaic_gpu.fitting_programs(cfg, batch, jnp.bfloat16,
+                                                        rebuild=fields.get("rebuild", "exact"),
                                                         readout=fields.get("readout", "fma"))
     return cls(**fields)
 

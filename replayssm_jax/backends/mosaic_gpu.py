@@ -68,7 +68,7 @@ def default_params(cfg, batch: int, token_dtype, *, interpret: bool | None = Non
     H200 at B = 128 and 512 for GDN and Mamba-2, `benchmarks/NOTES.md`), with `gpu_rebuild`
     on a GPU (`interpret` false; default: off GPU; the tensor cores do not run in
     interpret mode) and the exact rebuild off it. GDN with a 2-byte state and bf16 q, k
-    reads the tile out on tensor cores (`readout="mma"`: 366 -> 322 µs per cycle at B = 512,
+    reads the tile out on tensor cores (`readout="mma"`: 348 -> 322 µs per cycle at B = 512,
     L = 16 on the H200; with an fp32 state the tile's split into three parts made it
     slower, 342 -> 494)."""
     if interpret is None:
