@@ -13,14 +13,15 @@ share (`group_side`: `B_j . C`, `B . C`) is computed on the chunk's first tile a
 from shared memory by the rest (`pipeline.group_shared`).
 
 Data movement (TMA, one barrier per stage): the checkpoint tile `S_c [BP, N]`, the slot's
-x records `[L, BP]` of this tile (swizzled), its time steps dt `[L]`, and the token
-(`copy_token`: B, C and C again `[3, N]`, this tile's rows of x and z `[2, BP]`) land in
-shared memory, so a persistent CTA has the next tile's token with its state. The B records
-`[L, N]` (group h // (H/G), swizzled) only a group's fresh tile and flush rows read: one
-buffer per CTA, copied for each fresh tile (`pipeline` group copies, started while the
-tile before it is computed), which keeps two CTAs per SM at fp32 with a ring of 32. The
-exact rebuild fetches a second, untiled copy of the records; everything else is
-registers. C is never cached.
+x records `[L, BP]` of this tile and its B records `[L, N]` (group h // (H/G)), all
+swizzled, its time steps dt `[L]`, and the token (`copy_token`: B, C and C again `[3, N]`,
+this tile's rows of x and z `[2, BP]`) land in shared memory, so a persistent CTA has the
+next tile's token with its state. Where that fits more CTAs per SM
+(`MosaicMamba2Params.group_records`: fp32 rings of 32), the B records, which only a
+group's fresh tile and flush rows read, go to one buffer per CTA instead, copied for each
+fresh tile (`pipeline` group copies). The exact rebuild fetches a second, untiled copy of
+the records; everything else is registers. C is never cached; with `readout="mma"` the
+raw C is staged by XLA as a `wgmma` operand (`readout.stage_vectors`).
 
 Layouts (Hopper WGMMA family, `m % 64 == 0 == n % 8`):
 - `S_c` in `WGMMA` `[BP, N]`; `S_c C` is a row reduction into `ROW = WGMMA.reduce(1)`

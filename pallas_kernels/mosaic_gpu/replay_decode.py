@@ -10,12 +10,18 @@ is one key head's tiles, and what they share (`key_side`: `K k`, `K q`, the q/k 
 (`pipeline.group_shared`).
 
 Data movement (TMA, one barrier per stage): the checkpoint tile `S_c [BV, d_k]`, the
-slot's u records `[L, BV]` of this tile (swizzled), its log-decays `[L]` and the token's q,
-k (twice: one copy per vector layout) and v rows land in shared memory. The key records
-`[L, d_k]` (key head h // G, swizzled) only a group's fresh tile and flush rows read: one
-buffer per CTA, copied for each fresh tile (`pipeline` group copies, started while the
-tile before it is computed). The exact rebuild fetches a second, untiled copy of the
-records; everything else is registers.
+slot's u records `[L, BV]` of this tile and its key records `[L, d_k]` (key head h // G),
+all swizzled, its log-decays `[L]` and the token's q, k (twice: one copy per vector
+layout) and v rows land in shared memory. Where that fits more CTAs per SM
+(`MosaicReplayParams.group_records`: fp32 rings of 32), the key records, which only a
+group's fresh tile and flush rows read, go to one buffer per CTA instead, copied for each
+fresh tile (`pipeline` group copies, started while the tile before it is computed). The
+exact rebuild fetches a second, untiled copy of the records; everything else is registers.
+
+Readout: `S_c x` for x = q, k is a row reduction per vector ("fma") or, with
+`readout="mma"`, one `wgmma` against the raw bf16 q and k staged by XLA
+(`readout.stage_vectors`, `[B, H_k, 8, d_k]`, copied with the tile): a bf16 tile straight
+from its buffer, an fp32 one in three exact bf16 register parts (`readout.py`).
 
 Layouts (Hopper WGMMA family, `m % 64 == 0 == n % 8`):
 - `S_c` in `WGMMA` `[BV, d_k]`; `S_c x` is a row reduction into `ROW = WGMMA.reduce(1)`
