@@ -30,6 +30,11 @@ write and L entries read. The byte floor is bytes / copy bandwidth (measured at 
 Timing: CUPTI kernel times of a jitted `lax.scan` over R disjoint slot sets (R * B * slot
 bytes >= 3x the L2), as `decode_bench.py`; a verify step's time is the sum of its kernels.
 
+Check (before timing): each backend against xla on a state whose rows mix appending,
+folding, empty and padding rows, per `--checks` pair of state dtype and L (default
+float32:16; e.g. float32:16,float32:32,bfloat16:16 also checks the tensor-core folds'
+chunked operands).
+
   python benchmarks/verify_bench.py --out verify.json     # on the GPU
   python benchmarks/verify_bench.py --gate kda --out verify_kda.json
   python benchmarks/verify_bench.py --gate mamba2 --dtypes float32,bfloat16 --out verify_mamba2.json
@@ -113,7 +118,7 @@ def backend_params(backend: str, cfg: R.ReplayConfig, batch: int, width: int):
     """`(backend name, kernel_params)` of a `--backends` entry: a backend name, or for the GDN
     Mosaic verify kernel `mosaic_gpu:` and `+`-separated `MosaicReplayParams` fields
     (`programs=N` or `programs=fit`: as many persistent CTAs as fit on the device,
-    `auto_barriers=false`, `swizzle=64`, `readout=mma`); a plain name takes the backend's
+    `auto_barriers=false`, `swizzle=64`, `readout=mma`, `rebuild=3xtf32`); a plain name takes the backend's
     defaults."""
     name, _, spec = backend.partition(":")
     if not spec:
@@ -125,7 +130,8 @@ def backend_params(backend: str, cfg: R.ReplayConfig, batch: int, width: int):
     if fields.get("programs") == "fit":
         fields["programs"] = verify_decode.persistent_programs(
             batch, width, cfg.num_v_heads, cfg.head_v_dim, cfg.head_k_dim, cfg.cache_len, cfg.state_dtype,
-            cfg.cache_dtype, jnp.bfloat16, mosaic_gpu.device_sm_count(), readout=fields.get("readout", "fma"))
+            cfg.cache_dtype, jnp.bfloat16, mosaic_gpu.device_sm_count(), readout=fields.get("readout", "fma"),
+            rebuild=fields.get("rebuild", "exact"))
     return name, MosaicReplayParams(**fields)
 
 
@@ -309,11 +315,11 @@ def backend_times(timer, backend, cfg, num_slots, sets, windows, reps, row, iter
     return out
 
 
-def check(shape, backends, smoke) -> dict:
+def check(shape, backends, smoke, state_dtype: str = "float32", cache_len: int = 16) -> dict:
     """Each backend's verify against xla on one state whose rows mix appending, folding
     (history + window past the ring), empty and padding rows, with ragged lengths and a tree
-    window: the largest relative error of y and of every state array."""
-    cfg = shape.config(16 if not smoke else 8, jnp.float32)
+    window: the largest relative error of y and of every state array (smoke: L = 8)."""
+    cfg = shape.config(cache_len if not smoke else 8, jnp.dtype(state_dtype))
     batch, width, num_slots = 8, 4, 10
     rng = np.random.default_rng(0)
     cursors = rng.integers(0, cfg.cache_len + 1, num_slots)
@@ -362,6 +368,8 @@ def main(argv=None) -> dict:
                         "GDN: 'mosaic_gpu:programs=fit+auto_barriers=false' for kernel options (backend_params)")
     p.add_argument("--gate", default="gdn", choices=("gdn", "kda", "mamba2"))
     p.add_argument("--iterations", type=int, default=3)
+    p.add_argument("--checks", default="float32:16",
+                   help="state dtype:L pairs checked against xla before timing, e.g. float32:16,bfloat16:32")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode, wall clock (CPU)")
     args = p.parse_args(argv)
     start = time.time()
@@ -380,8 +388,12 @@ def main(argv=None) -> dict:
     print(f"meta {meta}", flush=True)
     backends = (args.backends.split(",") if args.backends else
                 list(MAMBA2_BACKENDS if args.gate == "mamba2" else BACKENDS))
-    result = dict(meta=meta, check=check(shape, backends, args.smoke), rows=[])
-    print(f"check {json.dumps(result['check'])}", flush=True)
+    first, *more = [(dt, int(L)) for dt, L in (pair.split(":") for pair in args.checks.split(","))]
+    result = dict(meta=meta, check=check(shape, backends, args.smoke, *first), rows=[])
+    print(f"check {first} {json.dumps(result['check'])}", flush=True)
+    if more and not args.smoke:
+        result["more_checks"] = {f"{dt}:{L}": check(shape, backends, args.smoke, dt, L) for dt, L in more}
+        print(f"more checks {json.dumps(result['more_checks'])}", flush=True)
     # T = 4 first (the reference figures' window), so a budget stop loses the least.
     grid = [(jnp.dtype(dt), L, t, b) for dt in args.dtypes.split(",") for t in ints(args.widths)
             for L in ints(args.cache_lens) for b in ints(args.batches) if t <= L]

@@ -302,7 +302,8 @@ def verify_step(
             raise ValueError(f"kernel_params must be a {want.__name__} for backend 'mosaic_gpu' and gate "
                              f"{cfg.gate!r}, got {type(kernel_params).__name__}")
         token_dtype = window.x.dtype if cfg.gate_kind.additive else window.v.dtype
-        kernel_params = kernel_params or mosaic_gpu.verify_default_params(cfg, batch, width, token_dtype)
+        kernel_params = kernel_params or mosaic_gpu.verify_default_params(cfg, batch, width, token_dtype,
+                                                                          interpret=interpret)
 
     plan, fold, in_window = _window_plan(state, slots, lengths, batch, width)
     anc = ancestors(parents, batch, width)

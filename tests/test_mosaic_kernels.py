@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import common
-from pallas_kernels.mosaic_gpu.rebuild import tf32_split
+from pallas_kernels.mosaic_gpu.rebuild import operand_entries, tf32_split
 from pallas_kernels.mosaic_gpu.replay_decode import MosaicReplayParams, check_shapes, replay_decode_mgpu
 from pallas_kernels.mosaic_gpu.replay_decode_kda import check_kda_shapes, replay_decode_kda_mgpu
 
@@ -221,15 +221,28 @@ def test_shape_checks_name_the_bad_size(dims, match):
 @pytest.mark.parametrize("rebuild,state_dtype,cache_len", [
     ("tf32", jnp.float32, 16), ("tf32", jnp.float32, 8), ("bf16", jnp.float32, 16), ("bf16", jnp.bfloat16, 32),
     ("tf32", jnp.bfloat16, 64), ("3xtf32", jnp.float32, 16), ("3xtf32", jnp.bfloat16, 32), ("3xtf32", jnp.float32, 8),
+    ("3xtf32", jnp.float32, 24), ("3xtf32", jnp.bfloat16, 16),
 ])
 def test_tensor_core_rebuilds_lower_for_an_abstract_h200(rebuild, state_dtype, cache_len):
     """The opt-in rebuilds (wgmma from swizzled K-major operands in a union with the tile
-    buffer; three for "3xtf32") lower for the H200;
+    buffer; three for "3xtf32"; a ring of 24 in chunks of 8, a bf16 tile's in chunks of 8)
+    lower for the H200;
     interpret mode cannot run wgmma, so their numbers come from the GPU check
     (`benchmarks/mosaic_bench.py`, check section)."""
     text = _lower_for_h200(replay_decode_mgpu, state_dtype, state_dtype, cache_len, False, per_channel=False,
                            params=MosaicReplayParams(rebuild=rebuild))
     assert "wgmma" in text
+
+
+@pytest.mark.parametrize("cache_len,rebuild,tile_bytes,entries", [
+    (16, "3xtf32", 64 * 128 * 4, 16), (32, "3xtf32", 64 * 128 * 4, 16),  # 24 KiB in a 32 KiB fp32 tile
+    (16, "3xtf32", 64 * 128 * 2, 8), (32, "tf32", 64 * 128 * 2, 16),  # a bf16 tile's 16 KiB
+    (24, "3xtf32", 64 * 128 * 4, 8), (8, "3xtf32", 64 * 128 * 2, 8), (48, "bf16", 64 * 128 * 2, 16),
+])
+def test_rebuild_operand_chunks_fit_the_tile_and_divide_the_ring(cache_len, rebuild, tile_bytes, entries):
+    """A `[64, d_k = 128]` tile's operands: the most entries up to 16 that divide the ring
+    and fit the tile's buffer, but one 32-byte row at least."""
+    assert operand_entries(cache_len, 64, 128, rebuild, tile_bytes) == entries
 
 
 def _as_tf32(x):
@@ -389,12 +402,16 @@ def test_persistent_programs_are_validated_and_fit_shared_memory():
         with pytest.raises(ValueError, match="programs must be an int >= 0"):
             MosaicReplayParams(programs=bad)
     # Two stages of ~48 KiB (fp32, L = 16, d = 128) plus the rebuild's 12 KiB copies: two CTAs
-    # per SM; a bf16 state three; never more CTAs than tiles, never none.
+    # per SM; a bf16 state's buffers fit three, its registers two (`RESIDENT_CTAS`); never
+    # more CTAs than tiles, never none.
     f32, bf16 = jnp.float32, jnp.bfloat16
     assert persistent_programs(512, 32, 128, 128, 16, f32, f32, bf16, 132) == 264
-    assert persistent_programs(512, 32, 128, 128, 16, bf16, bf16, bf16, 132) == 396
+    assert persistent_programs(512, 32, 128, 128, 16, bf16, bf16, bf16, 132) == 264
+    assert persistent_programs(512, 32, 128, 128, 16, bf16, bf16, bf16, 132, max_ctas=None) == 396
     assert persistent_programs(1, 2, 128, 128, 16, f32, f32, bf16, 132) == 4
     assert programs_that_fit(300 * 1024, 132, 10_000) == 132
+    assert programs_that_fit(50 * 1024, 132, 10_000) == 4 * 132
+    assert programs_that_fit(50 * 1024, 132, 10_000, max_ctas=3) == 3 * 132
 
 
 @pytest.mark.parametrize("num_tiles,num_programs,chunk", [
@@ -450,10 +467,11 @@ def test_backend_default_params_per_gate(monkeypatch):
     assert isinstance(mamba2, MosaicMamba2Params) and not mamba2.auto_barriers
     assert mamba2.programs == mosaic_gpu.fitting_programs(nemotron, 512, jnp.bfloat16, sm_count=132) >= 132
 
-    # On a GPU GDN's flush rebuild is 3xTF32 where its operands cost no CTAs per SM: fp32 and
-    # bf16 states at L = 16, and fp32 at L = 32, where its operands in chunks of 16 entries
-    # fit two CTAs per SM and the exact rebuild's record copies one; a bf16 state at L = 32
-    # keeps the exact rebuild (three CTAs per SM against two).
+    # On a GPU GDN's flush rebuild is 3xTF32 where its operands cost no CTAs per SM: fp32 at
+    # L = 16 and 32, where its operands in chunks of 16 entries fit two CTAs per SM and the
+    # exact rebuild's record copies one at L = 32; bf16 states, whose 16 KiB tile takes
+    # chunks of 8, at two CTAs per SM (their registers' bound; the buffers fit four at
+    # L = 16 and three at L = 32).
     assert mosaic_gpu.default_params(gdn, 512, jnp.bfloat16, interpret=False) == MosaicReplayParams(
         programs=264, auto_barriers=False, rebuild="3xtf32")
     gdn_l32 = ReplayConfig(16, 32, 128, 128, 32)
@@ -461,8 +479,9 @@ def test_backend_default_params_per_gate(monkeypatch):
         programs=264, auto_barriers=False, rebuild="3xtf32")
     assert mosaic_gpu.default_params(gdn_l32, 512, jnp.bfloat16).programs == 132  # exact off GPU: one per SM
     bf16 = lambda L: ReplayConfig(16, 32, 128, 128, L, state_dtype=jnp.bfloat16, cache_dtype=jnp.bfloat16)
-    assert mosaic_gpu.default_params(bf16(16), 512, jnp.bfloat16, interpret=False).rebuild == "3xtf32"
-    assert mosaic_gpu.default_params(bf16(32), 512, jnp.bfloat16, interpret=False).rebuild == "exact"
+    for L in (16, 32):
+        on_gpu = mosaic_gpu.default_params(bf16(L), 512, jnp.bfloat16, interpret=False)
+        assert (on_gpu.rebuild, on_gpu.programs) == ("3xtf32", 264)
     assert mosaic_gpu.default_params(gdn, 512, jnp.bfloat16, interpret=True).rebuild == "exact"
     # GDN 2-byte states read the tile out on tensor cores (bf16 q and k only); fp32 ones and KDA do not.
     assert mosaic_gpu.default_params(bf16(16), 512, jnp.bfloat16).readout == "mma"
@@ -474,7 +493,7 @@ def test_backend_default_params_per_gate(monkeypatch):
     assert mosaic_gpu.default_params(nemotron, 512, jnp.bfloat16, interpret=False).rebuild == "3xtf32"
     assert mosaic_gpu.default_params(nemotron, 512, jnp.bfloat16, interpret=True).rebuild == "exact"
     bf16_mamba2 = ReplayConfig.mamba2(128, 64, 128, 8, 32, state_dtype=jnp.bfloat16, cache_dtype=jnp.bfloat16)
-    assert mosaic_gpu.default_params(bf16_mamba2, 512, jnp.bfloat16, interpret=False).rebuild == "exact"
+    assert mosaic_gpu.default_params(bf16_mamba2, 512, jnp.bfloat16, interpret=False).rebuild == "3xtf32"
     nemotron_l32 = ReplayConfig.mamba2(128, 64, 128, 8, 32)
     assert mosaic_gpu.default_params(nemotron_l32, 512, jnp.bfloat16, interpret=False).programs == 264
 

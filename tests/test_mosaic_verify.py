@@ -191,6 +191,29 @@ def test_persistent_gdn_verify_lowers_for_an_abstract_h200(state_dtype, cache_le
     assert "mosaic_gpu" in _lower_for_h200("gdn", state_dtype, cache_len, width, params=params)
 
 
+@pytest.mark.parametrize("state_dtype,cache_len,rebuild,programs,readout", [
+    (jnp.float32, 16, "3xtf32", 264, "mma"), (jnp.float32, 32, "3xtf32", 0, "fma"),
+    (jnp.float32, 24, "3xtf32", 0, "fma"), (jnp.bfloat16, 16, "3xtf32", 0, "mma"), (jnp.float32, 16, "tf32", 0, "fma"),
+    (jnp.bfloat16, 32, "bf16", 264, "mma")])
+def test_tensor_core_fold_lowers_for_an_abstract_h200(state_dtype, cache_len, rebuild, programs, readout):
+    """Folds rebuilt on tensor cores (`rebuild.rebuild_mma`, operands in the stage's tile
+    buffer; rings of 24 and 32 in chunks), persistent or one CTA per tile: interpret mode
+    cannot run the `wgmma`s, so the GPU check of `benchmarks/verify_bench.py` compares the
+    folded checkpoints with xla."""
+    params = MosaicReplayParams(programs=programs, auto_barriers=not programs, readout=readout, rebuild=rebuild)
+    assert "mosaic_gpu" in _lower_for_h200("gdn", state_dtype, cache_len, 4, params=params)
+
+
+def test_tensor_core_fold_needs_a_gpu():
+    z = lambda *s: jnp.zeros(s)
+    args = [z(2, 2, 64, 64), z(2, 2, 8, 64), z(2, 1, 8, 64), z(2, 2, 8)]
+    window = [z(1, 2, 1, 64), z(1, 2, 1, 64), z(1, 2, 2, 64), z(1, 2, 2), z(1, 2, 2)]
+    rows = [jnp.zeros((1,), jnp.int32)] * 4
+    with pytest.raises(ValueError, match="Mosaic GPU interpret"):
+        verify_decode_mgpu(*args, *window, *rows, jnp.zeros((1, 2, 2), bool),
+                           params=MosaicReplayParams(rebuild="3xtf32"), interpret=True)
+
+
 @pytest.mark.parametrize("state_dtype,cache_len,width", [(jnp.float32, 32, 2), (jnp.bfloat16, 16, 11)])
 def test_mma_readout_lowers_for_an_abstract_h200(state_dtype, cache_len, width):
     """One CTA per tile; T = 2 (2T < 8: zero rows pad the window) and T = 11 (N = 24)."""
@@ -247,8 +270,8 @@ def test_persistent_verify_fits_shared_memory():
 def test_backend_verify_defaults():
     """GDN verifies with the tensor-core readout where q and k are bf16 (measured faster at
     fp32 and bf16 states), on persistent CTAs where two fit per SM (fp32 L = 16, T = 4),
-    one CTA per tile where one would (fp32 L = 32: measured faster); KDA and Mamba-2 one
-    CTA per tile on CUDA cores."""
+    one CTA per tile where one would (fp32 L = 32: measured faster), folds rebuilt exactly
+    off GPU; KDA and Mamba-2 one CTA per tile on CUDA cores."""
     from replayssm_jax import ReplayConfig
     from replayssm_jax.backends import mosaic_gpu
 
@@ -257,6 +280,13 @@ def test_backend_verify_defaults():
         programs=264, auto_barriers=False, readout="mma")
     assert mosaic_gpu.verify_default_params(gdn(32), 512, 4, jnp.bfloat16) == MosaicReplayParams(readout="mma")
     assert mosaic_gpu.verify_default_params(gdn(16), 512, 4, jnp.float32).readout == "fma"  # mma needs bf16 q, k
+    # On a GPU folds rebuild by 3xTF32 where its operands cost no CTAs per SM (all these),
+    # but for an fp32 tile on persistent CTAs (measured slower there).
+    on_gpu = lambda cfg: mosaic_gpu.verify_default_params(cfg, 512, 4, jnp.bfloat16, interpret=False)
+    assert on_gpu(gdn(16)) == MosaicReplayParams(programs=264, auto_barriers=False, readout="mma")
+    assert on_gpu(gdn(32)) == MosaicReplayParams(readout="mma", rebuild="3xtf32")
+    assert on_gpu(ReplayConfig(16, 32, 128, 128, 16, state_dtype=jnp.bfloat16, cache_dtype=jnp.bfloat16)).rebuild \
+        == "3xtf32"
     assert mosaic_gpu.verify_default_params(ReplayConfig(32, 32, 128, 128, 16, gate="kda"), 512, 4,
                                             jnp.bfloat16) == MosaicReplayParams()
     assert mosaic_gpu.verify_default_params(ReplayConfig.mamba2(128, 64, 128, 8, 16), 512, 4,
@@ -274,9 +304,6 @@ def test_refuses_shapes_it_cannot_take():
         verify_decode_mgpu(*args, *window(2), *rows, jnp.zeros((1, 2, 3), bool))
     with pytest.raises(ValueError, match="per-head"):
         verify_decode_mgpu(*args[:3], z(2, 2, 8, 64), *window(2), *rows, jnp.zeros((1, 2, 2), bool))
-    with pytest.raises(ValueError, match="exact fp32 only"):  # persistent CTAs and barriers: its options
-        verify_decode_mgpu(*args, *window(2), *rows, jnp.zeros((1, 2, 2), bool),
-                           params=MosaicReplayParams(rebuild="tf32"))
     with pytest.raises(ValueError, match="needs bf16 q and k"):  # fp32 q and k, and interpret mode
         verify_decode_mgpu(*args, *window(2), *rows, jnp.zeros((1, 2, 2), bool),
                            params=MosaicReplayParams(readout="mma"), interpret=True)

@@ -43,22 +43,27 @@ SMEM_PER_SM = 228 * 1024  # Hopper: one SM's shared memory, 1 KiB of it reserved
 _CTA_RESERVED = 1024
 
 
-def ctas_per_sm(cta_smem_bytes: int) -> int:
-    """Persistent CTAs of `cta_smem_bytes` that one SM's shared memory holds (at least one)."""
-    return max(1, SMEM_PER_SM // (cta_smem_bytes + _CTA_RESERVED))
+def ctas_per_sm(cta_smem_bytes: int, max_ctas: int | None = None) -> int:
+    """Persistent CTAs of `cta_smem_bytes` resident on one SM: as many as its shared memory
+    holds, at most `max_ctas` (a kernel's register bound, its `RESIDENT_CTAS`: an SM's
+    65,536 registers hold two 128-thread CTAs of more than 168 registers per thread, and
+    persistent programs past the resident ones wait for whole CTAs to finish), at least
+    one."""
+    fit = SMEM_PER_SM // (cta_smem_bytes + _CTA_RESERVED)
+    return max(1, fit if max_ctas is None else min(fit, max_ctas))
 
 
 def grouped_fits_more(scratch_of) -> bool:
     """Whether a kernel's shared buffers with its key-side records grouped
     (`scratch_of(True)`: one buffer per CTA, a group copy) fit more persistent CTAs per SM
-    than with them copied into every stage (`scratch_of(False)`)."""
+    in shared memory than with them copied into every stage (`scratch_of(False)`)."""
     return ctas_per_sm(smem_bytes(scratch_of(True))) > ctas_per_sm(smem_bytes(scratch_of(False)))
 
 
-def programs_that_fit(cta_smem_bytes: int, sm_count: int, num_tiles: int) -> int:
-    """Persistent CTAs to launch: as many per SM as shared memory holds (at least one),
-    never more than there are tiles."""
-    return max(1, min(num_tiles, ctas_per_sm(cta_smem_bytes) * sm_count))
+def programs_that_fit(cta_smem_bytes: int, sm_count: int, num_tiles: int, max_ctas: int | None = None) -> int:
+    """Persistent CTAs to launch: as many per SM as are resident (`ctas_per_sm`), never more
+    than there are tiles."""
+    return max(1, min(num_tiles, ctas_per_sm(cta_smem_bytes, max_ctas) * sm_count))
 
 
 def tile_grid(batch: int, heads: int, tiles: int, num_programs: int) -> dict:

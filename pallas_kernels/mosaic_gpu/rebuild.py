@@ -11,13 +11,16 @@ K-major shared-memory operands, accumulating in fp32 from `D S_c`:
   (`tf32_split`: `lo hi + hi lo + hi hi`, about 2^-21 relative per product).
 
 The operands live in a `plgpu.RefUnion` with the stage's checkpoint-tile buffer
-(`tile_with_operands`), which is free once `S_c` is in registers; a ring longer than
-`OPERAND_ENTRIES` is reduced over in chunks of that many entries through one chunk's
-operands, so the union is no larger than the tile and a ring of 32 keeps two CTAs per SM.
+(`tile_with_operands`), which is free once `S_c` is in registers; the ring is reduced
+over in chunks of `operand_entries` entries through one chunk's operands, as many as fit
+the tile's bytes (up to `OPERAND_ENTRIES`), so the union is no larger than the tile: a ring
+of 32 keeps two fp32 CTAs per SM, and a 2-byte tile takes "3xtf32" chunks of 8.
 "exact" (CUDA-core FMAs) is each kernel's own.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax.numpy as jnp
 from jax import lax
@@ -29,8 +32,8 @@ from pallas_kernels.mosaic_gpu.layouts import WGMMA, tiled
 # The tensor-core rebuild's operand type per mode (fp32 operands are tf32 in `wgmma`);
 # "3xtf32" splits each fp32 operand into two tf32 parts (`tf32_split`).
 REBUILD_DTYPES = {"exact": None, "tf32": jnp.float32, "bf16": jnp.bfloat16, "3xtf32": jnp.float32}
-# Ring entries per operand chunk: "3xtf32" operands of a [64, 16] and a [128, 16] chunk
-# (hi and lo) take 24 KiB, within a [64, 128] fp32 tile's 32 KiB.
+# The most ring entries per operand chunk: "3xtf32" operands of a [64, 16] and a [128, 16]
+# chunk (hi and lo) take 24 KiB, within a [64, 128] fp32 tile's 32 KiB.
 OPERAND_ENTRIES = 16
 
 
@@ -62,7 +65,7 @@ def tile_with_operands(tile, rows: int, width: int, cache_len: int, rebuild: str
     operand = REBUILD_DTYPES[rebuild]
     if operand is None:
         return tile
-    entries = operand_entries(cache_len)
+    entries = operand_entries(cache_len, rows, width, rebuild, math.prod(tile.shape) * jnp.dtype(tile.dtype).itemsize)
     swizzle = min(128, entries * jnp.dtype(operand).itemsize)
     parts = 2 if rebuild == "3xtf32" else 1
     operands = [plgpu.SMEM((n, entries), operand, transforms=tiled(swizzle, operand))
@@ -70,9 +73,19 @@ def tile_with_operands(tile, rows: int, width: int, cache_len: int, rebuild: str
     return plgpu.RefUnion(tile, operands)
 
 
-def operand_entries(cache_len: int) -> int:
-    """Ring entries in one chunk of the rebuild's operands (the K extent of its `wgmma`s)."""
-    return min(cache_len, OPERAND_ENTRIES)
+def operand_entries(cache_len: int, rows: int, width: int, rebuild: str, tile_bytes: int) -> int:
+    """Ring entries in one chunk of the rebuild's operands `A [rows, n]`, `B^T [width, n]`
+    (the K extent of its `wgmma`s): the most, up to `OPERAND_ENTRIES`, that divide the ring
+    and whose operands fit in `tile_bytes` (the checkpoint tile's buffer they share), but
+    at least one 32-byte row of the operand type (`wgmma`'s K step). `cache_len` is a
+    multiple of that row (`check_rebuild`)."""
+    operand = jnp.dtype(REBUILD_DTYPES[rebuild])
+    entry_bytes = (rows + width) * operand.itemsize * (2 if rebuild == "3xtf32" else 1)
+    least = 32 // operand.itemsize
+    entries = min(cache_len, OPERAND_ENTRIES)
+    while entries > least and (cache_len % entries or entries * entry_bytes > tile_bytes):
+        entries -= least
+    return entries
 
 
 def split_tile_buffer(tile_buf, rebuild: str):

@@ -79,6 +79,9 @@ from pallas_kernels.mosaic_gpu.rebuild import (check_rebuild, check_rebuild_mode
                                                tile_with_operands)
 
 BLOCK_V = BLOCK_ROWS
+# Persistent CTAs resident per SM at most (`pipeline.ctas_per_sm`): ptxas gives this kernel
+# 250-254 registers per thread at B = 512 on the H200 (fp32 and bf16 states), two CTAs' worth.
+RESIDENT_CTAS = 2
 DECODE_VECTORS = 2  # the "mma" readout's vectors: q, then k
 
 
@@ -89,9 +92,9 @@ class MosaicReplayParams:
 
     Attributes:
       swizzle: shared-memory swizzle of the checkpoint tile in bytes (32, 64 or 128).
-      rebuild: how flush rows rebuild `S_{t-1} = e^G S_c + U^T diag(W) K` (GDN decode
-        only): "exact" (default) in fp32 on CUDA cores, one fused multiply-add per element
-        and entry in the Triton "ieee" order; "tf32" or "bf16" (opt-in) as one `wgmma` on
+      rebuild: how flush rows rebuild `S_{t-1} = e^G S_c + U^T diag(W) K` (the decode
+        kernels and the GDN verify kernel's folds): "exact" (default) in fp32 on CUDA
+        cores, one fused multiply-add per element and entry in the Triton "ieee" order; "tf32" or "bf16" (opt-in) as one `wgmma` on
         tensor cores with the operands `U^T diag(W)` and `K` rounded to that type (fp32
         accumulation from `e^G S_c`), which leaves out the untiled record copies; "3xtf32"
         as three tf32 `wgmma`s over each operand's high and low tf32 parts (`rebuild.tf32_split`:
@@ -477,15 +480,16 @@ def _scratch(head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, v_dtype,
 
 def persistent_programs(batch: int, num_v_heads: int, head_v_dim: int, head_k_dim: int, cache_len: int,
                         state_dtype, cache_dtype, token_dtype, sm_count: int, *, swizzle: int = 128,
-                        rebuild: str = "exact", readout: str = "fma", scratch_of=None) -> int:
+                        rebuild: str = "exact", readout: str = "fma", scratch_of=None,
+                        max_ctas: int | None = RESIDENT_CTAS) -> int:
     """`MosaicReplayParams.programs` for a device of `sm_count` SMs: as many persistent CTAs
-    per SM as the two-stage buffers fit in shared memory (`token_dtype`: q, k and v's; the
-    key records grouped where that fits more, `group_records=None`). `scratch_of`: the
-    kernel's scratch builder, this module's by default (the KDA kernel's takes the same
-    arguments but `readout` and `grouped`)."""
+    per SM as the two-stage buffers fit in shared memory, at most `max_ctas` (`token_dtype`:
+    q, k and v's; the key records grouped where that fits more, `group_records=None`).
+    `scratch_of`: the kernel's scratch builder, this module's by default (the KDA kernel's
+    takes the same arguments but `readout` and `grouped`)."""
     args = (head_k_dim, cache_len, state_dtype, cache_dtype, token_dtype, token_dtype, swizzle, rebuild, STAGES)
     scratch = scratch_of(*args) if scratch_of else _scratch(*args, readout, grouped=True)
-    return programs_that_fit(smem_bytes(scratch), sm_count, batch * num_v_heads * (head_v_dim // BLOCK_V))
+    return programs_that_fit(smem_bytes(scratch), sm_count, batch * num_v_heads * (head_v_dim // BLOCK_V), max_ctas)
 
 
 @functools.lru_cache(maxsize=None)

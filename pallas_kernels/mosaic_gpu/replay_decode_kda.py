@@ -306,8 +306,9 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a
 
 
 def persistent_programs(*args, **kwargs) -> int:
-    """`replay_decode.persistent_programs` (same arguments) for this kernel's buffers."""
-    return replay_decode.persistent_programs(*args, **kwargs, scratch_of=_scratch)
+    """`replay_decode.persistent_programs` (same arguments) for this kernel's buffers, as
+    many CTAs per SM as they fit (its registers per thread are not measured)."""
+    return replay_decode.persistent_programs(*args, **kwargs, scratch_of=_scratch, max_ctas=None)
 
 
 @functools.lru_cache(maxsize=None)

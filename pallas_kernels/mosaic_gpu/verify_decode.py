@@ -31,9 +31,11 @@ all 2T raw bf16 vectors on tensor cores (`tile_products`; the raw vectors staged
 Row modes:
 - `MODE_APPEND`: the window's records go to `pos .. pos + length - 1`; the checkpoint is
   not written.
-- `MODE_FLUSH` (the capacity rule folds the row): the live state S is rebuilt on chip in
-  exact fp32 from the checkpoint tile in registers (newest entry first, running decay, as
-  `replay_decode`), rounded to the checkpoint's dtype and stored in place; the window is
+- `MODE_FLUSH` (the capacity rule folds the row): the live state S is rebuilt on chip
+  from the checkpoint tile in registers, in exact fp32 (`MosaicReplayParams.rebuild =
+  "exact"`: newest entry first, running decay, as `replay_decode`) or on tensor cores
+  (`rebuild.rebuild_mma`: "3xtf32" within ~1e-7 normwise of it, or the opt-in "tf32" /
+  "bf16"), rounded to the checkpoint's dtype and stored in place; the window is
   read out from that stored value (so its records agree with what the next step replays)
   and its u records go to `0 .. length - 1`. The kernel does not write a folding row's key
   and gate records: other CTAs of the same slot may still be reading the history they
@@ -68,10 +70,14 @@ from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA,
                                                record_copies, replay_scratch, row_sum, smem_bytes, tiled)
 from pallas_kernels.mosaic_gpu.pipeline import STAGES, group_shared, programs_that_fit, serve_tiles, tile_grid
 from pallas_kernels.mosaic_gpu.readout import column, stage_vectors, tile_parts, tile_products, vector_rows
+from pallas_kernels.mosaic_gpu.rebuild import check_rebuild, rebuild_mma, tile_with_operands
 from pallas_kernels.mosaic_gpu.replay_decode import (MosaicReplayParams, check_fma_readout, check_mma_readout,
                                                      check_own_layout, check_shapes, decay_weights, rebuild_exact)
 
 MAX_WIDTH = 16  # the window is unrolled in the kernel: code size grows as T^2
+# Persistent CTAs resident per SM at most (`pipeline.ctas_per_sm`): ptxas gives this kernel
+# 222 (exact folds) and 242 (3xTF32) registers per thread at fp32, L = 16, T = 4 (H200).
+RESIDENT_CTAS = 2
 
 
 def select_if(flag, x, layout, other=0.0):
@@ -276,26 +282,30 @@ def window_coefficients(
 
 
 def _scratch(width, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y_dtype, swizzle, stages,
-             readout="fma") -> list:
+             readout="fma", rebuild="exact") -> list:
     """`[stages, shared, barriers, rows barrier]`: `stages` sets of a tile's replay buffers
     (y `[T, BV]`), its window coefficients, the window's vectors for ROW loads (q and k
     `[T, d_k]`: `window_keys`; v `[T, BV]`) and the readout's (`readout_scratch`), the
     key-head group's `K k_i`, `K q_i` (`store_window_keys`, `[2T, L]` fp32), a barrier per
-    stage (`stage_copies`) and one for the fold's record copies. Those untiled copies share
-    the stage's checkpoint-tile buffer (a `plgpu.RefUnion`): a fold fetches them once `S_c`
-    is in registers and is done with them before it stores the folded tile there, and two
+    stage (`stage_copies`) and, for the exact rebuild, one for the fold's record copies
+    (else `[]`). What a fold needs besides the replay buffers shares the stage's
+    checkpoint-tile buffer (a `plgpu.RefUnion`), since a fold is done with it before it
+    stores the folded tile there: the exact rebuild's untiled record copies (fetched once
+    `S_c` is in registers) or a tensor-core rebuild's operands (`tile_with_operands`); two
     stages of fp32 L = 16 buffers fit twice per SM."""
     def stage():
         bufs = replay_scratch(BLOCK_ROWS, head_k_dim, cache_len, state_dtype, cache_dtype, (width, BLOCK_ROWS),
                               y_dtype, swizzle)
-        bufs[0] = plgpu.RefUnion(bufs[0], record_copies(BLOCK_ROWS, head_k_dim, cache_len, cache_dtype))
+        bufs[0] = (plgpu.RefUnion(bufs[0], record_copies(BLOCK_ROWS, head_k_dim, cache_len, cache_dtype))
+                   if rebuild == "exact" else tile_with_operands(bufs[0], BLOCK_ROWS, head_k_dim, cache_len, rebuild))
         return (bufs + [plgpu.SMEM(coefficient_shape(width), F32)]
                 + [plgpu.SMEM((width, head_k_dim), qk_dtype) for _ in range(2)]
                 + [plgpu.SMEM((width, BLOCK_ROWS), y_dtype)] + readout_scratch(width, head_k_dim, qk_dtype, readout))
 
     copies = stage_copies(readout)
     return [[stage() for _ in range(stages)], plgpu.SMEM((2 * width, cache_len), F32),
-            plgpu.Barrier(num_arrivals=copies, num_barriers=stages), plgpu.Barrier(num_arrivals=2)]
+            plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
+            [plgpu.Barrier(num_arrivals=2)] if rebuild == "exact" else []]
 
 
 def readout_scratch(width: int, head_k_dim: int, qk_dtype, readout: str) -> list:
@@ -314,10 +324,11 @@ def stage_copies(readout: str) -> int:
 
 
 def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_ref, *refs,
-            width, group_size, tiles, num_programs, readout, parts, interpret):
+            width, group_size, tiles, num_programs, readout, parts, rebuild, interpret):
     # Inputs, the window's raw vectors first with the "mma" readout; outputs; scratch.
     xw_ref, *refs = refs if readout == "mma" else (None, *refs)
     ckpt_ref, ucache_ref, kcache_ref, gcache_ref, y_ref, stages, shared_smem, barriers, rows_barrier = refs
+    rows_barrier = rows_barrier[0] if rows_barrier else None
 
     def issue(b, h, tile, stage):
         """Start the tile's copies into `stages[stage]` (none for padding rows)."""
@@ -342,7 +353,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
 
     def _tile(b, h, tile, bufs, barrier, fresh):
         tile_buf, u_smem, k_smem, g_smem, o_smem, c_smem, q_rows, k_rows_w, v_rows, *readout_bufs = bufs
-        t_smem, (u_rows, k_rows) = tuple(tile_buf)  # the record copies alias the tile
+        t_smem, fold_bufs = tuple(tile_buf)  # the fold's record copies or operands alias the tile
         hk = h // group_size
         rows = pl.ds(tile * BLOCK_ROWS, BLOCK_ROWS)
         mode = mode_ref[b]
@@ -362,33 +373,45 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
                                     functools.partial(load_window_keys, shared_smem))
             weights, decay_total = decay_weights(g_smem, pos, cache_len)
             s_c = plgpu.load(t_smem, layout=WGMMA).astype(F32)  # [BV, Dk]
-
-            @pl.when(fold)
-            def _fetch_rows():
-                # The rebuild reads single records at a dynamic index, which the swizzled
-                # buffers cannot serve: folding rows fetch an untiled copy (L2-resident)
-                # into the tile's buffer, once every thread holds S_c.
-                plgpu.commit_smem()
-                copy_record_rows((ucache_ref, kcache_ref), (u_rows, k_rows), slot, h, hk, rows, rows_barrier)
-                plgpu.barrier_wait(rows_barrier)
-
+            j_tile = plgpu.broadcasted_iota(jnp.int32, (BLOCK_ROWS, cache_len), 1, layout=WGMMA)
             # A folding row's live state, rebuilt with its whole history and rounded as
-            # stored; other rows run the loop zero times and keep S_c (their history is
-            # read out below).
-            rebuilt = rebuild_exact(s_c, jnp.where(fold, decay_total, 1.0), u_rows, k_rows, g_smem,
-                                    jnp.where(fold, pos, 0))
+            # stored; other rows keep S_c (their history is read out below).
+            if rebuild == "exact":
+                u_rows, k_rows = fold_bufs
+
+                @pl.when(fold)
+                def _fetch_rows():
+                    # The rebuild reads single records at a dynamic index, which the swizzled
+                    # buffers cannot serve: folding rows fetch an untiled copy (L2-resident)
+                    # into the tile's buffer, once every thread holds S_c.
+                    plgpu.commit_smem()
+                    copy_record_rows((ucache_ref, kcache_ref), (u_rows, k_rows), slot, h, hk, rows, rows_barrier)
+                    plgpu.barrier_wait(rows_barrier)
+
+                # Other rows run the loop zero times.
+                rebuilt = rebuild_exact(s_c, jnp.where(fold, decay_total, 1.0), u_rows, k_rows, g_smem,
+                                        jnp.where(fold, pos, 0))
+            else:
+                def tensor_core_fold():
+                    u_all = jnp.where(j_tile < pos, load_transposed(u_smem), 0.0)  # [BV, L], stale entries 0
+                    keys_t = load_transposed(k_smem)  # [Dk, L]
+                    plgpu.commit_smem()  # every thread has S_c from the buffer its operands reuse
+                    return rebuild_mma(s_c * decay_total, u_all * bcast_cols(weights, u_all.shape), keys_t, pos,
+                                       fold_bufs)
+
+                # A branch, not a select: the other rows skip the products.
+                rebuilt = lax.cond(fold, tensor_core_fold, lambda: s_c)
             s_eff = rebuilt.astype(t_smem.dtype).astype(F32)
             history_len = jnp.where(fold, 0, pos)
             decay_eff = jnp.where(fold, 1.0, decay_total)
 
             @pl.when(fold)
             def _store_checkpoint():
-                plgpu.commit_smem()  # every thread done with the records before the tile is rewritten
+                plgpu.commit_smem()  # every thread done with the records or operands before the tile is rewritten
                 t_smem[...] = s_eff.astype(t_smem.dtype)
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(t_smem, ckpt_ref.at[slot, h, rows])
 
-            j_tile = plgpu.broadcasted_iota(jnp.int32, (BLOCK_ROWS, cache_len), 1, layout=WGMMA)
             u_t = jnp.where(j_tile < history_len, load_transposed(u_smem), 0.0)  # [BV, L], stale entries 0
             valid = plgpu.broadcasted_iota(jnp.int32, (cache_len,), 0, layout=COL) < history_len
 
@@ -447,16 +470,16 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
 
 
 def check_params(params, kernel: str, *, pipelined: bool = False) -> None:
-    """Raise ValueError on the decode kernels' options a verify kernel does not take: it
-    rebuilds folds in exact fp32 and, unless `pipelined` (the GDN kernel), runs one CTA per
-    tile and keeps Mosaic's barriers, and reads out on CUDA cores ("mma" is the GDN kernel's,
-    `pipelined`); its records' layout is its own (`group_records` None). `params`: a
-    `MosaicReplayParams` or a `MosaicMamba2Params`."""
-    if getattr(params, "rebuild", "exact") != "exact":
-        raise ValueError(f"{kernel} rebuilds in exact fp32 only, got rebuild={params.rebuild!r}")
+    """Raise ValueError on the decode kernels' options a verify kernel does not take: unless
+    `pipelined` (the GDN kernel, which takes them all), it rebuilds folds in exact fp32,
+    runs one CTA per tile, keeps Mosaic's barriers and reads out on CUDA cores; its records'
+    layout is its own (`group_records` None). `params`: a `MosaicReplayParams` or a
+    `MosaicMamba2Params`."""
     check_own_layout(params, kernel)
     if pipelined:
         return
+    if getattr(params, "rebuild", "exact") != "exact":
+        raise ValueError(f"{kernel} rebuilds in exact fp32 only, got rebuild={params.rebuild!r}")
     check_fma_readout(params, kernel)
     if params.programs:
         raise ValueError(f"{kernel} runs one CTA per tile: programs must be 0, got {params.programs}")
@@ -467,32 +490,32 @@ def check_params(params, kernel: str, *, pipelined: bool = False) -> None:
 
 
 def persistent_smem_bytes(width: int, head_k_dim: int, cache_len: int, state_dtype, cache_dtype, token_dtype, *,
-                          swizzle: int = 128, readout: str = "fma") -> int:
+                          swizzle: int = 128, readout: str = "fma", rebuild: str = "exact") -> int:
     """Shared memory of one persistent verify CTA (two stages; `token_dtype`: q, k, v and y's)."""
     return smem_bytes(_scratch(width, head_k_dim, cache_len, state_dtype, cache_dtype, token_dtype, token_dtype,
-                               swizzle, STAGES, readout))
+                               swizzle, STAGES, readout, rebuild))
 
 
 def persistent_programs(batch: int, width: int, num_v_heads: int, head_v_dim: int, head_k_dim: int,
                         cache_len: int, state_dtype, cache_dtype, token_dtype, sm_count: int, *,
-                        swizzle: int = 128, readout: str = "fma") -> int:
+                        swizzle: int = 128, readout: str = "fma", rebuild: str = "exact") -> int:
     """`MosaicReplayParams.programs` for the verify kernel on a device of `sm_count` SMs: as
     many persistent CTAs per SM as its two stages fit in shared memory (`token_dtype`: q,
     k, v and y's)."""
     cta_bytes = persistent_smem_bytes(width, head_k_dim, cache_len, state_dtype, cache_dtype, token_dtype,
-                                      swizzle=swizzle, readout=readout)
-    return programs_that_fit(cta_bytes, sm_count, batch * num_v_heads * (head_v_dim // BLOCK_ROWS))
+                                      swizzle=swizzle, readout=readout, rebuild=rebuild)
+    return programs_that_fit(cta_bytes, sm_count, batch * num_v_heads * (head_v_dim // BLOCK_ROWS), RESIDENT_CTAS)
 
 
 @functools.lru_cache(maxsize=None)
 def _build(batch, width, num_v_heads, head_v_dim, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y_dtype,
-           group_size, swizzle, programs, auto_barriers, readout, interpret):
+           group_size, swizzle, programs, auto_barriers, readout, rebuild, interpret):
     tiles = head_v_dim // BLOCK_ROWS
     num_programs = min(programs, batch * num_v_heads * tiles)
     body = functools.partial(_kernel, width=width, group_size=group_size, tiles=tiles, num_programs=num_programs,
-                             readout=readout, parts=tile_parts(state_dtype), interpret=interpret)
+                             readout=readout, parts=tile_parts(state_dtype), rebuild=rebuild, interpret=interpret)
     scratch = _scratch(width, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y_dtype, swizzle,
-                       STAGES if programs else 1, readout)
+                       STAGES if programs else 1, readout, rebuild)
     check_smem(scratch, f"verify_decode_mgpu at T = {width}, cache_len = {cache_len}, d_k = {head_k_dim}")
     return plgpu.kernel(
         body,
@@ -538,9 +561,9 @@ def verify_decode_mgpu(
       length: per row the valid window length in [0, T] (`pos + length <= L` unless folding).
       anc: `[B, T, T]` bool, True where position j precedes position i on i's branch.
       use_qk_l2norm, scale: as `replay_decode_mgpu`.
-      params: the checkpoint tile's swizzle, persistent CTAs, automatic barriers and readout
-        (`MosaicReplayParams`; the rebuild is exact fp32; readout "mma" takes bf16 q and k,
-        and interpret mode computes its products as dots).
+      params: the checkpoint tile's swizzle, persistent CTAs, automatic barriers, the folds'
+        rebuild and the readout (`MosaicReplayParams`; tensor-core rebuilds need a GPU;
+        readout "mma" takes bf16 q and k, and interpret mode computes its products as dots).
       interpret: run in Mosaic GPU interpret mode (default: off GPU).
 
     Returns:
@@ -562,6 +585,7 @@ def verify_decode_mgpu(
     check_params(params, "verify_decode_mgpu", pipelined=True)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
+    check_rebuild(params.rebuild, cache_len, interpret)
     check_mma_readout(params, q.dtype, "verify_decode_mgpu")
     length = length.astype(jnp.int32)
     coef = window_coefficients(q, k, g, beta, anc.astype(bool), length, use_qk_l2norm=bool(use_qk_l2norm),
@@ -570,7 +594,7 @@ def verify_decode_mgpu(
         raise ValueError(f"q and k must share a dtype, got {q.dtype} and {k.dtype}")
     kernel = _build(batch, width, num_v_heads, head_v_dim, head_k_dim, cache_len, checkpoint.dtype, u_cache.dtype,
                     q.dtype, v.dtype, num_v_heads // q.shape[2], params.swizzle, params.programs,
-                    params.auto_barriers, params.readout, bool(interpret))
+                    params.auto_barriers, params.readout, params.rebuild, bool(interpret))
     refs = [jax.new_ref(x) for x in (checkpoint, u_cache, k_cache, g_cache)]
     i32 = lambda x: x.astype(jnp.int32)
     vectors = [window_vectors(q, k, length)] if params.readout == "mma" else []

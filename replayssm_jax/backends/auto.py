@@ -6,8 +6,7 @@ runs on "mosaic_gpu" from the smallest batch at which its kernels measured faste
 Pallas-Triton launch table's on the H200, each under its backend's default policy
 (`MOSAIC_FROM_BATCH`, per gate and state itemsize; the measurements are lines of
 `benchmarks/NOTES.md`) where its persistent kernel fits two or more CTAs per SM, and on
-"pallas_triton" below that batch, for the layers with no row (GDN's 2-byte states) and
-where one CTA per SM is all that fits (Mamba-2 fp32 at L = 32 measured 0.98x plain with one,
+"pallas_triton" below that batch, for the layers with no row and where one CTA per SM is all that fits (Mamba-2 fp32 at L = 32 measured 0.98x plain with one,
 since one warpgroup per SM leaves each tile's latency exposed, and 1.51x with two). A
 verify step runs on "mosaic_gpu" (its one-launch verify kernels: 1.3-2.7x conventional
 verify, against 0.9-1.2x for the Triton readouts). Other GPUs run "pallas_triton" (decode)
@@ -25,14 +24,15 @@ import jax.numpy as jnp
 # B = 8. Mamba-2 fp32 (Nemotron-H-8B, L = 16): Mosaic 4.4 / 18.4 / 166 / 638 µs at B = 1 /
 # 8 / 128 / 512 against plain 4.6 / 20.4 / 282 / 1119 (Triton folds at B <= 16 at
 # 0.98-1.06x plain; its replay cycle 216 / 836 from B = 17); L = 8, B = 128: 164.9 against
-# Triton 205.6. Mamba-2 bf16 (L = 16): Mosaic 150.5 / 596.0 µs at B = 128 / 512, 1.01-1.02x
-# plain, against Triton's fold at 0.92-0.94x (B < 128 not measured). KDA fp32 (H = 32,
+# Triton 205.6. Mamba-2 bf16 (L = 16): Mosaic 150.5 µs at B = 128 (1.02x plain; Triton's
+# fold 0.92-0.94x), 394.2 at B = 512 (1.53x; Triton 808; B < 128 not measured). KDA fp32 (H = 32,
 # d = 128, L = 16): Mosaic 114.7 / 418.6 µs at B = 128 / 512 against Triton's fold 149.1 /
 # 588.8 (B < 128 not measured). fp32 rings of 32 (two CTAs per SM): GDN 104.3 / 387.3 µs at
 # B = 128 / 512 against Triton 119.6 / 409.6; Mamba-2 B = 128 187.1 against 248.2. GDN bf16
-# states stay on Triton (Mosaic 322 µs, 0.92x plain at B = 512 with the tensor-core readout, against 273).
-MOSAIC_FROM_BATCH: dict[tuple[str, int], int] = {("gdn", 4): 32, ("kda", 4): 128, ("mamba2", 4): 1,
-                                                 ("mamba2", 2): 128}
+# (two CTAs per SM, as its registers allow): L = 16 66.9 / 245.9 µs at B = 128 / 512 against
+# Triton 78.0 / 272.8, L = 32 316.3 against 382.4 at B = 512 (B < 128 not measured).
+MOSAIC_FROM_BATCH: dict[tuple[str, int], int] = {("gdn", 4): 32, ("gdn", 2): 128, ("kda", 4): 128,
+                                                 ("mamba2", 4): 1, ("mamba2", 2): 128}
 # The fewest persistent CTAs per SM at which "auto" takes "mosaic_gpu" (every row above ran two or three).
 MOSAIC_MIN_CTAS_PER_SM = 2
 
@@ -59,8 +59,8 @@ def decode_backend(config, batch: int, platform: str | None = None) -> str:
 
 
 def mosaic_ctas_per_sm(config) -> int:
-    """Persistent CTAs of the layer's Mosaic decode kernel that one SM's shared memory holds
-    on a GPU (bf16 tokens, the backend's GPU rebuild)."""
+    """Persistent CTAs of the layer's Mosaic decode kernel resident per SM on a GPU (as its
+    shared memory and registers allow; bf16 tokens, the backend's GPU rebuild)."""
     # Imported here: `backends.mosaic_gpu` imports `plan`, which imports this module.
     from replayssm_jax.backends import mosaic_gpu
 

@@ -83,27 +83,42 @@ def default_params(cfg, batch: int, token_dtype, *, interpret: bool | None = Non
     return MosaicReplayParams(programs=programs, auto_barriers=False, rebuild=rebuild, readout=readout)
 
 
-def verify_default_params(cfg, batch: int, width: int, token_dtype) -> MosaicReplayParams | MosaicMamba2Params:
+def verify_default_params(cfg, batch: int, width: int, token_dtype, *, interpret: bool | None = None
+                          ) -> MosaicReplayParams | MosaicMamba2Params:
     """The verify kernel's parameters when the caller gives none. GDN: the tensor-core
     readout where q and k are bf16 (`readout="mma"`: on the H200 at T = 4, B = 512 the
     non-flush step went 907 -> 803 µs at fp32, L = 16, and 1112 -> 732 µs with a bf16
-    state), and persistent CTAs without Mosaic's barriers where two or more fit per SM
-    (the next tile's copies then hide behind another CTA's work), else one CTA per tile
-    (one persistent CTA per SM measured slower at L = 32); KDA and Mamba-2: one CTA per
-    tile on CUDA cores (their verify kernels have no persistent form)."""
+    state); on a GPU (`interpret` false; default: off GPU) folds rebuilt by "3xtf32" where
+    its operands fit as many CTAs per SM as the exact rebuild's record copies (as the
+    decode kernel's `gpu_rebuild`) and the tile is not an fp32 one on persistent CTAs
+    (measured slower there), else exactly; persistent CTAs without Mosaic's barriers
+    where two or more fit per SM (the next tile's copies then hide behind another CTA's
+    work), else one CTA per tile (one persistent CTA per SM measured slower at L = 32).
+    KDA and Mamba-2: one CTA per tile on CUDA cores, exact folds (their verify kernels
+    have no persistent form)."""
     if cfg.gate == "mamba2":
         return MosaicMamba2Params()
     if cfg.per_channel_gate:
         return MosaicReplayParams()
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
     readout = "mma" if jnp.dtype(token_dtype) == jnp.bfloat16 else "fma"
-    cta_bytes = verify_decode.persistent_smem_bytes(width, cfg.head_k_dim, cfg.cache_len, cfg.state_dtype,
-                                                    cfg.cache_dtype, token_dtype, readout=readout)
-    if ctas_per_sm(cta_bytes) < 2:
-        return MosaicReplayParams(readout=readout)
+    shape = (width, cfg.head_k_dim, cfg.cache_len, cfg.state_dtype, cfg.cache_dtype, token_dtype)
+    cta_bytes = lambda rebuild: verify_decode.persistent_smem_bytes(*shape, readout=readout, rebuild=rebuild)
+    fits = lambda rebuild: ctas_per_sm(cta_bytes(rebuild), verify_decode.RESIDENT_CTAS)
+    persistent = fits("exact") >= 2
+    # Measured (T = 4, B = 512): "3xtf32" cut the flush step 2052 -> 1539 µs at fp32, L = 32
+    # (one CTA per tile) and 1313 -> 860 with a bf16 state (persistent), but on persistent
+    # CTAs with an fp32 tile it slowed every step (non-flush 801 -> 878, flush unchanged).
+    fp32_persistent = persistent and cfg.state_dtype.itemsize == 4
+    tensor_cores = not interpret and fits("3xtf32") >= fits("exact") and not fp32_persistent
+    rebuild = "3xtf32" if tensor_cores else "exact"
+    if not persistent:
+        return MosaicReplayParams(readout=readout, rebuild=rebuild)
     programs = verify_decode.persistent_programs(batch, width, cfg.num_v_heads, cfg.head_v_dim, cfg.head_k_dim,
                                                  cfg.cache_len, cfg.state_dtype, cfg.cache_dtype, token_dtype,
-                                                 device_sm_count(), readout=readout)
-    return MosaicReplayParams(programs=programs, auto_barriers=False, readout=readout)
+                                                 device_sm_count(), readout=readout, rebuild=rebuild)
+    return MosaicReplayParams(programs=programs, auto_barriers=False, readout=readout, rebuild=rebuild)
 
 
 def check_config(cfg) -> None:
