@@ -108,7 +108,7 @@ class MosaicMamba2Params:
         registers); it needs bf16 B and C. The verify kernel reads out with "fma".
       group_records: whether the B records `[L, N]` are copied once per group of tiles
         into one buffer per CTA (True) or with every tile into its stage (False); None
-        (default): grouped where that fits more persistent CTAs per SM
+        (default): grouped where that fits more persistent CTAs per SM in shared memory
         (`pipeline.grouped_fits_more`: fp32 rings of 32), as `MosaicReplayParams`.
     """
 

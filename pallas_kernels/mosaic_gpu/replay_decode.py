@@ -122,9 +122,10 @@ class MosaicReplayParams:
       group_records: whether the GDN decode kernel copies a key head's records `[L, d_k]`
         once per group of tiles into one buffer per CTA (True) or with every tile into its
         stage (False); None (default): grouped where that fits more persistent CTAs per SM
-        (`grouped_fits_more`: fp32 rings of 32), since a fresh tile then waits for the
-        group's copy (measured 5% slower with bf16 states at L = 16). The KDA kernel
-        always groups its records.
+        in shared memory (`grouped_fits_more`: fp32 rings of 32, bf16 states at L = 16),
+        since a fresh tile then waits for the group's copy (measured 5% slower with bf16
+        states at L = 16 where it fitted no more CTAs). The KDA kernel always groups its
+        records.
     """
 
     swizzle: int = 128
