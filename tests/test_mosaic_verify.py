@@ -168,18 +168,19 @@ def _lower_for_h200(gate, state_dtype, cache_len, width, head_dim=128, params=Mo
     ("gdn", jnp.float32, 16, 4, 128), ("gdn", jnp.float32, 32, 8, 128), ("gdn", jnp.bfloat16, 16, 2, 128),
     ("gdn", jnp.float32, 32, 1, 128), ("gdn", jnp.float32, 16, 11, 128),
     ("kda", jnp.float32, 16, 4, 128), ("kda", jnp.float32, 32, 8, 128), ("kda", jnp.bfloat16, 16, 2, 128),
-    ("kda", jnp.bfloat16, 32, 4, 128), ("kda", jnp.float32, 16, 4, 64), ("kda", jnp.float32, 16, 11, 128),
+    ("kda", jnp.bfloat16, 32, 4, 128), ("kda", jnp.float32, 16, 4, 64),
 ])
 def test_lowers_for_an_abstract_h200(gate, state_dtype, cache_len, width, head_dim):
     """d = 128 (the benchmark shapes; KDA also d = 64, where two warps hold each channel),
     and a window whose coefficient record passes a TMA box's 256 elements unless copied in
-    rows (T = 11: 304; T = 16, the widest, lowers the same way at twice the CPU time)."""
+    rows (GDN at T = 11: 304; the KDA record, shaped by the same `coefficient_shape`, too;
+    T = 16, the widest, lowers the same way at twice the CPU time)."""
     assert "mosaic_gpu" in _lower_for_h200(gate, state_dtype, cache_len, width, head_dim)
 
 
 @pytest.mark.parametrize("state_dtype,cache_len,width,auto_barriers,readout", [
     (jnp.float32, 16, 4, True, "fma"), (jnp.float32, 16, 4, False, "fma"), (jnp.bfloat16, 32, 4, False, "fma"),
-    (jnp.float32, 16, 4, False, "mma"), (jnp.bfloat16, 32, 8, False, "mma")])
+    (jnp.float32, 16, 4, False, "mma"), (jnp.bfloat16, 32, 4, False, "mma")])
 def test_persistent_gdn_verify_lowers_for_an_abstract_h200(state_dtype, cache_len, width, auto_barriers, readout):
     """As many persistent CTAs as fit (132 SMs), with and without Mosaic's barriers, and
     with the tensor-core readout (which interpret mode cannot run: the GPU check of
@@ -192,14 +193,12 @@ def test_persistent_gdn_verify_lowers_for_an_abstract_h200(state_dtype, cache_le
 
 
 @pytest.mark.parametrize("state_dtype,cache_len,rebuild,programs,readout", [
-    (jnp.float32, 16, "3xtf32", 264, "mma"), (jnp.float32, 32, "3xtf32", 0, "fma"),
-    (jnp.float32, 24, "3xtf32", 0, "fma"), (jnp.bfloat16, 16, "3xtf32", 0, "mma"), (jnp.float32, 16, "tf32", 0, "fma"),
-    (jnp.bfloat16, 32, "bf16", 264, "mma")])
+    (jnp.bfloat16, 16, "3xtf32", 264, "mma"), (jnp.float32, 24, "3xtf32", 0, "fma"), (jnp.float32, 16, "tf32", 0, "fma")])
 def test_tensor_core_fold_lowers_for_an_abstract_h200(state_dtype, cache_len, rebuild, programs, readout):
     """Folds rebuilt on tensor cores (`rebuild.rebuild_mma`, operands in the stage's tile
-    buffer; rings of 24 and 32 in chunks), persistent or one CTA per tile: interpret mode
-    cannot run the `wgmma`s, so the GPU check of `benchmarks/verify_bench.py` compares the
-    folded checkpoints with xla."""
+    buffer, in chunks of 8 entries for a bf16 tile and for a ring of 24), persistent or one
+    CTA per tile: interpret mode cannot run the `wgmma`s, so the GPU check of
+    `benchmarks/verify_bench.py` compares the folded checkpoints with xla."""
     params = MosaicReplayParams(programs=programs, auto_barriers=not programs, readout=readout, rebuild=rebuild)
     assert "mosaic_gpu" in _lower_for_h200("gdn", state_dtype, cache_len, 4, params=params)
 
