@@ -193,7 +193,8 @@ def test_persistent_gdn_verify_lowers_for_an_abstract_h200(state_dtype, cache_le
 
 
 @pytest.mark.parametrize("state_dtype,cache_len,rebuild,programs,readout", [
-    (jnp.bfloat16, 16, "3xtf32", 264, "mma"), (jnp.float32, 24, "3xtf32", 0, "fma"), (jnp.float32, 16, "tf32", 0, "fma")])
+    (jnp.bfloat16, 16, "3xtf32", 264, "mma"), (jnp.float32, 24, "3xtf32", 0, "fma"),
+    (jnp.float32, 16, "tf32", 0, "fma")])
 def test_tensor_core_fold_lowers_for_an_abstract_h200(state_dtype, cache_len, rebuild, programs, readout):
     """Folds rebuilt on tensor cores (`rebuild.rebuild_mma`, operands in the stage's tile
     buffer, in chunks of 8 entries for a bf16 tile and for a ring of 24), persistent or one

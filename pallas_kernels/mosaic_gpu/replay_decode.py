@@ -92,16 +92,16 @@ class MosaicReplayParams:
 
     Attributes:
       swizzle: shared-memory swizzle of the checkpoint tile in bytes (32, 64 or 128).
-      rebuild: how flush rows rebuild `S_{t-1} = e^G S_c + U^T diag(W) K` (the decode
-        kernels and the GDN verify kernel's folds): "exact" (default) in fp32 on CUDA
-        cores, one fused multiply-add per element and entry in the Triton "ieee" order; "tf32" or "bf16" (opt-in) as one `wgmma` on
-        tensor cores with the operands `U^T diag(W)` and `K` rounded to that type (fp32
-        accumulation from `e^G S_c`), which leaves out the untiled record copies; "3xtf32"
-        as three tf32 `wgmma`s over each operand's high and low tf32 parts (`rebuild.tf32_split`:
-        hi hi + hi lo + lo hi, about 2^-21 relative per product; measured within 1.3e-7
-        normwise of the IEEE rebuild, and the backend's `default_params` choice on a GPU). The
-        operands live in the stage's checkpoint-tile buffer (a `plgpu.RefUnion`), free
-        once `S_c` is in registers. Their errors are measured by
+      rebuild: how flush rows rebuild `S_{t-1} = e^G S_c + U^T diag(W) K` (the decode kernels
+        and the GDN verify kernel's folds): "exact" (default) in fp32 on CUDA cores, one fused
+        multiply-add per element and entry in the Triton "ieee" order; "tf32" or "bf16" (opt-in)
+        as one `wgmma` on tensor cores with the operands `U^T diag(W)` and `K` rounded to that
+        type (fp32 accumulation from `e^G S_c`), which leaves out the untiled record copies;
+        "3xtf32" as three tf32 `wgmma`s over each operand's high and low tf32 parts
+        (`rebuild.tf32_split`: hi hi + hi lo + lo hi, about 2^-21 relative per product; measured
+        within 1.3e-7 normwise of the IEEE rebuild, and the backend's `default_params` choice on
+        a GPU). The operands live in the stage's checkpoint-tile buffer (a `plgpu.RefUnion`),
+        free once `S_c` is in registers. Their errors are measured by
         `benchmarks/mosaic_bench.py`'s check section.
       programs: 0 (default) launches one CTA per tile (grid `(B, H_v d_v / 64)`); n > 0
         launches n persistent CTAs (at most one per tile), each walking chunks of tiles
@@ -213,6 +213,16 @@ def rebuild_exact(s_c, decay_total, u_smem, k_smem, g_smem, pos):
 
     state, _ = lax.fori_loop(0, pos, body, (s_c * decay_total, jnp.float32(1.0)))
     return state
+
+
+def rebuild_tensor_cores(s_c, decay_total, u_t, weights, k_smem, pos, operands):
+    """`S_{t-1} = e^G S_c + U^T diag(W) K` by `rebuild.rebuild_mma`: `u_t` `[BV, L]` the
+    value records with entries at and past `pos` already 0, `weights` `[L]` (COL), the key
+    records read from `k_smem`; `operands` may alias the buffer `S_c` was loaded from (a
+    warpgroup barrier comes first)."""
+    keys_t = load_transposed(k_smem)  # [Dk, L]
+    plgpu.commit_smem()  # every thread has S_c from the buffer its operands reuse
+    return rebuild_mma(s_c * decay_total, u_t * bcast_cols(weights, u_t.shape), keys_t, pos, operands)
 
 
 def qk_scales(q_col, k_col, *, use_qk_l2norm, scale):
@@ -426,10 +436,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a
                     plgpu.barrier_wait(rows_barrier)
                     prev = rebuild_exact(s_tile, decay_total, u_rows, k_rows, g_smem, pos)
                 else:
-                    keys_t = load_transposed(k_smem)  # [Dk, L]
-                    plgpu.commit_smem()  # every thread has S_c from the buffer its operands reuse
-                    prev = rebuild_mma(s_tile * decay_total, u_t * bcast_cols(weights, u_t.shape), keys_t, pos,
-                                       operands)
+                    prev = rebuild_tensor_cores(s_tile, decay_total, u_t, weights, k_smem, pos, operands)
                 new = alpha * prev + bcast_rows(u, prev.shape) * bcast_cols(k_col, prev.shape)
                 store_tile(t_smem, ckpt_ref, new, slot, h, rows)
                 prefetch()

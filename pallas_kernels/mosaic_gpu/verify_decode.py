@@ -70,9 +70,10 @@ from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA,
                                                record_copies, replay_scratch, row_sum, smem_bytes, tiled)
 from pallas_kernels.mosaic_gpu.pipeline import STAGES, group_shared, programs_that_fit, serve_tiles, tile_grid
 from pallas_kernels.mosaic_gpu.readout import column, stage_vectors, tile_parts, tile_products, vector_rows
-from pallas_kernels.mosaic_gpu.rebuild import check_rebuild, rebuild_mma, tile_with_operands
+from pallas_kernels.mosaic_gpu.rebuild import check_rebuild, tile_with_operands
 from pallas_kernels.mosaic_gpu.replay_decode import (MosaicReplayParams, check_fma_readout, check_mma_readout,
-                                                     check_own_layout, check_shapes, decay_weights, rebuild_exact)
+                                                     check_own_layout, check_shapes, decay_weights, rebuild_exact,
+                                                     rebuild_tensor_cores)
 
 MAX_WIDTH = 16  # the window is unrolled in the kernel: code size grows as T^2
 # Persistent CTAs resident per SM at most (`pipeline.ctas_per_sm`): ptxas gives this kernel
@@ -394,10 +395,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
             else:
                 def tensor_core_fold():
                     u_all = jnp.where(j_tile < pos, load_transposed(u_smem), 0.0)  # [BV, L], stale entries 0
-                    keys_t = load_transposed(k_smem)  # [Dk, L]
-                    plgpu.commit_smem()  # every thread has S_c from the buffer its operands reuse
-                    return rebuild_mma(s_c * decay_total, u_all * bcast_cols(weights, u_all.shape), keys_t, pos,
-                                       fold_bufs)
+                    return rebuild_tensor_cores(s_c, decay_total, u_all, weights, k_smem, pos, fold_bufs)
 
                 # A branch, not a select: the other rows skip the products.
                 rebuilt = lax.cond(fold, tensor_core_fold, lambda: s_c)

@@ -6,11 +6,11 @@ runs on "mosaic_gpu" from the smallest batch at which its kernels measured faste
 Pallas-Triton launch table's on the H200, each under its backend's default policy
 (`MOSAIC_FROM_BATCH`, per gate and state itemsize; the measurements are lines of
 `benchmarks/NOTES.md`) where its persistent kernel fits two or more CTAs per SM, and on
-"pallas_triton" below that batch, for the layers with no row and where one CTA per SM is all that fits (Mamba-2 fp32 at L = 32 measured 0.98x plain with one,
-since one warpgroup per SM leaves each tile's latency exposed, and 1.51x with two). A
-verify step runs on "mosaic_gpu" (its one-launch verify kernels: 1.3-2.7x conventional
-verify, against 0.9-1.2x for the Triton readouts). Other GPUs run "pallas_triton" (decode)
-and "xla" (verify).
+"pallas_triton" below that batch, for the layers with no row and where one CTA per SM is
+all that fits (Mamba-2 fp32 at L = 32 measured 0.98x plain with one, since one warpgroup
+per SM leaves each tile's latency exposed, and 1.51x with two). A verify step runs on
+"mosaic_gpu" (its one-launch verify kernels: 1.3-2.7x conventional verify, against 0.9-1.2x
+for the Triton readouts). Other GPUs run "pallas_triton" (decode) and "xla" (verify).
 """
 
 from __future__ import annotations
