@@ -95,18 +95,23 @@ def _inputs(rng, state_dtype, cache_dtype, per_channel, d_v=D):
 
 @pytest.mark.parametrize("state_dtype,cache_dtype", [(jnp.float32, jnp.float32), (jnp.bfloat16, jnp.bfloat16)])
 @pytest.mark.parametrize("l2norm,raw", [(True, False), (False, True)])
-@pytest.mark.parametrize("gate,programs,d_v,readout,grouped", [
-    ("gdn", 0, D, "fma", None), ("gdn", 3, D, "fma", None), ("gdn", 3, D, "fma", True), ("gdn", 0, D, "mma", True),
-    ("gdn", 3, D, "mma", None), ("gdn", 3, D, "mma", True), ("kda", 0, D, "fma", None), ("kda", 3, D, "fma", None),
-    ("kda", 3, 2 * D, "fma", None), ("kda", 7, 2 * D, "fma", None)])
-def test_step_matches_the_float64_model(rng, gate, programs, d_v, readout, grouped, state_dtype, cache_dtype, l2norm,
-                                        raw):
+@pytest.mark.parametrize("gate,programs,d_v,readout,grouped,more", [
+    ("gdn", 0, D, "fma", None, {}), ("gdn", 3, D, "fma", None, {}), ("gdn", 3, D, "fma", True, {}),
+    ("gdn", 4, D, "fma", None, dict(chunk=1)), ("gdn", 0, D, "mma", True, {}), ("gdn", 3, D, "mma", None, {}),
+    ("gdn", 3, D, "mma", True, {}), ("kda", 0, D, "fma", None, {}), ("kda", 3, D, "fma", None, {}),
+    ("kda", 3, 2 * D, "fma", None, {}), ("kda", 7, 2 * D, "fma", None, {}),
+    ("kda", 3, 2 * D, "fma", None, dict(chunk=1))])
+def test_step_matches_the_float64_model(rng, gate, programs, d_v, readout, grouped, more, state_dtype, cache_dtype,
+                                        l2norm, raw):
     """programs = 3: persistent CTAs over the 10 tiles (4, 3 and 3 each, in chunks of 3:
     both stages, an odd and an even count, chunks that cross rows, padding and flush tiles
-    among them). KDA at d_v = 64: every tile its own value head, so every tile fresh, each
+    among them); chunk = 1: every tile its own chunk, dealt round robin over 4 CTAs (a
+    group's tiles on different CTAs, each computing the group's values itself). KDA at
+    d_v = 64: every tile its own value head, so every tile fresh, each
     one's key and decay records copied while the tile before it is computed; at d_v = 128
     a value head's second tile reads the head's values its first tile computed (20 tiles in
-    chunks of two; 7 programs: two or three chunks each, stages out of step with chunks).
+    chunks of two; 7 programs: two or three chunks each, stages out of step with chunks;
+    chunk = 1: a head's two tiles on different CTAs, each computing the head's values).
     GDN copies its key records with every tile (the default at these shapes) or once per
     group (`group_records=True`, as at fp32 rings of 32).
     GDN's "mma" readout takes bf16 q and k (the model gets the same rounded values): its
@@ -114,7 +119,8 @@ def test_step_matches_the_float64_model(rng, gate, programs, d_v, readout, group
     buffer), so the staging, the product's columns and the flush's tile load are tested."""
     per_channel = gate == "kda"
     kernel = functools.partial(replay_decode_kda_mgpu if per_channel else replay_decode_mgpu,
-                               params=MosaicReplayParams(programs=programs, readout=readout, group_records=grouped))
+                               params=MosaicReplayParams(programs=programs, readout=readout, group_records=grouped,
+                                                         **more))
     ckpt, u_c, k_c, g_c, q, k, v, g, beta = _inputs(rng, state_dtype, cache_dtype, per_channel, d_v)
     qk_dtype = jnp.bfloat16 if readout == "mma" else jnp.float32
     q, k = (np.asarray(jnp.asarray(x, qk_dtype).astype(jnp.float32)) for x in (q, k))
@@ -401,6 +407,8 @@ def test_persistent_programs_are_validated_and_fit_shared_memory():
     for bad in (-1, 2.0):
         with pytest.raises(ValueError, match="programs must be an int >= 0"):
             MosaicReplayParams(programs=bad)
+        with pytest.raises(ValueError, match="chunk must be an int >= 0"):
+            MosaicReplayParams(chunk=bad)
     # Two stages of ~48 KiB (fp32, L = 16, d = 128) plus the rebuild's 12 KiB copies: two CTAs
     # per SM; a bf16 state's buffers fit three, its registers two (`RESIDENT_CTAS`); never
     # more CTAs than tiles, never none.

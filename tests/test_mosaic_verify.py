@@ -113,6 +113,7 @@ def _ancestors(parents):
 @pytest.mark.parametrize("gate,params", [
     ("gdn", MosaicReplayParams()), ("kda", MosaicReplayParams()),
     ("gdn", MosaicReplayParams(programs=5, auto_barriers=False)),  # 12 tiles: 4 / 4 / 4 / 0 ... chunks of 2
+    ("gdn", MosaicReplayParams(programs=5, chunk=1)),  # 12 chunks of one tile: 3 / 3 / 2 / 2 / 2
     ("gdn", MosaicReplayParams(readout="mma")), ("gdn", MosaicReplayParams(programs=5, auto_barriers=False,
                                                                            readout="mma")),
 ])

@@ -126,6 +126,9 @@ class MosaicReplayParams:
         since a fresh tile then waits for the group's copy (measured 5% slower with bf16
         states at L = 16 where it fitted no more CTAs). The KDA kernel always groups its
         records.
+      chunk: tiles per chunk of a persistent CTA (`pipeline.serve_tiles`); 0 (default) one
+        key head's tiles, at most `pipeline.MAX_CHUNK`. A chunk computes its group's shared
+        values once; shorter chunks balance flushing rows better.
     """
 
     swizzle: int = 128
@@ -134,6 +137,7 @@ class MosaicReplayParams:
     auto_barriers: bool = True
     readout: str = "fma"
     group_records: bool | None = None
+    chunk: int = 0
 
     def __post_init__(self) -> None:
         if self.swizzle not in (32, 64, 128):
@@ -141,6 +145,8 @@ class MosaicReplayParams:
         check_rebuild_mode(self.rebuild)
         if not isinstance(self.programs, int) or self.programs < 0:
             raise ValueError(f"programs must be an int >= 0, got {self.programs!r}")
+        if not isinstance(self.chunk, int) or self.chunk < 0:
+            raise ValueError(f"chunk must be an int >= 0, got {self.chunk!r}")
         if self.readout not in READOUTS:
             raise ValueError(f"readout must be one of {READOUTS}, got {self.readout!r}")
         if self.group_records is not None and not isinstance(self.group_records, bool):
@@ -326,7 +332,7 @@ def copy_token(token_refs, bufs, b, h, hk, rows, barrier) -> None:
 
 
 def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref, *refs,
-            group_size, tiles, use_qk_l2norm, scale, raw_gates, rebuild, num_programs, readout, parts, grouped,
+            group_size, tiles, use_qk_l2norm, scale, raw_gates, rebuild, num_programs, chunk, readout, parts, grouped,
             interpret):
     # Inputs, the raw q and k staged for the "mma" readout first; outputs; scratch.
     xv_ref, *refs = refs if readout == "mma" else (None, *refs)
@@ -450,7 +456,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a
                              group_size=group_size)
 
     batch, num_heads = y_ref.shape[:2]
-    serve_tiles(batch, num_heads, tiles, num_programs, issue, compute, group_size=group_size,
+    serve_tiles(batch, num_heads, tiles, num_programs, issue, compute, group_size=group_size, chunk=chunk,
                 issue_group=issue_group if grouped else None)
 
 
@@ -503,7 +509,7 @@ def persistent_programs(batch: int, num_v_heads: int, head_v_dim: int, head_k_di
 @functools.lru_cache(maxsize=None)
 def _build(batch, num_v_heads, head_v_dim, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y_dtype,
            group_size, use_qk_l2norm, scale, raw_gates, swizzle, rebuild, programs, auto_barriers, readout,
-           group_records, interpret):
+           group_records, chunk, interpret):
     tiles = head_v_dim // BLOCK_V
     num_tiles = batch * num_v_heads * tiles
     scratch_of = functools.partial(_scratch, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y_dtype,
@@ -514,7 +520,8 @@ def _build(batch, num_v_heads, head_v_dim, head_k_dim, cache_len, state_dtype, c
     num_programs = min(programs, num_tiles)
     body = functools.partial(_kernel, group_size=group_size, tiles=tiles, use_qk_l2norm=use_qk_l2norm,
                              scale=scale, raw_gates=raw_gates, rebuild=rebuild, num_programs=num_programs,
-                             readout=readout, parts=tile_parts(state_dtype), grouped=grouped, interpret=interpret)
+                             chunk=chunk, readout=readout, parts=tile_parts(state_dtype), grouped=grouped,
+                             interpret=interpret)
     return plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((batch, num_v_heads, head_v_dim), y_dtype),
@@ -569,7 +576,7 @@ def replay_decode_mgpu(
         batch, num_v_heads, head_v_dim, head_k_dim, cache_len, checkpoint.dtype, u_cache.dtype, q.dtype, v.dtype,
         num_v_heads // q.shape[1], bool(use_qk_l2norm), float(head_k_dim ** -0.5 if scale is None else scale),
         gate_params is not None, params.swizzle, params.rebuild, params.programs, params.auto_barriers,
-        params.readout, params.group_records, bool(interpret),
+        params.readout, params.group_records, params.chunk, bool(interpret),
     )
     refs = [jax.new_ref(x) for x in (checkpoint, u_cache, k_cache, g_cache)]
     k = k.astype(q.dtype)

@@ -203,7 +203,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a
             ckpt_ref, ucache_ref, kcache_ref, gcache_ref,
             y_ref,
             stages, group_bufs, shared, wk_smem, barriers, group_barrier, rows_barrier,
-            *, group_size, tiles, use_qk_l2norm, scale, raw_gates, rebuild, num_programs):
+            *, group_size, tiles, use_qk_l2norm, scale, raw_gates, rebuild, num_programs, chunk):
     vectors, scalars = shared
 
     def issue(b, h, tile, stage):
@@ -302,7 +302,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a
                              group_size=group_size)
 
     batch, num_heads = y_ref.shape[:2]
-    serve_tiles(batch, num_heads, tiles, num_programs, issue, compute, issue_group=issue_group)
+    serve_tiles(batch, num_heads, tiles, num_programs, issue, compute, chunk=chunk, issue_group=issue_group)
 
 
 def persistent_programs(*args, **kwargs) -> int:
@@ -313,14 +313,14 @@ def persistent_programs(*args, **kwargs) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _build(batch, num_v_heads, head_v_dim, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y_dtype,
-           group_size, use_qk_l2norm, scale, raw_gates, swizzle, rebuild, programs, auto_barriers, interpret):
+           group_size, use_qk_l2norm, scale, raw_gates, swizzle, rebuild, programs, auto_barriers, chunk, interpret):
     tiles = head_v_dim // BLOCK_V
     num_programs = min(programs, batch * num_v_heads * tiles)
     scratch = _scratch(head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y_dtype, swizzle, rebuild,
                        STAGES if programs else 1)
     check_smem(scratch, f"replay_decode_kda_mgpu at cache_len = {cache_len}, d_k = {head_k_dim}")
     body = functools.partial(_kernel, group_size=group_size, tiles=tiles, use_qk_l2norm=use_qk_l2norm,
-                             scale=scale, raw_gates=raw_gates, rebuild=rebuild, num_programs=num_programs)
+                             scale=scale, raw_gates=raw_gates, rebuild=rebuild, num_programs=num_programs, chunk=chunk)
     return plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((batch, num_v_heads, head_v_dim), y_dtype),
@@ -380,7 +380,7 @@ def replay_decode_kda_mgpu(
         batch, num_v_heads, head_v_dim, head_k_dim, cache_len, checkpoint.dtype, u_cache.dtype, qk_dtype, v.dtype,
         num_v_heads // q.shape[1], bool(use_qk_l2norm), float(head_k_dim ** -0.5 if scale is None else scale),
         gate_params is not None, params.swizzle, params.rebuild, params.programs, params.auto_barriers,
-        bool(interpret),
+        params.chunk, bool(interpret),
     )
     refs = [jax.new_ref(x) for x in (checkpoint, u_cache, k_cache, g_cache)]
     y = kernel(slot.astype(jnp.int32), pos.astype(jnp.int32), mode.astype(jnp.int32), q.astype(qk_dtype),

@@ -325,7 +325,7 @@ def stage_copies(readout: str) -> int:
 
 
 def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_ref, *refs,
-            width, group_size, tiles, num_programs, readout, parts, rebuild, interpret):
+            width, group_size, tiles, num_programs, chunk, readout, parts, rebuild, interpret):
     # Inputs, the window's raw vectors first with the "mma" readout; outputs; scratch.
     xw_ref, *refs = refs if readout == "mma" else (None, *refs)
     ckpt_ref, ucache_ref, kcache_ref, gcache_ref, y_ref, stages, shared_smem, barriers, rows_barrier = refs
@@ -464,7 +464,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
             plgpu.copy_smem_to_gmem(o_smem, y_ref.at[b, :, h, rows])
 
     batch, num_v_heads = y_ref.shape[0], y_ref.shape[2]
-    serve_tiles(batch, num_v_heads, tiles, num_programs, issue, compute, group_size=group_size)
+    serve_tiles(batch, num_v_heads, tiles, num_programs, issue, compute, group_size=group_size, chunk=chunk)
 
 
 def check_params(params, kernel: str, *, pipelined: bool = False) -> None:
@@ -507,11 +507,12 @@ def persistent_programs(batch: int, width: int, num_v_heads: int, head_v_dim: in
 
 @functools.lru_cache(maxsize=None)
 def _build(batch, width, num_v_heads, head_v_dim, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y_dtype,
-           group_size, swizzle, programs, auto_barriers, readout, rebuild, interpret):
+           group_size, swizzle, programs, auto_barriers, readout, rebuild, chunk, interpret):
     tiles = head_v_dim // BLOCK_ROWS
     num_programs = min(programs, batch * num_v_heads * tiles)
     body = functools.partial(_kernel, width=width, group_size=group_size, tiles=tiles, num_programs=num_programs,
-                             readout=readout, parts=tile_parts(state_dtype), rebuild=rebuild, interpret=interpret)
+                             chunk=chunk, readout=readout, parts=tile_parts(state_dtype), rebuild=rebuild,
+                             interpret=interpret)
     scratch = _scratch(width, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y_dtype, swizzle,
                        STAGES if programs else 1, readout, rebuild)
     check_smem(scratch, f"verify_decode_mgpu at T = {width}, cache_len = {cache_len}, d_k = {head_k_dim}")
@@ -592,7 +593,7 @@ def verify_decode_mgpu(
         raise ValueError(f"q and k must share a dtype, got {q.dtype} and {k.dtype}")
     kernel = _build(batch, width, num_v_heads, head_v_dim, head_k_dim, cache_len, checkpoint.dtype, u_cache.dtype,
                     q.dtype, v.dtype, num_v_heads // q.shape[2], params.swizzle, params.programs,
-                    params.auto_barriers, params.readout, params.rebuild, bool(interpret))
+                    params.auto_barriers, params.readout, params.rebuild, params.chunk, bool(interpret))
     refs = [jax.new_ref(x) for x in (checkpoint, u_cache, k_cache, g_cache)]
     i32 = lambda x: x.astype(jnp.int32)
     vectors = [window_vectors(q, k, length)] if params.readout == "mma" else []
