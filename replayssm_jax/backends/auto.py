@@ -5,12 +5,14 @@ Hopper GPU (compute capability 9.x, the Mosaic kernels' `wgmma` and TMA), a deco
 runs on "mosaic_gpu" from the smallest batch at which its kernels measured faster than the
 Pallas-Triton launch table's on the H200, each under its backend's default policy
 (`MOSAIC_FROM_BATCH`, per gate and state itemsize; the measurements are lines of
-`benchmarks/NOTES.md`) where its persistent kernel fits two or more CTAs per SM, and on
-"pallas_triton" below that batch, for the layers with no row and where one CTA per SM is
-all that fits (Mamba-2 fp32 at L = 32 measured 0.98x plain with one, since one warpgroup
-per SM leaves each tile's latency exposed, and 1.51x with two). A verify step runs on
-"mosaic_gpu" (its one-launch verify kernels: 1.3-2.7x conventional verify, against 0.9-1.2x
-for the Triton readouts). Other GPUs run "pallas_triton" (decode) and "xla" (verify).
+`benchmarks/NOTES.md`), for rings no longer than those measured faster
+(`MOSAIC_MAX_CACHE_LEN`), where its persistent kernel fits two or more CTAs per SM; and on
+"pallas_triton" below that batch, past that ring, for the layers with no row and where one
+CTA per SM is all that fits (Mamba-2 fp32 at L = 32 measured 0.98x plain with one, since
+one warpgroup per SM leaves each tile's latency exposed, and 1.51x with two). A verify step
+runs on "mosaic_gpu" (its one-launch verify kernels: 1.3-2.7x conventional verify, against
+0.9-1.2x for the Triton readouts). Other GPUs run "pallas_triton" (decode) and "xla"
+(verify).
 """
 
 from __future__ import annotations
@@ -33,6 +35,10 @@ import jax.numpy as jnp
 # timed at 528 programs, two waves of the 264) against Triton 78.0 / 272.8, L = 32 316.3 against 382.4 at B = 512 (B < 128 not measured).
 MOSAIC_FROM_BATCH: dict[tuple[str, int], int] = {("gdn", 4): 32, ("gdn", 2): 128, ("kda", 4): 128,
                                                  ("mamba2", 4): 1, ("mamba2", 2): 128}
+# (gate, state itemsize) -> the longest ring for "mosaic_gpu". Mamba-2 bf16 (Nemotron-H-8B,
+# B = 512): 355.4 / 394.2 / 727.1 µs at L = 8 / 16 / 32 against plain 605 (1.70x / 1.53x /
+# 0.83x): a 2-byte tile's work grows with the ring, its bytes barely (Triton folds instead).
+MOSAIC_MAX_CACHE_LEN: dict[tuple[str, int], int] = {("mamba2", 2): 16}
 # The fewest persistent CTAs per SM at which "auto" takes "mosaic_gpu" (every row above ran two or three).
 MOSAIC_MIN_CTAS_PER_SM = 2
 
@@ -51,8 +57,10 @@ def decode_backend(config, batch: int, platform: str | None = None) -> str:
     platform = _platform() if platform is None else platform
     if platform == "cpu":
         return "xla"
-    start = MOSAIC_FROM_BATCH.get((config.gate, config.state_dtype.itemsize))
+    key = (config.gate, config.state_dtype.itemsize)
+    start = MOSAIC_FROM_BATCH.get(key)
     measured = platform == "hopper" and start is not None and batch >= start
+    measured = measured and config.cache_len <= MOSAIC_MAX_CACHE_LEN.get(key, config.cache_len)
     if measured and mosaic_ctas_per_sm(config) >= MOSAIC_MIN_CTAS_PER_SM:
         return "mosaic_gpu"
     return "pallas_triton"
