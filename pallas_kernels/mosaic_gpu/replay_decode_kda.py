@@ -290,7 +290,8 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a
                     prev = rebuild_exact(start, u_rows, wk_smem, pos)
                 else:
                     prev = rebuild_mma(start, u_t, load_transposed(wk_smem), pos, rebuild_bufs)
-                new = prev * bcast_cols(load(ALPHA), prev.shape) + bcast_rows(u, prev.shape) * bcast_cols(k_n, prev.shape)
+                new = (prev * bcast_cols(load(ALPHA), prev.shape)
+                       + bcast_rows(u, prev.shape) * bcast_cols(k_n, prev.shape))
                 store_tile(t_smem, ckpt_ref, new, slot, h, rows)
 
             # After the tile's store: the persistent loop leaves only the newest store in flight.

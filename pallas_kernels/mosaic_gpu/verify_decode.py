@@ -266,7 +266,8 @@ def window_coefficients(
     kk = heads(gram[..., width:, width:] * outer(k_scale, k_scale))
     qk = heads(gram[..., :width, width:] * outer(q_scale, k_scale))
     seen = (anc | jnp.eye(width, dtype=bool)[None]) & in_window[:, :, None] & in_window[:, None, :]
-    keep = lambda y: jnp.where(in_window[:, None, :], jnp.moveaxis(y, 1, 2).astype(F32), 0.0)  # [B, T, Hv] -> [B, Hv, T]
+    # [B, T, Hv] -> [B, Hv, T], 0 past the row's window.
+    keep = lambda y: jnp.where(in_window[:, None, :], jnp.moveaxis(y, 1, 2).astype(F32), 0.0)
     g_t, beta_t = keep(g), keep(beta)
     # G_i: the sum of g over i's branch (a masked sum over T, which fuses with its users).
     G = jnp.sum(jnp.where(seen[:, None], g_t[..., None, :], 0.0), axis=-1)  # [B, Hv, T]

@@ -32,7 +32,8 @@ import jax.numpy as jnp
 # 588.8 (B < 128 not measured). fp32 rings of 32 (two CTAs per SM): GDN 104.3 / 387.3 µs at
 # B = 128 / 512 against Triton 119.6 / 409.6; Mamba-2 B = 128 187.1 against 248.2. GDN bf16
 # (two CTAs per SM, as its registers allow): L = 16 66.9 / 245.9 µs at B = 128 / 512 (B = 128
-# timed at 528 programs, two waves of the 264) against Triton 78.0 / 272.8, L = 32 316.3 against 382.4 at B = 512 (B < 128 not measured).
+# timed at 528 programs, two waves of the 264) against Triton 78.0 / 272.8, L = 32 316.3
+# against 382.4 at B = 512 (B < 128 not measured).
 MOSAIC_FROM_BATCH: dict[tuple[str, int], int] = {("gdn", 4): 32, ("gdn", 2): 128, ("kda", 4): 128,
                                                  ("mamba2", 4): 1, ("mamba2", 2): 128}
 # (gate, state itemsize) -> the longest ring for "mosaic_gpu". Mamba-2 bf16 (Nemotron-H-8B,
