@@ -1,12 +1,14 @@
 """The benchmark scripts on a CPU: decode_bench's smoke mode end to end, and the register
 tool's parameter parsing, table listing and occupancy arithmetic (the launch table's rows
-compiled for sm_90a are tested in test_launch_table.py)."""
+compiled for sm_90a are tested in test_launch_table.py), and the Mosaic register tool on
+PTX dumped on the H200."""
 
 from __future__ import annotations
 
 import json
 import pathlib
 import sys
+import tarfile
 
 import jax.numpy as jnp
 import pytest
@@ -16,6 +18,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks
 import decode_bench  # noqa: E402
 import kernel_registers  # noqa: E402
 import mosaic_bench  # noqa: E402
+import mosaic_registers  # noqa: E402
 import verify_bench  # noqa: E402
 from pallas_kernels.common import GridOrder  # noqa: E402
 from pallas_kernels.fold_decode import FoldParams  # noqa: E402
@@ -189,3 +192,58 @@ def test_prefill_bench_smoke(tmp_path):
     rows = prefill_bench.main(["--smoke", "--repeats", "1", "--out", str(tmp_path / "p.json")])
     assert rows and all(r["final_state_rel_err"] < 1e-5 for r in rows)
     assert json.loads((tmp_path / "p.json").read_text())["rows"] == json.loads(json.dumps(rows))
+
+
+LOOP_PTX = """
+.visible .entry k(
+)
+.maxntid 128, 1, 1
+{
+\tmov.u64 \t%rd1, 0;
+\tadd.s64 \t%rd2, %rd1, 64;
+\tmov.u32 \t%r1, 0;
+\tadd.s32 \t%r9, %r1, 1;
+$L__BB0_1:
+\tld.shared.f32 \t%f1, [%rd2];
+\tadd.s32 \t%r1, %r1, 1;
+\tsetp.lt.s32 \t%p1, %r1, 8;
+\t@%p1 bra \t$L__BB0_1;
+\tret;
+}
+"""
+
+
+def test_live_into_loops_counts_values_defined_before_a_loop_and_used_in_it():
+    # %rd2 (an address) and %r1 (the counter) are defined before the loop and used in it;
+    # %rd1 and %r9 are not used in it.
+    assert mosaic_registers.live_into_loops(LOOP_PTX) == {"rd": 1, "r": 1}
+    assert mosaic_registers.live_into_loops(LOOP_PTX.replace("@%p1 bra \t$L__BB0_1;", "")) == {}
+    budgeted = mosaic_registers.with_budget(LOOP_PTX, 3, "8.7")
+    assert ".maxntid 128, 1, 1\n.minnctapersm 3" in budgeted
+    assert mosaic_registers.with_budget(budgeted, 2).count(".minnctapersm 2") == 1
+
+
+def test_mosaic_registers_on_the_gdn_kernel_dumped_on_the_h200(tmp_path):
+    """The GDN bf16 decode kernel (L = 16, B = 512) as Mosaic built it on the H200: about a
+    hundred 64-bit values (shared-memory addresses) computed before its persistent loop live
+    in it, and ptxas takes 255 registers where Mosaic asks one CTA per SM but fits 168 (with
+    spills) when asked for three, as it did on the GPU."""
+    pytest.importorskip("triton")
+    raw = pathlib.Path(__file__).resolve().parents[1] / "benchmarks/results/raw"
+    with tarfile.open(raw / "h200_2026-12-04_r13_gdn_bf16_ptx.tar.gz") as tar:
+        dump = tar.extractfile("ptx_chunk4.txt").read().decode()
+    (ptx,) = mosaic_registers.kernel_ptx(dump)
+    path = tmp_path / "gdn.ptx"
+    path.write_text(ptx)
+    (row,) = mosaic_registers.analyse([str(path)], [1, 3])
+    assert row["live_into_loop"]["rd"] >= 100
+    assert row["ctas_per_sm=1"]["registers"] > 168 >= row["ctas_per_sm=3"]["registers"]
+    assert row["ctas_per_sm=1"]["spill_store_bytes"] == 0 < row["ctas_per_sm=3"]["spill_store_bytes"]
+
+
+@pytest.mark.parametrize("spec", ["mamba2:float32:8:4:chunk=1,readout=fma", "verify:float32:16:8"])
+def test_mosaic_registers_builds_each_variant_up_to_the_gpu_compile(spec):
+    """`--dump`'s compile step parses the variant, merges its fields into the backend's
+    defaults and lowers the kernel; off GPU Mosaic stops there (it compiles on a GPU only)."""
+    with pytest.raises(ValueError, match="Only interpret mode is supported on CPU"):
+        mosaic_registers.compile_variant(spec)
