@@ -74,6 +74,15 @@ def test_mosaic_bench_smoke(tmp_path):
     assert {row["triton_policy"] for row in result["kda_sweep"]} == {"every_step"}  # a 4-byte KDA state folds by default
 
 
+def test_mosaic_bench_check_reports_a_variant_a_case_refuses():
+    """A variant whose build a case refuses (here a tensor-core rebuild, which interpret mode
+    cannot run) is reported as skipped with the reason; the other backends are checked."""
+    rows = mosaic_bench.check_section(True, "gdn", "default;rebuild=tf32")
+    (skipped,) = [row for row in rows if row["backend"] == "mosaic_gpu rebuild=tf32"]
+    assert "interpret" in skipped["skipped"] and "y" not in skipped
+    assert all(row["checkpoint"] < 1e-5 for row in rows if "skipped" not in row)
+
+
 def test_mosaic_variant_specs_parse_to_params():
     import replayssm_jax as R
     from pallas_kernels.mosaic_gpu.mamba2_decode import MosaicMamba2Params
