@@ -149,6 +149,20 @@ PTX_COUNTS = {"shuffles": r"shfl\.sync", "barriers": r"bar\.sync", "shared_store
               "global_loads": r"ld\.global", "instructions": r";"}
 
 
+def ptxas_path() -> str:
+    """The ptxas that the `triton` package ships (sm_90a, no CUDA toolkit needed)."""
+    import triton
+
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+
+
+def ptxas_usage(report: str) -> dict:
+    """Registers per thread and spill bytes from the text of `ptxas -v`."""
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    return dict(registers=int(re.search(r"Used (\d+) registers", report).group(1)),
+                spill_store_bytes=int(spills.group(1)), spill_load_bytes=int(spills.group(2)))
+
+
 def ptxas_report(ir_text: str, params) -> dict:
     """Compile Triton IR for sm_90a; return registers, spill bytes, shared memory and the
     `PTX_COUNTS` of the PTX."""
@@ -164,14 +178,10 @@ def ptxas_report(ir_text: str, params) -> dict:
         ptx_path = os.path.join(tmp, "kernel.ptx")
         with open(ptx_path, "w") as f:
             f.write(compiled.asm["ptx"])
-        ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-        out = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx_path, "-o", os.devnull],
+        out = subprocess.run([ptxas_path(), "-arch=sm_90a", "-v", ptx_path, "-o", os.devnull],
                              capture_output=True, text=True, check=True).stderr
-    registers = int(re.search(r"Used (\d+) registers", out).group(1))
-    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out)
     counts = {name: len(re.findall(pattern, compiled.asm["ptx"])) for name, pattern in PTX_COUNTS.items()}
-    return dict(registers=registers, spill_store_bytes=int(spills.group(1)),
-                spill_load_bytes=int(spills.group(2)), shared_bytes=compiled.metadata.shared, **counts)
+    return dict(**ptxas_usage(out), shared_bytes=compiled.metadata.shared, **counts)
 
 
 def programs_per_sm(registers: int, num_warps: int) -> int:

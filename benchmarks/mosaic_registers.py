@@ -53,13 +53,6 @@ def live_into_loops(ptx: str) -> collections.Counter:
     return collections.Counter(kind for kind, _ in defined & used)
 
 
-def ptxas_path() -> str:
-    """The ptxas that the `triton` package ships (sm_90a, no CUDA toolkit needed)."""
-    import triton
-
-    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-
-
 def with_budget(ptx: str, ctas_per_sm: int, version: str | None = None) -> str:
     """`ptx` asking ptxas for registers that let `ctas_per_sm` CTAs share an SM, and at
     `version` of the PTX ISA if given (an older ptxas reads Mosaic's PTX at its own)."""
@@ -69,15 +62,10 @@ def with_budget(ptx: str, ctas_per_sm: int, version: str | None = None) -> str:
     return re.sub(r"^\.version [\d.]+", f".version {version}", text, flags=re.M) if version else text
 
 
-@dataclasses.dataclass(frozen=True)
-class Report:
-    registers: int
-    spill_store_bytes: int
-    spill_load_bytes: int
+def ptxas_report(ptx: str, ctas_per_sm: int) -> dict:
+    """`kernel_registers.ptxas_usage` of `ptx` at a budget of `ctas_per_sm` CTAs per SM."""
+    from kernel_registers import ptxas_path, ptxas_usage
 
-
-def ptxas_report(ptx: str, ctas_per_sm: int) -> Report:
-    """ptxas -v on `ptx` at a budget of `ctas_per_sm` CTAs per SM."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "kernel.ptx")
         version = None
@@ -92,9 +80,7 @@ def ptxas_report(ptx: str, ctas_per_sm: int) -> Report:
             version = supported.group(1)
     if run.returncode:
         raise RuntimeError(f"ptxas failed: {run.stderr[-2000:]}")
-    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", run.stderr)
-    return Report(int(re.search(r"Used (\d+) registers", run.stderr).group(1)), int(spills.group(1)),
-                  int(spills.group(2)))
+    return ptxas_usage(run.stderr)
 
 
 def kernel_ptx(dump: str) -> list[str]:
@@ -105,7 +91,6 @@ def kernel_ptx(dump: str) -> list[str]:
 
 def compile_variant(spec: str) -> None:
     """Lower and compile one kernel variant on the GPU (its PTX goes to stdout)."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import jax
     import jax.numpy as jnp
 
@@ -172,8 +157,7 @@ def analyse(paths: list[str], budgets: list[int]) -> list[dict]:
         words = sum(n * (2 if kind in ("rd", "fd") else 1) for kind, n in live.items() if kind != "p")
         row = dict(ptx=path, live_into_loop=dict(live), live_words=words)
         for budget in budgets:
-            report = ptxas_report(ptx, budget)
-            row[f"ctas_per_sm={budget}"] = dataclasses.asdict(report)
+            row[f"ctas_per_sm={budget}"] = ptxas_report(ptx, budget)
         rows.append(row)
         cells = "  ".join(f"{b}/SM: {row[f'ctas_per_sm={b}']['registers']} regs "
                           f"{row[f'ctas_per_sm={b}']['spill_store_bytes']} B spilled" for b in budgets)
