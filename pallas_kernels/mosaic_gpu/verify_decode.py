@@ -499,8 +499,8 @@ def persistent_programs(batch: int, width: int, num_v_heads: int, head_v_dim: in
                         cache_len: int, state_dtype, cache_dtype, token_dtype, sm_count: int, *,
                         swizzle: int = 128, readout: str = "fma", rebuild: str = "exact") -> int:
     """`MosaicReplayParams.programs` for the verify kernel on a device of `sm_count` SMs: as
-    many persistent CTAs per SM as its two stages fit in shared memory (`token_dtype`: q,
-    k, v and y's)."""
+    many persistent CTAs per SM as its two stages fit in shared memory, at most
+    `RESIDENT_CTAS` (`token_dtype`: q, k, v and y's)."""
     cta_bytes = persistent_smem_bytes(width, head_k_dim, cache_len, state_dtype, cache_dtype, token_dtype,
                                       swizzle=swizzle, readout=readout, rebuild=rebuild)
     return programs_that_fit(cta_bytes, sm_count, batch * num_v_heads * (head_v_dim // BLOCK_ROWS), RESIDENT_CTAS)
