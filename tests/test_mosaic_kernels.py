@@ -97,7 +97,8 @@ def _inputs(rng, state_dtype, cache_dtype, per_channel, d_v=D):
 @pytest.mark.parametrize("l2norm,raw", [(True, False), (False, True)])
 @pytest.mark.parametrize("gate,programs,d_v,readout,grouped,more", [
     ("gdn", 0, D, "fma", None, {}), ("gdn", 3, D, "fma", None, {}), ("gdn", 3, D, "fma", True, {}),
-    ("gdn", 4, D, "fma", None, dict(chunk=1)), ("gdn", 0, D, "mma", True, {}), ("gdn", 3, D, "mma", None, {}),
+    ("gdn", 4, D, "fma", None, dict(chunk=1)), ("gdn", 3, D, "fma", None, dict(key_side="xla")),
+    ("gdn", 0, D, "mma", None, dict(key_side="xla")), ("gdn", 0, D, "mma", True, {}), ("gdn", 3, D, "mma", None, {}),
     ("gdn", 3, D, "mma", True, {}), ("kda", 0, D, "fma", None, {}), ("kda", 3, D, "fma", None, {}),
     ("kda", 3, 2 * D, "fma", None, {}), ("kda", 7, 2 * D, "fma", None, {}),
     ("kda", 3, 2 * D, "fma", None, dict(chunk=1))])
@@ -106,7 +107,8 @@ def test_step_matches_the_float64_model(rng, gate, programs, d_v, readout, group
     """programs = 3: persistent CTAs over the 10 tiles (4, 3 and 3 each, in chunks of 3:
     both stages, an odd and an even count, chunks that cross rows, padding and flush tiles
     among them); chunk = 1: every tile its own chunk, dealt round robin over 4 CTAs (a
-    group's tiles on different CTAs, each computing the group's values itself). KDA at
+    group's tiles on different CTAs, each computing the group's values itself); the key
+    side from XLA (`key_side="xla"`): every tile reads its group's values from a copy. KDA at
     d_v = 64: every tile its own value head, so every tile fresh, each
     one's key and decay records copied while the tile before it is computed; at d_v = 128
     a value head's second tile reads the head's values its first tile computed (20 tiles in
@@ -184,6 +186,9 @@ def test_lowers_for_an_abstract_h200(state_dtype, cache_dtype, cache_len, raw, p
     (jnp.float32, 16, MosaicReplayParams(readout="mma")),
     (jnp.float32, 16, MosaicReplayParams(programs=264, auto_barriers=False, rebuild="3xtf32", readout="mma")),
     (jnp.bfloat16, 16, MosaicReplayParams(programs=264, auto_barriers=False, rebuild="3xtf32", readout="mma")),
+    # The key side from XLA: a flushing tile copies its key records for the tensor-core rebuild.
+    (jnp.bfloat16, 16, MosaicReplayParams(programs=264, auto_barriers=False, rebuild="3xtf32", readout="mma",
+                                          key_side="xla")),
     (jnp.bfloat16, 32, MosaicReplayParams(readout="mma")),
     (jnp.float32, 32, MosaicReplayParams(programs=264, auto_barriers=False, rebuild="3xtf32", readout="mma")),
 ])

@@ -83,6 +83,7 @@ BLOCK_V = BLOCK_ROWS
 # 250-254 registers per thread at B = 512 on the H200 (fp32 and bf16 states), two CTAs' worth.
 RESIDENT_CTAS = 2
 DECODE_VECTORS = 2  # the "mma" readout's vectors: q, then k
+KEY_SIDES = ("kernel", "xla")
 
 
 
@@ -131,6 +132,12 @@ class MosaicReplayParams:
         most `pipeline.MAX_CHUNK`. A chunk computes its group's values once (chunks of one
         tile measured 1.5x slower for GDN bf16 at B = 512); shorter chunks balance flushing
         rows better.
+      key_side: where a key head's values (`K k`, `K q` over its ring, the q/k scales and
+        `k . q`) are computed: "kernel" (default) on each CTA's fresh tile, a column sum
+        across the warpgroup's warps; "xla" before the launch (`key_side_values`, `[B, H_k,
+        3, L]` fp32, copied with each tile), so no tile sums across warps and a tile copies
+        the key records only to flush (the tensor-core rebuilds' operand; the exact rebuild
+        reads its untiled copies). Its records are never grouped.
     """
 
     swizzle: int = 128
@@ -140,6 +147,7 @@ class MosaicReplayParams:
     readout: str = "fma"
     group_records: bool | None = None
     chunk: int = 0
+    key_side: str = "kernel"
 
     def __post_init__(self) -> None:
         if self.swizzle not in (32, 64, 128):
@@ -149,6 +157,10 @@ class MosaicReplayParams:
             raise ValueError(f"programs must be an int >= 0, got {self.programs!r}")
         if not isinstance(self.chunk, int) or self.chunk < 0:
             raise ValueError(f"chunk must be an int >= 0, got {self.chunk!r}")
+        if self.key_side not in KEY_SIDES:
+            raise ValueError(f"key_side must be one of {KEY_SIDES}, got {self.key_side!r}")
+        if self.key_side == "xla" and self.group_records:
+            raise ValueError("key_side='xla' copies the key records only to flush: group_records must not be True")
         if self.readout not in READOUTS:
             raise ValueError(f"readout must be one of {READOUTS}, got {self.readout!r}")
         if self.group_records is not None and not isinstance(self.group_records, bool):
@@ -273,6 +285,27 @@ def key_side(qk_smem, k_smem, *, use_qk_l2norm, scale):
     return k_x, q_x, q_scale, k_scale, q_scale * k_scale * jnp.sum(k_col * q_col)
 
 
+def key_side_values(q: Float[Array, "B Hk Dk"], k: Float[Array, "B Hk Dk"], k_cache: Float[Array, "N Hk L Dk"],
+                    slot: Int[Array, " B"], *, use_qk_l2norm: bool, scale: float) -> Float[Array, "B Hk 3 L"]:
+    """`key_side`'s values of every row and key head, in XLA, laid out as `store_key_side`
+    writes them: `[K k, K q, (q_scale, k_scale, k . q, 0, ...)]` over each slot's whole ring
+    (stale entries included: the kernel masks them; a padding row reads slot 0's). fp32
+    products and sums of the raw vectors, then the scales, as the kernel orders them."""
+    q32, k32 = q.astype(F32), k.astype(F32)
+    keys = k_cache[jnp.maximum(slot, 0)].astype(F32)  # [B, Hk, L, Dk]; fused into the sums
+    q_scale = jnp.full(q.shape[:2], scale, F32)
+    k_scale = jnp.ones(k.shape[:2], F32)
+    if use_qk_l2norm:
+        q_scale = q_scale * lax.rsqrt(jnp.sum(q32 * q32, axis=-1) + L2NORM_EPS)
+        k_scale = lax.rsqrt(jnp.sum(k32 * k32, axis=-1) + L2NORM_EPS)
+    k_x = k_scale[..., None] * jnp.sum(keys * k32[:, :, None], axis=-1)
+    q_x = q_scale[..., None] * jnp.sum(keys * q32[:, :, None], axis=-1)
+    k_dot_q = q_scale * k_scale * jnp.sum(k32 * q32, axis=-1)
+    scalars = jnp.stack([q_scale, k_scale, k_dot_q], axis=-1)
+    scalars = jnp.pad(scalars, ((0, 0), (0, 0), (0, k_x.shape[-1] - 3)))
+    return jnp.stack([k_x, q_x, scalars], axis=2)
+
+
 def store_key_side(shared_smem, values) -> None:
     """`key_side`'s values into `shared_smem [3, L]`: the two `K x` rows, then the three
     scalars in row 2."""
@@ -335,15 +368,17 @@ def copy_token(token_refs, bufs, b, h, hk, rows, barrier) -> None:
 
 def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref, *refs,
             group_size, tiles, use_qk_l2norm, scale, raw_gates, rebuild, num_programs, chunk, readout, parts, grouped,
-            interpret):
-    # Inputs, the raw q and k staged for the "mma" readout first; outputs; scratch.
+            xla_side, interpret):
+    # Inputs, the raw q and k staged for the "mma" readout and the key side from XLA
+    # first; outputs; scratch.
     xv_ref, *refs = refs if readout == "mma" else (None, *refs)
+    side_ref, *refs = refs if xla_side else (None, *refs)
     (ckpt_ref, ucache_ref, kcache_ref, gcache_ref, y_ref,
      stages, group_keys, shared_smem, rebuild_bufs, barriers, group_barrier, rows_barrier) = refs
 
     def issue(b, h, tile, stage):
         """Start the tile's copies into `stages[stage]` (none for padding rows)."""
-        tile_buf, u_smem, g_smem, _, qk_smem, v_smem, stage_keys, x_smem = stages[stage]
+        tile_buf, u_smem, g_smem, _, qk_smem, v_smem, stage_keys, x_smem, side_smem = stages[stage]
         t_smem, _ = split_tile_buffer(tile_buf, rebuild)
         barrier, slot, rows = barriers.at[stage], slot_ref[b], pl.ds(tile * BLOCK_V, BLOCK_V)
 
@@ -352,7 +387,9 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a
             plgpu.copy_gmem_to_smem(ckpt_ref.at[slot, h, rows], t_smem, barrier)
             plgpu.copy_gmem_to_smem(ucache_ref.at[slot, h, :, rows], u_smem, barrier)
             plgpu.copy_gmem_to_smem(gcache_ref.at[slot, h], g_smem, barrier)
-            if not grouped:
+            if xla_side:
+                plgpu.copy_gmem_to_smem(side_ref.at[b, h // group_size], side_smem[0], barrier)
+            elif not grouped:
                 plgpu.copy_gmem_to_smem(kcache_ref.at[slot, h // group_size], stage_keys[0], barrier)
             copy_token((q_ref, k_ref, v_ref), (qk_smem, v_smem), b, h, h // group_size, rows, barrier)
             if readout == "mma":
@@ -365,8 +402,8 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a
             plgpu.copy_gmem_to_smem(kcache_ref.at[slot_ref[b], h // group_size], group_keys[0], group_barrier[0])
 
     def compute(b, h, tile, stage, fresh, prefetch=lambda: None):
-        tile_buf, u_smem, g_smem, o_smem, qk_smem, v_smem, stage_keys, x_smem = stages[stage]
-        k_smem = group_keys[0] if grouped else stage_keys[0]
+        tile_buf, u_smem, g_smem, o_smem, qk_smem, v_smem, stage_keys, x_smem, side_smem = stages[stage]
+        k_smem = group_keys[0] if grouped or xla_side and group_keys else stage_keys[0] if stage_keys else None
         t_smem, operands = split_tile_buffer(tile_buf, rebuild)
         rows = pl.ds(tile * BLOCK_V, BLOCK_V)
         mode = mode_ref[b]
@@ -398,9 +435,12 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a
 
             # The token from shared memory (copied with the tile, so a persistent CTA has
             # it one tile ahead); the key side shared by the key head's tiles.
-            k_x, q_x, q_scale, k_scale, k_dot_q = group_shared(
-                fresh, fresh_key_side, functools.partial(store_key_side, shared_smem),
-                functools.partial(load_key_side, shared_smem))
+            if xla_side:
+                k_x, q_x, q_scale, k_scale, k_dot_q = load_key_side(side_smem[0])
+            else:
+                k_x, q_x, q_scale, k_scale, k_dot_q = group_shared(
+                    fresh, fresh_key_side, functools.partial(store_key_side, shared_smem),
+                    functools.partial(load_key_side, shared_smem))
             # The next group's key records may replace these now, unless this row flushes:
             # a flush reads them again (all tiles of a group are one row's, one mode).
             pl.when(mode != MODE_FLUSH)(prefetch)
@@ -444,6 +484,9 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a
                     plgpu.barrier_wait(rows_barrier)
                     prev = rebuild_exact(s_tile, decay_total, u_rows, k_rows, g_smem, pos)
                 else:
+                    if xla_side:  # the key records, which only this flush reads, into the CTA's buffer
+                        plgpu.copy_gmem_to_smem(kcache_ref.at[slot, h // group_size], k_smem, group_barrier[0])
+                        plgpu.barrier_wait(group_barrier[0])
                     prev = rebuild_tensor_cores(s_tile, decay_total, u_t, weights, k_smem, pos, operands)
                 new = alpha * prev + bcast_rows(u, prev.shape) * bcast_cols(k_col, prev.shape)
                 store_tile(t_smem, ckpt_ref, new, slot, h, rows)
@@ -463,7 +506,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a
 
 
 def _scratch(head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, v_dtype, swizzle, rebuild, stages,
-             readout="fma", grouped=False) -> list:
+             readout="fma", grouped=False, xla_side=False) -> list:
     """`[stages, group keys, shared, rebuild buffers, barriers, group barrier, rows
     barrier]`: `stages` sets of the replay buffers (the key records among them `[k]` unless
     `grouped`, else `[]`), the token's (`copy_token`) and, for the "mma" readout, `[x]` the
@@ -474,23 +517,27 @@ def _scratch(head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, v_dtype,
     untiled record copies, one barrier per stage and one for the record copies.
     Tensor-core rebuilds keep their `wgmma` operands (K-major: `U^T diag(W)` `[BV, L]` and
     `K^T` `[d_k, L]`, hi and lo parts for "3xtf32") in a union with each stage's
-    checkpoint-tile buffer instead."""
+    checkpoint-tile buffer instead. With the key side from XLA (`xla_side`), each stage
+    takes `[side]` (`[3, L]` fp32, `key_side_values`) in place of the key records, which a
+    tensor-core rebuild copies into one buffer per CTA (the group keys') when it flushes."""
     def stage():
         tile, u, keys, g, y = replay_scratch(BLOCK_V, head_k_dim, cache_len, state_dtype, cache_dtype, (BLOCK_V,),
                                              v_dtype, swizzle)
         tile = tile_with_operands(tile, BLOCK_V, head_k_dim, cache_len, rebuild)
         vectors = ([plgpu.SMEM((vector_rows(DECODE_VECTORS), head_k_dim), qk_dtype, transforms=tiled(128, qk_dtype))]
                    if readout == "mma" else [])
+        side = [plgpu.SMEM((3, cache_len), F32)] if xla_side else []
         return [tile, u, g, y, plgpu.SMEM((4, head_k_dim), qk_dtype), plgpu.SMEM((BLOCK_V,), v_dtype),
-                [] if grouped else [keys], vectors]
+                [] if grouped or xla_side else [keys], vectors, side]
 
     keys = replay_scratch(BLOCK_V, head_k_dim, cache_len, state_dtype, cache_dtype, (BLOCK_V,), v_dtype, swizzle)[2]
     per_stage = [stage() for _ in range(stages)]
     rebuild_bufs = record_copies(BLOCK_V, head_k_dim, cache_len, cache_dtype) if rebuild == "exact" else []
-    copies = 8 + (not grouped) + (readout == "mma")
-    return [per_stage, [keys] if grouped else [], plgpu.SMEM((3, cache_len), F32), rebuild_bufs,
+    one_keys = grouped or xla_side and rebuild != "exact"  # one buffer per CTA for the key records
+    copies = 8 + (not grouped) + (readout == "mma")  # with xla_side: the side in place of the records
+    return [per_stage, [keys] if one_keys else [], plgpu.SMEM((3, cache_len), F32), rebuild_bufs,
             plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
-            [plgpu.Barrier(num_arrivals=1)] if grouped else [], plgpu.Barrier(num_arrivals=2)]
+            [plgpu.Barrier(num_arrivals=1)] if one_keys else [], plgpu.Barrier(num_arrivals=2)]
 
 
 
@@ -511,19 +558,20 @@ def persistent_programs(batch: int, num_v_heads: int, head_v_dim: int, head_k_di
 @functools.lru_cache(maxsize=None)
 def _build(batch, num_v_heads, head_v_dim, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y_dtype,
            group_size, use_qk_l2norm, scale, raw_gates, swizzle, rebuild, programs, auto_barriers, readout,
-           group_records, chunk, interpret):
+           group_records, chunk, xla_side, interpret):
     tiles = head_v_dim // BLOCK_V
     num_tiles = batch * num_v_heads * tiles
     scratch_of = functools.partial(_scratch, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y_dtype,
-                                   swizzle, rebuild, STAGES if programs else 1, readout)
-    grouped = group_records if group_records is not None else bool(programs) and grouped_fits_more(scratch_of)
+                                   swizzle, rebuild, STAGES if programs else 1, readout, xla_side=xla_side)
+    grouped = (not xla_side and group_records if group_records is not None
+               else not xla_side and bool(programs) and grouped_fits_more(scratch_of))
     scratch = scratch_of(grouped)
     check_smem(scratch, f"replay_decode_mgpu at cache_len = {cache_len}, d_k = {head_k_dim}")
     num_programs = min(programs, num_tiles)
     body = functools.partial(_kernel, group_size=group_size, tiles=tiles, use_qk_l2norm=use_qk_l2norm,
                              scale=scale, raw_gates=raw_gates, rebuild=rebuild, num_programs=num_programs,
                              chunk=chunk, readout=readout, parts=tile_parts(state_dtype), grouped=grouped,
-                             interpret=interpret)
+                             xla_side=xla_side, interpret=interpret)
     return plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((batch, num_v_heads, head_v_dim), y_dtype),
@@ -578,11 +626,14 @@ def replay_decode_mgpu(
         batch, num_v_heads, head_v_dim, head_k_dim, cache_len, checkpoint.dtype, u_cache.dtype, q.dtype, v.dtype,
         num_v_heads // q.shape[1], bool(use_qk_l2norm), float(head_k_dim ** -0.5 if scale is None else scale),
         gate_params is not None, params.swizzle, params.rebuild, params.programs, params.auto_barriers,
-        params.readout, params.group_records, params.chunk, bool(interpret),
+        params.readout, params.group_records, params.chunk, params.key_side == "xla", bool(interpret),
     )
-    refs = [jax.new_ref(x) for x in (checkpoint, u_cache, k_cache, g_cache)]
     k = k.astype(q.dtype)
     vectors = [stage_vectors(jnp.stack([q, k], axis=1))] if params.readout == "mma" else []
+    if params.key_side == "xla":
+        vectors.append(key_side_values(q, k, k_cache, slot, use_qk_l2norm=bool(use_qk_l2norm),
+                                       scale=float(head_k_dim ** -0.5 if scale is None else scale)))
+    refs = [jax.new_ref(x) for x in (checkpoint, u_cache, k_cache, g_cache)]
     y = kernel(slot.astype(jnp.int32), pos.astype(jnp.int32), mode.astype(jnp.int32), q, k, v, g, beta,
                a_log, dt_bias, *vectors, *refs)
     return (y, *(jax.freeze(r) for r in refs))
