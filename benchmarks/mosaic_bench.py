@@ -171,7 +171,8 @@ def mosaic_params(spec: str, cfg: R.ReplayConfig, batch: int):
     if fields.get("programs") == "fit":
         fields["programs"] = mosaic_gpu.fitting_programs(cfg, batch, jnp.bfloat16,
                                                         rebuild=fields.get("rebuild", "exact"),
-                                                        readout=fields.get("readout", "fma"))
+                                                        readout=fields.get("readout", "fma"),
+                                                        key_side=fields.get("key_side", "kernel"))
     return cls(**fields)
 
 

@@ -496,12 +496,17 @@ def test_backend_default_params_per_gate(monkeypatch):
         on_gpu = mosaic_gpu.default_params(bf16(L), 512, jnp.bfloat16, interpret=False)
         assert (on_gpu.rebuild, on_gpu.programs) == ("3xtf32", 264)
     assert mosaic_gpu.default_params(gdn, 512, jnp.bfloat16, interpret=True).rebuild == "exact"
-    # GDN 2-byte states read the tile out on tensor cores (bf16 q and k only); fp32 ones and KDA do not.
-    assert mosaic_gpu.default_params(bf16(16), 512, jnp.bfloat16).readout == "mma"
-    assert mosaic_gpu.default_params(bf16(16), 512, jnp.float32).readout == "fma"
-    assert mosaic_gpu.default_params(gdn, 512, jnp.bfloat16).readout == "fma"
+    # GDN 2-byte states read the tile out on tensor cores (bf16 q and k only) and take their
+    # key side from XLA; fp32 ones and KDA do neither.
+    sides = lambda p: (p.readout, p.key_side)
+    assert sides(mosaic_gpu.default_params(bf16(16), 512, jnp.bfloat16)) == ("mma", "xla")
+    assert sides(mosaic_gpu.default_params(bf16(16), 512, jnp.float32)) == ("fma", "kernel")
+    assert sides(mosaic_gpu.default_params(gdn, 512, jnp.bfloat16)) == ("fma", "kernel")
     kda_bf16 = ReplayConfig(32, 32, 128, 128, 16, gate="kda", state_dtype=jnp.bfloat16, cache_dtype=jnp.bfloat16)
-    assert mosaic_gpu.default_params(kda_bf16, 512, jnp.bfloat16).readout == "fma"
+    assert sides(mosaic_gpu.default_params(kda_bf16, 512, jnp.bfloat16)) == ("fma", "kernel")
+    # The key side from XLA copies no key records per stage: bf16 L = 32's buffers fit three
+    # CTAs per SM on shared memory, registers hold two.
+    assert mosaic_gpu.default_params(bf16(32), 512, jnp.bfloat16, interpret=False).programs == 264
     # Mamba-2 likewise (same tile and operand shapes: P = 64 rows, N = 128 columns).
     assert mosaic_gpu.default_params(nemotron, 512, jnp.bfloat16, interpret=False).rebuild == "3xtf32"
     assert mosaic_gpu.default_params(nemotron, 512, jnp.bfloat16, interpret=True).rebuild == "exact"

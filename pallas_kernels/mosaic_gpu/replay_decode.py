@@ -543,15 +543,17 @@ def _scratch(head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, v_dtype,
 
 def persistent_programs(batch: int, num_v_heads: int, head_v_dim: int, head_k_dim: int, cache_len: int,
                         state_dtype, cache_dtype, token_dtype, sm_count: int, *, swizzle: int = 128,
-                        rebuild: str = "exact", readout: str = "fma", scratch_of=None,
+                        rebuild: str = "exact", readout: str = "fma", key_side: str = "kernel", scratch_of=None,
                         max_ctas: int | None = RESIDENT_CTAS) -> int:
     """`MosaicReplayParams.programs` for a device of `sm_count` SMs: as many persistent CTAs
     per SM as the two-stage buffers fit in shared memory, at most `max_ctas` (`token_dtype`:
-    q, k and v's; the key records grouped where that fits more, `group_records=None`).
-    `scratch_of`: the kernel's scratch builder, this module's by default (the KDA kernel's
-    takes the same arguments but `readout` and `grouped`)."""
+    q, k and v's; the key records grouped where that fits more, `group_records=None`, unless
+    `key_side="xla"`). `scratch_of`: the kernel's scratch builder, this module's by default
+    (the KDA kernel's takes the same arguments but `readout`, `key_side` and `grouped`)."""
     args = (head_k_dim, cache_len, state_dtype, cache_dtype, token_dtype, token_dtype, swizzle, rebuild, STAGES)
-    scratch = scratch_of(*args) if scratch_of else _scratch(*args, readout, grouped=True)
+    xla_side = key_side == "xla"
+    scratch = (scratch_of(*args) if scratch_of
+               else _scratch(*args, readout, grouped=not xla_side, xla_side=xla_side))
     return programs_that_fit(smem_bytes(scratch), sm_count, batch * num_v_heads * (head_v_dim // BLOCK_V), max_ctas)
 
 
