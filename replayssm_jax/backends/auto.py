@@ -31,10 +31,11 @@ import jax.numpy as jnp
 # d = 128, L = 16): Mosaic 114.7 / 418.6 µs at B = 128 / 512 against Triton's fold 149.1 /
 # 588.8 (B < 128 not measured). fp32 rings of 32 (two CTAs per SM): GDN 104.3 / 387.3 µs at
 # B = 128 / 512 against Triton 119.6 / 409.6; Mamba-2 B = 128 187.1 against 248.2. GDN bf16
-# (two CTAs per SM, as its registers allow): L = 16 66.9 / 245.9 µs at B = 128 / 512 (B = 128
-# timed at 528 programs, two waves of the 264) against Triton 78.0 / 272.8, L = 32 316.3
-# against 382.4 at B = 512 (B < 128 not measured).
-MOSAIC_FROM_BATCH: dict[tuple[str, int], int] = {("gdn", 4): 32, ("gdn", 2): 128, ("kda", 4): 128,
+# (key side from XLA; two CTAs per SM, as its registers allow): L = 16 7.1 / 13.6 / 17.6 /
+# 32.1 / 59.6 / 221.0 µs at B = 8 / 16 / 32 / 64 / 128 / 512 against Triton 8.1 / 14.8 /
+# 25.3 / 46.2 / 78.5 / 273.7, L = 32 266.3 against 382.2 at B = 512; up to B = 8 Triton
+# folds every step (`plan.default_flush_policy`) at the plain kernel's 6.3 µs (B = 8).
+MOSAIC_FROM_BATCH: dict[tuple[str, int], int] = {("gdn", 4): 32, ("gdn", 2): 9, ("kda", 4): 128,
                                                  ("mamba2", 4): 1, ("mamba2", 2): 128}
 # (gate, state itemsize) -> the longest ring for "mosaic_gpu". Mamba-2 bf16 (Nemotron-H-8B,
 # B = 512): 355.4 / 394.2 / 727.1 µs at L = 8 / 16 / 32 against plain 605 (1.70x / 1.53x /
