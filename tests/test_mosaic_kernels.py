@@ -99,6 +99,8 @@ def _inputs(rng, state_dtype, cache_dtype, per_channel, d_v=D):
     ("gdn", 0, D, "fma", None, {}), ("gdn", 3, D, "fma", None, {}), ("gdn", 3, D, "fma", True, {}),
     ("gdn", 4, D, "fma", None, dict(chunk=1)), ("gdn", 3, D, "fma", None, dict(key_side="xla")),
     ("gdn", 0, D, "mma", None, dict(key_side="xla")), ("gdn", 0, D, "mma", True, {}), ("gdn", 3, D, "mma", None, {}),
+    ("gdn", 3, D, "fma", True, dict(per_tile_addresses=True)),
+    ("gdn", 3, D, "mma", None, dict(key_side="xla", per_tile_addresses=True)),
     ("gdn", 3, D, "mma", True, {}), ("kda", 0, D, "fma", None, {}), ("kda", 3, D, "fma", None, {}),
     ("kda", 3, 2 * D, "fma", None, {}), ("kda", 7, 2 * D, "fma", None, {}),
     ("kda", 3, 2 * D, "fma", None, dict(chunk=1))])
@@ -108,7 +110,9 @@ def test_step_matches_the_float64_model(rng, gate, programs, d_v, readout, group
     both stages, an odd and an even count, chunks that cross rows, padding and flush tiles
     among them); chunk = 1: every tile its own chunk, dealt round robin over 4 CTAs (a
     group's tiles on different CTAs, each computing the group's values itself); the key
-    side from XLA (`key_side="xla"`): every tile reads its group's values from a copy. KDA at
+    side from XLA (`key_side="xla"`): every tile reads its group's values from a copy;
+    `per_tile_addresses`: every buffer (grouped keys, shared values, the exact rebuild's
+    record copies among them) through its unit axis at the tile's opaque zero. KDA at
     d_v = 64: every tile its own value head, so every tile fresh, each
     one's key and decay records copied while the tile before it is computed; at d_v = 128
     a value head's second tile reads the head's values its first tile computed (20 tiles in
@@ -189,6 +193,11 @@ def test_lowers_for_an_abstract_h200(state_dtype, cache_dtype, cache_len, raw, p
     # The key side from XLA: a flushing tile copies its key records for the tensor-core rebuild.
     (jnp.bfloat16, 16, MosaicReplayParams(programs=264, auto_barriers=False, rebuild="3xtf32", readout="mma",
                                           key_side="xla")),
+    # Per-tile addresses: the tile's union with the tensor-core operands through its unit axis.
+    (jnp.bfloat16, 16, MosaicReplayParams(programs=396, auto_barriers=False, rebuild="3xtf32", readout="mma",
+                                          key_side="xla", per_tile_addresses=True)),
+    (jnp.float32, 16, MosaicReplayParams(programs=264, auto_barriers=False, rebuild="3xtf32",
+                                         per_tile_addresses=True)),
     (jnp.bfloat16, 32, MosaicReplayParams(readout="mma")),
     (jnp.float32, 32, MosaicReplayParams(programs=264, auto_barriers=False, rebuild="3xtf32", readout="mma")),
 ])
@@ -323,6 +332,14 @@ def test_tensor_core_rebuild_refusals(rng):
                                params=MosaicReplayParams(group_records=True), interpret=True)
     with pytest.raises(ValueError, match="group_records must be None, True or False"):
         MosaicReplayParams(group_records=1)
+    # The GDN decode kernel's own options: the KDA kernel refuses them rather than ignore them.
+    for own in (dict(key_side="xla"), dict(per_tile_addresses=True)):
+        with pytest.raises(ValueError, match="computes its key side and addresses itself"):
+            arrays = [jnp.asarray(x) for x in _inputs(rng, jnp.float32, jnp.float32, True)]
+            replay_decode_kda_mgpu(*arrays, jnp.asarray(SLOTS), jnp.asarray(POS), jnp.asarray(MODES),
+                                   params=MosaicReplayParams(**own), interpret=True)
+    with pytest.raises(ValueError, match="per_tile_addresses must be a bool"):
+        MosaicReplayParams(per_tile_addresses=1)
     # The tensor-core readout: GDN's needs bf16 q and k; the KDA kernel refuses it.
     for kernel, per_channel, match in ((replay_decode_mgpu, False, "needs bf16 q and k"),
                                        (replay_decode_kda_mgpu, True, "readout='fma' only")):
@@ -496,14 +513,14 @@ def test_backend_default_params_per_gate(monkeypatch):
         on_gpu = mosaic_gpu.default_params(bf16(L), 512, jnp.bfloat16, interpret=False)
         assert (on_gpu.rebuild, on_gpu.programs) == ("3xtf32", 264)
     assert mosaic_gpu.default_params(gdn, 512, jnp.bfloat16, interpret=True).rebuild == "exact"
-    # GDN 2-byte states read the tile out on tensor cores (bf16 q and k only) and take their
-    # key side from XLA; fp32 ones and KDA do neither.
-    sides = lambda p: (p.readout, p.key_side)
-    assert sides(mosaic_gpu.default_params(bf16(16), 512, jnp.bfloat16)) == ("mma", "xla")
-    assert sides(mosaic_gpu.default_params(bf16(16), 512, jnp.float32)) == ("fma", "kernel")
-    assert sides(mosaic_gpu.default_params(gdn, 512, jnp.bfloat16)) == ("fma", "kernel")
+    # GDN 2-byte states read the tile out on tensor cores (bf16 q and k only), take their
+    # key side from XLA and recompute addresses per tile; fp32 ones and KDA do none of it.
+    sides = lambda p: (p.readout, p.key_side, p.per_tile_addresses)
+    assert sides(mosaic_gpu.default_params(bf16(16), 512, jnp.bfloat16)) == ("mma", "xla", True)
+    assert sides(mosaic_gpu.default_params(bf16(16), 512, jnp.float32)) == ("fma", "kernel", False)
+    assert sides(mosaic_gpu.default_params(gdn, 512, jnp.bfloat16)) == ("fma", "kernel", False)
     kda_bf16 = ReplayConfig(32, 32, 128, 128, 16, gate="kda", state_dtype=jnp.bfloat16, cache_dtype=jnp.bfloat16)
-    assert sides(mosaic_gpu.default_params(kda_bf16, 512, jnp.bfloat16)) == ("fma", "kernel")
+    assert sides(mosaic_gpu.default_params(kda_bf16, 512, jnp.bfloat16)) == ("fma", "kernel", False)
     # The key side from XLA copies no key records per stage: bf16 L = 32's buffers fit three
     # CTAs per SM on shared memory, registers hold two.
     assert mosaic_gpu.default_params(bf16(32), 512, jnp.bfloat16, interpret=False).programs == 264

@@ -23,6 +23,12 @@ tiles per group, the group's other tiles.
 The stages are separate buffers addressed with a static stage index (the loop is unrolled
 by two). Mosaic aligns each buffer to 1 KiB, as TMA needs; a stage axis inside one buffer,
 indexed dynamically, would place a small buffer's second stage at an unaligned address.
+
+Registers: every shared-memory address and `wgmma` descriptor of those buffers is the same
+on every tile, so the compiler computes them once before the loop and holds them across it
+(about 200 of a GDN decode kernel's 255 registers per thread, which leaves two CTAs
+resident per SM). `with_unit_axis` / `unit_view` give a kernel buffers it indexes by a
+per-tile zero the compiler cannot prove (`opaque_zero`), so each tile recomputes them.
 """
 
 from __future__ import annotations
@@ -72,6 +78,38 @@ def tile_grid(batch: int, heads: int, tiles: int, num_programs: int) -> dict:
     if num_programs:
         return dict(grid=(num_programs,), grid_names=("p",))
     return dict(grid=(batch, heads * tiles), grid_names=("b", "ht"))
+
+
+def with_unit_axis(scratch):
+    """`scratch` (nested lists of `plgpu.SMEM` buffers, `plgpu.RefUnion`s and barriers) with
+    a leading axis of one on every buffer (a union's members each), for `unit_view`;
+    barriers as they are. The bytes and the alignment are `scratch`'s."""
+    if isinstance(scratch, (list, tuple)):
+        return [with_unit_axis(item) for item in scratch]
+    if isinstance(scratch, plgpu.Barrier):
+        return scratch
+    if isinstance(scratch, plgpu.RefUnion):
+        return plgpu.RefUnion(*with_unit_axis(list(scratch.refs)))
+    return plgpu.SMEM((1, *scratch.shape), scratch.dtype, transforms=scratch.transforms)
+
+
+def unit_view(refs, scratch, index):
+    """The refs of `with_unit_axis(scratch)` at `index` of their unit axis (`opaque_zero`),
+    shaped as `scratch`'s (a union as the tuple of its members' views); barriers as they
+    are."""
+    if isinstance(scratch, (list, tuple)):
+        return [unit_view(ref, item, index) for ref, item in zip(refs, scratch)]
+    if isinstance(scratch, plgpu.Barrier):
+        return refs
+    if isinstance(scratch, plgpu.RefUnion):
+        return tuple(unit_view(member, item, index) for member, item in zip(tuple(refs), scratch.refs))
+    return refs.at[index]
+
+
+def opaque_zero(row, batch: int):
+    """0 for every row `0 <= row < batch`, computed from the tile's row so that the
+    compiler cannot prove it (nor hoist what is indexed by it out of the persistent loop)."""
+    return row // batch
 
 
 def serve_tiles(batch: int, heads: int, tiles: int, num_programs: int, issue: Callable, compute: Callable, *,

@@ -71,8 +71,8 @@ from pallas_kernels.common import L2NORM_EPS, MODE_APPEND, MODE_FLUSH, MODE_PAD
 from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA, bcast_cols, bcast_rows, col_sum,
                                                check_smem, copy_record_rows, load_transposed,
                                                record_copies, replay_scratch, row_sum, smem_bytes, softplus, tiled)
-from pallas_kernels.mosaic_gpu.pipeline import (STAGES, group_shared, grouped_fits_more, programs_that_fit,
-                                                serve_tiles, tile_grid)
+from pallas_kernels.mosaic_gpu.pipeline import (STAGES, group_shared, grouped_fits_more, opaque_zero,
+                                                programs_that_fit, serve_tiles, tile_grid, unit_view, with_unit_axis)
 from pallas_kernels.mosaic_gpu.readout import (READOUTS, buffer_products, column, stage_vectors, tile_parts,
                                                tile_products, vector_rows)
 from pallas_kernels.mosaic_gpu.rebuild import (check_rebuild, check_rebuild_mode, rebuild_mma, split_tile_buffer,
@@ -138,6 +138,11 @@ class MosaicReplayParams:
         3, L]` fp32, copied with each tile), so no tile sums across warps and a tile copies
         the key records only to flush (the tensor-core rebuilds' operand; the exact rebuild
         reads its untiled copies). Its records are never grouped.
+      per_tile_addresses: False (default) lets the compiler compute the shared buffers'
+        addresses and `wgmma` descriptors once and hold them in registers across a
+        persistent CTA's loop; True indexes every buffer by a zero it cannot prove
+        (`pipeline.unit_view`), so each tile recomputes them: fewer registers per thread
+        for more address arithmetic per tile.
     """
 
     swizzle: int = 128
@@ -148,6 +153,7 @@ class MosaicReplayParams:
     group_records: bool | None = None
     chunk: int = 0
     key_side: str = "kernel"
+    per_tile_addresses: bool = False
 
     def __post_init__(self) -> None:
         if self.swizzle not in (32, 64, 128):
@@ -165,14 +171,20 @@ class MosaicReplayParams:
             raise ValueError(f"readout must be one of {READOUTS}, got {self.readout!r}")
         if self.group_records is not None and not isinstance(self.group_records, bool):
             raise ValueError(f"group_records must be None, True or False, got {self.group_records!r}")
+        if not isinstance(self.per_tile_addresses, bool):
+            raise ValueError(f"per_tile_addresses must be a bool, got {self.per_tile_addresses!r}")
 
 
 def check_own_layout(params, kernel: str) -> None:
     """Raise ValueError if `params` sets `group_records`, an option of the GDN and Mamba-2
-    decode kernels that a kernel with its own record layout (KDA decode, verify) ignores."""
+    decode kernels that a kernel with its own record layout (KDA decode, verify) ignores,
+    or `key_side` / `per_tile_addresses`, the GDN decode kernel's."""
     if getattr(params, "group_records", None) is not None:
         raise ValueError(f"{kernel} lays out its records itself: group_records must be None, got "
                          f"{params.group_records!r}")
+    if getattr(params, "key_side", "kernel") != "kernel" or getattr(params, "per_tile_addresses", False):
+        raise ValueError(f"{kernel} computes its key side and addresses itself: key_side must be 'kernel' and "
+                         f"per_tile_addresses False, got {params.key_side!r}, {params.per_tile_addresses!r}")
 
 
 def check_fma_readout(params, kernel: str) -> None:
@@ -368,16 +380,24 @@ def copy_token(token_refs, bufs, b, h, hk, rows, barrier) -> None:
 
 def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref, *refs,
             group_size, tiles, use_qk_l2norm, scale, raw_gates, rebuild, num_programs, chunk, readout, parts, grouped,
-            xla_side, interpret):
+            xla_side, unit_scratch, interpret):
     # Inputs, the raw q and k staged for the "mma" readout and the key side from XLA
     # first; outputs; scratch.
     xv_ref, *refs = refs if readout == "mma" else (None, *refs)
     side_ref, *refs = refs if xla_side else (None, *refs)
     (ckpt_ref, ucache_ref, kcache_ref, gcache_ref, y_ref,
-     stages, group_keys, shared_smem, rebuild_bufs, barriers, group_barrier, rows_barrier) = refs
+     all_stages, all_group_keys, all_shared, all_rebuild_bufs, barriers, group_barrier, rows_barrier) = refs
+    batch, num_heads = y_ref.shape[:2]
+
+    def buffers(b):
+        """`(stages, group keys, shared, rebuild buffers)`; with `unit_scratch` (the scratch
+        `with_unit_axis` made, `per_tile_addresses`) viewed at row b's opaque zero."""
+        refs = [all_stages, all_group_keys, all_shared, all_rebuild_bufs]
+        return refs if unit_scratch is None else unit_view(refs, unit_scratch[:4], opaque_zero(b, batch))
 
     def issue(b, h, tile, stage):
         """Start the tile's copies into `stages[stage]` (none for padding rows)."""
+        stages, _, _, _ = buffers(b)
         tile_buf, u_smem, g_smem, _, qk_smem, v_smem, stage_keys, x_smem, side_smem = stages[stage]
         t_smem, _ = split_tile_buffer(tile_buf, rebuild)
         barrier, slot, rows = barriers.at[stage], slot_ref[b], pl.ds(tile * BLOCK_V, BLOCK_V)
@@ -397,11 +417,14 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a
 
     def issue_group(b, h, tile):
         """Start the copy of the key records, which only a fresh tile (and a flush) reads."""
+        _, group_keys, _, _ = buffers(b)
+
         @pl.when(mode_ref[b] != MODE_PAD)
         def _copy():
             plgpu.copy_gmem_to_smem(kcache_ref.at[slot_ref[b], h // group_size], group_keys[0], group_barrier[0])
 
     def compute(b, h, tile, stage, fresh, prefetch=lambda: None):
+        stages, group_keys, shared_smem, rebuild_bufs = buffers(b)
         tile_buf, u_smem, g_smem, o_smem, qk_smem, v_smem, stage_keys, x_smem, side_smem = stages[stage]
         k_smem = group_keys[0] if grouped or xla_side and group_keys else stage_keys[0] if stage_keys else None
         t_smem, operands = split_tile_buffer(tile_buf, rebuild)
@@ -500,7 +523,6 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a
                 append_entry(ucache_ref, kcache_ref, gcache_ref, slot, h, tile, pos, u, k_col, g,
                              group_size=group_size)
 
-    batch, num_heads = y_ref.shape[:2]
     serve_tiles(batch, num_heads, tiles, num_programs, issue, compute, group_size=group_size, chunk=chunk,
                 issue_group=issue_group if grouped else None)
 
@@ -560,7 +582,7 @@ def persistent_programs(batch: int, num_v_heads: int, head_v_dim: int, head_k_di
 @functools.lru_cache(maxsize=None)
 def _build(batch, num_v_heads, head_v_dim, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y_dtype,
            group_size, use_qk_l2norm, scale, raw_gates, swizzle, rebuild, programs, auto_barriers, readout,
-           group_records, chunk, xla_side, interpret):
+           group_records, chunk, xla_side, per_tile_addresses, interpret):
     tiles = head_v_dim // BLOCK_V
     num_tiles = batch * num_v_heads * tiles
     scratch_of = functools.partial(_scratch, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y_dtype,
@@ -569,11 +591,14 @@ def _build(batch, num_v_heads, head_v_dim, head_k_dim, cache_len, state_dtype, c
                else not xla_side and bool(programs) and grouped_fits_more(scratch_of))
     scratch = scratch_of(grouped)
     check_smem(scratch, f"replay_decode_mgpu at cache_len = {cache_len}, d_k = {head_k_dim}")
+    if per_tile_addresses:
+        scratch = with_unit_axis(scratch)
     num_programs = min(programs, num_tiles)
     body = functools.partial(_kernel, group_size=group_size, tiles=tiles, use_qk_l2norm=use_qk_l2norm,
                              scale=scale, raw_gates=raw_gates, rebuild=rebuild, num_programs=num_programs,
                              chunk=chunk, readout=readout, parts=tile_parts(state_dtype), grouped=grouped,
-                             xla_side=xla_side, interpret=interpret)
+                             xla_side=xla_side, unit_scratch=scratch if per_tile_addresses else None,
+                             interpret=interpret)
     return plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((batch, num_v_heads, head_v_dim), y_dtype),
@@ -628,7 +653,8 @@ def replay_decode_mgpu(
         batch, num_v_heads, head_v_dim, head_k_dim, cache_len, checkpoint.dtype, u_cache.dtype, q.dtype, v.dtype,
         num_v_heads // q.shape[1], bool(use_qk_l2norm), float(head_k_dim ** -0.5 if scale is None else scale),
         gate_params is not None, params.swizzle, params.rebuild, params.programs, params.auto_barriers,
-        params.readout, params.group_records, params.chunk, params.key_side == "xla", bool(interpret),
+        params.readout, params.group_records, params.chunk, params.key_side == "xla", params.per_tile_addresses,
+        bool(interpret),
     )
     k = k.astype(q.dtype)
     vectors = [stage_vectors(jnp.stack([q, k], axis=1))] if params.readout == "mma" else []
