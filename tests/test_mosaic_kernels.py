@@ -333,8 +333,9 @@ def test_tensor_core_rebuild_refusals(rng):
     with pytest.raises(ValueError, match="group_records must be None, True or False"):
         MosaicReplayParams(group_records=1)
     # The GDN decode kernel's own options: the KDA kernel refuses them rather than ignore them.
-    for own in (dict(key_side="xla"), dict(per_tile_addresses=True)):
-        with pytest.raises(ValueError, match="computes its key side and addresses itself"):
+    for own, match in ((dict(key_side="xla"), "computes its key side itself"),
+                       (dict(per_tile_addresses=True), "per_tile_addresses must be False")):
+        with pytest.raises(ValueError, match=match):
             arrays = [jnp.asarray(x) for x in _inputs(rng, jnp.float32, jnp.float32, True)]
             replay_decode_kda_mgpu(*arrays, jnp.asarray(SLOTS), jnp.asarray(POS), jnp.asarray(MODES),
                                    params=MosaicReplayParams(**own), interpret=True)

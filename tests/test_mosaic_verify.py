@@ -21,7 +21,8 @@ from pallas_kernels import common
 from pallas_kernels.mosaic_gpu.mamba2_decode import MosaicMamba2Params
 from pallas_kernels.mosaic_gpu.readout import split_bf16, tile_parts
 from pallas_kernels.mosaic_gpu.replay_decode import MosaicReplayParams
-from pallas_kernels.mosaic_gpu.verify_decode import persistent_programs, verify_decode_mgpu, window_rows, window_vectors
+from pallas_kernels.mosaic_gpu.verify_decode import (check_params, persistent_programs, verify_decode_mgpu, window_rows,
+                                                     window_vectors)
 from pallas_kernels.mosaic_gpu.verify_decode_kda import verify_decode_kda_mgpu
 
 NUM_SLOTS, H_K, H_V, D, L, T = 6, 1, 2, 64, 8, 3
@@ -116,12 +117,14 @@ def _ancestors(parents):
     ("gdn", MosaicReplayParams(programs=5, chunk=1)),  # 12 chunks of one tile: 3 / 3 / 2 / 2 / 2
     ("gdn", MosaicReplayParams(readout="mma")), ("gdn", MosaicReplayParams(programs=5, auto_barriers=False,
                                                                            readout="mma")),
+    ("gdn", MosaicReplayParams(programs=5, auto_barriers=False, per_tile_addresses=True)),
 ])
 def test_verify_matches_the_float64_model(rng, gate, params, state_dtype):
     """GDN also as persistent CTAs without Mosaic's barriers: each CTA serves several tiles
     of different rows and modes from two stages of buffers; and with the tensor-core
     readout, whose `wgmma`s interpret mode replaces by dots of the same bf16 parts (bf16 q
-    and k, as it requires)."""
+    and k, as it requires); and with every buffer through its unit axis at the tile's
+    opaque zero (`per_tile_addresses`)."""
     kernel = verify_decode_kda_mgpu if gate == "kda" else verify_decode_mgpu
     ckpt, u_c, k_c, g_c, q, k, v, g, beta, parents = _inputs(rng, state_dtype, state_dtype, gate == "kda")
     qk_dtype = jnp.bfloat16 if params.readout == "mma" else jnp.float32
@@ -196,13 +199,27 @@ def test_persistent_gdn_verify_lowers_for_an_abstract_h200(state_dtype, cache_le
 @pytest.mark.parametrize("state_dtype,cache_len,rebuild,programs,readout", [
     (jnp.bfloat16, 16, "3xtf32", 264, "mma"), (jnp.float32, 24, "3xtf32", 0, "fma"),
     (jnp.float32, 16, "tf32", 0, "fma")])
-def test_tensor_core_fold_lowers_for_an_abstract_h200(state_dtype, cache_len, rebuild, programs, readout):
+@pytest.mark.parametrize("per_tile_addresses", [False, True])
+def test_tensor_core_fold_lowers_for_an_abstract_h200(state_dtype, cache_len, rebuild, programs, readout,
+                                                      per_tile_addresses):
     """Folds rebuilt on tensor cores (`rebuild.rebuild_mma`, operands in the stage's tile
     buffer, in chunks of 8 entries for a bf16 tile and for a ring of 24), persistent or one
-    CTA per tile: interpret mode cannot run the `wgmma`s, so the GPU check of
+    CTA per tile, and with the buffers' addresses per tile (the union through its unit
+    axis): interpret mode cannot run the `wgmma`s, so the GPU check of
     `benchmarks/verify_bench.py` compares the folded checkpoints with xla."""
-    params = MosaicReplayParams(programs=programs, auto_barriers=not programs, readout=readout, rebuild=rebuild)
+    params = MosaicReplayParams(programs=programs, auto_barriers=not programs, readout=readout, rebuild=rebuild,
+                                per_tile_addresses=per_tile_addresses)
     assert "mosaic_gpu" in _lower_for_h200("gdn", state_dtype, cache_len, 4, params=params)
+
+
+def test_verify_kernels_take_only_their_options():
+    """The GDN verify kernel takes per-tile addresses; the one-CTA-per-tile verify kernels
+    (KDA, Mamba-2) and every verify kernel refuse the decode kernel's key side."""
+    check_params(MosaicReplayParams(programs=4, per_tile_addresses=True), "gdn", pipelined=True)
+    with pytest.raises(ValueError, match="per_tile_addresses must be False"):
+        check_params(MosaicReplayParams(per_tile_addresses=True), "kda")
+    with pytest.raises(ValueError, match="key_side must be 'kernel'"):
+        check_params(MosaicReplayParams(key_side="xla"), "gdn", pipelined=True)
 
 
 def test_tensor_core_fold_needs_a_gpu():

@@ -142,7 +142,7 @@ class MosaicReplayParams:
         addresses and `wgmma` descriptors once and hold them in registers across a
         persistent CTA's loop; True indexes every buffer by a zero it cannot prove
         (`pipeline.unit_view`), so each tile recomputes them: fewer registers per thread
-        for more address arithmetic per tile.
+        for more address arithmetic per tile (the GDN decode and verify kernels).
     """
 
     swizzle: int = 128
@@ -175,16 +175,18 @@ class MosaicReplayParams:
             raise ValueError(f"per_tile_addresses must be a bool, got {self.per_tile_addresses!r}")
 
 
-def check_own_layout(params, kernel: str) -> None:
+def check_own_layout(params, kernel: str, *, per_tile_addresses: bool = False) -> None:
     """Raise ValueError if `params` sets `group_records`, an option of the GDN and Mamba-2
     decode kernels that a kernel with its own record layout (KDA decode, verify) ignores,
-    or `key_side` / `per_tile_addresses`, the GDN decode kernel's."""
+    or `key_side`, the GDN decode kernel's, or `per_tile_addresses` unless the kernel
+    takes it (`per_tile_addresses`: the GDN verify kernel)."""
     if getattr(params, "group_records", None) is not None:
         raise ValueError(f"{kernel} lays out its records itself: group_records must be None, got "
                          f"{params.group_records!r}")
-    if getattr(params, "key_side", "kernel") != "kernel" or getattr(params, "per_tile_addresses", False):
-        raise ValueError(f"{kernel} computes its key side and addresses itself: key_side must be 'kernel' and "
-                         f"per_tile_addresses False, got {params.key_side!r}, {params.per_tile_addresses!r}")
+    if getattr(params, "key_side", "kernel") != "kernel":
+        raise ValueError(f"{kernel} computes its key side itself: key_side must be 'kernel', got {params.key_side!r}")
+    if getattr(params, "per_tile_addresses", False) and not per_tile_addresses:
+        raise ValueError(f"{kernel} holds its buffers' addresses itself: per_tile_addresses must be False")
 
 
 def check_fma_readout(params, kernel: str) -> None:

@@ -68,7 +68,8 @@ from pallas_kernels.common import L2NORM_EPS, MODE_APPEND, MODE_FLUSH, MODE_PAD
 from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA, bcast_cols, bcast_rows, col_sum,
                                                check_smem, copy_record_rows, copy_replay_tile, load_transposed,
                                                record_copies, replay_scratch, row_sum, smem_bytes, tiled)
-from pallas_kernels.mosaic_gpu.pipeline import STAGES, group_shared, programs_that_fit, serve_tiles, tile_grid
+from pallas_kernels.mosaic_gpu.pipeline import (STAGES, group_shared, opaque_zero, programs_that_fit, serve_tiles,
+                                                tile_grid, unit_view, with_unit_axis)
 from pallas_kernels.mosaic_gpu.readout import column, stage_vectors, tile_parts, tile_products, vector_rows
 from pallas_kernels.mosaic_gpu.rebuild import check_rebuild, tile_with_operands
 from pallas_kernels.mosaic_gpu.replay_decode import (MosaicReplayParams, check_fma_readout, check_mma_readout,
@@ -326,14 +327,22 @@ def stage_copies(readout: str) -> int:
 
 
 def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_ref, *refs,
-            width, group_size, tiles, num_programs, chunk, readout, parts, rebuild, interpret):
+            width, group_size, tiles, num_programs, chunk, readout, parts, rebuild, unit_scratch, interpret):
     # Inputs, the window's raw vectors first with the "mma" readout; outputs; scratch.
     xw_ref, *refs = refs if readout == "mma" else (None, *refs)
-    ckpt_ref, ucache_ref, kcache_ref, gcache_ref, y_ref, stages, shared_smem, barriers, rows_barrier = refs
+    ckpt_ref, ucache_ref, kcache_ref, gcache_ref, y_ref, all_stages, all_shared, barriers, rows_barrier = refs
     rows_barrier = rows_barrier[0] if rows_barrier else None
+    batch, num_v_heads = y_ref.shape[0], y_ref.shape[2]
+
+    def buffers(b):
+        """`(stages, shared)`; with `unit_scratch` (the scratch `with_unit_axis` made,
+        `per_tile_addresses`) viewed at row b's opaque zero."""
+        refs = [all_stages, all_shared]
+        return refs if unit_scratch is None else unit_view(refs, unit_scratch[:2], opaque_zero(b, batch))
 
     def issue(b, h, tile, stage):
         """Start the tile's copies into `stages[stage]` (none for padding rows)."""
+        stages, _ = buffers(b)
         tile_buf, u_smem, k_smem, g_smem, _, c_smem, *window_smem = stages[stage]
         t_smem, _ = tuple(tile_buf)
         barrier, slot, hk, rows = barriers.at[stage], slot_ref[b], h // group_size, pl.ds(tile * BLOCK_ROWS, BLOCK_ROWS)
@@ -351,9 +360,10 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
                 plgpu.copy_gmem_to_smem(src, dst, barrier)
 
     def compute(b, h, tile, stage, fresh):
-        _tile(b, h, tile, stages[stage], barriers.at[stage], fresh)
+        stages, shared_smem = buffers(b)
+        _tile(b, h, tile, stages[stage], shared_smem, barriers.at[stage], fresh)
 
-    def _tile(b, h, tile, bufs, barrier, fresh):
+    def _tile(b, h, tile, bufs, shared_smem, barrier, fresh):
         tile_buf, u_smem, k_smem, g_smem, o_smem, c_smem, q_rows, k_rows_w, v_rows, *readout_bufs = bufs
         t_smem, fold_bufs = tuple(tile_buf)  # the fold's record copies or operands alias the tile
         hk = h // group_size
@@ -464,7 +474,6 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(o_smem, y_ref.at[b, :, h, rows])
 
-    batch, num_v_heads = y_ref.shape[0], y_ref.shape[2]
     serve_tiles(batch, num_v_heads, tiles, num_programs, issue, compute, group_size=group_size, chunk=chunk)
 
 
@@ -474,7 +483,7 @@ def check_params(params, kernel: str, *, pipelined: bool = False) -> None:
     runs one CTA per tile, keeps Mosaic's barriers and reads out on CUDA cores; its records'
     layout is its own (`group_records` None). `params`: a `MosaicReplayParams` or a
     `MosaicMamba2Params`."""
-    check_own_layout(params, kernel)
+    check_own_layout(params, kernel, per_tile_addresses=pipelined)
     if pipelined:
         return
     if getattr(params, "rebuild", "exact") != "exact":
@@ -508,15 +517,17 @@ def persistent_programs(batch: int, width: int, num_v_heads: int, head_v_dim: in
 
 @functools.lru_cache(maxsize=None)
 def _build(batch, width, num_v_heads, head_v_dim, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y_dtype,
-           group_size, swizzle, programs, auto_barriers, readout, rebuild, chunk, interpret):
+           group_size, swizzle, programs, auto_barriers, readout, rebuild, chunk, per_tile_addresses, interpret):
     tiles = head_v_dim // BLOCK_ROWS
     num_programs = min(programs, batch * num_v_heads * tiles)
-    body = functools.partial(_kernel, width=width, group_size=group_size, tiles=tiles, num_programs=num_programs,
-                             chunk=chunk, readout=readout, parts=tile_parts(state_dtype), rebuild=rebuild,
-                             interpret=interpret)
     scratch = _scratch(width, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y_dtype, swizzle,
                        STAGES if programs else 1, readout, rebuild)
     check_smem(scratch, f"verify_decode_mgpu at T = {width}, cache_len = {cache_len}, d_k = {head_k_dim}")
+    if per_tile_addresses:
+        scratch = with_unit_axis(scratch)
+    body = functools.partial(_kernel, width=width, group_size=group_size, tiles=tiles, num_programs=num_programs,
+                             chunk=chunk, readout=readout, parts=tile_parts(state_dtype), rebuild=rebuild,
+                             unit_scratch=scratch if per_tile_addresses else None, interpret=interpret)
     return plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((batch, width, num_v_heads, head_v_dim), y_dtype),
@@ -594,7 +605,8 @@ def verify_decode_mgpu(
         raise ValueError(f"q and k must share a dtype, got {q.dtype} and {k.dtype}")
     kernel = _build(batch, width, num_v_heads, head_v_dim, head_k_dim, cache_len, checkpoint.dtype, u_cache.dtype,
                     q.dtype, v.dtype, num_v_heads // q.shape[2], params.swizzle, params.programs,
-                    params.auto_barriers, params.readout, params.rebuild, params.chunk, bool(interpret))
+                    params.auto_barriers, params.readout, params.rebuild, params.chunk, params.per_tile_addresses,
+                    bool(interpret))
     refs = [jax.new_ref(x) for x in (checkpoint, u_cache, k_cache, g_cache)]
     i32 = lambda x: x.astype(jnp.int32)
     vectors = [window_vectors(q, k, length)] if params.readout == "mma" else []
