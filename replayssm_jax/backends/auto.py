@@ -33,8 +33,9 @@ import jax.numpy as jnp
 # B = 128 / 512 against Triton 119.6 / 409.6; Mamba-2 B = 128 187.1 against 248.2. GDN bf16
 # (key side from XLA; two CTAs per SM, as its registers allow): L = 16 7.1 / 13.6 / 17.6 /
 # 32.1 / 59.6 / 221.0 µs at B = 8 / 16 / 32 / 64 / 128 / 512 against Triton 8.1 / 14.8 /
-# 25.3 / 46.2 / 78.5 / 273.7, L = 32 266.3 against 382.2 at B = 512; up to B = 8 Triton
-# folds every step (`plan.default_flush_policy`) at the plain kernel's 6.3 µs (B = 8).
+# 25.3 / 46.2 / 78.5 / 273.7 (B = 512 with per-tile addresses: 206.7), L = 32 266.3
+# against 382.2 at B = 512; up to B = 8 Triton folds every step
+# (`plan.default_flush_policy`) at the plain kernel's 6.3 µs (B = 8).
 MOSAIC_FROM_BATCH: dict[tuple[str, int], int] = {("gdn", 4): 32, ("gdn", 2): 9, ("kda", 4): 128,
                                                  ("mamba2", 4): 1, ("mamba2", 2): 128}
 # (gate, state itemsize) -> the longest ring for "mosaic_gpu". Mamba-2 bf16 (Nemotron-H-8B,
