@@ -466,6 +466,42 @@ def test_persistent_programs_serve_every_tile_once(num_tiles, num_programs, chun
     assert max(counts) - min(counts) <= chunk
 
 
+@pytest.mark.parametrize("rebuild,xla_side", [("exact", False), ("3xtf32", True)])
+def test_per_tile_addresses_keep_the_layout(rebuild, xla_side):
+    """`with_unit_axis` adds a leading axis of one to every buffer (a union's members each)
+    and changes no byte count, so per-tile addresses fit the CTAs the plain layout does;
+    `opaque_zero` is 0 for every row of the batch."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from pallas_kernels.mosaic_gpu.layouts import smem_bytes
+    from pallas_kernels.mosaic_gpu.pipeline import opaque_zero, with_unit_axis
+    from pallas_kernels.mosaic_gpu.replay_decode import _scratch
+
+    scratch = _scratch(128, 16, jnp.bfloat16, jnp.bfloat16, jnp.bfloat16, jnp.bfloat16, 128, rebuild, 2, "mma",
+                       xla_side=xla_side)
+    unit = with_unit_axis(scratch)
+    assert smem_bytes(unit) == smem_bytes(scratch)
+
+    def shapes(tree):
+        if isinstance(tree, (list, tuple)):
+            return [shapes(item) for item in tree]
+        if isinstance(tree, plgpu.RefUnion):
+            return ("union", shapes(list(tree.refs)))
+        return getattr(tree, "shape", "barrier")
+
+    def with_one(tree):
+        if isinstance(tree, list):
+            return [with_one(item) for item in tree]
+        if isinstance(tree, tuple) and tree and tree[0] == "union":
+            return ("union", with_one(tree[1]))
+        return tree if tree == "barrier" else (1, *tree)
+
+    assert shapes(unit) == with_one(shapes(scratch))
+    assert (rebuild != "exact") == any(isinstance(stage[0], plgpu.RefUnion) for stage in unit[0])
+    rows = jnp.arange(512)
+    assert not np.any(np.asarray(opaque_zero(rows, 512)))
+
+
 @pytest.mark.parametrize("kernel,per_channel,params", [
     (replay_decode_mgpu, False, MosaicReplayParams(auto_barriers=False)),
     (replay_decode_mgpu, False, MosaicReplayParams(auto_barriers=False, programs=264)),
