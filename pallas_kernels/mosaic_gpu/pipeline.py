@@ -112,6 +112,15 @@ def opaque_zero(row, batch: int):
     return row // batch
 
 
+def tile_buffers(refs: list, unit_scratch, row, batch: int) -> list:
+    """A kernel's shared buffers `refs` for a tile of `row`: as they are, or with
+    `unit_scratch` (the scratch `with_unit_axis` made, whose leading entries `refs` are)
+    their `unit_view` at the row's `opaque_zero`."""
+    if unit_scratch is None:
+        return refs
+    return unit_view(refs, unit_scratch[:len(refs)], opaque_zero(row, batch))
+
+
 def serve_tiles(batch: int, heads: int, tiles: int, num_programs: int, issue: Callable, compute: Callable, *,
                 group_size: int = 1, chunk: int = 0, issue_group: Callable | None = None) -> None:
     """Serve tile t of head h of row b for every `(b, h, t)`: `issue(b, h, t, stage)`

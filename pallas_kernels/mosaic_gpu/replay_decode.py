@@ -71,8 +71,8 @@ from pallas_kernels.common import L2NORM_EPS, MODE_APPEND, MODE_FLUSH, MODE_PAD
 from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA, bcast_cols, bcast_rows, col_sum,
                                                check_smem, copy_record_rows, load_transposed,
                                                record_copies, replay_scratch, row_sum, smem_bytes, softplus, tiled)
-from pallas_kernels.mosaic_gpu.pipeline import (STAGES, group_shared, grouped_fits_more, opaque_zero,
-                                                programs_that_fit, serve_tiles, tile_grid, unit_view, with_unit_axis)
+from pallas_kernels.mosaic_gpu.pipeline import (STAGES, group_shared, grouped_fits_more, programs_that_fit,
+                                                serve_tiles, tile_buffers, tile_grid, with_unit_axis)
 from pallas_kernels.mosaic_gpu.readout import (READOUTS, buffer_products, column, stage_vectors, tile_parts,
                                                tile_products, vector_rows)
 from pallas_kernels.mosaic_gpu.rebuild import (check_rebuild, check_rebuild_mode, rebuild_mma, split_tile_buffer,
@@ -259,12 +259,13 @@ def rebuild_tensor_cores(s_c, decay_total, u_t, weights, k_smem, pos, operands):
     return rebuild_mma(s_c * decay_total, u_t * bcast_cols(weights, u_t.shape), keys_t, pos, operands)
 
 
-def qk_scales(q_col, k_col, *, use_qk_l2norm, scale):
-    """`(q_scale, k_scale)`: the factors that normalise q and k (if asked) and scale q."""
+def qk_scales(q, k, *, use_qk_l2norm, scale):
+    """`(q_scale, k_scale)`: the factors that normalise q and k `[..., d_k]` (if asked, over
+    their last axis) and scale q; scalars without the norms."""
     q_scale, k_scale = jnp.float32(scale), jnp.float32(1.0)
     if use_qk_l2norm:
-        q_scale = q_scale * lax.rsqrt(jnp.sum(q_col * q_col) + L2NORM_EPS)
-        k_scale = lax.rsqrt(jnp.sum(k_col * k_col) + L2NORM_EPS)
+        q_scale = q_scale * lax.rsqrt(jnp.sum(q * q, axis=-1) + L2NORM_EPS)
+        k_scale = lax.rsqrt(jnp.sum(k * k, axis=-1) + L2NORM_EPS)
     return q_scale, k_scale
 
 
@@ -307,11 +308,8 @@ def key_side_values(q: Float[Array, "B Hk Dk"], k: Float[Array, "B Hk Dk"], k_ca
     products and sums of the raw vectors, then the scales, as the kernel orders them."""
     q32, k32 = q.astype(F32), k.astype(F32)
     keys = k_cache[jnp.maximum(slot, 0)].astype(F32)  # [B, Hk, L, Dk]; fused into the sums
-    q_scale = jnp.full(q.shape[:2], scale, F32)
-    k_scale = jnp.ones(k.shape[:2], F32)
-    if use_qk_l2norm:
-        q_scale = q_scale * lax.rsqrt(jnp.sum(q32 * q32, axis=-1) + L2NORM_EPS)
-        k_scale = lax.rsqrt(jnp.sum(k32 * k32, axis=-1) + L2NORM_EPS)
+    q_scale, k_scale = (jnp.broadcast_to(x, q.shape[:2])
+                        for x in qk_scales(q32, k32, use_qk_l2norm=use_qk_l2norm, scale=scale))
     k_x = k_scale[..., None] * jnp.sum(keys * k32[:, :, None], axis=-1)
     q_x = q_scale[..., None] * jnp.sum(keys * q32[:, :, None], axis=-1)
     k_dot_q = q_scale * k_scale * jnp.sum(k32 * q32, axis=-1)
@@ -392,10 +390,8 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a
     batch, num_heads = y_ref.shape[:2]
 
     def buffers(b):
-        """`(stages, group keys, shared, rebuild buffers)`; with `unit_scratch` (the scratch
-        `with_unit_axis` made, `per_tile_addresses`) viewed at row b's opaque zero."""
-        refs = [all_stages, all_group_keys, all_shared, all_rebuild_bufs]
-        return refs if unit_scratch is None else unit_view(refs, unit_scratch[:4], opaque_zero(b, batch))
+        """`(stages, group keys, shared, rebuild buffers)` for a tile of row b."""
+        return tile_buffers([all_stages, all_group_keys, all_shared, all_rebuild_bufs], unit_scratch, b, batch)
 
     def issue(b, h, tile, stage):
         """Start the tile's copies into `stages[stage]` (none for padding rows)."""

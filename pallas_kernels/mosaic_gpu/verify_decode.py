@@ -68,13 +68,13 @@ from pallas_kernels.common import L2NORM_EPS, MODE_APPEND, MODE_FLUSH, MODE_PAD
 from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA, bcast_cols, bcast_rows, col_sum,
                                                check_smem, copy_record_rows, copy_replay_tile, load_transposed,
                                                record_copies, replay_scratch, row_sum, smem_bytes, tiled)
-from pallas_kernels.mosaic_gpu.pipeline import (STAGES, group_shared, opaque_zero, programs_that_fit, serve_tiles,
-                                                tile_grid, unit_view, with_unit_axis)
+from pallas_kernels.mosaic_gpu.pipeline import (STAGES, group_shared, programs_that_fit, serve_tiles, tile_buffers,
+                                                tile_grid, with_unit_axis)
 from pallas_kernels.mosaic_gpu.readout import column, stage_vectors, tile_parts, tile_products, vector_rows
 from pallas_kernels.mosaic_gpu.rebuild import check_rebuild, tile_with_operands
 from pallas_kernels.mosaic_gpu.replay_decode import (MosaicReplayParams, check_fma_readout, check_mma_readout,
-                                                     check_own_layout, check_shapes, decay_weights, rebuild_exact,
-                                                     rebuild_tensor_cores)
+                                                     check_own_layout, check_shapes, decay_weights, qk_scales,
+                                                     rebuild_exact, rebuild_tensor_cores)
 
 MAX_WIDTH = 16  # the window is unrolled in the kernel: code size grows as T^2
 # Persistent CTAs resident per SM at most (`pipeline.ctas_per_sm`): ptxas gives this kernel
@@ -118,12 +118,8 @@ def prepare_window(q, k, g, beta, length, *, use_qk_l2norm: bool, scale: float):
     in_window = jnp.arange(width)[None, :] < length[:, None]  # [B, T]
     keep = lambda x: jnp.where(in_window.reshape(batch, width, *[1] * (x.ndim - 2)), x.astype(F32), 0.0)
     q, k, g, beta = keep(q), keep(k), keep(g), keep(beta)
-    q_scale = jnp.full(q.shape[:3], scale, F32)
-    k_scale = jnp.ones(k.shape[:3], F32)
-    if use_qk_l2norm:
-        q_scale = q_scale * lax.rsqrt(jnp.sum(q * q, axis=-1) + L2NORM_EPS)
-        k_scale = lax.rsqrt(jnp.sum(k * k, axis=-1) + L2NORM_EPS)
-    q_scale, k_scale = keep(q_scale), keep(k_scale)
+    q_scale, k_scale = (keep(jnp.broadcast_to(x, q.shape[:3]))
+                        for x in qk_scales(q, k, use_qk_l2norm=use_qk_l2norm, scale=scale))
     return in_window, q * q_scale[..., None], k * k_scale[..., None], g, beta, q_scale, k_scale
 
 
@@ -334,11 +330,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
     rows_barrier = rows_barrier[0] if rows_barrier else None
     batch, num_v_heads = y_ref.shape[0], y_ref.shape[2]
 
-    def buffers(b):
-        """`(stages, shared)`; with `unit_scratch` (the scratch `with_unit_axis` made,
-        `per_tile_addresses`) viewed at row b's opaque zero."""
-        refs = [all_stages, all_shared]
-        return refs if unit_scratch is None else unit_view(refs, unit_scratch[:2], opaque_zero(b, batch))
+    buffers = lambda b: tile_buffers([all_stages, all_shared], unit_scratch, b, batch)  # `(stages, shared)`
 
     def issue(b, h, tile, stage):
         """Start the tile's copies into `stages[stage]` (none for padding rows)."""
