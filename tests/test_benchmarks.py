@@ -178,7 +178,7 @@ def test_verify_bench_runs_mosaic_kernel_options(tmp_path):
     assert row["backends"][variant]["kernel_params"] == dict(swizzle=128, rebuild="exact", programs=4,
                                                              auto_barriers=False,  # 2 rows x 2 heads x 1 tile
                                                              readout="mma", group_records=None, chunk=0,
-                                                             key_side="kernel", per_tile_addresses=False)
+                                                             key_side="kernel", per_tile_addresses=False, warpgroups=1)
     assert row["backends"][variant]["nonflush_us"] > 0
     errors = result["check"]["backends"][variant]
     assert errors.pop("write_pos_equal") and max(errors.values()) < 1e-4, errors

@@ -101,7 +101,10 @@ def _inputs(rng, state_dtype, cache_dtype, per_channel, d_v=D):
     ("gdn", 0, D, "mma", None, dict(key_side="xla")), ("gdn", 0, D, "mma", True, {}), ("gdn", 3, D, "mma", None, {}),
     ("gdn", 3, D, "fma", True, dict(per_tile_addresses=True)),
     ("gdn", 3, D, "mma", None, dict(key_side="xla", per_tile_addresses=True)),
-    ("gdn", 3, D, "mma", True, {}), ("kda", 0, D, "fma", None, {}), ("kda", 3, D, "fma", None, {}),
+    ("gdn", 3, D, "mma", True, {}),
+    ("gdn", 6, D, "fma", None, dict(warpgroups=3, auto_barriers=False)),
+    ("gdn", 3, D, "mma", None, dict(key_side="xla", per_tile_addresses=True, warpgroups=3, auto_barriers=False)),
+    ("kda", 0, D, "fma", None, {}), ("kda", 3, D, "fma", None, {}),
     ("kda", 3, 2 * D, "fma", None, {}), ("kda", 7, 2 * D, "fma", None, {}),
     ("kda", 3, 2 * D, "fma", None, dict(chunk=1))])
 def test_step_matches_the_float64_model(rng, gate, programs, d_v, readout, grouped, more, state_dtype, cache_dtype,
@@ -200,6 +203,11 @@ def test_lowers_for_an_abstract_h200(state_dtype, cache_dtype, cache_len, raw, p
                                          per_tile_addresses=True)),
     (jnp.bfloat16, 32, MosaicReplayParams(readout="mma")),
     (jnp.float32, 32, MosaicReplayParams(programs=264, auto_barriers=False, rebuild="3xtf32", readout="mma")),
+    # Three warpgroups per CTA, each a program with its own buffers and rebuild operands.
+    (jnp.bfloat16, 16, MosaicReplayParams(programs=396, auto_barriers=False, rebuild="3xtf32", readout="mma",
+                                          key_side="xla", per_tile_addresses=True, warpgroups=3)),
+    (jnp.bfloat16, 16, MosaicReplayParams(programs=396, auto_barriers=False, rebuild="3xtf32", readout="mma",
+                                          key_side="xla", warpgroups=3)),
 ])
 def test_the_tensor_core_readout_lowers_for_an_abstract_h200(state_dtype, cache_len, params):
     """GDN's "mma" readout: `wgmma`s from the tile's three bf16 register parts (fp32 state)
@@ -334,11 +342,19 @@ def test_tensor_core_rebuild_refusals(rng):
         MosaicReplayParams(group_records=1)
     # The GDN decode kernel's own options: the KDA kernel refuses them rather than ignore them.
     for own, match in ((dict(key_side="xla"), "computes its key side itself"),
-                       (dict(per_tile_addresses=True), "per_tile_addresses must be False")):
+                       (dict(per_tile_addresses=True), "per_tile_addresses must be False"),
+                       (dict(programs=6, auto_barriers=False, warpgroups=3), "warpgroups must be 1")):
         with pytest.raises(ValueError, match=match):
             arrays = [jnp.asarray(x) for x in _inputs(rng, jnp.float32, jnp.float32, True)]
             replay_decode_kda_mgpu(*arrays, jnp.asarray(SLOTS), jnp.asarray(POS), jnp.asarray(MODES),
                                    params=MosaicReplayParams(**own), interpret=True)
+    for bad, match in ((dict(warpgroups=0), r"warpgroups must be an int in \[1, 4\]"),
+                       (dict(warpgroups=5), r"warpgroups must be an int in \[1, 4\]"),
+                       (dict(warpgroups=3, auto_barriers=False), "programs must be a positive multiple"),
+                       (dict(warpgroups=3, programs=10, auto_barriers=False), "programs must be a positive multiple"),
+                       (dict(warpgroups=3, programs=9), "auto_barriers must be False")):
+        with pytest.raises(ValueError, match=match):
+            MosaicReplayParams(**bad)
     with pytest.raises(ValueError, match="per_tile_addresses must be a bool"):
         MosaicReplayParams(per_tile_addresses=1)
     # The tensor-core readout: GDN's needs bf16 q and k; the KDA kernel refuses it.
@@ -466,38 +482,78 @@ def test_persistent_programs_serve_every_tile_once(num_tiles, num_programs, chun
     assert max(counts) - min(counts) <= chunk
 
 
-@pytest.mark.parametrize("rebuild,xla_side", [("exact", False), ("3xtf32", True)])
-def test_per_tile_addresses_keep_the_layout(rebuild, xla_side):
-    """`with_unit_axis` adds a leading axis of one to every buffer (a union's members each)
-    and changes no byte count, so per-tile addresses fit the CTAs the plain layout does;
-    `opaque_zero` is 0 for every row of the batch."""
+@pytest.mark.parametrize("rebuild,xla_side,programs", [("exact", False, 1), ("3xtf32", True, 1), ("exact", False, 3),
+                                                         ("3xtf32", True, 3)])
+def test_program_axis_keeps_the_layout(rebuild, xla_side, programs):
+    """`with_program_axis` adds a leading axis of `programs` to every buffer (a union's
+    members each, with one program) and multiplies the bytes by exactly that, so per-tile
+    addresses fit the CTAs the plain layout does and three warpgroups take three programs'
+    bytes; with several programs every program's slice of a buffer starts 128-byte aligned
+    (TMA's destinations; its first axis padded where needed, e.g. the `[16]` fp32 decays),
+    every barrier array gets their barriers end to end and a union is refused (a
+    tensor-core rebuild's operands then have buffers of their own); `opaque_zero` is 0 for
+    every row of the batch."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     from pallas_kernels.mosaic_gpu.layouts import smem_bytes
-    from pallas_kernels.mosaic_gpu.pipeline import opaque_zero, with_unit_axis
+    from pallas_kernels.mosaic_gpu.pipeline import opaque_zero, with_program_axis
     from pallas_kernels.mosaic_gpu.replay_decode import _scratch
 
     scratch = _scratch(128, 16, jnp.bfloat16, jnp.bfloat16, jnp.bfloat16, jnp.bfloat16, 128, rebuild, 2, "mma",
-                       xla_side=xla_side)
-    unit = with_unit_axis(scratch)
-    assert smem_bytes(unit) == smem_bytes(scratch)
+                       xla_side=xla_side, own_operands=programs > 1)
+    stacked = with_program_axis(scratch, programs)
 
-    def shapes(tree):
+    def shapes(tree, count=1):
         if isinstance(tree, (list, tuple)):
-            return [shapes(item) for item in tree]
+            return [shapes(item, count) for item in tree]
         if isinstance(tree, plgpu.RefUnion):
-            return ("union", shapes(list(tree.refs)))
-        return getattr(tree, "shape", "barrier")
+            return ("union", shapes(list(tree.refs), count))
+        if isinstance(tree, plgpu.Barrier):
+            return ("barrier", tree.num_barriers)
+        return tree.shape
 
-    def with_one(tree):
+    def with_axis(tree):
         if isinstance(tree, list):
-            return [with_one(item) for item in tree]
+            return [with_axis(item) for item in tree]
         if isinstance(tree, tuple) and tree and tree[0] == "union":
-            return ("union", with_one(tree[1]))
-        return tree if tree == "barrier" else (1, *tree)
+            return ("union", with_axis(tree[1]))
+        if isinstance(tree, tuple) and tree and tree[0] == "barrier":
+            return tree if programs == 1 else ("barrier", (programs * int(np.prod(tree[1])),))
+        return (programs, "rows", *tree[1:])
 
-    assert shapes(unit) == with_one(shapes(scratch))
-    assert (rebuild != "exact") == any(isinstance(stage[0], plgpu.RefUnion) for stage in unit[0])
+    def rows_free(tree):  # the padded first axis checked below
+        if isinstance(tree, list):
+            return [rows_free(item) for item in tree]
+        if isinstance(tree, tuple) and tree and tree[0] in ("union", "barrier"):
+            return (tree[0], rows_free(tree[1])) if tree[0] == "union" else tree
+        return (tree[0], "rows", *tree[2:])
+
+    assert rows_free(shapes(stacked)) == with_axis(shapes(scratch))
+    def leaves(tree):
+        if isinstance(tree, (list, tuple)):
+            return [x for item in tree for x in leaves(item)]
+        if isinstance(tree, plgpu.RefUnion):
+            return leaves(list(tree.refs))
+        return [] if isinstance(tree, plgpu.Barrier) else [tree]
+
+    for one, stacked_buffer in zip(leaves(scratch), leaves(stacked)):
+        assert stacked_buffer.shape[1] >= one.shape[0]
+        if programs == 1:
+            assert stacked_buffer.shape[1:] == one.shape
+        else:
+            assert (np.prod(stacked_buffer.shape[1:]) * jnp.dtype(one.dtype).itemsize) % 128 == 0, one.shape
+    # Within a buffer's alignment: the bytes of `programs` programs, no more.
+    assert programs * smem_bytes(scratch) - 1024 * len(jax.tree.leaves(shapes(scratch))) <= smem_bytes(stacked)
+    assert smem_bytes(stacked) <= programs * smem_bytes(scratch)
+    if programs == 1:
+        assert smem_bytes(stacked) == smem_bytes(scratch)
+    unions = any(isinstance(stage[0], plgpu.RefUnion) for stage in stacked[0])
+    assert unions == (rebuild != "exact" and programs == 1)
+    if programs > 1 and rebuild != "exact":  # the operands in the rebuild buffers' place
+        assert len(scratch[3]) == 4
+        with pytest.raises(ValueError, match="RefUnion"):
+            with_program_axis(_scratch(128, 16, jnp.bfloat16, jnp.bfloat16, jnp.bfloat16, jnp.bfloat16, 128, rebuild,
+                                       2, "mma", xla_side=xla_side), programs)
     rows = jnp.arange(512)
     assert not np.any(np.asarray(opaque_zero(rows, 512)))
 
@@ -547,13 +603,20 @@ def test_backend_default_params_per_gate(monkeypatch):
     assert mosaic_gpu.default_params(gdn_l32, 512, jnp.bfloat16).programs == 132  # exact off GPU: one per SM
     bf16 = lambda L: ReplayConfig(16, 32, 128, 128, L, state_dtype=jnp.bfloat16, cache_dtype=jnp.bfloat16)
     for L in (16, 32):
-        on_gpu = mosaic_gpu.default_params(bf16(L), 512, jnp.bfloat16, interpret=False)
-        assert (on_gpu.rebuild, on_gpu.programs) == ("3xtf32", 264)
+        on_gpu = mosaic_gpu.default_params(bf16(L), 128, jnp.bfloat16, interpret=False)
+        assert (on_gpu.rebuild, on_gpu.programs, on_gpu.warpgroups) == ("3xtf32", 264, 1)
+    # From B = 256 at L = 16 (measured faster there) three warpgroups per CTA, each a
+    # program with its own buffers: one CTA per SM, three programs; addresses held.
+    wide = mosaic_gpu.default_params(bf16(16), 512, jnp.bfloat16, interpret=False)
+    assert (wide.programs, wide.warpgroups, wide.per_tile_addresses) == (396, 3, False)
+    assert mosaic_gpu.default_params(bf16(16), 256, jnp.bfloat16, interpret=False).warpgroups == 3
+    assert mosaic_gpu.default_params(bf16(32), 512, jnp.bfloat16, interpret=False).warpgroups == 1  # not measured
+    assert mosaic_gpu.fitting_programs(gdn, 512, jnp.bfloat16, rebuild="3xtf32", warpgroups=3, sm_count=132) == 0
     assert mosaic_gpu.default_params(gdn, 512, jnp.bfloat16, interpret=True).rebuild == "exact"
     # GDN 2-byte states read the tile out on tensor cores (bf16 q and k only), take their
     # key side from XLA and recompute addresses per tile; fp32 ones and KDA do none of it.
     sides = lambda p: (p.readout, p.key_side, p.per_tile_addresses)
-    assert sides(mosaic_gpu.default_params(bf16(16), 512, jnp.bfloat16)) == ("mma", "xla", True)
+    assert sides(mosaic_gpu.default_params(bf16(16), 128, jnp.bfloat16)) == ("mma", "xla", True)
     assert sides(mosaic_gpu.default_params(bf16(16), 512, jnp.float32)) == ("fma", "kernel", False)
     assert sides(mosaic_gpu.default_params(gdn, 512, jnp.bfloat16)) == ("fma", "kernel", False)
     kda_bf16 = ReplayConfig(32, 32, 128, 128, 16, gate="kda", state_dtype=jnp.bfloat16, cache_dtype=jnp.bfloat16)

@@ -289,7 +289,8 @@ def test_backend_verify_defaults():
     """GDN verifies with the tensor-core readout where q and k are bf16 (measured faster at
     fp32 and bf16 states), on persistent CTAs where two fit per SM (fp32 L = 16, T = 4),
     one CTA per tile where one would (fp32 L = 32: measured faster), folds rebuilt exactly
-    off GPU; KDA and Mamba-2 one CTA per tile on CUDA cores."""
+    off GPU, per-tile addresses with a bf16 state (measured faster); KDA and Mamba-2 one
+    CTA per tile on CUDA cores."""
     from replayssm_jax import ReplayConfig
     from replayssm_jax.backends import mosaic_gpu
 
@@ -303,8 +304,8 @@ def test_backend_verify_defaults():
     on_gpu = lambda cfg: mosaic_gpu.verify_default_params(cfg, 512, 4, jnp.bfloat16, interpret=False)
     assert on_gpu(gdn(16)) == MosaicReplayParams(programs=264, auto_barriers=False, readout="mma")
     assert on_gpu(gdn(32)) == MosaicReplayParams(readout="mma", rebuild="3xtf32")
-    assert on_gpu(ReplayConfig(16, 32, 128, 128, 16, state_dtype=jnp.bfloat16, cache_dtype=jnp.bfloat16)).rebuild \
-        == "3xtf32"
+    bf16 = on_gpu(ReplayConfig(16, 32, 128, 128, 16, state_dtype=jnp.bfloat16, cache_dtype=jnp.bfloat16))
+    assert (bf16.rebuild, bf16.per_tile_addresses, bf16.programs) == ("3xtf32", True, 264)
     assert mosaic_gpu.verify_default_params(ReplayConfig(32, 32, 128, 128, 16, gate="kda"), 512, 4,
                                             jnp.bfloat16) == MosaicReplayParams()
     assert mosaic_gpu.verify_default_params(ReplayConfig.mamba2(128, 64, 128, 8, 16), 512, 4,

@@ -27,14 +27,24 @@ indexed dynamically, would place a small buffer's second stage at an unaligned a
 Registers: every shared-memory address and `wgmma` descriptor of those buffers is the same
 on every tile, so the compiler computes them once before the loop and holds them across it
 (about 200 of a GDN decode kernel's 255 registers per thread, which leaves two CTAs
-resident per SM). `with_unit_axis` / `unit_view` give a kernel buffers it indexes by a
-per-tile zero the compiler cannot prove (`opaque_zero`), so each tile recomputes them.
+resident per SM). `with_program_axis` / `program_view` give a kernel buffers it indexes by
+a per-tile zero the compiler cannot prove (`opaque_zero`), so each tile recomputes them.
+
+Warpgroups: a CTA of `warpgroups` > 1 warpgroups runs that many programs side by side
+(`plgpu.kernel(num_threads=...)`; program `p * warpgroups + wg`), each on its own slice of
+every buffer and barrier (`with_program_axis(scratch, warpgroups)`, viewed at `wg`). It is
+the one way Mosaic GPU offers to give ptxas a register budget: a 384-thread CTA gets at
+most 168 registers per thread, the budget of three resident 128-thread CTAs.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Callable
+from typing import Any
 
+import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -42,6 +52,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.mosaic_gpu.layouts import smem_bytes
 
 STAGES = 2
+# Where one program's slice of a buffer starts (`with_program_axis`): TMA writes shared
+# memory at 128-byte aligned addresses, and a 128-byte swizzle repeats every 1 KiB.
+TMA_ALIGN = 128
+SWIZZLED_ALIGN = 1024
 # Tiles per chunk at most: longer chunks share a group's values over more tiles but balance
 # rows that flush (twice the work) worse over the CTAs when cursors are staggered.
 MAX_CHUNK = 4
@@ -72,38 +86,101 @@ def programs_that_fit(cta_smem_bytes: int, sm_count: int, num_tiles: int, max_ct
     return max(1, min(num_tiles, ctas_per_sm(cta_smem_bytes, max_ctas) * sm_count))
 
 
-def tile_grid(batch: int, heads: int, tiles: int, num_programs: int) -> dict:
+def tile_grid(batch: int, heads: int, tiles: int, num_programs: int, warpgroups: int = 1) -> dict:
     """`plgpu.kernel`'s grid arguments for `serve_tiles`: one CTA per tile ("b", "ht"), or
-    `num_programs` persistent CTAs ("p")."""
-    if num_programs:
+    `num_programs` persistent programs ("p"), `warpgroups` of them per CTA (threads "wg";
+    `num_programs` a multiple of it)."""
+    if not num_programs:
+        return dict(grid=(batch, heads * tiles), grid_names=("b", "ht"))
+    if warpgroups == 1:
         return dict(grid=(num_programs,), grid_names=("p",))
-    return dict(grid=(batch, heads * tiles), grid_names=("b", "ht"))
+    return dict(grid=(num_programs // warpgroups,), grid_names=("p",), num_threads=warpgroups, thread_name="wg")
 
 
-def with_unit_axis(scratch):
+def program_index(warpgroups: int = 1):
+    """This persistent program's index: its CTA's, times `warpgroups`, plus its warpgroup's."""
+    if warpgroups == 1:
+        return lax.axis_index("p")
+    return lax.axis_index("p") * warpgroups + lax.axis_index("wg")
+
+
+def program_slot(warpgroups: int = 1):
+    """The slice of `with_program_axis(scratch, warpgroups)` this program owns: its warpgroup."""
+    return 0 if warpgroups == 1 else lax.axis_index("wg")
+
+
+def with_program_axis(scratch, programs: int = 1):
     """`scratch` (nested lists of `plgpu.SMEM` buffers, `plgpu.RefUnion`s and barriers) with
-    a leading axis of one on every buffer (a union's members each), for `unit_view`;
-    barriers as they are. The bytes and the alignment are `scratch`'s."""
+    a leading axis of `programs` on every buffer (a union's members each), for
+    `program_view`. With one program the bytes and the alignment are `scratch`'s and the
+    barriers are left as they are; with more, every barrier array also gets the axis, and a
+    union is refused: its members' slices would be laid out at different strides, so one
+    program's smaller member would overlap another program's larger one. A barrier array's
+    programs are laid end to end on its one axis (`BarrierRange`), and a buffer's first axis
+    is padded so that each program's slice starts where TMA may write (`padded_rows`)."""
     if isinstance(scratch, (list, tuple)):
-        return [with_unit_axis(item) for item in scratch]
+        return [with_program_axis(item, programs) for item in scratch]
     if isinstance(scratch, plgpu.Barrier):
-        return scratch
+        if programs == 1:
+            return scratch
+        if len(scratch.num_barriers) > 1:
+            raise ValueError(f"barrier arrays of one axis only, got shape {scratch.num_barriers}")
+        return dataclasses.replace(scratch, num_barriers=(programs * math.prod(scratch.num_barriers),))
     if isinstance(scratch, plgpu.RefUnion):
-        return plgpu.RefUnion(*with_unit_axis(list(scratch.refs)))
-    return plgpu.SMEM((1, *scratch.shape), scratch.dtype, transforms=scratch.transforms)
+        if programs != 1:
+            raise ValueError("a plgpu.RefUnion cannot be split between programs: give each program its own buffers")
+        return plgpu.RefUnion(*with_program_axis(list(scratch.refs)))
+    rows = scratch.shape[0] if programs == 1 else padded_rows(scratch)
+    return plgpu.SMEM((programs, rows, *scratch.shape[1:]), scratch.dtype, transforms=scratch.transforms)
 
 
-def unit_view(refs, scratch, index):
-    """The refs of `with_unit_axis(scratch)` at `index` of their unit axis (`opaque_zero`),
-    shaped as `scratch`'s (a union as the tuple of its members' views); barriers as they
-    are."""
+def padded_rows(buffer) -> int:
+    """The first-axis extent that makes one program's slice of `buffer` (`plgpu.SMEM`) a
+    whole number of `TMA_ALIGN` bytes, so that every program's slice starts as aligned as
+    the first (a `[L]` fp32 ring of decays is 64 bytes: a second program's would start
+    misaligned). A swizzled buffer must already be a whole number of 1 KiB."""
+    row_bytes = math.prod(buffer.shape[1:]) * jnp.dtype(buffer.dtype).itemsize
+    if buffer.transforms:
+        if (buffer.shape[0] * row_bytes) % SWIZZLED_ALIGN:
+            raise ValueError(f"a swizzled buffer {buffer.shape} is not a whole number of {SWIZZLED_ALIGN} bytes")
+        return buffer.shape[0]
+    step = TMA_ALIGN // math.gcd(row_bytes, TMA_ALIGN)
+    return -(-buffer.shape[0] // step) * step
+
+
+def program_view(refs, scratch, index, programs: int = 1):
+    """The refs of `with_program_axis(scratch, programs)` at `index` of their leading axis,
+    shaped as `scratch`'s (a union as the tuple of its members' views; barriers as they are
+    with one program)."""
     if isinstance(scratch, (list, tuple)):
-        return [unit_view(ref, item, index) for ref, item in zip(refs, scratch)]
+        return [program_view(ref, item, index, programs) for ref, item in zip(refs, scratch)]
     if isinstance(scratch, plgpu.Barrier):
-        return refs
+        if programs == 1:
+            return refs
+        if scratch.num_barriers:
+            return BarrierRange(refs, index * scratch.num_barriers[0])
+        return refs.at[index]
     if isinstance(scratch, plgpu.RefUnion):
-        return tuple(unit_view(member, item, index) for member, item in zip(tuple(refs), scratch.refs))
+        return tuple(program_view(member, item, index) for member, item in zip(tuple(refs), scratch.refs))
+    if programs > 1 and padded_rows(scratch) != scratch.shape[0]:
+        return refs.at[index, pl.ds(0, scratch.shape[0])]
     return refs.at[index]
+
+
+@dataclasses.dataclass(frozen=True)
+class BarrierRange:
+    """One program's barriers of a barrier array that `with_program_axis` laid end to end:
+    `.at[i]` is barrier `start + i` (one index, not a view of a view, which Mosaic GPU's
+    interpret mode does not compose)."""
+    ref: Any
+    start: Any
+
+    @property
+    def at(self) -> BarrierRange:
+        return self
+
+    def __getitem__(self, i):
+        return self.ref.at[self.start + i]
 
 
 def opaque_zero(row, batch: int):
@@ -112,17 +189,21 @@ def opaque_zero(row, batch: int):
     return row // batch
 
 
-def tile_buffers(refs: list, unit_scratch, row, batch: int) -> list:
-    """A kernel's shared buffers `refs` for a tile of `row`: as they are, or with
-    `unit_scratch` (the scratch `with_unit_axis` made, whose leading entries `refs` are)
-    their `unit_view` at the row's `opaque_zero`."""
-    if unit_scratch is None:
+def tile_buffers(refs: list, program_scratch, row, batch: int, *, per_tile: bool = True, warpgroups: int = 1) -> list:
+    """A kernel's shared buffers `refs` for a tile of `row`: as they are, or, given
+    `program_scratch` (one program's scratch, which `with_program_axis(.., warpgroups)`
+    stacked into the kernel's; `refs` its leading entries), their `program_view` at this
+    program's slot (`program_slot`), plus the row's `opaque_zero` where `per_tile`."""
+    if program_scratch is None:
         return refs
-    return unit_view(refs, unit_scratch[:len(refs)], opaque_zero(row, batch))
+    index = program_slot(warpgroups)
+    if per_tile:
+        index = index + opaque_zero(row, batch)
+    return program_view(refs, program_scratch[:len(refs)], index, warpgroups)
 
 
 def serve_tiles(batch: int, heads: int, tiles: int, num_programs: int, issue: Callable, compute: Callable, *,
-                group_size: int = 1, chunk: int = 0, issue_group: Callable | None = None) -> None:
+                group_size: int = 1, chunk: int = 0, issue_group: Callable | None = None, warpgroups: int = 1) -> None:
     """Serve tile t of head h of row b for every `(b, h, t)`: `issue(b, h, t, stage)`
     starts its copies into a stage of shared buffers, `compute(b, h, t, stage, fresh)`
     waits for them and works; `fresh` (a static True for one CTA per tile, else a traced
@@ -130,8 +211,9 @@ def serve_tiles(batch: int, heads: int, tiles: int, num_programs: int, issue: Ca
     (`h // group_size`; `heads` a multiple of `group_size`). One CTA per tile
     (`num_programs = 0`), or `persistent_tiles` over the tiles numbered with b slowest in
     chunks of `chunk` tiles (0: one group's tiles, at most `MAX_CHUNK`); the kernel's grid
-    is `tile_grid`'s. With `issue_group(b, h, t)` (the group copies above), `compute` takes
-    a sixth argument, `prefetch()`, to call once the group's buffer is no longer read."""
+    is `tile_grid`'s (`warpgroups` programs per CTA). With `issue_group(b, h, t)` (the group
+    copies above), `compute` takes a sixth argument, `prefetch()`, to call once the group's
+    buffer is no longer read."""
     per_row = heads * tiles
     where = lambda index: (index // per_row, index % per_row // tiles, index % tiles)
     if num_programs:
@@ -139,7 +221,8 @@ def serve_tiles(batch: int, heads: int, tiles: int, num_programs: int, issue: Ca
         persistent_tiles(batch * per_row, num_programs, lambda index, stage: issue(*where(index), stage),
                          lambda index, stage, *rest: compute(*where(index), stage, *rest),
                          chunk=chunk or min(MAX_CHUNK, group_tiles), group_tiles=group_tiles,
-                         issue_group=None if issue_group is None else lambda index: issue_group(*where(index)))
+                         issue_group=None if issue_group is None else lambda index: issue_group(*where(index)),
+                         warpgroups=warpgroups)
         return
     b, ht = lax.axis_index("b"), lax.axis_index("ht")
     issue(b, ht // tiles, ht % tiles, 0)
@@ -184,7 +267,7 @@ def program_tiles(program, num_tiles: int, num_programs: int, chunk: int):
 
 
 def persistent_tiles(num_tiles: int, num_programs: int, issue: Callable, compute: Callable, *, chunk: int,
-                     group_tiles: int, issue_group: Callable | None = None) -> None:
+                     group_tiles: int, issue_group: Callable | None = None, warpgroups: int = 1) -> None:
     """Run `issue(tile, stage)` (start tile's copies into `stage`) one tile ahead of
     `compute(tile, stage, fresh)` (wait for them, work, start its stores) over this CTA's
     tiles (`program_tiles` in chunks of `chunk`); `fresh`: the CTA's first tile, or one
@@ -197,7 +280,7 @@ def persistent_tiles(num_tiles: int, num_programs: int, issue: Callable, compute
 
     `issue_group(tile)`: the group copies of fresh tiles, the first one here and each next
     one from `compute(tile, stage, fresh, prefetch)` calling `prefetch()`."""
-    tile_of, count = program_tiles(lax.axis_index("p"), num_tiles, num_programs, chunk)  # count >= 1
+    tile_of, count = program_tiles(program_index(warpgroups), num_tiles, num_programs, chunk)  # count >= 1
     group_of = lambda n: tile_of(n) // group_tiles
     issue(tile_of(0), 0)
     if issue_group is not None:

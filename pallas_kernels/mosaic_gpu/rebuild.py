@@ -60,17 +60,24 @@ def check_rebuild(rebuild: str, cache_len: int, interpret: bool = False) -> None
 
 def tile_with_operands(tile, rows: int, width: int, cache_len: int, rebuild: str):
     """A stage's checkpoint-tile buffer `tile` (`plgpu.SMEM`), as a `plgpu.RefUnion` with
-    the rebuild's K-major operands `A [rows, L]` and `B^T [width, L]` (hi and lo parts for
-    "3xtf32") for a tensor-core rebuild, or alone for "exact"."""
-    operand = REBUILD_DTYPES[rebuild]
-    if operand is None:
+    the rebuild's operands (`rebuild_operands`) for a tensor-core rebuild, or alone for
+    "exact"."""
+    if REBUILD_DTYPES[rebuild] is None:
         return tile
+    return plgpu.RefUnion(tile, rebuild_operands(tile, rows, width, cache_len, rebuild))
+
+
+def rebuild_operands(tile, rows: int, width: int, cache_len: int, rebuild: str) -> list:
+    """The tensor-core rebuild's K-major operand buffers, `A [rows, n]` and `B^T [width,
+    n]` (hi and lo parts for "3xtf32"), for chunks of n = `operand_entries` ring entries:
+    no more bytes than the checkpoint tile `tile` (`plgpu.SMEM`), whose union they share
+    (`tile_with_operands`) unless a kernel gives them buffers of their own."""
+    operand = REBUILD_DTYPES[rebuild]
     entries = operand_entries(cache_len, rows, width, rebuild, math.prod(tile.shape) * jnp.dtype(tile.dtype).itemsize)
     swizzle = min(128, entries * jnp.dtype(operand).itemsize)
     parts = 2 if rebuild == "3xtf32" else 1
-    operands = [plgpu.SMEM((n, entries), operand, transforms=tiled(swizzle, operand))
-                for n in (rows, width) for _ in range(parts)]
-    return plgpu.RefUnion(tile, operands)
+    return [plgpu.SMEM((n, entries), operand, transforms=tiled(swizzle, operand))
+            for n in (rows, width) for _ in range(parts)]
 
 
 def operand_entries(cache_len: int, rows: int, width: int, rebuild: str, tile_bytes: int) -> int:
@@ -88,9 +95,11 @@ def operand_entries(cache_len: int, rows: int, width: int, rebuild: str, tile_by
     return entries
 
 
-def split_tile_buffer(tile_buf, rebuild: str):
-    """`(checkpoint tile ref, operand refs)` of a buffer made by `tile_with_operands`."""
-    if rebuild == "exact":
+def split_tile_buffer(tile_buf, rebuild: str, own_operands: bool = False):
+    """`(checkpoint tile ref, operand refs)` of a buffer made by `tile_with_operands`
+    (operands `()` where the buffer is the tile alone: the exact rebuild, or operands in
+    buffers of their own)."""
+    if rebuild == "exact" or own_operands:
         return tile_buf, ()
     t_smem, operands = tuple(tile_buf)
     return t_smem, operands

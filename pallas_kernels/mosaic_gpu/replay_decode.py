@@ -7,7 +7,8 @@ serves value rows `t*BV .. t*BV + BV - 1` of value head h of row b, whose slot, 
 next tile's copies in flight while one is computed (`pipeline.persistent_tiles`); a chunk
 is one key head's tiles, and what they share (`key_side`: `K k`, `K q`, the q/k norms,
 `k . q`) is computed on the chunk's first tile and read back from shared memory by the rest
-(`pipeline.group_shared`).
+(`pipeline.group_shared`). With `MosaicReplayParams.warpgroups = w`, a CTA runs w of those
+programs side by side, one per warpgroup, each on its own slice of the buffers.
 
 Data movement (TMA, one barrier per stage): the checkpoint tile `S_c [BV, d_k]`, the
 slot's u records `[L, BV]` of this tile and its key records `[L, d_k]` (key head h // G),
@@ -68,15 +69,15 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels.common import L2NORM_EPS, MODE_APPEND, MODE_FLUSH, MODE_PAD
-from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA, bcast_cols, bcast_rows, col_sum,
-                                               check_smem, copy_record_rows, load_transposed,
-                                               record_copies, replay_scratch, row_sum, smem_bytes, softplus, tiled)
+from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, SMEM_LIMIT, WGMMA, bcast_cols, bcast_rows,
+                                               check_smem, col_sum, copy_record_rows, load_transposed, record_copies,
+                                               replay_scratch, row_sum, smem_bytes, softplus, tiled)
 from pallas_kernels.mosaic_gpu.pipeline import (STAGES, group_shared, grouped_fits_more, programs_that_fit,
-                                                serve_tiles, tile_buffers, tile_grid, with_unit_axis)
+                                                serve_tiles, tile_buffers, tile_grid, with_program_axis)
 from pallas_kernels.mosaic_gpu.readout import (READOUTS, buffer_products, column, stage_vectors, tile_parts,
                                                tile_products, vector_rows)
-from pallas_kernels.mosaic_gpu.rebuild import (check_rebuild, check_rebuild_mode, rebuild_mma, split_tile_buffer,
-                                               tile_with_operands)
+from pallas_kernels.mosaic_gpu.rebuild import (check_rebuild, check_rebuild_mode, rebuild_mma, rebuild_operands,
+                                               split_tile_buffer, tile_with_operands)
 
 BLOCK_V = BLOCK_ROWS
 # Persistent CTAs resident per SM at most (`pipeline.ctas_per_sm`): ptxas gives this kernel
@@ -84,6 +85,7 @@ BLOCK_V = BLOCK_ROWS
 RESIDENT_CTAS = 2
 DECODE_VECTORS = 2  # the "mma" readout's vectors: q, then k
 KEY_SIDES = ("kernel", "xla")
+MAX_WARPGROUPS = 4  # a CTA of 512 threads, 128 registers each
 
 
 
@@ -141,8 +143,15 @@ class MosaicReplayParams:
       per_tile_addresses: False (default) lets the compiler compute the shared buffers'
         addresses and `wgmma` descriptors once and hold them in registers across a
         persistent CTA's loop; True indexes every buffer by a zero it cannot prove
-        (`pipeline.unit_view`), so each tile recomputes them: fewer registers per thread
+        (`pipeline.program_view`), so each tile recomputes them: fewer registers per thread
         for more address arithmetic per tile (the GDN decode and verify kernels).
+      warpgroups: persistent programs per CTA (GDN decode; default 1): w > 1 runs w
+        warpgroups side by side, each a program on its own slice of the buffers
+        (`pipeline.with_program_axis`), so ptxas must fit a thread in 65,536 / (128 w)
+        registers (168 at w = 3: what three resident CTAs need, which a 128-thread CTA
+        cannot ask for). Needs `programs` a multiple of w and `auto_barriers=False`; a
+        tensor-core rebuild's operands get a buffer per program instead of the union with
+        the tile (programs cannot share a union).
     """
 
     swizzle: int = 128
@@ -154,6 +163,7 @@ class MosaicReplayParams:
     chunk: int = 0
     key_side: str = "kernel"
     per_tile_addresses: bool = False
+    warpgroups: int = 1
 
     def __post_init__(self) -> None:
         if self.swizzle not in (32, 64, 128):
@@ -173,18 +183,28 @@ class MosaicReplayParams:
             raise ValueError(f"group_records must be None, True or False, got {self.group_records!r}")
         if not isinstance(self.per_tile_addresses, bool):
             raise ValueError(f"per_tile_addresses must be a bool, got {self.per_tile_addresses!r}")
+        if not isinstance(self.warpgroups, int) or not 1 <= self.warpgroups <= MAX_WARPGROUPS:
+            raise ValueError(f"warpgroups must be an int in [1, {MAX_WARPGROUPS}], got {self.warpgroups!r}")
+        if self.warpgroups > 1 and (not self.programs or self.programs % self.warpgroups):
+            raise ValueError(f"warpgroups={self.warpgroups} runs persistent programs: programs must be a positive "
+                             f"multiple of it, got {self.programs}")
+        if self.warpgroups > 1 and self.auto_barriers:
+            raise ValueError(f"warpgroups={self.warpgroups} keeps each program's own barriers: auto_barriers must "
+                             "be False")
 
 
 def check_own_layout(params, kernel: str, *, per_tile_addresses: bool = False) -> None:
     """Raise ValueError if `params` sets `group_records`, an option of the GDN and Mamba-2
     decode kernels that a kernel with its own record layout (KDA decode, verify) ignores,
-    or `key_side`, the GDN decode kernel's, or `per_tile_addresses` unless the kernel
-    takes it (`per_tile_addresses`: the GDN verify kernel)."""
+    or `key_side` or `warpgroups`, the GDN decode kernel's, or `per_tile_addresses` unless
+    the kernel takes it (`per_tile_addresses`: the GDN verify kernel)."""
     if getattr(params, "group_records", None) is not None:
         raise ValueError(f"{kernel} lays out its records itself: group_records must be None, got "
                          f"{params.group_records!r}")
     if getattr(params, "key_side", "kernel") != "kernel":
         raise ValueError(f"{kernel} computes its key side itself: key_side must be 'kernel', got {params.key_side!r}")
+    if getattr(params, "warpgroups", 1) != 1:
+        raise ValueError(f"{kernel} runs one program per CTA: warpgroups must be 1, got {params.warpgroups}")
     if getattr(params, "per_tile_addresses", False) and not per_tile_addresses:
         raise ValueError(f"{kernel} holds its buffers' addresses itself: per_tile_addresses must be False")
 
@@ -380,24 +400,26 @@ def copy_token(token_refs, bufs, b, h, hk, rows, barrier) -> None:
 
 def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref, *refs,
             group_size, tiles, use_qk_l2norm, scale, raw_gates, rebuild, num_programs, chunk, readout, parts, grouped,
-            xla_side, unit_scratch, interpret):
+            xla_side, program_scratch, per_tile, warpgroups, interpret):
     # Inputs, the raw q and k staged for the "mma" readout and the key side from XLA
     # first; outputs; scratch.
     xv_ref, *refs = refs if readout == "mma" else (None, *refs)
     side_ref, *refs = refs if xla_side else (None, *refs)
     (ckpt_ref, ucache_ref, kcache_ref, gcache_ref, y_ref,
-     all_stages, all_group_keys, all_shared, all_rebuild_bufs, barriers, group_barrier, rows_barrier) = refs
+     *all_scratch) = refs
     batch, num_heads = y_ref.shape[:2]
+    own_operands = warpgroups > 1  # a tensor-core rebuild's operands in their own buffers, not the tile's union
 
     def buffers(b):
-        """`(stages, group keys, shared, rebuild buffers)` for a tile of row b."""
-        return tile_buffers([all_stages, all_group_keys, all_shared, all_rebuild_bufs], unit_scratch, b, batch)
+        """`(stages, group keys, shared, rebuild buffers or own operands, barriers, group
+        barrier, rows barrier)` (`_scratch`) for a tile of row b."""
+        return tile_buffers(all_scratch, program_scratch, b, batch, per_tile=per_tile, warpgroups=warpgroups)
 
     def issue(b, h, tile, stage):
         """Start the tile's copies into `stages[stage]` (none for padding rows)."""
-        stages, _, _, _ = buffers(b)
+        stages, _, _, _, barriers, _, _ = buffers(b)
         tile_buf, u_smem, g_smem, _, qk_smem, v_smem, stage_keys, x_smem, side_smem = stages[stage]
-        t_smem, _ = split_tile_buffer(tile_buf, rebuild)
+        t_smem, _ = split_tile_buffer(tile_buf, rebuild, own_operands)
         barrier, slot, rows = barriers.at[stage], slot_ref[b], pl.ds(tile * BLOCK_V, BLOCK_V)
 
         @pl.when(mode_ref[b] != MODE_PAD)
@@ -415,17 +437,18 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a
 
     def issue_group(b, h, tile):
         """Start the copy of the key records, which only a fresh tile (and a flush) reads."""
-        _, group_keys, _, _ = buffers(b)
+        _, group_keys, _, _, _, group_barrier, _ = buffers(b)
 
         @pl.when(mode_ref[b] != MODE_PAD)
         def _copy():
             plgpu.copy_gmem_to_smem(kcache_ref.at[slot_ref[b], h // group_size], group_keys[0], group_barrier[0])
 
     def compute(b, h, tile, stage, fresh, prefetch=lambda: None):
-        stages, group_keys, shared_smem, rebuild_bufs = buffers(b)
+        stages, group_keys, shared_smem, rebuild_bufs, barriers, group_barrier, rows_barrier = buffers(b)
         tile_buf, u_smem, g_smem, o_smem, qk_smem, v_smem, stage_keys, x_smem, side_smem = stages[stage]
         k_smem = group_keys[0] if grouped or xla_side and group_keys else stage_keys[0] if stage_keys else None
-        t_smem, operands = split_tile_buffer(tile_buf, rebuild)
+        t_smem, operands = split_tile_buffer(tile_buf, rebuild, own_operands)
+        operands = rebuild_bufs if own_operands else operands
         rows = pl.ds(tile * BLOCK_V, BLOCK_V)
         mode = mode_ref[b]
         cache_len = u_smem.shape[0]
@@ -522,11 +545,11 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a
                              group_size=group_size)
 
     serve_tiles(batch, num_heads, tiles, num_programs, issue, compute, group_size=group_size, chunk=chunk,
-                issue_group=issue_group if grouped else None)
+                issue_group=issue_group if grouped else None, warpgroups=warpgroups)
 
 
 def _scratch(head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, v_dtype, swizzle, rebuild, stages,
-             readout="fma", grouped=False, xla_side=False) -> list:
+             readout="fma", grouped=False, xla_side=False, own_operands=False) -> list:
     """`[stages, group keys, shared, rebuild buffers, barriers, group barrier, rows
     barrier]`: `stages` sets of the replay buffers (the key records among them `[k]` unless
     `grouped`, else `[]`), the token's (`copy_token`) and, for the "mma" readout, `[x]` the
@@ -537,22 +560,25 @@ def _scratch(head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, v_dtype,
     untiled record copies, one barrier per stage and one for the record copies.
     Tensor-core rebuilds keep their `wgmma` operands (K-major: `U^T diag(W)` `[BV, L]` and
     `K^T` `[d_k, L]`, hi and lo parts for "3xtf32") in a union with each stage's
-    checkpoint-tile buffer instead. With the key side from XLA (`xla_side`), each stage
+    checkpoint-tile buffer instead, or, with `own_operands` (several warpgroups, which cannot
+    share a union), in the rebuild buffers' place. With the key side from XLA (`xla_side`), each stage
     takes `[side]` (`[3, L]` fp32, `key_side_values`) in place of the key records, which a
     tensor-core rebuild copies into one buffer per CTA (the group keys') when it flushes."""
     def stage():
         tile, u, keys, g, y = replay_scratch(BLOCK_V, head_k_dim, cache_len, state_dtype, cache_dtype, (BLOCK_V,),
                                              v_dtype, swizzle)
-        tile = tile_with_operands(tile, BLOCK_V, head_k_dim, cache_len, rebuild)
+        tile = tile if own_operands else tile_with_operands(tile, BLOCK_V, head_k_dim, cache_len, rebuild)
         vectors = ([plgpu.SMEM((vector_rows(DECODE_VECTORS), head_k_dim), qk_dtype, transforms=tiled(128, qk_dtype))]
                    if readout == "mma" else [])
         side = [plgpu.SMEM((3, cache_len), F32)] if xla_side else []
         return [tile, u, g, y, plgpu.SMEM((4, head_k_dim), qk_dtype), plgpu.SMEM((BLOCK_V,), v_dtype),
                 [] if grouped or xla_side else [keys], vectors, side]
 
-    keys = replay_scratch(BLOCK_V, head_k_dim, cache_len, state_dtype, cache_dtype, (BLOCK_V,), v_dtype, swizzle)[2]
+    tile, _, keys, _, _ = replay_scratch(BLOCK_V, head_k_dim, cache_len, state_dtype, cache_dtype, (BLOCK_V,),
+                                         v_dtype, swizzle)
     per_stage = [stage() for _ in range(stages)]
-    rebuild_bufs = record_copies(BLOCK_V, head_k_dim, cache_len, cache_dtype) if rebuild == "exact" else []
+    rebuild_bufs = (record_copies(BLOCK_V, head_k_dim, cache_len, cache_dtype) if rebuild == "exact"
+                    else rebuild_operands(tile, BLOCK_V, head_k_dim, cache_len, rebuild) if own_operands else [])
     one_keys = grouped or xla_side and rebuild != "exact"  # one buffer per CTA for the key records
     copies = 8 + (not grouped) + (readout == "mma")  # with xla_side: the side in place of the records
     return [per_stage, [keys] if one_keys else [], plgpu.SMEM((3, cache_len), F32), rebuild_bufs,
@@ -564,44 +590,57 @@ def _scratch(head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, v_dtype,
 def persistent_programs(batch: int, num_v_heads: int, head_v_dim: int, head_k_dim: int, cache_len: int,
                         state_dtype, cache_dtype, token_dtype, sm_count: int, *, swizzle: int = 128,
                         rebuild: str = "exact", readout: str = "fma", key_side: str = "kernel", scratch_of=None,
-                        max_ctas: int | None = RESIDENT_CTAS) -> int:
+                        max_ctas: int | None = RESIDENT_CTAS, warpgroups: int = 1) -> int:
     """`MosaicReplayParams.programs` for a device of `sm_count` SMs: as many persistent CTAs
     per SM as the two-stage buffers fit in shared memory, at most `max_ctas` (`token_dtype`:
     q, k and v's; the key records grouped where that fits more, `group_records=None`, unless
-    `key_side="xla"`). `scratch_of`: the kernel's scratch builder, this module's by default
-    (the KDA kernel's takes the same arguments but `readout`, `key_side` and `grouped`)."""
+    `key_side="xla"`), times `warpgroups` (GDN: a CTA of w > 1 warpgroups holds w programs'
+    buffers and, its threads taking up to 65,536 / (128 w) registers each, is the one CTA
+    resident per SM; 0 where its buffers do not fit). `scratch_of`: the kernel's scratch
+    builder, this module's by default (the KDA kernel's takes the same arguments but
+    `readout`, `key_side` and `grouped`)."""
     args = (head_k_dim, cache_len, state_dtype, cache_dtype, token_dtype, token_dtype, swizzle, rebuild, STAGES)
     xla_side = key_side == "xla"
     scratch = (scratch_of(*args) if scratch_of
-               else _scratch(*args, readout, grouped=not xla_side, xla_side=xla_side))
-    return programs_that_fit(smem_bytes(scratch), sm_count, batch * num_v_heads * (head_v_dim // BLOCK_V), max_ctas)
+               else _scratch(*args, readout, grouped=not xla_side, xla_side=xla_side, own_operands=warpgroups > 1))
+    num_tiles = batch * num_v_heads * (head_v_dim // BLOCK_V)
+    if warpgroups == 1:
+        return programs_that_fit(smem_bytes(scratch), sm_count, num_tiles, max_ctas)
+    if smem_bytes(with_program_axis(scratch, warpgroups)) > SMEM_LIMIT or num_tiles < warpgroups:
+        return 0
+    return programs_that_fit(smem_bytes(with_program_axis(scratch, warpgroups)), sm_count, num_tiles // warpgroups,
+                             1) * warpgroups
 
 
 @functools.lru_cache(maxsize=None)
 def _build(batch, num_v_heads, head_v_dim, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y_dtype,
            group_size, use_qk_l2norm, scale, raw_gates, swizzle, rebuild, programs, auto_barriers, readout,
-           group_records, chunk, xla_side, per_tile_addresses, interpret):
+           group_records, chunk, xla_side, per_tile_addresses, warpgroups, interpret):
     tiles = head_v_dim // BLOCK_V
     num_tiles = batch * num_v_heads * tiles
+    warpgroups = min(warpgroups, num_tiles)  # every program serves at least one tile
     scratch_of = functools.partial(_scratch, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y_dtype,
-                                   swizzle, rebuild, STAGES if programs else 1, readout, xla_side=xla_side)
+                                   swizzle, rebuild, STAGES if programs else 1, readout, xla_side=xla_side,
+                                   own_operands=warpgroups > 1)
     grouped = (not xla_side and group_records if group_records is not None
                else not xla_side and bool(programs) and grouped_fits_more(scratch_of))
-    scratch = scratch_of(grouped)
-    check_smem(scratch, f"replay_decode_mgpu at cache_len = {cache_len}, d_k = {head_k_dim}")
-    if per_tile_addresses:
-        scratch = with_unit_axis(scratch)
-    num_programs = min(programs, num_tiles)
+    program_scratch = scratch_of(grouped)
+    own_slices = per_tile_addresses or warpgroups > 1  # buffers indexed by program (and tile)
+    scratch = with_program_axis(program_scratch, warpgroups) if own_slices else program_scratch
+    check_smem(scratch, f"replay_decode_mgpu at cache_len = {cache_len}, d_k = {head_k_dim}"
+               + (f", {warpgroups} warpgroups" if warpgroups > 1 else ""))
+    num_programs = min(programs, num_tiles) // warpgroups * warpgroups
     body = functools.partial(_kernel, group_size=group_size, tiles=tiles, use_qk_l2norm=use_qk_l2norm,
                              scale=scale, raw_gates=raw_gates, rebuild=rebuild, num_programs=num_programs,
                              chunk=chunk, readout=readout, parts=tile_parts(state_dtype), grouped=grouped,
-                             xla_side=xla_side, unit_scratch=scratch if per_tile_addresses else None,
-                             interpret=interpret)
+                             xla_side=xla_side,
+                             program_scratch=program_scratch if own_slices else None,
+                             per_tile=per_tile_addresses, warpgroups=warpgroups, interpret=interpret)
     return plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((batch, num_v_heads, head_v_dim), y_dtype),
         scratch_types=scratch,
-        **tile_grid(batch, num_v_heads, tiles, num_programs),
+        **tile_grid(batch, num_v_heads, tiles, num_programs, warpgroups),
         compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=not auto_barriers),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
         kernel_name="replayssm_replay_decode_mgpu",
@@ -652,7 +691,7 @@ def replay_decode_mgpu(
         num_v_heads // q.shape[1], bool(use_qk_l2norm), float(head_k_dim ** -0.5 if scale is None else scale),
         gate_params is not None, params.swizzle, params.rebuild, params.programs, params.auto_barriers,
         params.readout, params.group_records, params.chunk, params.key_side == "xla", params.per_tile_addresses,
-        bool(interpret),
+        params.warpgroups, bool(interpret),
     )
     k = k.astype(q.dtype)
     vectors = [stage_vectors(jnp.stack([q, k], axis=1))] if params.readout == "mma" else []

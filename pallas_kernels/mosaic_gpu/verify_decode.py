@@ -69,7 +69,7 @@ from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA,
                                                check_smem, copy_record_rows, copy_replay_tile, load_transposed,
                                                record_copies, replay_scratch, row_sum, smem_bytes, tiled)
 from pallas_kernels.mosaic_gpu.pipeline import (STAGES, group_shared, programs_that_fit, serve_tiles, tile_buffers,
-                                                tile_grid, with_unit_axis)
+                                                tile_grid, with_program_axis)
 from pallas_kernels.mosaic_gpu.readout import column, stage_vectors, tile_parts, tile_products, vector_rows
 from pallas_kernels.mosaic_gpu.rebuild import check_rebuild, tile_with_operands
 from pallas_kernels.mosaic_gpu.replay_decode import (MosaicReplayParams, check_fma_readout, check_mma_readout,
@@ -515,11 +515,12 @@ def _build(batch, width, num_v_heads, head_v_dim, head_k_dim, cache_len, state_d
     scratch = _scratch(width, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y_dtype, swizzle,
                        STAGES if programs else 1, readout, rebuild)
     check_smem(scratch, f"verify_decode_mgpu at T = {width}, cache_len = {cache_len}, d_k = {head_k_dim}")
+    program_scratch = scratch
     if per_tile_addresses:
-        scratch = with_unit_axis(scratch)
+        scratch = with_program_axis(scratch)
     body = functools.partial(_kernel, width=width, group_size=group_size, tiles=tiles, num_programs=num_programs,
                              chunk=chunk, readout=readout, parts=tile_parts(state_dtype), rebuild=rebuild,
-                             unit_scratch=scratch if per_tile_addresses else None, interpret=interpret)
+                             unit_scratch=program_scratch if per_tile_addresses else None, interpret=interpret)
     return plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((batch, width, num_v_heads, head_v_dim), y_dtype),

@@ -30,6 +30,7 @@ from replayssm_jax.tokens import Tokens
 
 GATES: tuple[str, ...] = ("gdn", "kda", "mamba2")
 H200_SMS = 132  # the SM count assumed off GPU (interpret mode), where the device reports none
+WARPGROUPS, WARPGROUPS_FROM_BATCH = 3, 256  # GDN decode's programs per CTA at large batches (`warpgroups_for`)
 
 
 def device_sm_count() -> int:
@@ -38,10 +39,11 @@ def device_sm_count() -> int:
 
 
 def fitting_programs(cfg, batch: int, token_dtype, *, rebuild: str = "exact", readout: str = "fma",
-                     key_side: str = "kernel", sm_count: int | None = None) -> int:
-    """Persistent CTAs for a step of `batch` rows: as many per SM as the kernel's two-stage
-    buffers fit in shared memory, on `sm_count` SMs (default: the device's); `readout`:
-    the GDN and Mamba-2 kernels'; `key_side`: the GDN kernel's."""
+                     key_side: str = "kernel", warpgroups: int = 1, sm_count: int | None = None) -> int:
+    """Persistent programs for a step of `batch` rows: as many CTAs per SM as the kernel's
+    two-stage buffers fit in shared memory, on `sm_count` SMs (default: the device's), times
+    their `warpgroups`; `readout`: the GDN and Mamba-2 kernels'; `key_side`, `warpgroups`:
+    the GDN kernel's (0 where w warpgroups' buffers do not fit a CTA)."""
     sms = device_sm_count() if sm_count is None else sm_count
     shape = (batch, cfg.num_v_heads, cfg.head_v_dim, cfg.head_k_dim, cfg.cache_len, cfg.state_dtype,
              cfg.cache_dtype, token_dtype, sms)
@@ -49,7 +51,7 @@ def fitting_programs(cfg, batch: int, token_dtype, *, rebuild: str = "exact", re
         return mamba2_decode.persistent_programs(*shape, rebuild=rebuild, readout=readout)
     if cfg.per_channel_gate:
         return replay_decode_kda.persistent_programs(*shape, rebuild=rebuild)
-    return persistent_programs(*shape, rebuild=rebuild, readout=readout, key_side=key_side)
+    return persistent_programs(*shape, rebuild=rebuild, readout=readout, key_side=key_side, warpgroups=warpgroups)
 
 
 def gpu_rebuild(cfg, token_dtype) -> str:
@@ -73,7 +75,8 @@ def default_params(cfg, batch: int, token_dtype, *, interpret: bool | None = Non
     slower, 342 -> 494), takes its key side from XLA (`key_side="xla"`: 244 -> 221 µs
     at B = 512 and 66 -> 60 at B = 128; with an fp32 state 338 -> 480) and recomputes its
     buffers' addresses per tile (`per_tile_addresses`: 222 -> 207 µs at B = 512; with an
-    fp32 state 341 -> 350)."""
+    fp32 state 341 -> 350), except where it runs three warpgroups per CTA
+    (`warpgroups_for`)."""
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     rebuild = "exact" if interpret else gpu_rebuild(cfg, token_dtype)
@@ -84,9 +87,25 @@ def default_params(cfg, batch: int, token_dtype, *, interpret: bool | None = Non
     tensor_core_readout = two_byte and not cfg.per_channel_gate
     readout = "mma" if tensor_core_readout else "fma"
     key_side = "xla" if tensor_core_readout else "kernel"
-    programs = fitting_programs(cfg, batch, token_dtype, rebuild=rebuild, readout=readout, key_side=key_side)
-    return MosaicReplayParams(programs=programs, auto_barriers=False, rebuild=rebuild, readout=readout,
-                              key_side=key_side, per_tile_addresses=tensor_core_readout)
+    fits = lambda warpgroups: fitting_programs(cfg, batch, token_dtype, rebuild=rebuild, readout=readout,
+                                               key_side=key_side, warpgroups=warpgroups)
+    warpgroups = warpgroups_for(cfg, batch, token_dtype) if fits(WARPGROUPS) else 1
+    return MosaicReplayParams(programs=fits(warpgroups), auto_barriers=False, rebuild=rebuild, readout=readout,
+                              key_side=key_side, per_tile_addresses=tensor_core_readout and warpgroups == 1,
+                              warpgroups=warpgroups)
+
+
+def warpgroups_for(cfg, batch: int, token_dtype) -> int:
+    """GDN decode's programs per CTA: `WARPGROUPS` where measured faster, 1 elsewhere. With
+    three warpgroups ptxas fits a thread in 167 registers (a 128-thread CTA takes ~250, two
+    per SM), so an SM runs three programs: bf16 state and q, k, L = 16 on the H200, B =
+    512: 207.4 -> 191.4 µs per cycle (staggered 218.7 -> 210.3), B = 256: 107.0 -> 102.4,
+    but B = 128: 56.2 -> 58.4 and B = 32: 16.9 -> 22.3 (fewer tiles per program, one CTA
+    per SM to hide them). fp32 tiles do not fit three programs' buffers; rings past 16 are
+    not measured."""
+    two_byte = cfg.state_dtype.itemsize == 2 and jnp.dtype(token_dtype) == jnp.bfloat16
+    measured = cfg.gate == "gdn" and two_byte and cfg.cache_len <= 16
+    return WARPGROUPS if measured and batch >= WARPGROUPS_FROM_BATCH else 1
 
 
 def verify_default_params(cfg, batch: int, width: int, token_dtype, *, interpret: bool | None = None
@@ -99,8 +118,9 @@ def verify_default_params(cfg, batch: int, width: int, token_dtype, *, interpret
     decode kernel's `gpu_rebuild`) and the tile is not an fp32 one on persistent CTAs
     (measured slower there), else exactly; persistent CTAs without Mosaic's barriers
     where two or more fit per SM (the next tile's copies then hide behind another CTA's
-    work), else one CTA per tile (one persistent CTA per SM measured slower at L = 32).
-    KDA and Mamba-2: one CTA per tile on CUDA cores, exact folds (their verify kernels
+    work), else one CTA per tile (one persistent CTA per SM measured slower at L = 32);
+    with a 2-byte state and bf16 q, k, addresses recomputed per tile (`per_tile_addresses`:
+    kernel 527 -> 508 µs at bf16, L = 16, T = 4, B = 512). KDA and Mamba-2: one CTA per tile on CUDA cores, exact folds (their verify kernels
     have no persistent form)."""
     if cfg.gate == "mamba2":
         return MosaicMamba2Params()
@@ -124,7 +144,8 @@ def verify_default_params(cfg, batch: int, width: int, token_dtype, *, interpret
     programs = verify_decode.persistent_programs(batch, width, cfg.num_v_heads, cfg.head_v_dim, cfg.head_k_dim,
                                                  cfg.cache_len, cfg.state_dtype, cfg.cache_dtype, token_dtype,
                                                  device_sm_count(), readout=readout, rebuild=rebuild)
-    return MosaicReplayParams(programs=programs, auto_barriers=False, readout=readout, rebuild=rebuild)
+    return MosaicReplayParams(programs=programs, auto_barriers=False, readout=readout, rebuild=rebuild,
+                              per_tile_addresses=cfg.state_dtype.itemsize == 2 and readout == "mma")
 
 
 def check_config(cfg) -> None:
