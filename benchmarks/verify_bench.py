@@ -118,8 +118,8 @@ def backend_params(backend: str, cfg: R.ReplayConfig, batch: int, width: int):
     """`(backend name, kernel_params)` of a `--backends` entry: a backend name, or for the GDN
     Mosaic verify kernel `mosaic_gpu:` and `+`-separated `MosaicReplayParams` fields
     (`programs=N` or `programs=fit`: as many persistent CTAs as fit on the device,
-    `auto_barriers=false`, `swizzle=64`, `readout=mma`, `rebuild=3xtf32`); a plain name takes the backend's
-    defaults."""
+    `auto_barriers=false`, `swizzle=64`, `readout=mma`, `rebuild=3xtf32`, `key_side=xla`); a plain name takes
+    the backend's defaults."""
     name, _, spec = backend.partition(":")
     if not spec:
         return name, None
@@ -131,7 +131,7 @@ def backend_params(backend: str, cfg: R.ReplayConfig, batch: int, width: int):
         fields["programs"] = verify_decode.persistent_programs(
             batch, width, cfg.num_v_heads, cfg.head_v_dim, cfg.head_k_dim, cfg.cache_len, cfg.state_dtype,
             cfg.cache_dtype, jnp.bfloat16, mosaic_gpu.device_sm_count(), readout=fields.get("readout", "fma"),
-            rebuild=fields.get("rebuild", "exact"))
+            rebuild=fields.get("rebuild", "exact"), key_side=fields.get("key_side", "kernel"))
     return name, MosaicReplayParams(**fields)
 
 

@@ -118,13 +118,18 @@ def _ancestors(parents):
     ("gdn", MosaicReplayParams(readout="mma")), ("gdn", MosaicReplayParams(programs=5, auto_barriers=False,
                                                                            readout="mma")),
     ("gdn", MosaicReplayParams(programs=5, auto_barriers=False, per_tile_addresses=True)),
+    ("gdn", MosaicReplayParams(key_side="xla")),
+    ("gdn", MosaicReplayParams(programs=5, auto_barriers=False, readout="mma", key_side="xla",
+                               per_tile_addresses=True)),
 ])
 def test_verify_matches_the_float64_model(rng, gate, params, state_dtype):
     """GDN also as persistent CTAs without Mosaic's barriers: each CTA serves several tiles
     of different rows and modes from two stages of buffers; and with the tensor-core
     readout, whose `wgmma`s interpret mode replaces by dots of the same bf16 parts (bf16 q
     and k, as it requires); and with every buffer through its unit axis at the tile's
-    opaque zero (`per_tile_addresses`)."""
+    opaque zero (`per_tile_addresses`); and with the window's key sums from XLA
+    (`key_side="xla"`: the stale ring entries' Inf reach those sums, and the kernel must
+    mask them)."""
     kernel = verify_decode_kda_mgpu if gate == "kda" else verify_decode_mgpu
     ckpt, u_c, k_c, g_c, q, k, v, g, beta, parents = _inputs(rng, state_dtype, state_dtype, gate == "kda")
     qk_dtype = jnp.bfloat16 if params.readout == "mma" else jnp.float32
@@ -213,13 +218,34 @@ def test_tensor_core_fold_lowers_for_an_abstract_h200(state_dtype, cache_len, re
 
 
 def test_verify_kernels_take_only_their_options():
-    """The GDN verify kernel takes per-tile addresses; the one-CTA-per-tile verify kernels
-    (KDA, Mamba-2) and every verify kernel refuse the decode kernel's key side."""
-    check_params(MosaicReplayParams(programs=4, per_tile_addresses=True), "gdn", pipelined=True)
+    """The GDN verify kernel takes per-tile addresses and the key side from XLA; the
+    one-CTA-per-tile verify kernels (KDA, Mamba-2) refuse both, and every verify kernel the
+    decode kernel's warpgroups."""
+    check_params(MosaicReplayParams(programs=4, per_tile_addresses=True, key_side="xla"), "gdn", pipelined=True)
     with pytest.raises(ValueError, match="per_tile_addresses must be False"):
         check_params(MosaicReplayParams(per_tile_addresses=True), "kda")
     with pytest.raises(ValueError, match="key_side must be 'kernel'"):
-        check_params(MosaicReplayParams(key_side="xla"), "gdn", pipelined=True)
+        check_params(MosaicReplayParams(key_side="xla"), "kda")
+    with pytest.raises(ValueError, match="warpgroups must be 1"):
+        check_params(MosaicReplayParams(programs=6, auto_barriers=False, warpgroups=3), "gdn", pipelined=True)
+
+
+@pytest.mark.parametrize("state_dtype,cache_len,rebuild,readout", [
+    (jnp.float32, 32, "exact", "mma"), (jnp.float32, 16, "exact", "fma"), (jnp.bfloat16, 16, "3xtf32", "mma"),
+    (jnp.float32, 32, "3xtf32", "mma")])
+def test_xla_key_side_lowers_for_an_abstract_h200(state_dtype, cache_len, rebuild, readout):
+    """The window's key sums from XLA, persistent at the CTAs that fit: the stage copies the
+    sums `[2T, L]` in place of the key records, so at fp32, L = 32 two CTAs fit per SM
+    (one with the key records); a tensor-core fold copies the records into the CTA's
+    buffer."""
+    fits = lambda side: persistent_programs(512, 4, 32, 128, 128, cache_len, state_dtype, state_dtype, jnp.bfloat16,
+                                            132, readout=readout, rebuild=rebuild, key_side=side)
+    assert fits("xla") >= fits("kernel")
+    if (state_dtype, cache_len, rebuild) == (jnp.float32, 32, "exact"):
+        assert (fits("kernel"), fits("xla")) == (132, 264)
+    params = MosaicReplayParams(programs=fits("xla"), auto_barriers=False, readout=readout, rebuild=rebuild,
+                                key_side="xla", per_tile_addresses=state_dtype == jnp.bfloat16)
+    assert "mosaic_gpu" in _lower_for_h200("gdn", state_dtype, cache_len, 4, params=params)
 
 
 def test_tensor_core_fold_needs_a_gpu():

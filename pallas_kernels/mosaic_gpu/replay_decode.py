@@ -139,7 +139,9 @@ class MosaicReplayParams:
         across the warpgroup's warps; "xla" before the launch (`key_side_values`, `[B, H_k,
         3, L]` fp32, copied with each tile), so no tile sums across warps and a tile copies
         the key records only to flush (the tensor-core rebuilds' operand; the exact rebuild
-        reads its untiled copies). Its records are never grouped.
+        reads its untiled copies). Its records are never grouped. The GDN verify kernel takes
+        it too: the window's `K k_i`, `K q_i` from XLA (`verify_decode.window_key_values`)
+        in place of its key records and group sums.
       per_tile_addresses: False (default) lets the compiler compute the shared buffers'
         addresses and `wgmma` descriptors once and hold them in registers across a
         persistent CTA's loop; True indexes every buffer by a zero it cannot prove
@@ -193,15 +195,15 @@ class MosaicReplayParams:
                              "be False")
 
 
-def check_own_layout(params, kernel: str, *, per_tile_addresses: bool = False) -> None:
+def check_own_layout(params, kernel: str, *, per_tile_addresses: bool = False, key_side: bool = False) -> None:
     """Raise ValueError if `params` sets `group_records`, an option of the GDN and Mamba-2
     decode kernels that a kernel with its own record layout (KDA decode, verify) ignores,
-    or `key_side` or `warpgroups`, the GDN decode kernel's, or `per_tile_addresses` unless
-    the kernel takes it (`per_tile_addresses`: the GDN verify kernel)."""
+    or `warpgroups`, the GDN decode kernel's, or `per_tile_addresses` or `key_side` unless
+    the kernel takes it (the GDN verify kernel takes both)."""
     if getattr(params, "group_records", None) is not None:
         raise ValueError(f"{kernel} lays out its records itself: group_records must be None, got "
                          f"{params.group_records!r}")
-    if getattr(params, "key_side", "kernel") != "kernel":
+    if getattr(params, "key_side", "kernel") != "kernel" and not key_side:
         raise ValueError(f"{kernel} computes its key side itself: key_side must be 'kernel', got {params.key_side!r}")
     if getattr(params, "warpgroups", 1) != 1:
         raise ValueError(f"{kernel} runs one program per CTA: warpgroups must be 1, got {params.warpgroups}")

@@ -19,7 +19,10 @@ ancestors and i, and q_i, k_i after the L2 norm and the scale:
 
 The scalars of these sums (the `T x T` products, decays and norms: `window_coefficients`,
 a few small XLA ops on `[B, T, H, d_k]` inputs) arrive packed per (row, value head); the
-kernel applies them to vectors. `S x` is read out as in `replay_decode` without forming S:
+kernel applies them to vectors. The key sums `K k_i`, `K q_i` over the ring are computed
+once per key-head group on a fresh tile (`window_keys`) or, with `MosaicReplayParams.key_side
+= "xla"`, before the launch (`window_key_values`, `[B, H_k, 2T, L]`, copied with each tile in
+place of the key records, which only a tensor-core fold then fetches). `S x` is read out as in `replay_decode` without forming S:
 `e^G S_c x + U^T (W * (K x))` over the row's `pos` valid cache entries (WGMMA-layout row and
 column reductions, records loaded transposed from swizzled buffers; entries at and past
 `pos` are masked with selects before any product). The checkpoint tile and the records are
@@ -195,6 +198,20 @@ def load_window_keys(shared_smem):
     return lambda row: plgpu.load(shared_smem.at[row], layout=COL, optimized=False)
 
 
+def window_key_values(q: Float[Array, "B T Hk Dk"], k: Float[Array, "B T Hk Dk"], k_cache: Float[Array, "N Hk L Dk"],
+                      slot: Int[Array, " B"], length: Int[Array, " B"]) -> Float[Array, "B Hk 2T L"]:
+    """`window_keys`' sums of every row and key head, in XLA, in its row order: `K k_i`
+    (row 2i) and `K q_i` (row 2i + 1) over each slot's whole ring, of the raw window vectors
+    (zeros at and past a row's length; stale entries included: the kernel masks them; a
+    padding row reads slot 0's), fp32 products at `Precision.HIGHEST`."""
+    batch, width = q.shape[:2]
+    x = jnp.stack([k, q], axis=2).reshape(batch, 2 * width, *q.shape[2:])  # [B, 2T, Hk, Dk]
+    in_window = jnp.repeat(jnp.arange(width)[None, :] < length[:, None], 2, axis=1)
+    x = jnp.where(in_window[:, :, None, None], x.astype(F32), 0.0)
+    keys = k_cache[jnp.maximum(slot, 0)].astype(F32)  # [B, Hk, L, Dk]
+    return jnp.einsum("bhlc,bxhc->bhxl", keys, x, precision=lax.Precision.HIGHEST, preferred_element_type=F32)
+
+
 def store_zeros(o_smem, y_ref, b, h, rows, width):
     """A padding row's outputs: zeros for every window position."""
     for i in range(width):
@@ -281,13 +298,17 @@ def window_coefficients(
 
 
 def _scratch(width, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y_dtype, swizzle, stages,
-             readout="fma", rebuild="exact") -> list:
-    """`[stages, shared, barriers, rows barrier]`: `stages` sets of a tile's replay buffers
-    (y `[T, BV]`), its window coefficients, the window's vectors for ROW loads (q and k
-    `[T, d_k]`: `window_keys`; v `[T, BV]`) and the readout's (`readout_scratch`), the
-    key-head group's `K k_i`, `K q_i` (`store_window_keys`, `[2T, L]` fp32), a barrier per
-    stage (`stage_copies`) and, for the exact rebuild, one for the fold's record copies
-    (else `[]`). What a fold needs besides the replay buffers shares the stage's
+             readout="fma", rebuild="exact", xla_side=False) -> list:
+    """`[stages, shared, fold keys, barriers, rows barrier, fold keys barrier]`: `stages` sets
+    of a tile's replay buffers (y `[T, BV]`), its window coefficients, the window's vectors
+    for ROW loads (`[q, k]` `[T, d_k]` for `window_keys`; `[]` with the key side from XLA;
+    v `[T, BV]`) and the readout's (`readout_scratch`); `[shared]` the key-head group's
+    `K k_i`, `K q_i` (`store_window_keys`, `[2T, L]` fp32); a barrier per stage
+    (`stage_copies`) and, for the exact rebuild, one for the fold's record copies (else
+    `[]`). With the key side from XLA (`xla_side`) each stage takes those sums `[2T, L]`
+    in place of the key records and `shared` is `[]`; a tensor-core fold then copies the
+    key records into `[fold keys]` `[L, d_k]` (one per CTA) with its own barrier (else
+    `[]`, `[]`). What a fold needs besides the replay buffers shares the stage's
     checkpoint-tile buffer (a `plgpu.RefUnion`), since a fold is done with it before it
     stores the folded tile there: the exact rebuild's untiled record copies (fetched once
     `S_c` is in registers) or a tensor-core rebuild's operands (`tile_with_operands`); two
@@ -297,14 +318,20 @@ def _scratch(width, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y
                               y_dtype, swizzle)
         bufs[0] = (plgpu.RefUnion(bufs[0], record_copies(BLOCK_ROWS, head_k_dim, cache_len, cache_dtype))
                    if rebuild == "exact" else tile_with_operands(bufs[0], BLOCK_ROWS, head_k_dim, cache_len, rebuild))
-        return (bufs + [plgpu.SMEM(coefficient_shape(width), F32)]
-                + [plgpu.SMEM((width, head_k_dim), qk_dtype) for _ in range(2)]
+        if xla_side:
+            bufs[2] = plgpu.SMEM((2 * width, cache_len), F32)
+        qk_rows = [] if xla_side else [plgpu.SMEM((width, head_k_dim), qk_dtype) for _ in range(2)]
+        return (bufs + [plgpu.SMEM(coefficient_shape(width), F32), qk_rows]
                 + [plgpu.SMEM((width, BLOCK_ROWS), y_dtype)] + readout_scratch(width, head_k_dim, qk_dtype, readout))
 
-    copies = stage_copies(readout)
-    return [[stage() for _ in range(stages)], plgpu.SMEM((2 * width, cache_len), F32),
-            plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
-            [plgpu.Barrier(num_arrivals=2)] if rebuild == "exact" else []]
+    keys = replay_scratch(BLOCK_ROWS, head_k_dim, cache_len, state_dtype, cache_dtype, (width, BLOCK_ROWS), y_dtype,
+                          swizzle)[2]
+    fold_keys = xla_side and rebuild != "exact"
+    return [[stage() for _ in range(stages)], [] if xla_side else [plgpu.SMEM((2 * width, cache_len), F32)],
+            [keys] if fold_keys else [],
+            plgpu.Barrier(num_arrivals=stage_copies(readout, xla_side), num_barriers=stages),
+            [plgpu.Barrier(num_arrivals=2)] if rebuild == "exact" else [],
+            [plgpu.Barrier(num_arrivals=1)] if fold_keys else []]
 
 
 def readout_scratch(width: int, head_k_dim: int, qk_dtype, readout: str) -> list:
@@ -316,47 +343,54 @@ def readout_scratch(width: int, head_k_dim: int, qk_dtype, readout: str) -> list
     return [plgpu.SMEM((width, head_k_dim), qk_dtype) for _ in range(2)]
 
 
-def stage_copies(readout: str) -> int:
-    """TMA copies per tile: its four replay buffers, the coefficients, q, k and v, and the
-    readout's (`readout_scratch`)."""
-    return 8 + (1 if readout == "mma" else 2)
+def stage_copies(readout: str, xla_side: bool = False) -> int:
+    """TMA copies per tile: its four replay buffers (the key records or, `xla_side`, the key
+    sums), the coefficients, q and k (not with `xla_side`), v, and the readout's
+    (`readout_scratch`)."""
+    return (6 if xla_side else 8) + (1 if readout == "mma" else 2)
 
 
 def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_ref, *refs,
-            width, group_size, tiles, num_programs, chunk, readout, parts, rebuild, unit_scratch, interpret):
-    # Inputs, the window's raw vectors first with the "mma" readout; outputs; scratch.
+            width, group_size, tiles, num_programs, chunk, readout, parts, rebuild, xla_side, unit_scratch, interpret):
+    # Inputs, the window's raw vectors first with the "mma" readout and the key sums from
+    # XLA; outputs; scratch.
     xw_ref, *refs = refs if readout == "mma" else (None, *refs)
-    ckpt_ref, ucache_ref, kcache_ref, gcache_ref, y_ref, all_stages, all_shared, barriers, rows_barrier = refs
+    side_ref, *refs = refs if xla_side else (None, *refs)
+    (ckpt_ref, ucache_ref, kcache_ref, gcache_ref, y_ref, all_stages, all_shared, all_fold_keys, barriers, rows_barrier,
+     fold_barrier) = refs
     rows_barrier = rows_barrier[0] if rows_barrier else None
     batch, num_v_heads = y_ref.shape[0], y_ref.shape[2]
 
-    buffers = lambda b: tile_buffers([all_stages, all_shared], unit_scratch, b, batch)  # `(stages, shared)`
+    # `(stages, shared, fold keys)`
+    buffers = lambda b: tile_buffers([all_stages, all_shared, all_fold_keys], unit_scratch, b, batch)
 
     def issue(b, h, tile, stage):
         """Start the tile's copies into `stages[stage]` (none for padding rows)."""
-        stages, _ = buffers(b)
-        tile_buf, u_smem, k_smem, g_smem, _, c_smem, *window_smem = stages[stage]
+        stages, _, _ = buffers(b)
+        tile_buf, u_smem, k_smem, g_smem, _, c_smem, qk_rows, *window_smem = stages[stage]
         t_smem, _ = tuple(tile_buf)
         barrier, slot, hk, rows = barriers.at[stage], slot_ref[b], h // group_size, pl.ds(tile * BLOCK_ROWS, BLOCK_ROWS)
 
         @pl.when(mode_ref[b] != MODE_PAD)
         def _copies():
             copy_replay_tile((ckpt_ref, ucache_ref, kcache_ref, gcache_ref), (t_smem, u_smem, k_smem, g_smem),
-                             slot, h, hk, rows, barrier)
+                             slot, h, hk, rows, barrier, keys=side_ref.at[b, hk] if xla_side else None)
             plgpu.copy_gmem_to_smem(coef_ref.at[b, h], c_smem, barrier)
             # The window's vectors: per-position loads then hit shared memory instead of
             # waiting on global memory one position after another.
             readout_sources = (xw_ref.at[b, hk],) if readout == "mma" else (q_ref.at[b, :, hk], k_ref.at[b, :, hk])
-            sources = (q_ref.at[b, :, hk], k_ref.at[b, :, hk], v_ref.at[b, :, h, rows]) + readout_sources
-            for src, dst in zip(sources, window_smem):
+            qk_sources = () if xla_side else (q_ref.at[b, :, hk], k_ref.at[b, :, hk])
+            sources = qk_sources + (v_ref.at[b, :, h, rows],) + readout_sources
+            for src, dst in zip(sources, [*qk_rows, *window_smem]):
                 plgpu.copy_gmem_to_smem(src, dst, barrier)
 
     def compute(b, h, tile, stage, fresh):
-        stages, shared_smem = buffers(b)
-        _tile(b, h, tile, stages[stage], shared_smem, barriers.at[stage], fresh)
+        stages, shared_smem, fold_keys = buffers(b)
+        _tile(b, h, tile, stages[stage], shared_smem, fold_keys, barriers.at[stage], fresh)
 
-    def _tile(b, h, tile, bufs, shared_smem, barrier, fresh):
-        tile_buf, u_smem, k_smem, g_smem, o_smem, c_smem, q_rows, k_rows_w, v_rows, *readout_bufs = bufs
+    def _tile(b, h, tile, bufs, shared_smem, fold_keys, barrier, fresh):
+        # k_smem: the key records, or with the key side from XLA the window's key sums.
+        tile_buf, u_smem, k_smem, g_smem, o_smem, c_smem, qk_rows, v_rows, *readout_bufs = bufs
         t_smem, fold_bufs = tuple(tile_buf)  # the fold's record copies or operands alias the tile
         hk = h // group_size
         rows = pl.ds(tile * BLOCK_ROWS, BLOCK_ROWS)
@@ -372,9 +406,13 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
             slot, pos, length = slot_ref[b], pos_ref[b], length_ref[b]
             fold = mode == MODE_FLUSH
             plgpu.barrier_wait(barrier)
-            key_sum = group_shared(fresh, functools.partial(window_keys, k_smem, k_rows_w, q_rows, width, length),
-                                    functools.partial(store_window_keys, shared_smem),
-                                    functools.partial(load_window_keys, shared_smem))
+            if xla_side:
+                key_sum = load_window_keys(k_smem)
+            else:
+                q_rows, k_rows_w = qk_rows
+                key_sum = group_shared(fresh, functools.partial(window_keys, k_smem, k_rows_w, q_rows, width, length),
+                                        functools.partial(store_window_keys, shared_smem[0]),
+                                        functools.partial(load_window_keys, shared_smem[0]))
             weights, decay_total = decay_weights(g_smem, pos, cache_len)
             s_c = plgpu.load(t_smem, layout=WGMMA).astype(F32)  # [BV, Dk]
             j_tile = plgpu.broadcasted_iota(jnp.int32, (BLOCK_ROWS, cache_len), 1, layout=WGMMA)
@@ -398,7 +436,12 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
             else:
                 def tensor_core_fold():
                     u_all = jnp.where(j_tile < pos, load_transposed(u_smem), 0.0)  # [BV, L], stale entries 0
-                    return rebuild_tensor_cores(s_c, decay_total, u_all, weights, k_smem, pos, fold_bufs)
+                    keys = k_smem
+                    if xla_side:  # the key records, which only a fold reads, into the CTA's buffer
+                        keys = fold_keys[0]
+                        plgpu.copy_gmem_to_smem(kcache_ref.at[slot, hk], keys, fold_barrier[0])
+                        plgpu.barrier_wait(fold_barrier[0])
+                    return rebuild_tensor_cores(s_c, decay_total, u_all, weights, keys, pos, fold_bufs)
 
                 # A branch, not a select: the other rows skip the products.
                 rebuilt = lax.cond(fold, tensor_core_fold, lambda: s_c)
@@ -471,11 +514,11 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
 
 def check_params(params, kernel: str, *, pipelined: bool = False) -> None:
     """Raise ValueError on the decode kernels' options a verify kernel does not take: unless
-    `pipelined` (the GDN kernel, which takes them all), it rebuilds folds in exact fp32,
+    `pipelined` (the GDN kernel, which takes them all but `warpgroups`), it rebuilds folds in exact fp32,
     runs one CTA per tile, keeps Mosaic's barriers and reads out on CUDA cores; its records'
     layout is its own (`group_records` None). `params`: a `MosaicReplayParams` or a
     `MosaicMamba2Params`."""
-    check_own_layout(params, kernel, per_tile_addresses=pipelined)
+    check_own_layout(params, kernel, per_tile_addresses=pipelined, key_side=pipelined)
     if pipelined:
         return
     if getattr(params, "rebuild", "exact") != "exact":
@@ -490,36 +533,40 @@ def check_params(params, kernel: str, *, pipelined: bool = False) -> None:
 
 
 def persistent_smem_bytes(width: int, head_k_dim: int, cache_len: int, state_dtype, cache_dtype, token_dtype, *,
-                          swizzle: int = 128, readout: str = "fma", rebuild: str = "exact") -> int:
+                          swizzle: int = 128, readout: str = "fma", rebuild: str = "exact",
+                          key_side: str = "kernel") -> int:
     """Shared memory of one persistent verify CTA (two stages; `token_dtype`: q, k, v and y's)."""
     return smem_bytes(_scratch(width, head_k_dim, cache_len, state_dtype, cache_dtype, token_dtype, token_dtype,
-                               swizzle, STAGES, readout, rebuild))
+                               swizzle, STAGES, readout, rebuild, key_side == "xla"))
 
 
 def persistent_programs(batch: int, width: int, num_v_heads: int, head_v_dim: int, head_k_dim: int,
                         cache_len: int, state_dtype, cache_dtype, token_dtype, sm_count: int, *,
-                        swizzle: int = 128, readout: str = "fma", rebuild: str = "exact") -> int:
+                        swizzle: int = 128, readout: str = "fma", rebuild: str = "exact",
+                        key_side: str = "kernel") -> int:
     """`MosaicReplayParams.programs` for the verify kernel on a device of `sm_count` SMs: as
     many persistent CTAs per SM as its two stages fit in shared memory, at most
     `RESIDENT_CTAS` (`token_dtype`: q, k, v and y's)."""
     cta_bytes = persistent_smem_bytes(width, head_k_dim, cache_len, state_dtype, cache_dtype, token_dtype,
-                                      swizzle=swizzle, readout=readout, rebuild=rebuild)
+                                      swizzle=swizzle, readout=readout, rebuild=rebuild, key_side=key_side)
     return programs_that_fit(cta_bytes, sm_count, batch * num_v_heads * (head_v_dim // BLOCK_ROWS), RESIDENT_CTAS)
 
 
 @functools.lru_cache(maxsize=None)
 def _build(batch, width, num_v_heads, head_v_dim, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y_dtype,
-           group_size, swizzle, programs, auto_barriers, readout, rebuild, chunk, per_tile_addresses, interpret):
+           group_size, swizzle, programs, auto_barriers, readout, rebuild, chunk, per_tile_addresses, xla_side,
+           interpret):
     tiles = head_v_dim // BLOCK_ROWS
     num_programs = min(programs, batch * num_v_heads * tiles)
     scratch = _scratch(width, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y_dtype, swizzle,
-                       STAGES if programs else 1, readout, rebuild)
+                       STAGES if programs else 1, readout, rebuild, xla_side)
     check_smem(scratch, f"verify_decode_mgpu at T = {width}, cache_len = {cache_len}, d_k = {head_k_dim}")
     program_scratch = scratch
     if per_tile_addresses:
         scratch = with_program_axis(scratch)
     body = functools.partial(_kernel, width=width, group_size=group_size, tiles=tiles, num_programs=num_programs,
                              chunk=chunk, readout=readout, parts=tile_parts(state_dtype), rebuild=rebuild,
+                             xla_side=xla_side,
                              unit_scratch=program_scratch if per_tile_addresses else None, interpret=interpret)
     return plgpu.kernel(
         body,
@@ -599,9 +646,11 @@ def verify_decode_mgpu(
     kernel = _build(batch, width, num_v_heads, head_v_dim, head_k_dim, cache_len, checkpoint.dtype, u_cache.dtype,
                     q.dtype, v.dtype, num_v_heads // q.shape[2], params.swizzle, params.programs,
                     params.auto_barriers, params.readout, params.rebuild, params.chunk, params.per_tile_addresses,
-                    bool(interpret))
+                    params.key_side == "xla", bool(interpret))
     refs = [jax.new_ref(x) for x in (checkpoint, u_cache, k_cache, g_cache)]
     i32 = lambda x: x.astype(jnp.int32)
     vectors = [window_vectors(q, k, length)] if params.readout == "mma" else []
+    if params.key_side == "xla":
+        vectors.append(window_key_values(q, k, k_cache, slot, length))
     y = kernel(i32(slot), i32(pos), i32(mode), length, q, k, v, coef, *vectors, *refs)
     return (y, *(jax.freeze(r) for r in refs))
