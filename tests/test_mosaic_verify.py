@@ -313,8 +313,8 @@ def test_persistent_verify_fits_shared_memory():
 
 def test_backend_verify_defaults():
     """GDN verifies with the tensor-core readout where q and k are bf16 (measured faster at
-    fp32 and bf16 states), on persistent CTAs where two fit per SM (fp32 L = 16, T = 4),
-    one CTA per tile where one would (fp32 L = 32: measured faster), folds rebuilt exactly
+    fp32 and bf16 states), on persistent CTAs where two fit per SM (fp32 L = 16, T = 4; at
+    L = 32 with the window's key sums from XLA, which make the room), folds rebuilt exactly
     off GPU, per-tile addresses with a bf16 state (measured faster); KDA and Mamba-2 one
     CTA per tile on CUDA cores."""
     from replayssm_jax import ReplayConfig
@@ -323,13 +323,17 @@ def test_backend_verify_defaults():
     gdn = lambda L: ReplayConfig(16, 32, 128, 128, L)
     assert mosaic_gpu.verify_default_params(gdn(16), 512, 4, jnp.bfloat16) == MosaicReplayParams(
         programs=264, auto_barriers=False, readout="mma")
-    assert mosaic_gpu.verify_default_params(gdn(32), 512, 4, jnp.bfloat16) == MosaicReplayParams(readout="mma")
+    # fp32 L = 32: two persistent CTAs fit per SM only with the key sums from XLA.
+    assert mosaic_gpu.verify_default_params(gdn(32), 512, 4, jnp.bfloat16) == MosaicReplayParams(
+        programs=264, auto_barriers=False, readout="mma", key_side="xla")
     assert mosaic_gpu.verify_default_params(gdn(16), 512, 4, jnp.float32).readout == "fma"  # mma needs bf16 q, k
     # On a GPU folds rebuild by 3xTF32 where its operands cost no CTAs per SM (all these),
     # but for an fp32 tile on persistent CTAs (measured slower there).
     on_gpu = lambda cfg: mosaic_gpu.verify_default_params(cfg, 512, 4, jnp.bfloat16, interpret=False)
     assert on_gpu(gdn(16)) == MosaicReplayParams(programs=264, auto_barriers=False, readout="mma")
-    assert on_gpu(gdn(32)) == MosaicReplayParams(readout="mma", rebuild="3xtf32")
+    assert on_gpu(gdn(32)) == MosaicReplayParams(programs=264, auto_barriers=False, readout="mma", key_side="xla")
+    assert on_gpu(ReplayConfig(16, 32, 128, 128, 32, state_dtype=jnp.bfloat16,
+                               cache_dtype=jnp.bfloat16)).key_side == "kernel"  # two fit without it
     bf16 = on_gpu(ReplayConfig(16, 32, 128, 128, 16, state_dtype=jnp.bfloat16, cache_dtype=jnp.bfloat16))
     assert (bf16.rebuild, bf16.per_tile_addresses, bf16.programs) == ("3xtf32", True, 264)
     assert mosaic_gpu.verify_default_params(ReplayConfig(32, 32, 128, 128, 16, gate="kda"), 512, 4,

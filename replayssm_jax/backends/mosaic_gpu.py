@@ -120,8 +120,12 @@ def verify_default_params(cfg, batch: int, width: int, token_dtype, *, interpret
     where two or more fit per SM (the next tile's copies then hide behind another CTA's
     work), else one CTA per tile (one persistent CTA per SM measured slower at L = 32);
     with a 2-byte state and bf16 q, k, addresses recomputed per tile (`per_tile_addresses`:
-    kernel 527 -> 508 µs at bf16, L = 16, T = 4, B = 512). KDA and Mamba-2: one CTA per tile on CUDA cores, exact folds (their verify kernels
-    have no persistent form)."""
+    kernel 527 -> 508 µs at bf16, L = 16, T = 4, B = 512); the window's key sums from XLA
+    (`key_side="xla"`) where only they make room for two persistent CTAs per SM (fp32, L =
+    32: non-flush 1341 -> 968 µs, 1.60x -> 2.09x conventional at 75%; where the kernel's
+    own fit two, XLA's sums cost more than they save: fp32 L = 16 802 -> 821 µs, bf16 596
+    -> 637). KDA and Mamba-2: one CTA per tile on CUDA cores, exact folds (their verify
+    kernels have no persistent form)."""
     if cfg.gate == "mamba2":
         return MosaicMamba2Params()
     if cfg.per_channel_gate:
@@ -130,8 +134,11 @@ def verify_default_params(cfg, batch: int, width: int, token_dtype, *, interpret
         interpret = jax.default_backend() != "gpu"
     readout = "mma" if jnp.dtype(token_dtype) == jnp.bfloat16 else "fma"
     shape = (width, cfg.head_k_dim, cfg.cache_len, cfg.state_dtype, cfg.cache_dtype, token_dtype)
-    cta_bytes = lambda rebuild: verify_decode.persistent_smem_bytes(*shape, readout=readout, rebuild=rebuild)
-    fits = lambda rebuild: ctas_per_sm(cta_bytes(rebuild), verify_decode.RESIDENT_CTAS)
+    cta_bytes = lambda rebuild, side: verify_decode.persistent_smem_bytes(*shape, readout=readout, rebuild=rebuild,
+                                                                          key_side=side)
+    key_side = "xla" if ctas_per_sm(cta_bytes("exact", "kernel")) < 2 <= ctas_per_sm(cta_bytes("exact", "xla")) \
+        else "kernel"
+    fits = lambda rebuild: ctas_per_sm(cta_bytes(rebuild, key_side), verify_decode.RESIDENT_CTAS)
     persistent = fits("exact") >= 2
     # Measured (T = 4, B = 512): "3xtf32" cut the flush step 2052 -> 1539 µs at fp32, L = 32
     # (one CTA per tile) and 1313 -> 860 with a bf16 state (persistent), but on persistent
@@ -143,8 +150,10 @@ def verify_default_params(cfg, batch: int, width: int, token_dtype, *, interpret
         return MosaicReplayParams(readout=readout, rebuild=rebuild)
     programs = verify_decode.persistent_programs(batch, width, cfg.num_v_heads, cfg.head_v_dim, cfg.head_k_dim,
                                                  cfg.cache_len, cfg.state_dtype, cfg.cache_dtype, token_dtype,
-                                                 device_sm_count(), readout=readout, rebuild=rebuild)
+                                                 device_sm_count(), readout=readout, rebuild=rebuild,
+                                                 key_side=key_side)
     return MosaicReplayParams(programs=programs, auto_barriers=False, readout=readout, rebuild=rebuild,
+                              key_side=key_side,
                               per_tile_addresses=cfg.state_dtype.itemsize == 2 and readout == "mma")
 
 
