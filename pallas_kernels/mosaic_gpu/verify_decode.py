@@ -22,7 +22,8 @@ a few small XLA ops on `[B, T, H, d_k]` inputs) arrive packed per (row, value he
 kernel applies them to vectors. The key sums `K k_i`, `K q_i` over the ring are computed
 once per key-head group on a fresh tile (`window_keys`) or, with `MosaicReplayParams.key_side
 = "xla"`, before the launch (`window_key_values`, `[B, H_k, 2T, L]`, copied with each tile in
-place of the key records, which only a tensor-core fold then fetches). `S x` is read out as in `replay_decode` without forming S:
+place of the key records, which only a tensor-core fold then fetches). `S x` is read out as
+in `replay_decode` without forming S:
 `e^G S_c x + U^T (W * (K x))` over the row's `pos` valid cache entries (WGMMA-layout row and
 column reductions, records loaded transposed from swizzled buffers; entries at and past
 `pos` are masked with selects before any product). The checkpoint tile and the records are
