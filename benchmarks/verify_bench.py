@@ -131,7 +131,8 @@ def backend_params(backend: str, cfg: R.ReplayConfig, batch: int, width: int):
         fields["programs"] = verify_decode.persistent_programs(
             batch, width, cfg.num_v_heads, cfg.head_v_dim, cfg.head_k_dim, cfg.cache_len, cfg.state_dtype,
             cfg.cache_dtype, jnp.bfloat16, mosaic_gpu.device_sm_count(), readout=fields.get("readout", "fma"),
-            rebuild=fields.get("rebuild", "exact"), key_side=fields.get("key_side", "kernel"))
+            rebuild=fields.get("rebuild", "exact"), key_side=fields.get("key_side", "kernel"),
+            warpgroups=fields.get("warpgroups", 1))
     return name, MosaicReplayParams(**fields)
 
 

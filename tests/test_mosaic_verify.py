@@ -121,6 +121,9 @@ def _ancestors(parents):
     ("gdn", MosaicReplayParams(key_side="xla")),
     ("gdn", MosaicReplayParams(programs=5, auto_barriers=False, readout="mma", key_side="xla",
                                per_tile_addresses=True)),
+    ("gdn", MosaicReplayParams(programs=6, auto_barriers=False, warpgroups=3)),  # 2 CTAs of 3 programs
+    ("gdn", MosaicReplayParams(programs=3, auto_barriers=False, readout="mma", per_tile_addresses=True,
+                               warpgroups=3)),
 ])
 def test_verify_matches_the_float64_model(rng, gate, params, state_dtype):
     """GDN also as persistent CTAs without Mosaic's barriers: each CTA serves several tiles
@@ -129,7 +132,8 @@ def test_verify_matches_the_float64_model(rng, gate, params, state_dtype):
     and k, as it requires); and with every buffer through its unit axis at the tile's
     opaque zero (`per_tile_addresses`); and with the window's key sums from XLA
     (`key_side="xla"`: the stale ring entries' Inf reach those sums, and the kernel must
-    mask them)."""
+    mask them); and as three programs per CTA, one per warpgroup, each on its own slice of
+    the buffers and barriers (`warpgroups=3`)."""
     kernel = verify_decode_kda_mgpu if gate == "kda" else verify_decode_mgpu
     ckpt, u_c, k_c, g_c, q, k, v, g, beta, parents = _inputs(rng, state_dtype, state_dtype, gate == "kda")
     qk_dtype = jnp.bfloat16 if params.readout == "mma" else jnp.float32
@@ -218,16 +222,16 @@ def test_tensor_core_fold_lowers_for_an_abstract_h200(state_dtype, cache_len, re
 
 
 def test_verify_kernels_take_only_their_options():
-    """The GDN verify kernel takes per-tile addresses and the key side from XLA; the
-    one-CTA-per-tile verify kernels (KDA, Mamba-2) refuse both, and every verify kernel the
-    decode kernel's warpgroups."""
+    """The GDN verify kernel takes per-tile addresses, the key side from XLA and several
+    warpgroups per CTA; the one-CTA-per-tile verify kernels (KDA, Mamba-2) refuse them."""
     check_params(MosaicReplayParams(programs=4, per_tile_addresses=True, key_side="xla"), "gdn", pipelined=True)
     with pytest.raises(ValueError, match="per_tile_addresses must be False"):
         check_params(MosaicReplayParams(per_tile_addresses=True), "kda")
     with pytest.raises(ValueError, match="key_side must be 'kernel'"):
         check_params(MosaicReplayParams(key_side="xla"), "kda")
+    check_params(MosaicReplayParams(programs=6, auto_barriers=False, warpgroups=3), "gdn", pipelined=True)
     with pytest.raises(ValueError, match="warpgroups must be 1"):
-        check_params(MosaicReplayParams(programs=6, auto_barriers=False, warpgroups=3), "gdn", pipelined=True)
+        check_params(MosaicReplayParams(programs=6, auto_barriers=False, warpgroups=3), "kda")
 
 
 @pytest.mark.parametrize("state_dtype,cache_len,rebuild,readout", [
@@ -246,6 +250,21 @@ def test_xla_key_side_lowers_for_an_abstract_h200(state_dtype, cache_len, rebuil
     params = MosaicReplayParams(programs=fits("xla"), auto_barriers=False, readout=readout, rebuild=rebuild,
                                 key_side="xla", per_tile_addresses=state_dtype == jnp.bfloat16)
     assert "mosaic_gpu" in _lower_for_h200("gdn", state_dtype, cache_len, 4, params=params)
+
+
+@pytest.mark.parametrize("rebuild,per_tile_addresses", [("3xtf32", True), ("exact", False)])
+def test_three_warpgroups_lower_for_an_abstract_h200(rebuild, per_tile_addresses):
+    """bf16 state, L = 16, T = 4: one CTA of three programs per SM (their buffers fit, the
+    fold's operands or record copies in buffers of their own), as `persistent_programs`
+    counts them; an fp32 tile's three programs do not fit."""
+    programs = persistent_programs(512, 4, 32, 128, 128, 16, jnp.bfloat16, jnp.bfloat16, jnp.bfloat16, 132,
+                                   readout="mma", rebuild=rebuild, warpgroups=3)
+    assert programs == 396
+    assert persistent_programs(512, 4, 32, 128, 128, 16, jnp.float32, jnp.float32, jnp.bfloat16, 132,
+                               readout="mma", rebuild=rebuild, warpgroups=3) == 0
+    params = MosaicReplayParams(programs=programs, auto_barriers=False, readout="mma", rebuild=rebuild,
+                                per_tile_addresses=per_tile_addresses, warpgroups=3)
+    assert "mosaic_gpu" in _lower_for_h200("gdn", jnp.bfloat16, 16, 4, params=params)
 
 
 def test_tensor_core_fold_needs_a_gpu():

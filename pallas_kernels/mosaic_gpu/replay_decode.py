@@ -147,7 +147,7 @@ class MosaicReplayParams:
         persistent CTA's loop; True indexes every buffer by a zero it cannot prove
         (`pipeline.program_view`), so each tile recomputes them: fewer registers per thread
         for more address arithmetic per tile (the GDN decode and verify kernels).
-      warpgroups: persistent programs per CTA (GDN decode; default 1): w > 1 runs w
+      warpgroups: persistent programs per CTA (GDN decode and verify; default 1): w > 1 runs w
         warpgroups side by side, each a program on its own slice of the buffers
         (`pipeline.with_program_axis`), so ptxas must fit a thread in 65,536 / (128 w)
         registers (168 at w = 3: what three resident CTAs need, which a 128-thread CTA
@@ -195,17 +195,18 @@ class MosaicReplayParams:
                              "be False")
 
 
-def check_own_layout(params, kernel: str, *, per_tile_addresses: bool = False, key_side: bool = False) -> None:
+def check_own_layout(params, kernel: str, *, per_tile_addresses: bool = False, key_side: bool = False,
+                     warpgroups: bool = False) -> None:
     """Raise ValueError if `params` sets `group_records`, an option of the GDN and Mamba-2
     decode kernels that a kernel with its own record layout (KDA decode, verify) ignores,
-    or `warpgroups`, the GDN decode kernel's, or `per_tile_addresses` or `key_side` unless
-    the kernel takes it (the GDN verify kernel takes both)."""
+    or `per_tile_addresses`, `key_side` or `warpgroups` unless the kernel takes it (the GDN
+    verify kernel takes all three)."""
     if getattr(params, "group_records", None) is not None:
         raise ValueError(f"{kernel} lays out its records itself: group_records must be None, got "
                          f"{params.group_records!r}")
     if getattr(params, "key_side", "kernel") != "kernel" and not key_side:
         raise ValueError(f"{kernel} computes its key side itself: key_side must be 'kernel', got {params.key_side!r}")
-    if getattr(params, "warpgroups", 1) != 1:
+    if getattr(params, "warpgroups", 1) != 1 and not warpgroups:
         raise ValueError(f"{kernel} runs one program per CTA: warpgroups must be 1, got {params.warpgroups}")
     if getattr(params, "per_tile_addresses", False) and not per_tile_addresses:
         raise ValueError(f"{kernel} holds its buffers' addresses itself: per_tile_addresses must be False")

@@ -2,10 +2,11 @@
 
 Grid `(B, H_v * d_v / BV)`, one warpgroup per CTA, BV = 64: CTA (b, h, t) serves value rows
 `t*BV .. t*BV + BV - 1` of value head h of row b for all T window positions; or, with
-`MosaicReplayParams.programs = n`, n persistent CTAs serve chunks of the tiles dealt round
-robin from two stages of shared buffers, the next tile's copies in flight
+`MosaicReplayParams.programs = n`, n persistent programs serve chunks of the tiles dealt
+round robin from two stages of shared buffers, the next tile's copies in flight
 (`pipeline.serve_tiles`, as the decode kernels; a key head's tiles compute the window's
-`K k_i`, `K q_i` once, `window_keys`). Per row, `[B]`
+`K k_i`, `K q_i` once, `window_keys`), one per CTA or `MosaicReplayParams.warpgroups` per
+CTA. Per row, `[B]`
 arrays give its slot, cursor `pos`, mode and valid window length; `anc [B, T, T]` says which
 window positions precede each position on its branch (a chain or a tree).
 
@@ -69,13 +70,14 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxtyping import Array, Bool, Float, Int
 
 from pallas_kernels.common import L2NORM_EPS, MODE_APPEND, MODE_FLUSH, MODE_PAD
-from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA, bcast_cols, bcast_rows, col_sum,
-                                               check_smem, copy_record_rows, copy_replay_tile, load_transposed,
-                                               record_copies, replay_scratch, row_sum, smem_bytes, tiled)
+from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, SMEM_LIMIT, WGMMA, bcast_cols, bcast_rows,
+                                               check_smem, col_sum, copy_record_rows, copy_replay_tile,
+                                               load_transposed, record_copies, replay_scratch, row_sum, smem_bytes,
+                                               tiled)
 from pallas_kernels.mosaic_gpu.pipeline import (STAGES, group_shared, programs_that_fit, serve_tiles, tile_buffers,
                                                 tile_grid, with_program_axis)
 from pallas_kernels.mosaic_gpu.readout import column, stage_vectors, tile_parts, tile_products, vector_rows
-from pallas_kernels.mosaic_gpu.rebuild import check_rebuild, tile_with_operands
+from pallas_kernels.mosaic_gpu.rebuild import check_rebuild, rebuild_operands
 from pallas_kernels.mosaic_gpu.replay_decode import (MosaicReplayParams, check_fma_readout, check_mma_readout,
                                                      check_own_layout, check_shapes, decay_weights, qk_scales,
                                                      rebuild_exact, rebuild_tensor_cores)
@@ -299,8 +301,8 @@ def window_coefficients(
 
 
 def _scratch(width, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y_dtype, swizzle, stages,
-             readout="fma", rebuild="exact", xla_side=False) -> list:
-    """`[stages, shared, fold keys, barriers, rows barrier, fold keys barrier]`: `stages` sets
+             readout="fma", rebuild="exact", xla_side=False, own_fold_buffers=False) -> list:
+    """`[stages, shared, fold keys, fold buffers, barriers, rows barrier, fold keys barrier]`: `stages` sets
     of a tile's replay buffers (y `[T, BV]`), its window coefficients, the window's vectors
     for ROW loads (`[q, k]` `[T, d_k]` for `window_keys`; `[]` with the key side from XLA;
     v `[T, BV]`) and the readout's (`readout_scratch`); `[shared]` the key-head group's
@@ -312,24 +314,33 @@ def _scratch(width, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y
     `[]`, `[]`). What a fold needs besides the replay buffers shares the stage's
     checkpoint-tile buffer (a `plgpu.RefUnion`), since a fold is done with it before it
     stores the folded tile there: the exact rebuild's untiled record copies (fetched once
-    `S_c` is in registers) or a tensor-core rebuild's operands (`tile_with_operands`); two
+    `S_c` is in registers) or a tensor-core rebuild's operands (`rebuild_operands`), or,
+    with `own_fold_buffers` (several warpgroups, which cannot share a union), those in
+    `fold buffers`, one set per program (else `[]`); two
     stages of fp32 L = 16 buffers fit twice per SM."""
     def stage():
         bufs = replay_scratch(BLOCK_ROWS, head_k_dim, cache_len, state_dtype, cache_dtype, (width, BLOCK_ROWS),
                               y_dtype, swizzle)
-        bufs[0] = (plgpu.RefUnion(bufs[0], record_copies(BLOCK_ROWS, head_k_dim, cache_len, cache_dtype))
-                   if rebuild == "exact" else tile_with_operands(bufs[0], BLOCK_ROWS, head_k_dim, cache_len, rebuild))
+        if not own_fold_buffers:
+            bufs[0] = plgpu.RefUnion(bufs[0], fold_buffers(bufs[0]))
         if xla_side:
             bufs[2] = plgpu.SMEM((2 * width, cache_len), F32)
         qk_rows = [] if xla_side else [plgpu.SMEM((width, head_k_dim), qk_dtype) for _ in range(2)]
         return (bufs + [plgpu.SMEM(coefficient_shape(width), F32), qk_rows]
                 + [plgpu.SMEM((width, BLOCK_ROWS), y_dtype)] + readout_scratch(width, head_k_dim, qk_dtype, readout))
 
-    keys = replay_scratch(BLOCK_ROWS, head_k_dim, cache_len, state_dtype, cache_dtype, (width, BLOCK_ROWS), y_dtype,
-                          swizzle)[2]
+    def fold_buffers(tile):
+        """What a fold needs besides the tile: the exact rebuild's record copies, or a
+        tensor-core rebuild's operands (`rebuild_operands`)."""
+        if rebuild == "exact":
+            return record_copies(BLOCK_ROWS, head_k_dim, cache_len, cache_dtype)
+        return rebuild_operands(tile, BLOCK_ROWS, head_k_dim, cache_len, rebuild)
+
+    tile, _, keys, _, _ = replay_scratch(BLOCK_ROWS, head_k_dim, cache_len, state_dtype, cache_dtype,
+                                         (width, BLOCK_ROWS), y_dtype, swizzle)
     fold_keys = xla_side and rebuild != "exact"
     return [[stage() for _ in range(stages)], [] if xla_side else [plgpu.SMEM((2 * width, cache_len), F32)],
-            [keys] if fold_keys else [],
+            [keys] if fold_keys else [], fold_buffers(tile) if own_fold_buffers else [],
             plgpu.Barrier(num_arrivals=stage_copies(readout, xla_side), num_barriers=stages),
             [plgpu.Barrier(num_arrivals=2)] if rebuild == "exact" else [],
             [plgpu.Barrier(num_arrivals=1)] if fold_keys else []]
@@ -352,24 +363,24 @@ def stage_copies(readout: str, xla_side: bool = False) -> int:
 
 
 def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_ref, *refs,
-            width, group_size, tiles, num_programs, chunk, readout, parts, rebuild, xla_side, unit_scratch, interpret):
+            width, group_size, tiles, num_programs, chunk, readout, parts, rebuild, xla_side, program_scratch, per_tile,
+            warpgroups, interpret):
     # Inputs, the window's raw vectors first with the "mma" readout and the key sums from
     # XLA; outputs; scratch.
     xw_ref, *refs = refs if readout == "mma" else (None, *refs)
     side_ref, *refs = refs if xla_side else (None, *refs)
-    (ckpt_ref, ucache_ref, kcache_ref, gcache_ref, y_ref, all_stages, all_shared, all_fold_keys, barriers, rows_barrier,
-     fold_barrier) = refs
-    rows_barrier = rows_barrier[0] if rows_barrier else None
+    ckpt_ref, ucache_ref, kcache_ref, gcache_ref, y_ref, *all_scratch = refs
     batch, num_v_heads = y_ref.shape[0], y_ref.shape[2]
+    own_fold_buffers = warpgroups > 1  # not in a union with the tile (`_scratch`)
 
-    # `(stages, shared, fold keys)`
-    buffers = lambda b: tile_buffers([all_stages, all_shared, all_fold_keys], unit_scratch, b, batch)
+    # `(stages, shared, fold keys, fold buffers, barriers, rows barrier, fold keys barrier)`
+    buffers = lambda b: tile_buffers(all_scratch, program_scratch, b, batch, per_tile=per_tile, warpgroups=warpgroups)
 
     def issue(b, h, tile, stage):
         """Start the tile's copies into `stages[stage]` (none for padding rows)."""
-        stages, _, _ = buffers(b)
+        stages, _, _, _, barriers, _, _ = buffers(b)
         tile_buf, u_smem, k_smem, g_smem, _, c_smem, qk_rows, *window_smem = stages[stage]
-        t_smem, _ = tuple(tile_buf)
+        t_smem = tile_buf if own_fold_buffers else tuple(tile_buf)[0]
         barrier, slot, hk, rows = barriers.at[stage], slot_ref[b], h // group_size, pl.ds(tile * BLOCK_ROWS, BLOCK_ROWS)
 
         @pl.when(mode_ref[b] != MODE_PAD)
@@ -386,13 +397,15 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
                 plgpu.copy_gmem_to_smem(src, dst, barrier)
 
     def compute(b, h, tile, stage, fresh):
-        stages, shared_smem, fold_keys = buffers(b)
-        _tile(b, h, tile, stages[stage], shared_smem, fold_keys, barriers.at[stage], fresh)
+        stages, shared_smem, fold_keys, own_fold_bufs, barriers, rows_barrier, fold_barrier = buffers(b)
+        _tile(b, h, tile, stages[stage], shared_smem, fold_keys, own_fold_bufs, barriers.at[stage],
+              rows_barrier[0] if rows_barrier else None, fold_barrier, fresh)
 
-    def _tile(b, h, tile, bufs, shared_smem, fold_keys, barrier, fresh):
+    def _tile(b, h, tile, bufs, shared_smem, fold_keys, own_fold_bufs, barrier, rows_barrier, fold_barrier, fresh):
         # k_smem: the key records, or with the key side from XLA the window's key sums.
         tile_buf, u_smem, k_smem, g_smem, o_smem, c_smem, qk_rows, v_rows, *readout_bufs = bufs
-        t_smem, fold_bufs = tuple(tile_buf)  # the fold's record copies or operands alias the tile
+        # The fold's record copies or operands: aliasing the tile, or their own buffers.
+        t_smem, fold_bufs = (tile_buf, own_fold_bufs) if own_fold_buffers else tuple(tile_buf)
         hk = h // group_size
         rows = pl.ds(tile * BLOCK_ROWS, BLOCK_ROWS)
         mode = mode_ref[b]
@@ -510,16 +523,17 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(o_smem, y_ref.at[b, :, h, rows])
 
-    serve_tiles(batch, num_v_heads, tiles, num_programs, issue, compute, group_size=group_size, chunk=chunk)
+    serve_tiles(batch, num_v_heads, tiles, num_programs, issue, compute, group_size=group_size, chunk=chunk,
+                warpgroups=warpgroups)
 
 
 def check_params(params, kernel: str, *, pipelined: bool = False) -> None:
     """Raise ValueError on the decode kernels' options a verify kernel does not take: unless
-    `pipelined` (the GDN kernel, which takes them all but `warpgroups`), it rebuilds folds in exact fp32,
+    `pipelined` (the GDN kernel, which takes them all), it rebuilds folds in exact fp32,
     runs one CTA per tile, keeps Mosaic's barriers and reads out on CUDA cores; its records'
     layout is its own (`group_records` None). `params`: a `MosaicReplayParams` or a
     `MosaicMamba2Params`."""
-    check_own_layout(params, kernel, per_tile_addresses=pipelined, key_side=pipelined)
+    check_own_layout(params, kernel, per_tile_addresses=pipelined, key_side=pipelined, warpgroups=pipelined)
     if pipelined:
         return
     if getattr(params, "rebuild", "exact") != "exact":
@@ -535,45 +549,57 @@ def check_params(params, kernel: str, *, pipelined: bool = False) -> None:
 
 def persistent_smem_bytes(width: int, head_k_dim: int, cache_len: int, state_dtype, cache_dtype, token_dtype, *,
                           swizzle: int = 128, readout: str = "fma", rebuild: str = "exact",
-                          key_side: str = "kernel") -> int:
-    """Shared memory of one persistent verify CTA (two stages; `token_dtype`: q, k, v and y's)."""
-    return smem_bytes(_scratch(width, head_k_dim, cache_len, state_dtype, cache_dtype, token_dtype, token_dtype,
-                               swizzle, STAGES, readout, rebuild, key_side == "xla"))
+                          key_side: str = "kernel", warpgroups: int = 1) -> int:
+    """Shared memory of one persistent verify CTA (two stages per program, `warpgroups`
+    programs; `token_dtype`: q, k, v and y's)."""
+    scratch = _scratch(width, head_k_dim, cache_len, state_dtype, cache_dtype, token_dtype, token_dtype, swizzle,
+                       STAGES, readout, rebuild, key_side == "xla", warpgroups > 1)
+    return smem_bytes(with_program_axis(scratch, warpgroups) if warpgroups > 1 else scratch)
 
 
 def persistent_programs(batch: int, width: int, num_v_heads: int, head_v_dim: int, head_k_dim: int,
                         cache_len: int, state_dtype, cache_dtype, token_dtype, sm_count: int, *,
                         swizzle: int = 128, readout: str = "fma", rebuild: str = "exact",
-                        key_side: str = "kernel") -> int:
+                        key_side: str = "kernel", warpgroups: int = 1) -> int:
     """`MosaicReplayParams.programs` for the verify kernel on a device of `sm_count` SMs: as
     many persistent CTAs per SM as its two stages fit in shared memory, at most
-    `RESIDENT_CTAS` (`token_dtype`: q, k, v and y's)."""
+    `RESIDENT_CTAS` (`token_dtype`: q, k, v and y's); with `warpgroups` w > 1, one CTA of w
+    programs per SM (its threads may take all the registers), 0 where their buffers do not
+    fit."""
     cta_bytes = persistent_smem_bytes(width, head_k_dim, cache_len, state_dtype, cache_dtype, token_dtype,
-                                      swizzle=swizzle, readout=readout, rebuild=rebuild, key_side=key_side)
-    return programs_that_fit(cta_bytes, sm_count, batch * num_v_heads * (head_v_dim // BLOCK_ROWS), RESIDENT_CTAS)
+                                      swizzle=swizzle, readout=readout, rebuild=rebuild, key_side=key_side,
+                                      warpgroups=warpgroups)
+    num_tiles = batch * num_v_heads * (head_v_dim // BLOCK_ROWS)
+    if warpgroups == 1:
+        return programs_that_fit(cta_bytes, sm_count, num_tiles, RESIDENT_CTAS)
+    if cta_bytes > SMEM_LIMIT or num_tiles < warpgroups:
+        return 0
+    return programs_that_fit(cta_bytes, sm_count, num_tiles // warpgroups, 1) * warpgroups
 
 
 @functools.lru_cache(maxsize=None)
 def _build(batch, width, num_v_heads, head_v_dim, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y_dtype,
            group_size, swizzle, programs, auto_barriers, readout, rebuild, chunk, per_tile_addresses, xla_side,
-           interpret):
+           warpgroups, interpret):
     tiles = head_v_dim // BLOCK_ROWS
-    num_programs = min(programs, batch * num_v_heads * tiles)
-    scratch = _scratch(width, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y_dtype, swizzle,
-                       STAGES if programs else 1, readout, rebuild, xla_side)
-    check_smem(scratch, f"verify_decode_mgpu at T = {width}, cache_len = {cache_len}, d_k = {head_k_dim}")
-    program_scratch = scratch
-    if per_tile_addresses:
-        scratch = with_program_axis(scratch)
+    num_tiles = batch * num_v_heads * tiles
+    warpgroups = min(warpgroups, num_tiles)  # every program serves at least one tile
+    program_scratch = _scratch(width, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y_dtype, swizzle,
+                               STAGES if programs else 1, readout, rebuild, xla_side, warpgroups > 1)
+    own_slices = per_tile_addresses or warpgroups > 1  # buffers indexed by program (and tile)
+    scratch = with_program_axis(program_scratch, warpgroups) if own_slices else program_scratch
+    check_smem(scratch, f"verify_decode_mgpu at T = {width}, cache_len = {cache_len}, d_k = {head_k_dim}"
+               + (f", {warpgroups} warpgroups" if warpgroups > 1 else ""))
+    num_programs = min(programs, num_tiles) // warpgroups * warpgroups
     body = functools.partial(_kernel, width=width, group_size=group_size, tiles=tiles, num_programs=num_programs,
                              chunk=chunk, readout=readout, parts=tile_parts(state_dtype), rebuild=rebuild,
-                             xla_side=xla_side,
-                             unit_scratch=program_scratch if per_tile_addresses else None, interpret=interpret)
+                             xla_side=xla_side, program_scratch=program_scratch if own_slices else None,
+                             per_tile=per_tile_addresses, warpgroups=warpgroups, interpret=interpret)
     return plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((batch, width, num_v_heads, head_v_dim), y_dtype),
         scratch_types=scratch,
-        **tile_grid(batch, num_v_heads, tiles, num_programs),
+        **tile_grid(batch, num_v_heads, tiles, num_programs, warpgroups),
         compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=not auto_barriers),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
         kernel_name="replayssm_verify_decode_mgpu",
@@ -647,7 +673,7 @@ def verify_decode_mgpu(
     kernel = _build(batch, width, num_v_heads, head_v_dim, head_k_dim, cache_len, checkpoint.dtype, u_cache.dtype,
                     q.dtype, v.dtype, num_v_heads // q.shape[2], params.swizzle, params.programs,
                     params.auto_barriers, params.readout, params.rebuild, params.chunk, params.per_tile_addresses,
-                    params.key_side == "xla", bool(interpret))
+                    params.key_side == "xla", params.warpgroups, bool(interpret))
     refs = [jax.new_ref(x) for x in (checkpoint, u_cache, k_cache, g_cache)]
     i32 = lambda x: x.astype(jnp.int32)
     vectors = [window_vectors(q, k, length)] if params.readout == "mma" else []
