@@ -49,7 +49,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.mosaic_gpu.layouts import smem_bytes
+from pallas_kernels.mosaic_gpu.layouts import SMEM_LIMIT, smem_bytes
 
 STAGES = 2
 # Where one program's slice of a buffer starts (`with_program_axis`): TMA writes shared
@@ -80,10 +80,18 @@ def grouped_fits_more(scratch_of) -> bool:
     return ctas_per_sm(smem_bytes(scratch_of(True))) > ctas_per_sm(smem_bytes(scratch_of(False)))
 
 
-def programs_that_fit(cta_smem_bytes: int, sm_count: int, num_tiles: int, max_ctas: int | None = None) -> int:
-    """Persistent CTAs to launch: as many per SM as are resident (`ctas_per_sm`), never more
-    than there are tiles."""
-    return max(1, min(num_tiles, ctas_per_sm(cta_smem_bytes, max_ctas) * sm_count))
+def programs_that_fit(cta_smem_bytes: int, sm_count: int, num_tiles: int, max_ctas: int | None = None,
+                      warpgroups: int = 1) -> int:
+    """Persistent programs to launch: as many CTAs per SM as are resident (`ctas_per_sm`),
+    never more programs than there are tiles. With `warpgroups` w > 1 (CTAs of w programs,
+    `cta_smem_bytes` their buffers together), one CTA per SM, since its threads may take all
+    the registers, and w programs each; 0 where the CTA does not fit or there are fewer
+    tiles than w."""
+    if warpgroups == 1:
+        return max(1, min(num_tiles, ctas_per_sm(cta_smem_bytes, max_ctas) * sm_count))
+    if cta_smem_bytes > SMEM_LIMIT or num_tiles < warpgroups:
+        return 0
+    return max(1, min(num_tiles // warpgroups, sm_count)) * warpgroups
 
 
 def tile_grid(batch: int, heads: int, tiles: int, num_programs: int, warpgroups: int = 1) -> dict:
@@ -181,6 +189,16 @@ class BarrierRange:
 
     def __getitem__(self, i):
         return self.ref.at[self.start + i]
+
+
+def kernel_scratch(program_scratch, *, per_tile: bool, warpgroups: int):
+    """`(scratch, view)`: a kernel's scratch and what `tile_buffers` views it by: one
+    program's scratch `program_scratch` stacked by `with_program_axis` and itself as the
+    view where buffers are indexed by program or tile (`per_tile`, or `warpgroups` > 1),
+    else as it is and None."""
+    if not per_tile and warpgroups == 1:
+        return program_scratch, None
+    return with_program_axis(program_scratch, warpgroups), program_scratch
 
 
 def opaque_zero(row, batch: int):

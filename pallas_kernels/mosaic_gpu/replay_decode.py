@@ -69,11 +69,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels.common import L2NORM_EPS, MODE_APPEND, MODE_FLUSH, MODE_PAD
-from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, SMEM_LIMIT, WGMMA, bcast_cols, bcast_rows,
-                                               check_smem, col_sum, copy_record_rows, load_transposed, record_copies,
+from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA, bcast_cols, bcast_rows, check_smem,
+                                               col_sum, copy_record_rows, load_transposed, record_copies,
                                                replay_scratch, row_sum, smem_bytes, softplus, tiled)
-from pallas_kernels.mosaic_gpu.pipeline import (STAGES, group_shared, grouped_fits_more, programs_that_fit,
-                                                serve_tiles, tile_buffers, tile_grid, with_program_axis)
+from pallas_kernels.mosaic_gpu.pipeline import (STAGES, group_shared, grouped_fits_more, kernel_scratch,
+                                                programs_that_fit, serve_tiles, tile_buffers, tile_grid)
 from pallas_kernels.mosaic_gpu.readout import (READOUTS, buffer_products, column, stage_vectors, tile_parts,
                                                tile_products, vector_rows)
 from pallas_kernels.mosaic_gpu.rebuild import (check_rebuild, check_rebuild_mode, rebuild_mma, rebuild_operands,
@@ -606,13 +606,9 @@ def persistent_programs(batch: int, num_v_heads: int, head_v_dim: int, head_k_di
     xla_side = key_side == "xla"
     scratch = (scratch_of(*args) if scratch_of
                else _scratch(*args, readout, grouped=not xla_side, xla_side=xla_side, own_operands=warpgroups > 1))
-    num_tiles = batch * num_v_heads * (head_v_dim // BLOCK_V)
-    if warpgroups == 1:
-        return programs_that_fit(smem_bytes(scratch), sm_count, num_tiles, max_ctas)
-    if smem_bytes(with_program_axis(scratch, warpgroups)) > SMEM_LIMIT or num_tiles < warpgroups:
-        return 0
-    return programs_that_fit(smem_bytes(with_program_axis(scratch, warpgroups)), sm_count, num_tiles // warpgroups,
-                             1) * warpgroups
+    cta_scratch, _ = kernel_scratch(scratch, per_tile=False, warpgroups=warpgroups)
+    return programs_that_fit(smem_bytes(cta_scratch), sm_count, batch * num_v_heads * (head_v_dim // BLOCK_V),
+                             max_ctas, warpgroups)
 
 
 @functools.lru_cache(maxsize=None)
@@ -628,8 +624,7 @@ def _build(batch, num_v_heads, head_v_dim, head_k_dim, cache_len, state_dtype, c
     grouped = (not xla_side and group_records if group_records is not None
                else not xla_side and bool(programs) and grouped_fits_more(scratch_of))
     program_scratch = scratch_of(grouped)
-    own_slices = per_tile_addresses or warpgroups > 1  # buffers indexed by program (and tile)
-    scratch = with_program_axis(program_scratch, warpgroups) if own_slices else program_scratch
+    scratch, view = kernel_scratch(program_scratch, per_tile=per_tile_addresses, warpgroups=warpgroups)
     check_smem(scratch, f"replay_decode_mgpu at cache_len = {cache_len}, d_k = {head_k_dim}"
                + (f", {warpgroups} warpgroups" if warpgroups > 1 else ""))
     num_programs = min(programs, num_tiles) // warpgroups * warpgroups
@@ -637,7 +632,7 @@ def _build(batch, num_v_heads, head_v_dim, head_k_dim, cache_len, state_dtype, c
                              scale=scale, raw_gates=raw_gates, rebuild=rebuild, num_programs=num_programs,
                              chunk=chunk, readout=readout, parts=tile_parts(state_dtype), grouped=grouped,
                              xla_side=xla_side,
-                             program_scratch=program_scratch if own_slices else None,
+                             program_scratch=view,
                              per_tile=per_tile_addresses, warpgroups=warpgroups, interpret=interpret)
     return plgpu.kernel(
         body,

@@ -70,12 +70,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxtyping import Array, Bool, Float, Int
 
 from pallas_kernels.common import L2NORM_EPS, MODE_APPEND, MODE_FLUSH, MODE_PAD
-from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, SMEM_LIMIT, WGMMA, bcast_cols, bcast_rows,
-                                               check_smem, col_sum, copy_record_rows, copy_replay_tile,
-                                               load_transposed, record_copies, replay_scratch, row_sum, smem_bytes,
-                                               tiled)
-from pallas_kernels.mosaic_gpu.pipeline import (STAGES, group_shared, programs_that_fit, serve_tiles, tile_buffers,
-                                                tile_grid, with_program_axis)
+from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA, bcast_cols, bcast_rows, check_smem,
+                                               col_sum, copy_record_rows, copy_replay_tile, load_transposed,
+                                               record_copies, replay_scratch, row_sum, smem_bytes, tiled)
+from pallas_kernels.mosaic_gpu.pipeline import (STAGES, group_shared, kernel_scratch, programs_that_fit, serve_tiles,
+                                                tile_buffers, tile_grid)
 from pallas_kernels.mosaic_gpu.readout import column, stage_vectors, tile_parts, tile_products, vector_rows
 from pallas_kernels.mosaic_gpu.rebuild import check_rebuild, rebuild_operands
 from pallas_kernels.mosaic_gpu.replay_decode import (MosaicReplayParams, check_fma_readout, check_mma_readout,
@@ -554,7 +553,7 @@ def persistent_smem_bytes(width: int, head_k_dim: int, cache_len: int, state_dty
     programs; `token_dtype`: q, k, v and y's)."""
     scratch = _scratch(width, head_k_dim, cache_len, state_dtype, cache_dtype, token_dtype, token_dtype, swizzle,
                        STAGES, readout, rebuild, key_side == "xla", warpgroups > 1)
-    return smem_bytes(with_program_axis(scratch, warpgroups) if warpgroups > 1 else scratch)
+    return smem_bytes(kernel_scratch(scratch, per_tile=False, warpgroups=warpgroups)[0])
 
 
 def persistent_programs(batch: int, width: int, num_v_heads: int, head_v_dim: int, head_k_dim: int,
@@ -569,12 +568,8 @@ def persistent_programs(batch: int, width: int, num_v_heads: int, head_v_dim: in
     cta_bytes = persistent_smem_bytes(width, head_k_dim, cache_len, state_dtype, cache_dtype, token_dtype,
                                       swizzle=swizzle, readout=readout, rebuild=rebuild, key_side=key_side,
                                       warpgroups=warpgroups)
-    num_tiles = batch * num_v_heads * (head_v_dim // BLOCK_ROWS)
-    if warpgroups == 1:
-        return programs_that_fit(cta_bytes, sm_count, num_tiles, RESIDENT_CTAS)
-    if cta_bytes > SMEM_LIMIT or num_tiles < warpgroups:
-        return 0
-    return programs_that_fit(cta_bytes, sm_count, num_tiles // warpgroups, 1) * warpgroups
+    return programs_that_fit(cta_bytes, sm_count, batch * num_v_heads * (head_v_dim // BLOCK_ROWS), RESIDENT_CTAS,
+                             warpgroups)
 
 
 @functools.lru_cache(maxsize=None)
@@ -586,14 +581,13 @@ def _build(batch, width, num_v_heads, head_v_dim, head_k_dim, cache_len, state_d
     warpgroups = min(warpgroups, num_tiles)  # every program serves at least one tile
     program_scratch = _scratch(width, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y_dtype, swizzle,
                                STAGES if programs else 1, readout, rebuild, xla_side, warpgroups > 1)
-    own_slices = per_tile_addresses or warpgroups > 1  # buffers indexed by program (and tile)
-    scratch = with_program_axis(program_scratch, warpgroups) if own_slices else program_scratch
+    scratch, view = kernel_scratch(program_scratch, per_tile=per_tile_addresses, warpgroups=warpgroups)
     check_smem(scratch, f"verify_decode_mgpu at T = {width}, cache_len = {cache_len}, d_k = {head_k_dim}"
                + (f", {warpgroups} warpgroups" if warpgroups > 1 else ""))
     num_programs = min(programs, num_tiles) // warpgroups * warpgroups
     body = functools.partial(_kernel, width=width, group_size=group_size, tiles=tiles, num_programs=num_programs,
                              chunk=chunk, readout=readout, parts=tile_parts(state_dtype), rebuild=rebuild,
-                             xla_side=xla_side, program_scratch=program_scratch if own_slices else None,
+                             xla_side=xla_side, program_scratch=view,
                              per_tile=per_tile_addresses, warpgroups=warpgroups, interpret=interpret)
     return plgpu.kernel(
         body,
