@@ -131,6 +131,16 @@ class Timer:
             self._shown = True
         return [t for run in times for t in run]  # launch order, run after run
 
+    def run_totals(self, fn, args, iterations: int) -> list[float]:
+        """µs of all of `fn`'s kernels together, one figure per run (smoke: one wall-clock call)."""
+        if self.smoke:
+            return self.kernel_times(fn, args, "", 1)
+        from jax.experimental.mosaic.gpu import profiler
+
+        _, runs = profiler.measure(fn, aggregate=False, iterations=iterations)(*args)
+        runs = runs if iterations > 1 else [runs]
+        return [sum(ms * 1e3 for _, ms in run) for run in runs]
+
 
 def copy_bandwidth_GBps(timer: Timer, num_bytes: int = 2 << 30) -> float:
     """Device-to-device streaming bandwidth: read + write of a `num_bytes` f32 buffer (NaN

@@ -23,7 +23,10 @@ Sections:
                 --batches (L = 16 first, then fp32 first).
 
 Each sweep section stops starting new cells --budget-s after it began. Timing as
-`decode_bench.py`: CUPTI kernel times, medians, slot sets rotated past the L2. `--smoke`
+`decode_bench.py`: CUPTI kernel times, medians, slot sets rotated past the L2; a Mosaic
+step is its kernel plus what XLA computes for it before the launch (`mosaic_xla_side_us`:
+GDN's staged vectors and key side), not the step's plan, which a model makes once for all
+of its layers. `--smoke`
 runs tiny shapes in interpret mode on CPU (wall clock) so CI exercises the code.
 
   python benchmarks/mosaic_bench.py --sections mamba2-check,mamba2 --budget-s 170 --out mamba2_mosaic.json
@@ -51,6 +54,7 @@ import replayssm_jax as R  # noqa: E402
 from replayssm_jax import cost  # noqa: E402
 from replayssm_jax.backends import mosaic_gpu  # noqa: E402
 from replayssm_jax.plan import FlushPolicy  # noqa: E402
+from pallas_kernels.mosaic_gpu import mamba2_decode, replay_decode  # noqa: E402
 from pallas_kernels.mosaic_gpu.mamba2_decode import MosaicMamba2Params  # noqa: E402
 from pallas_kernels.mosaic_gpu.rebuild import check_rebuild  # noqa: E402
 from pallas_kernels.mosaic_gpu.replay_decode import MosaicReplayParams  # noqa: E402
@@ -127,9 +131,33 @@ def mosaic_cycle_fn(cfg: R.ReplayConfig, interpret: bool, kernel_params=None):
     return jax.jit(cycle, donate_argnums=0)
 
 
+def xla_side(cfg: R.ReplayConfig, params):
+    """`(k_cache, slots, token) -> arrays`: what XLA computes before a step's Mosaic kernel
+    (`xla_side_inputs`: the staged vectors of the "mma" readout, GDN's key side from XLA),
+    part of the layer's step, not of its plan."""
+    if cfg.gate_kind.additive:
+        return lambda k_cache, slots, token: mamba2_decode.xla_side_inputs(token.C, params=params)
+    if cfg.per_channel_gate:
+        return lambda k_cache, slots, token: []
+    return lambda k_cache, slots, token: replay_decode.xla_side_inputs(
+        token.q, token.k, k_cache, slots, params=params, use_qk_l2norm=True, scale=None)
+
+
+def time_xla_side(timer, cfg, params, k_cache, sets, token, iterations) -> float:
+    """Median µs per step of `xla_side` over every slot set in turn (all of its kernels); 0
+    where the params leave XLA nothing to compute."""
+    side = xla_side(cfg, params)
+    if not jax.eval_shape(side, k_cache, sets[0], token):
+        return 0.0
+    fn = jax.jit(lambda k_cache, sets, token: [side(k_cache, sets[i], token) for i in range(sets.shape[0])])
+    return statistics.median(timer.run_totals(fn, (k_cache, sets, token), iterations)) / sets.shape[0]
+
+
 def time_mosaic(timer, cfg, batch, rng, iterations, smoke, staggered, kernel_params=None):
-    """Median kernel µs: (non-flush, flush, cycle) for sync cursors, (None, None, per step)
-    for staggered ones."""
+    """Median µs per step of the layer's kernels, the Mosaic kernel and XLA's side inputs
+    before it (`time_xla_side`, timed on its own over the same slot sets and added to every
+    step): `(non-flush, flush, cycle, xla_side)` for sync cursors, `(None, None, per step,
+    xla_side)` for staggered ones."""
     sets, num_slots = db.slot_sets(batch, cfg.state_bytes_per_slot(), rng, smoke)
     cursors = rng.integers(0, cfg.cache_len, num_slots) if staggered else np.zeros(num_slots)
     pool = db.random_pool(cfg, num_slots, jax.random.key(1), cursors)
@@ -141,9 +169,12 @@ def time_mosaic(timer, cfg, batch, rng, iterations, smoke, staggered, kernel_par
     # kernels, not counted).
     times = timer.kernel_times(lambda s, t: fn(jax.tree.map(jnp.copy, pool), s, t), (jnp.asarray(sets), token),
                                "" if smoke else MOSAIC_KERNELS[cfg.gate], iterations)
+    params = kernel_params or mosaic_gpu.default_params(cfg, batch, jnp.bfloat16, interpret=smoke)
+    side_us = time_xla_side(timer, cfg, params, pool.k_cache, jnp.asarray(sets), token, iterations)
     if staggered or smoke:
-        return None, None, statistics.median(times)
-    return db.split_cycle(times, len(sets), cfg.cache_len)
+        return None, None, statistics.median(times) + side_us, side_us
+    non_flush, flush, cycle = db.split_cycle(times, len(sets), cfg.cache_len)
+    return non_flush + side_us, flush + side_us, cycle + side_us, side_us
 
 
 def rel(a, b) -> float:
@@ -306,7 +337,7 @@ def sweep_row(timer, args, cfg, batch, rng, staggered, variant, bandwidth, plain
     """One Mosaic variant timed beside the cell's plain and Triton times."""
     t_nf, t_fl, t_cyc = triton_us
     kernel_params = mosaic_params(variant, cfg, batch)
-    m_nf, m_fl, m_cyc = time_mosaic(timer, cfg, batch, rng, 3, args.smoke, staggered, kernel_params)
+    m_nf, m_fl, m_cyc, m_side = time_mosaic(timer, cfg, batch, rng, 3, args.smoke, staggered, kernel_params)
     cycle_bytes = cost.replay_cycle_bytes(cfg, batch).total
     floor = cost.floor_us(cycle_bytes, bandwidth)
     nf_bytes = statistics.mean(cost.replay_step_bytes(cfg, [p] * batch).total for p in range(cfg.cache_len - 1))
@@ -319,7 +350,7 @@ def sweep_row(timer, args, cfg, batch, rng, staggered, variant, bandwidth, plain
                cursors="staggered" if staggered else "sync", triton_params=repr(params),
                plain_us=plain_us, triton_nonflush_us=t_nf, triton_flush_us=t_fl,
                triton_cycle_us=t_cyc, mosaic_nonflush_us=m_nf, mosaic_flush_us=m_fl,
-               mosaic_cycle_us=m_cyc, cycle_bytes=cycle_bytes, nonflush_bytes=nf_bytes,
+               mosaic_cycle_us=m_cyc, mosaic_xla_side_us=m_side, cycle_bytes=cycle_bytes, nonflush_bytes=nf_bytes,
                flush_bytes=fl_bytes, cycle_floor_us=floor,
                nonflush_floor_us=cost.floor_us(nf_bytes, bandwidth),
                flush_floor_us=cost.floor_us(fl_bytes, bandwidth),
@@ -362,7 +393,7 @@ def kda_row(timer, args, cfg, batch, rng, staggered, variant, plain_us, policy, 
             cycle_bytes) -> dict:
     """One Mosaic variant timed beside the KDA cell's plain and Triton times."""
     kernel_params = mosaic_params(variant, cfg, batch)
-    m_nf, m_fl, m_cyc = time_mosaic(timer, cfg, batch, rng, 3, args.smoke, staggered, kernel_params)
+    m_nf, m_fl, m_cyc, _ = time_mosaic(timer, cfg, batch, rng, 3, args.smoke, staggered, kernel_params)
     effective = kernel_params or mosaic_gpu.default_params(cfg, batch, jnp.bfloat16)
     row = dict(mosaic_variant=variant, mosaic_params=repr(effective), gate="kda", state_dtype=cfg.state_dtype.name,
                cache_len=cfg.cache_len, batch=batch, cursors="staggered" if staggered else "sync",

@@ -19,6 +19,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import fuser as _fuser  # noqa: F401  (see below)
 from jax.experimental.pallas import triton as plgpu
+from jaxtyping import Array, Int
 
 # Pallas lowering imports its fuser lazily, and that import registers a jax config option
 # that is part of the tracing context: a jitted step that first lowers a kernel would then
@@ -377,6 +378,13 @@ def launch_rows(slot, pos, mode, row_order, grid_order: GridOrder):
         return jnp.arange(batch, dtype=jnp.int32), slot, pos, mode
     if not grid_order.reorders:
         raise ValueError(f"row_order is only read with a launch-order grid, not {grid_order.name}")
+    rows = check_row_order(row_order, batch)
+    return rows, slot[rows], pos[rows], mode[rows]
+
+
+def check_row_order(row_order, batch: int) -> Int[Array, " B"]:
+    """`row_order` as int32 after checking it: shape `[batch]`, integers, and (where its
+    values are known at trace time) a permutation of the rows; ValueError otherwise."""
     if tuple(jnp.shape(row_order)) != (batch,):
         raise ValueError(f"row_order must have shape ({batch},), got {tuple(jnp.shape(row_order))}")
     if not jnp.issubdtype(jnp.result_type(row_order), jnp.integer):
@@ -384,8 +392,7 @@ def launch_rows(slot, pos, mode, row_order, grid_order: GridOrder):
     if not isinstance(row_order, jax.core.Tracer) and not np.array_equal(
             np.sort(np.asarray(row_order)), np.arange(batch)):
         raise ValueError(f"row_order must be a permutation of range({batch}), got {np.asarray(row_order).tolist()}")
-    rows = row_order.astype(jnp.int32)
-    return rows, slot[rows], pos[rows], mode[rows]
+    return jnp.asarray(row_order).astype(jnp.int32)
 
 
 def default_interpret() -> bool:

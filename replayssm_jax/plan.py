@@ -45,16 +45,12 @@ class FlushPolicy(enum.Enum):
 # GDN; KDA with a 4-byte state folds at every batch. Measured on the H200 with the
 # pallas_triton backend (benchmarks/NOTES.md: the folding kernel against the replay cycle).
 _FOLD_MAX_BATCH = {4: 5, 2: 8}
-# Mamba-2, from benchmarks/results/raw/h200_2026-12-02_mamba2.json (Nemotron-H-8B and
-# Mamba-2 2.7B shapes, L in {8, 16, 32}) and h200_2026-12-02_mamba2_tiles.json:
-# * 4-byte state: the replay cycle is slower than the plain kernel at B = 1 for every L
-#   (0.38-0.80x) and at B = 8 for L = 16, 32 (0.56-0.84x), on the replay row's tile for
-#   B <= 16; folding every step runs at the plain kernel's speed there (0.98-1.06x). From
-#   B = 17 the replay row's wider tile is 1.30x plain at B = 128 and 1.33x at B = 512
-#   (L = 16, tiles file), so the replay cycle takes over there.
-# * 2-byte state: the replay cycle is slower than plain at L = 16 and 32 at every batch
-#   (0.47-0.84x; 0.75x at B = 512 on the tuned tile, tiles file), while folding every step
-#   measured 1.08-1.52x plain (B = 1, 8): every batch folds.
+# Mamba-2 on the Pallas-Triton kernels (NOTES: "mamba2 policy", "mamba2 fold tiles"):
+# * 4-byte state: up to B = 16 the replay cycle on the replay row's narrow tile is slower
+#   than the plain kernel, while folding every step runs at its speed; from B = 17 the
+#   wider tile's replay cycle is faster than plain, so it takes over.
+# * 2-byte state: the replay cycle is slower than plain at every batch measured, folding
+#   every step at or above plain's speed: every batch folds.
 _MAMBA2_FOLD_MAX_BATCH = {4: 16, 2: None}  # None: every batch
 
 
@@ -62,8 +58,8 @@ def default_flush_policy(config: ReplayConfig, batch: int, backend: str | None =
     """The policy `decode_step` uses when none is given, for `batch` rows of `config` on
     `backend` ("auto" as the step resolves it; None or any other: the Pallas-Triton
     measurements). "mosaic_gpu": NATURAL (a fold there is its flush step, which measured
-    slower than its replay cycle: GDN fp32 B = 8 16.8 against 11.3 µs, Mamba-2 B = 8 31.7
-    against 18.4, B = 1 6.6 against 4.4 on the H200)."""
+    slower than its replay cycle at every batch, B = 1 and 8 included; NOTES: "backend
+    "auto", policy per backend")."""
     if backend == "auto":
         backend = auto.decode_backend(config, batch)
     if backend == "mosaic_gpu":

@@ -51,27 +51,52 @@ def test_decode_bench_smoke_writes_every_section(tmp_path):
     assert debug["jit_sync_us"] > 0 and debug["checked_sync_us"] > 0 and debug["jit_pipelined_us"] > 0
 
 
-def test_mosaic_bench_smoke(tmp_path):
-    """The Mosaic GPU bench end to end in interpret mode, GDN, KDA (raw gates too) and Mamba-2:
-    the checks agree with xla and the sweep rows carry both backends' cycles, and a second
-    Mosaic variant (persistent CTAs) runs beside the default in every section."""
+@pytest.mark.parametrize("gate,check,sweep", [("gdn", "check", "sweep"), ("kda", "kda_check", "kda_sweep"),
+                                              ("mamba2", "mamba2_check", "mamba2_sweep")])
+def test_mosaic_bench_smoke(tmp_path, gate, check, sweep):
+    """The Mosaic GPU bench end to end in interpret mode, a layer's two sections per test
+    (GDN, KDA with raw gates too, Mamba-2): the checks agree with xla and the sweep rows
+    carry both backends' cycles, and a second Mosaic variant (persistent CTAs) runs beside
+    the default."""
     out = tmp_path / "mosaic.json"
-    mosaic_bench.main(["--smoke", "--sections", "check,sweep,kda-check,kda,mamba2-check,mamba2",
+    prefix = "" if gate == "gdn" else f"{gate}-"
+    mosaic_bench.main(["--smoke", "--sections", f"{prefix}check,{gate if prefix else 'sweep'}",
                        "--variants", "default;programs=3", "--out", str(out)])
     result = json.loads(out.read_text())
-    for check, sweep, gate in (("check", "sweep", "gdn"), ("kda_check", "kda_sweep", "kda"),
-                               ("mamba2_check", "mamba2_sweep", "mamba2")):
-        assert {row["backend"] for row in result[check]} == {"pallas_triton", "mosaic_gpu", "mosaic_gpu programs=3"}
-        assert {row["mosaic_variant"] for row in result[sweep]} == {"default", "programs=3"}
-        assert all(row["gate"] == gate and row["checkpoint"] < 1e-5 and row["write_pos_equal"]
-                   for row in result[check])
-        # the Mosaic kernels' state refs are updated in place even in interpret mode
-        assert all(row["pool_copies"] == 0 for row in result[check] if row["backend"] == "mosaic_gpu")
-        assert {row["cursors"] for row in result[sweep]} == {"sync", "staggered"}
-        assert all(row["gate"] == gate and row["mosaic_cycle_us"] > 0 and row["triton_cycle_us"] > 0
-                   for row in result[sweep])
-    assert {row["raw_gates"] for row in result["kda_check"]} == {False, True}
-    assert {row["triton_policy"] for row in result["kda_sweep"]} == {"every_step"}  # a 4-byte KDA state folds by default
+    assert {row["backend"] for row in result[check]} == {"pallas_triton", "mosaic_gpu", "mosaic_gpu programs=3"}
+    assert {row["mosaic_variant"] for row in result[sweep]} == {"default", "programs=3"}
+    assert all(row["gate"] == gate and row["checkpoint"] < 1e-5 and row["write_pos_equal"] for row in result[check])
+    # the Mosaic kernels' state refs are updated in place even in interpret mode
+    assert all(row["pool_copies"] == 0 for row in result[check] if row["backend"] == "mosaic_gpu")
+    assert {row["cursors"] for row in result[sweep]} == {"sync", "staggered"}
+    assert all(row["gate"] == gate and row["mosaic_cycle_us"] > 0 and row["triton_cycle_us"] > 0
+               for row in result[sweep])
+    if gate == "kda":
+        assert {row["raw_gates"] for row in result[check]} == {False, True}
+        assert {row["triton_policy"] for row in result[sweep]} == {"every_step"}  # a 4-byte KDA state folds
+    else:  # the fp32 defaults compute everything in the kernel: no XLA side inputs
+        assert all(row["mosaic_xla_side_us"] == 0 for row in result[sweep])
+
+
+def test_mosaic_step_times_include_what_xla_computes_before_the_kernel():
+    """A GDN step with the tensor-core readout and the key side from XLA is timed with XLA's
+    side inputs (staged q, k and key sums) added; with the defaults for an fp32 state there
+    are none."""
+    import jax
+    import numpy as np
+
+    from pallas_kernels.mosaic_gpu.replay_decode import MosaicReplayParams
+
+    db = decode_bench
+    cfg = mosaic_bench.gdn_config(True, 8, "float32")
+    timer = db.Timer(True)
+    side_params = MosaicReplayParams(readout="mma", key_side="xla")
+    *_, side_us = mosaic_bench.time_mosaic(timer, cfg, 2, np.random.default_rng(0), 1, True, True, side_params)
+    assert side_us > 0
+    pool = db.random_pool(cfg, 4, jax.random.key(0), np.zeros(4))
+    token = db.random_token(cfg, 2, jax.random.key(1))
+    sets = jnp.asarray([[0, 1], [2, 3]], jnp.int32)
+    assert mosaic_bench.time_xla_side(timer, cfg, MosaicReplayParams(), pool.k_cache, sets, token, 1) == 0.0
 
 
 def test_mosaic_bench_check_reports_a_variant_a_case_refuses():
@@ -178,7 +203,8 @@ def test_verify_bench_runs_mosaic_kernel_options(tmp_path):
     assert row["backends"][variant]["kernel_params"] == dict(swizzle=128, rebuild="exact", programs=4,
                                                              auto_barriers=False,  # 2 rows x 2 heads x 1 tile
                                                              readout="mma", group_records=None, chunk=0,
-                                                             key_side="kernel", per_tile_addresses=False, warpgroups=1)
+                                                             key_side="kernel", per_tile_addresses=False, warpgroups=1,
+                                                             launch_order=False)
     assert row["backends"][variant]["nonflush_us"] > 0
     errors = result["check"]["backends"][variant]
     assert errors.pop("write_pos_equal") and max(errors.values()) < 1e-4, errors

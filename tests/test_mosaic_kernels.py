@@ -104,9 +104,11 @@ def _inputs(rng, state_dtype, cache_dtype, per_channel, d_v=D):
     ("gdn", 3, D, "mma", True, {}),
     ("gdn", 6, D, "fma", None, dict(warpgroups=3, auto_barriers=False)),
     ("gdn", 3, D, "mma", None, dict(key_side="xla", per_tile_addresses=True, warpgroups=3, auto_barriers=False)),
+    ("gdn", 0, D, "fma", None, dict(launch_order=True)),
+    ("gdn", 3, D, "mma", None, dict(key_side="xla", warpgroups=3, auto_barriers=False, launch_order=True)),
     ("kda", 0, D, "fma", None, {}), ("kda", 3, D, "fma", None, {}),
     ("kda", 3, 2 * D, "fma", None, {}), ("kda", 7, 2 * D, "fma", None, {}),
-    ("kda", 3, 2 * D, "fma", None, dict(chunk=1))])
+    ("kda", 3, 2 * D, "fma", None, dict(chunk=1)), ("kda", 7, 2 * D, "fma", None, dict(launch_order=True))])
 def test_step_matches_the_float64_model(rng, gate, programs, d_v, readout, grouped, more, state_dtype, cache_dtype,
                                         l2norm, raw):
     """programs = 3: persistent CTAs over the 10 tiles (4, 3 and 3 each, in chunks of 3:
@@ -125,7 +127,9 @@ def test_step_matches_the_float64_model(rng, gate, programs, d_v, readout, group
     group (`group_records=True`, as at fp32 rings of 32).
     GDN's "mma" readout takes bf16 q and k (the model gets the same rounded values): its
     `wgmma`s run in interpret mode as dots of the same bf16 parts (a bf16 tile from its
-    buffer), so the staging, the product's columns and the flush's tile load are tested."""
+    buffer), so the staging, the product's columns and the flush's tile load are tested.
+    `launch_order`: the rows served in a random order (`row_order`), by persistent programs
+    (a row's tiles then follow another row's in a chunk) or one CTA per tile."""
     per_channel = gate == "kda"
     kernel = functools.partial(replay_decode_kda_mgpu if per_channel else replay_decode_mgpu,
                                params=MosaicReplayParams(programs=programs, readout=readout, group_records=grouped,
@@ -142,7 +146,9 @@ def test_step_matches_the_float64_model(rng, gate, programs, d_v, readout, group
         jnp.asarray(ckpt, state_dtype), jnp.asarray(u_c, cache_dtype), jnp.asarray(k_c, cache_dtype),
         jnp.asarray(g_c), jnp.asarray(q, qk_dtype), jnp.asarray(k, qk_dtype), jnp.asarray(v), jnp.asarray(g),
         jnp.asarray(beta), jnp.asarray(SLOTS), jnp.asarray(POS), jnp.asarray(MODES), use_qk_l2norm=l2norm,
-        gate_params=(jnp.asarray(a_log), jnp.asarray(dt_bias)) if raw else None, interpret=True)
+        gate_params=(jnp.asarray(a_log), jnp.asarray(dt_bias)) if raw else None,
+        row_order=jnp.asarray(rng.permutation(len(SLOTS)), jnp.int32) if more.get("launch_order") else None,
+        interpret=True)
     want = _model_step(ckpt, u_c, k_c, g_c, q, k, v, g, beta, a_log, dt_bias, l2norm=l2norm, raw=raw)
     # fp32: the model's float64 sums vs fp32 FMAs in another order, relative ~1e-6 of the
     # largest entry. bf16 state/caches: the inputs are the rounded values in both, and the
@@ -170,9 +176,12 @@ def _lower_for_h200(kernel, state_dtype, cache_dtype, cache_len, raw, *, per_cha
             S((n, hk, cache_len, d), cache_dtype), S((n, hv, cache_len, *channels), jnp.float32),
             S((b, hk, d), jnp.bfloat16), S((b, hk, d), jnp.bfloat16), S((b, hv, d), jnp.bfloat16),
             S((b, hv, *channels), jnp.float32), S((b, hv), jnp.float32), S((b,), jnp.int32), S((b,), jnp.int32),
-            S((b,), jnp.int32)]
+            S((b,), jnp.int32)] + [S((b,), jnp.int32)] * params.launch_order
     gate_params = (jnp.zeros((hv,)), jnp.zeros((hv, *channels))) if raw else None
-    step = lambda *a: kernel(*a, use_qk_l2norm=True, gate_params=gate_params, params=params, interpret=False)
+    step = lambda *a, row_order=None: kernel(*a, use_qk_l2norm=True, gate_params=gate_params, params=params,
+                                             row_order=row_order, interpret=False)
+    if params.launch_order:  # the row order as the step's last argument
+        step = lambda *a, step=step: step(*a[:-1], row_order=a[-1])
     return jax.jit(step, donate_argnums=(0, 1, 2, 3)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
@@ -203,9 +212,10 @@ def test_lowers_for_an_abstract_h200(state_dtype, cache_dtype, cache_len, raw, p
                                          per_tile_addresses=True)),
     (jnp.bfloat16, 32, MosaicReplayParams(readout="mma")),
     (jnp.float32, 32, MosaicReplayParams(programs=264, auto_barriers=False, rebuild="3xtf32", readout="mma")),
-    # Three warpgroups per CTA, each a program with its own buffers and rebuild operands.
+    # Three warpgroups per CTA, each a program with its own buffers and rebuild operands;
+    # rows served in a launch order (the order read per tile).
     (jnp.bfloat16, 16, MosaicReplayParams(programs=396, auto_barriers=False, rebuild="3xtf32", readout="mma",
-                                          key_side="xla", per_tile_addresses=True, warpgroups=3)),
+                                          key_side="xla", per_tile_addresses=True, warpgroups=3, launch_order=True)),
     (jnp.bfloat16, 16, MosaicReplayParams(programs=396, auto_barriers=False, rebuild="3xtf32", readout="mma",
                                           key_side="xla", warpgroups=3)),
 ])
@@ -378,13 +388,15 @@ def test_a_ring_past_shared_memory_is_refused(kernel, per_channel, cache_len):
     _lower_for_h200(kernel, jnp.float32, jnp.float32, cache_len // 2, False, per_channel=per_channel)
 
 
-@pytest.mark.parametrize("gate,state_dtype,raw", [
-    ("gdn", jnp.float32, False), ("gdn", jnp.bfloat16, False), ("kda", jnp.float32, True),
+@pytest.mark.parametrize("gate,state_dtype,raw,ordered", [
+    ("gdn", jnp.float32, False, False), ("gdn", jnp.bfloat16, False, False), ("kda", jnp.float32, True, False),
+    ("gdn", jnp.float32, False, True),
 ])
-def test_backend_steps_match_xla(rng, gate, state_dtype, raw):
+def test_backend_steps_match_xla(rng, gate, state_dtype, raw, ordered):
     """`decode_step(backend="mosaic_gpu")` against the xla backend over a schedule that
     crosses natural flushes, with a forced flush and a padding row, on its own state
-    (jitted: interpret mode runs a compiled step in a fraction of the eager time)."""
+    (jitted: interpret mode runs a compiled step in a fraction of the eager time);
+    `ordered`: two persistent programs serve the rows in the plan's launch order."""
     from replayssm_jax import ReplayConfig, Tokens, decode_step, init_state, materialize_state
 
     cfg = ReplayConfig(1, 2, 64, 64, 8, gate=gate, state_dtype=state_dtype, cache_dtype=state_dtype)
@@ -393,7 +405,9 @@ def test_backend_steps_match_xla(rng, gate, state_dtype, raw):
     states = {b: init_state(cfg, 4, checkpoint=start) for b in ("xla", "mosaic_gpu")}
     f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
     gate_params = (f(2) * 0.3, f(2, *channels)) if raw else None
-    steps = {b: jax.jit(functools.partial(decode_step, backend=b, policy="natural", use_qk_l2norm=True))
+    kernel_params = {"mosaic_gpu": MosaicReplayParams(programs=2, launch_order=True) if ordered else None}
+    steps = {b: jax.jit(functools.partial(decode_step, backend=b, policy="natural", use_qk_l2norm=True,
+                                          kernel_params=kernel_params.get(b)))
              for b in states}
     slots = jnp.asarray([2, -1, 0], jnp.int32)
     for step in range(cfg.cache_len + 3):
@@ -425,6 +439,29 @@ def test_backend_refuses_other_gates_and_shapes():
     mosaic_gpu.check_config(ReplayConfig.mamba2(2, 64, 128, 1, 16))
     with pytest.raises(ValueError, match="head dim P a multiple of 64"):  # P and N are not swapped
         mosaic_gpu.check_config(ReplayConfig.mamba2(2, 32, 128, 1, 16))
+
+
+def test_row_order_goes_with_launch_order(rng):
+    """A row order is given exactly when `launch_order` asks for one, and must be a
+    permutation of the rows; the verify kernels serve rows in their order."""
+    from pallas_kernels.mosaic_gpu.verify_decode import check_params
+
+    ckpt, u_c, k_c, g_c, q, k, v, g, beta = _inputs(rng, jnp.float32, jnp.float32, False)
+    step = functools.partial(replay_decode_mgpu, *map(jnp.asarray, (ckpt, u_c, k_c, g_c, q, k, v, g, beta)),
+                             jnp.asarray(SLOTS), jnp.asarray(POS), jnp.asarray(MODES), interpret=True)
+    rows = len(SLOTS)
+    with pytest.raises(ValueError, match="row_order is given iff params.launch_order"):
+        step(params=MosaicReplayParams(programs=3, launch_order=True))
+    with pytest.raises(ValueError, match="row_order is given iff params.launch_order"):
+        step(params=MosaicReplayParams(programs=3), row_order=jnp.arange(rows))
+    with pytest.raises(ValueError, match="permutation"):
+        step(params=MosaicReplayParams(programs=3, launch_order=True), row_order=jnp.zeros(rows, jnp.int32))
+    with pytest.raises(ValueError, match=r"shape \(5,\)"):
+        step(params=MosaicReplayParams(programs=3, launch_order=True), row_order=jnp.arange(rows + 1))
+    with pytest.raises(ValueError, match="launch_order must be a bool"):
+        MosaicReplayParams(launch_order=1)
+    with pytest.raises(ValueError, match="launch_order must be False"):
+        check_params(MosaicReplayParams(programs=4, launch_order=True), "gdn", pipelined=True)
 
 
 def test_kda_shape_checks_name_the_bad_size():
@@ -480,6 +517,40 @@ def test_persistent_programs_serve_every_tile_once(num_tiles, num_programs, chun
     assert sorted(t for tiles in served.values() for t in tiles) == list(range(num_tiles))
     counts = [len(tiles) for tiles in served.values()]
     assert max(counts) - min(counts) <= chunk
+
+
+def test_launch_order_spreads_flushing_rows_over_the_programs(rng):
+    """`serve_tiles` with the plan's launch order (flushing rows first) at the shapes of a
+    staggered GDN step with three warpgroups (B = 512, H_v = 32, two tiles per head: 32,768
+    tiles in chunks of 4 over 396 programs; about B / L = 32 rows flush, each tile of them
+    about twice an appending tile's work): every program gets at most one chunk more of
+    flushing tiles than another, and starts with them; served in row order, the busiest
+    programs get several times their share."""
+    from pallas_kernels.mosaic_gpu.pipeline import chunk_size, program_tiles, tile_location
+    from replayssm_jax.plan import launch_order
+
+    batch, heads, tiles, programs, cache_len = 512, 32, 2, 396, 16
+    pos = rng.integers(0, cache_len, batch)
+    flush = pos == cache_len - 1
+    order = np.asarray(launch_order(jnp.ones(batch, bool), jnp.asarray(pos), jnp.asarray(flush), cache_len))
+    num_tiles = batch * heads * tiles
+    chunk = chunk_size(num_tiles, programs, 4)
+
+    def flush_tiles(row_order):
+        counts = []
+        for p in range(programs):
+            tile_of, count = program_tiles(p, num_tiles, programs, chunk)
+            rows = [tile_location(tile_of(n), heads, tiles, row_order)[0] for n in range(count)]
+            flags = [bool(flush[r]) for r in rows]
+            counts.append(sum(flags))
+            if row_order is not None:  # a program's flushing tiles come first
+                assert flags == sorted(flags, reverse=True)
+        return np.asarray(counts)
+
+    ordered, unordered = flush_tiles(order), flush_tiles(None)
+    assert ordered.sum() == unordered.sum() == flush.sum() * heads * tiles
+    assert ordered.max() - ordered.min() <= chunk
+    assert unordered.max() - unordered.min() > 2 * chunk
 
 
 @pytest.mark.parametrize("rebuild,xla_side,programs", [("exact", False, 1), ("3xtf32", True, 1), ("exact", False, 3),

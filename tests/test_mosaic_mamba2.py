@@ -86,21 +86,23 @@ def _inputs(rng, heads, groups, state_dtype, use_z):
     return (state, x_c, b_c, dt_c), (x, B, C, dt_raw, z)
 
 
-@pytest.mark.parametrize("state_dtype,heads,groups,use_z,programs,chunk,readout,grouped", [
-    (jnp.float32, 2, 1, True, 0, 0, "fma", None), (jnp.float32, 2, 2, False, 0, 0, "fma", None),
-    (jnp.bfloat16, 2, 2, True, 0, 0, "fma", None), (jnp.bfloat16, 2, 1, False, 0, 0, "fma", True),
-    (jnp.float32, 2, 2, True, 3, 0, "fma", None), (jnp.float32, 2, 2, True, 3, 0, "fma", True),
-    (jnp.bfloat16, 2, 1, False, 7, 0, "fma", True), (jnp.float32, 2, 1, True, 3, 3, "fma", True),
-    (jnp.float32, 2, 2, True, 3, 0, "mma", None), (jnp.bfloat16, 2, 1, False, 0, 0, "mma", None),
-    (jnp.bfloat16, 2, 2, True, 7, 0, "mma", True),
+@pytest.mark.parametrize("state_dtype,heads,groups,use_z,programs,chunk,readout,grouped,ordered", [
+    (jnp.float32, 2, 1, True, 0, 0, "fma", None, False), (jnp.float32, 2, 2, False, 0, 0, "fma", None, False),
+    (jnp.bfloat16, 2, 2, True, 0, 0, "fma", None, False), (jnp.bfloat16, 2, 1, False, 0, 0, "fma", True, False),
+    (jnp.float32, 2, 2, True, 3, 0, "fma", None, False), (jnp.float32, 2, 2, True, 3, 0, "fma", True, False),
+    (jnp.bfloat16, 2, 1, False, 7, 0, "fma", True, False), (jnp.float32, 2, 1, True, 3, 3, "fma", True, False),
+    (jnp.float32, 2, 2, True, 3, 0, "mma", None, False), (jnp.bfloat16, 2, 1, False, 0, 0, "mma", None, False),
+    (jnp.bfloat16, 2, 2, True, 7, 0, "mma", True, False), (jnp.float32, 2, 2, True, 3, 3, "fma", None, True),
 ])
-def test_step_matches_the_float64_model(rng, state_dtype, heads, groups, use_z, programs, chunk, readout, grouped):
+def test_step_matches_the_float64_model(rng, state_dtype, heads, groups, use_z, programs, chunk, readout, grouped,
+                                        ordered):
     """programs > 0: persistent CTAs over the 20 tiles (3: 7, 7 and 6 each; 7: two or three),
     in chunks of one head group's tiles, or of 3 tiles that cut across the groups; the B
     records copied with every tile (the default at these shapes) or once per group
     (`group_records=True`, as at fp32 rings of 32). The "mma"
     readout takes bf16 B and C (the model gets the same rounded values); interpret mode
-    runs its `wgmma` as a dot of the same bf16 parts (a bf16 tile from its buffer)."""
+    runs its `wgmma` as a dot of the same bf16 parts (a bf16 tile from its buffer).
+    `ordered`: the rows served in a random `row_order` (`launch_order=True`)."""
     pools, (x, B, C, dt_raw, z) = _inputs(rng, heads, groups, state_dtype, use_z)
     bc_dtype = jnp.bfloat16 if readout == "mma" else jnp.float32
     B, C = _round(B, bc_dtype), _round(C, bc_dtype)
@@ -112,8 +114,9 @@ def test_step_matches_the_float64_model(rng, state_dtype, heads, groups, use_z, 
         jnp.asarray(dt_c), jnp.asarray(x), jnp.asarray(B, bc_dtype), jnp.asarray(C, bc_dtype), jnp.asarray(dt_raw),
         jnp.asarray(A), jnp.asarray(D), jnp.asarray(dt_bias), jnp.asarray(SLOTS), jnp.asarray(POS),
         jnp.asarray(MODES), z=None if z is None else jnp.asarray(z), dt_limit=DT_LIMIT,
-        params=MosaicMamba2Params(programs=programs, chunk=chunk, readout=readout, group_records=grouped),
-        interpret=True)
+        params=MosaicMamba2Params(programs=programs, chunk=chunk, readout=readout, group_records=grouped,
+                                  launch_order=ordered),
+        row_order=jnp.asarray(rng.permutation(len(SLOTS)), jnp.int32) if ordered else None, interpret=True)
     want = _model_step(*pools, x, B, C, dt_raw, z, A, D, dt_bias)
     # fp32: the model's float64 sums vs fp32 FMAs in another order, relative ~1e-6 of the
     # largest entry. bf16 state/caches: the inputs are the rounded values in both, and the
@@ -236,10 +239,12 @@ def test_shape_checks_name_the_bad_size(dims, match):
         MosaicMamba2Params(swizzle=48)
 
 
-def test_backend_steps_match_xla(rng):
+@pytest.mark.parametrize("ordered", [False, True])
+def test_backend_steps_match_xla(rng, ordered):
     """`decode_step(backend="mosaic_gpu")` against the xla backend over a schedule that
     crosses natural flushes, with a forced flush and a padding row, on its own state, and
-    the donated step's HLO (bf16 and G = 1 are the kernel test's)."""
+    the donated step's HLO (bf16 and G = 1 are the kernel test's); `ordered`: two
+    persistent programs serve the rows in the plan's launch order."""
     heads, groups, p, n, L = 2, 2, 64, 64, 8
     cfg = R.ReplayConfig.mamba2(heads, p, n, groups, L)
     params = R.Mamba2Params(A=jnp.asarray(-rng.uniform(0.5, 8.0, heads), jnp.float32),
@@ -247,7 +252,9 @@ def test_backend_steps_match_xla(rng):
                             dt_bias=jnp.asarray(rng.uniform(-4.5, -2.0, heads), jnp.float32))
     start = jnp.asarray(rng.standard_normal((4, heads, p, n)) * 0.3, jnp.float32)
     states = {b: R.init_state(cfg, 4, checkpoint=jnp.copy(start)) for b in ("xla", "mosaic_gpu")}  # donated
-    steps = {b: jax.jit(functools.partial(R.decode_step, backend=b, policy="natural"), donate_argnums=0)
+    kernel_params = {"mosaic_gpu": MosaicMamba2Params(programs=2, launch_order=True) if ordered else None}
+    steps = {b: jax.jit(functools.partial(R.decode_step, backend=b, policy="natural",
+                                          kernel_params=kernel_params.get(b)), donate_argnums=0)
              for b in states}
     slots = jnp.asarray([2, -1, 0], jnp.int32)
     tol = 1e-5  # fp32: two summation orders (~1e-7 relative)

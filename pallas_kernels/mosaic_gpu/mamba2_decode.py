@@ -70,17 +70,17 @@ from pallas_kernels.common import MODE_APPEND, MODE_FLUSH, MODE_PAD
 from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA, bcast_cols, bcast_rows, col_sum,
                                                check_smem, copy_record_rows, load_transposed,
                                                record_copies, replay_scratch, row_sum, smem_bytes, softplus, tiled)
-from pallas_kernels.mosaic_gpu.pipeline import (STAGES, group_shared, grouped_fits_more, programs_that_fit,
-                                                serve_tiles, tile_grid)
+from pallas_kernels.mosaic_gpu.pipeline import (STAGES, group_shared, grouped_fits_more, launch_order_input,
+                                                programs_that_fit, serve_tiles, tile_grid)
 from pallas_kernels.mosaic_gpu.readout import (READOUTS, buffer_products, column, stage_vectors, tile_parts,
                                                tile_products, vector_rows)
 from pallas_kernels.mosaic_gpu.rebuild import (check_rebuild, check_rebuild_mode, rebuild_mma, split_tile_buffer,
                                                tile_with_operands)
 
 BLOCK_P = BLOCK_ROWS
-# Persistent CTAs resident per SM at most (`pipeline.ctas_per_sm`), from timing: at bf16,
-# L = 16, B = 512 on the H200, 396 programs (3 per SM) ran the cycle in 394 µs and 264 in
-# 483 (4 per SM not measured; the GDN kernel's registers allow two).
+# Persistent CTAs resident per SM at most (`pipeline.ctas_per_sm`), from timing: with a bf16
+# state three per SM ran faster than two, i.e. three are resident (four not measured; the
+# GDN kernel's registers allow two). NOTES: "resident CTAs: registers, not shared memory".
 RESIDENT_CTAS = 3
 
 
@@ -110,6 +110,8 @@ class MosaicMamba2Params:
         into one buffer per CTA (True) or with every tile into its stage (False); None
         (default): grouped where that fits more persistent CTAs per SM in shared memory
         (`pipeline.grouped_fits_more`: fp32 rings of 32), as `MosaicReplayParams`.
+      launch_order: serve the rows in the caller's `row_order` (the backend's plan's launch
+        order), as `MosaicReplayParams.launch_order`; the verify kernel refuses it.
     """
 
     swizzle: int = 128
@@ -119,6 +121,7 @@ class MosaicMamba2Params:
     rebuild: str = "exact"
     readout: str = "fma"
     group_records: bool | None = None
+    launch_order: bool = False
 
     def __post_init__(self) -> None:
         if self.swizzle not in (32, 64, 128):
@@ -132,6 +135,8 @@ class MosaicMamba2Params:
             raise ValueError(f"readout must be one of {READOUTS}, got {self.readout!r}")
         if self.group_records is not None and not isinstance(self.group_records, bool):
             raise ValueError(f"group_records must be None, True or False, got {self.group_records!r}")
+        if not isinstance(self.launch_order, bool):
+            raise ValueError(f"launch_order must be a bool, got {self.launch_order!r}")
 
 
 def _scratch(state_size, cache_len, state_dtype, cache_dtype, bc_dtype, xz_dtype, y_dtype, swizzle, stages=1,
@@ -204,6 +209,12 @@ def load_group_side(shared_smem):
     return plgpu.load(shared_smem.at[0], layout=COL, optimized=False), shared_smem[1, 0]
 
 
+def xla_side_inputs(C: Float[Array, "B G N"], *, params: MosaicMamba2Params) -> list[Array]:
+    """The inputs XLA computes before the launch: for the "mma" readout the raw C staged as
+    its operand (`stage_vectors`, `[B, G, 8, N]`); none by default. Part of a step's time."""
+    return [stage_vectors(C[:, None])] if params.readout == "mma" else []
+
+
 def check_shapes(head_dim: int, state_size: int, cache_len: int, state_itemsize: int, cache_itemsize: int,
                  y_itemsize: int = 4, swizzle: int = 128) -> None:
     """Raise ValueError unless the shapes (P, N, L and the itemsizes) fit the kernel."""
@@ -270,8 +281,9 @@ def rebuild_exact(s_c, decay_total, x_smem, b_smem, dt_smem, a, pos):
 
 def _kernel(slot_ref, pos_ref, mode_ref, x_ref, b_ref, c_ref, dt_ref, z_ref, a_ref, d_ref, dt_bias_ref, *refs,
             group_size, tiles, dt_softplus, dt_limit, has_z, num_programs, chunk, rebuild, readout, parts, grouped,
-            interpret):
-    # Inputs, the raw C staged for the "mma" readout first; outputs; scratch.
+            ordered, interpret):
+    # Inputs, the row order and the raw C staged for the "mma" readout first; outputs; scratch.
+    order_ref, *refs = refs if ordered else (None, *refs)
     cv_ref, *refs = refs if readout == "mma" else (None, *refs)
     (ckpt_ref, xcache_ref, bcache_ref, dtcache_ref, y_ref,
      stages, group_b, shared_smem, record_bufs, barriers, group_barrier, rows_barrier) = refs
@@ -405,7 +417,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, x_ref, b_ref, c_ref, dt_ref, z_ref, a_r
 
     batch, heads = y_ref.shape[:2]
     serve_tiles(batch, heads, tiles, num_programs, issue, compute, group_size=group_size, chunk=chunk,
-                issue_group=issue_group if grouped else None)
+                issue_group=issue_group if grouped else None, row_order=order_ref)
 
 
 def persistent_programs(batch: int, heads: int, head_dim: int, state_size: int, cache_len: int, state_dtype,
@@ -423,7 +435,7 @@ def persistent_programs(batch: int, heads: int, head_dim: int, state_size: int, 
 @functools.lru_cache(maxsize=None)
 def _build(batch, heads, head_dim, state_size, cache_len, state_dtype, cache_dtype, bc_dtype, xz_dtype, y_dtype,
            group_size, dt_softplus, dt_limit, has_z, swizzle, programs, auto_barriers, chunk, rebuild, readout,
-           group_records, interpret):
+           group_records, ordered, interpret):
     tiles = head_dim // BLOCK_P
     num_programs = min(programs, batch * heads * tiles)
     scratch_of = functools.partial(_scratch, state_size, cache_len, state_dtype, cache_dtype, bc_dtype, xz_dtype,
@@ -433,7 +445,8 @@ def _build(batch, heads, head_dim, state_size, cache_len, state_dtype, cache_dty
     check_smem(scratch, f"the Mamba-2 kernel at cache_len = {cache_len}, N = {state_size}")
     body = functools.partial(_kernel, group_size=group_size, tiles=tiles, dt_softplus=dt_softplus,
                              dt_limit=dt_limit, has_z=has_z, num_programs=num_programs, chunk=chunk, rebuild=rebuild,
-                             readout=readout, parts=tile_parts(state_dtype), grouped=grouped, interpret=interpret)
+                             readout=readout, parts=tile_parts(state_dtype), grouped=grouped, ordered=ordered,
+                             interpret=interpret)
     return plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((batch, heads, head_dim), y_dtype),
@@ -465,6 +478,7 @@ def mamba2_replay_decode_mgpu(
     dt_softplus: bool = True,
     dt_limit: tuple[float, float] = (0.0, float("inf")),
     params: MosaicMamba2Params = MosaicMamba2Params(),
+    row_order: Int[Array, " B"] | None = None,
     interpret: bool | None = None,
 ):
     """One fused Mamba-2 ReplaySSM step on Mosaic GPU: `(y, state, x_cache, b_cache, dt_cache)`.
@@ -472,6 +486,7 @@ def mamba2_replay_decode_mgpu(
     Args and returns as `pallas_kernels.mamba2_decode.mamba2_replay_decode`: y `[B, H, P]`
     in x's dtype (0 on padding rows), the state arrays updated in place when the caller
     donates them. `params`: the checkpoint tile's swizzle, flush rebuild, persistent CTAs.
+    `row_order`: the order rows are served in, given iff `params.launch_order`.
     `interpret`: run in Mosaic GPU interpret mode (default: off GPU).
 
     Raises:
@@ -500,15 +515,16 @@ def mamba2_replay_decode_mgpu(
     if params.readout == "mma" and bc_dtype != jnp.bfloat16:
         raise ValueError("mamba2_replay_decode_mgpu: readout='mma' multiplies the tile by the raw C on tensor cores: "
                          f"it needs bf16 B and C, got {bc_dtype}")
+    order = launch_order_input(params, row_order, batch, "mamba2_replay_decode_mgpu")
     kernel = _build(
         batch, heads, head_dim, state_size, cache_len, state.dtype, x_cache.dtype, bc_dtype, xz_dtype, x.dtype,
         heads // num_groups, bool(dt_softplus), tuple(float(v) for v in dt_limit), z is not None, params.swizzle,
         params.programs, params.auto_barriers, params.chunk, params.rebuild, params.readout,
-        params.group_records, bool(interpret),
+        params.group_records, bool(order), bool(interpret),
     )
     z = jnp.zeros((1,), xz_dtype) if z is None else z.astype(xz_dtype)
     refs = [jax.new_ref(a) for a in (state, x_cache, b_cache, dt_cache)]
-    vectors = [stage_vectors(C[:, None])] if params.readout == "mma" else []
+    vectors = xla_side_inputs(C.astype(bc_dtype), params=params)
     y = kernel(slot.astype(jnp.int32), pos.astype(jnp.int32), mode.astype(jnp.int32), x.astype(xz_dtype),
-               B.astype(bc_dtype), C.astype(bc_dtype), dt, z, A, D, dt_bias, *vectors, *refs)
+               B.astype(bc_dtype), C.astype(bc_dtype), dt, z, A, D, dt_bias, *order, *vectors, *refs)
     return (y, *(jax.freeze(r) for r in refs))

@@ -49,6 +49,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.common import check_row_order
 from pallas_kernels.mosaic_gpu.layouts import SMEM_LIMIT, smem_bytes
 
 STAGES = 2
@@ -221,7 +222,8 @@ def tile_buffers(refs: list, program_scratch, row, batch: int, *, per_tile: bool
 
 
 def serve_tiles(batch: int, heads: int, tiles: int, num_programs: int, issue: Callable, compute: Callable, *,
-                group_size: int = 1, chunk: int = 0, issue_group: Callable | None = None, warpgroups: int = 1) -> None:
+                group_size: int = 1, chunk: int = 0, issue_group: Callable | None = None, warpgroups: int = 1,
+                row_order=None) -> None:
     """Serve tile t of head h of row b for every `(b, h, t)`: `issue(b, h, t, stage)`
     starts its copies into a stage of shared buffers, `compute(b, h, t, stage, fresh)`
     waits for them and works; `fresh` (a static True for one CTA per tile, else a traced
@@ -231,9 +233,16 @@ def serve_tiles(batch: int, heads: int, tiles: int, num_programs: int, issue: Ca
     chunks of `chunk` tiles (0: one group's tiles, at most `MAX_CHUNK`); the kernel's grid
     is `tile_grid`'s (`warpgroups` programs per CTA). With `issue_group(b, h, t)` (the group
     copies above), `compute` takes a sixth argument, `prefetch()`, to call once the group's
-    buffer is no longer read."""
+    buffer is no longer read.
+
+    `row_order` (a `[B]` int32 ref, a permutation of the rows): serve the rows in that order,
+    `row_order[0]` first. Listing the costliest rows first (the plan's launch order:
+    flushing rows, then appending rows by descending cursor) deals their tiles first, so
+    each persistent program gets a near-equal share of them and starts with them, and a
+    grid of one CTA per tile launches them first. Rows keep their tiles and groups, so
+    `fresh` is unchanged."""
     per_row = heads * tiles
-    where = lambda index: (index // per_row, index % per_row // tiles, index % tiles)
+    where = lambda index: tile_location(index, heads, tiles, row_order)
     if num_programs:
         group_tiles = group_size * tiles
         persistent_tiles(batch * per_row, num_programs, lambda index, stage: issue(*where(index), stage),
@@ -243,6 +252,7 @@ def serve_tiles(batch: int, heads: int, tiles: int, num_programs: int, issue: Ca
                          warpgroups=warpgroups)
         return
     b, ht = lax.axis_index("b"), lax.axis_index("ht")
+    b = b if row_order is None else row_order[b]
     issue(b, ht // tiles, ht % tiles, 0)
     if issue_group is None:
         compute(b, ht // tiles, ht % tiles, 0, True)
@@ -250,6 +260,25 @@ def serve_tiles(batch: int, heads: int, tiles: int, num_programs: int, issue: Ca
         issue_group(b, ht // tiles, ht % tiles)
         compute(b, ht // tiles, ht % tiles, 0, True, lambda: None)
     plgpu.wait_smem_to_gmem(0)
+
+
+def tile_location(index, heads: int, tiles: int, row_order=None) -> tuple:
+    """`(row, head, tile)` of tile `index` in `serve_tiles`' flat list: rows slowest, in
+    their order or in `row_order` (`row_order[r]` the r-th row served), then heads, then
+    the head's tiles."""
+    per_row = heads * tiles
+    row = index // per_row
+    return (row if row_order is None else row_order[row]), index % per_row // tiles, index % tiles
+
+
+def launch_order_input(params, row_order, batch: int, kernel: str) -> list:
+    """A kernel's `serve_tiles` row order as its launch input: `[row_order]` checked
+    (`common.check_row_order`) where `params.launch_order`, else `[]`; ValueError where one
+    is given without the other."""
+    if params.launch_order != (row_order is not None):
+        raise ValueError(f"{kernel}: row_order is given iff params.launch_order, got launch_order="
+                         f"{params.launch_order} and row_order {'given' if row_order is not None else 'None'}")
+    return [] if row_order is None else [check_row_order(row_order, batch)]
 
 
 def group_shared(fresh, compute: Callable, store: Callable, load: Callable):

@@ -73,7 +73,8 @@ from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA,
                                                col_sum, copy_record_rows, load_transposed, record_copies,
                                                replay_scratch, row_sum, smem_bytes, softplus, tiled)
 from pallas_kernels.mosaic_gpu.pipeline import (STAGES, group_shared, grouped_fits_more, kernel_scratch,
-                                                programs_that_fit, serve_tiles, tile_buffers, tile_grid)
+                                                launch_order_input, programs_that_fit, serve_tiles, tile_buffers,
+                                                tile_grid)
 from pallas_kernels.mosaic_gpu.readout import (READOUTS, buffer_products, column, stage_vectors, tile_parts,
                                                tile_products, vector_rows)
 from pallas_kernels.mosaic_gpu.rebuild import (check_rebuild, check_rebuild_mode, rebuild_mma, rebuild_operands,
@@ -154,6 +155,11 @@ class MosaicReplayParams:
         cannot ask for). Needs `programs` a multiple of w and `auto_barriers=False`; a
         tensor-core rebuild's operands get a buffer per program instead of the union with
         the tile (programs cannot share a union).
+      launch_order: False (default) serves the rows in their order; True in the caller's
+        `row_order` (the decode kernels: the backend passes its plan's launch order, the
+        costliest rows first), so that rows which flush (about twice a tile's work) are
+        dealt evenly over the persistent programs instead of where their index falls
+        (`pipeline.serve_tiles`).
     """
 
     swizzle: int = 128
@@ -166,6 +172,7 @@ class MosaicReplayParams:
     key_side: str = "kernel"
     per_tile_addresses: bool = False
     warpgroups: int = 1
+    launch_order: bool = False
 
     def __post_init__(self) -> None:
         if self.swizzle not in (32, 64, 128):
@@ -185,6 +192,8 @@ class MosaicReplayParams:
             raise ValueError(f"group_records must be None, True or False, got {self.group_records!r}")
         if not isinstance(self.per_tile_addresses, bool):
             raise ValueError(f"per_tile_addresses must be a bool, got {self.per_tile_addresses!r}")
+        if not isinstance(self.launch_order, bool):
+            raise ValueError(f"launch_order must be a bool, got {self.launch_order!r}")
         if not isinstance(self.warpgroups, int) or not 1 <= self.warpgroups <= MAX_WARPGROUPS:
             raise ValueError(f"warpgroups must be an int in [1, {MAX_WARPGROUPS}], got {self.warpgroups!r}")
         if self.warpgroups > 1 and (not self.programs or self.programs % self.warpgroups):
@@ -196,11 +205,11 @@ class MosaicReplayParams:
 
 
 def check_own_layout(params, kernel: str, *, per_tile_addresses: bool = False, key_side: bool = False,
-                     warpgroups: bool = False) -> None:
+                     warpgroups: bool = False, launch_order: bool = False) -> None:
     """Raise ValueError if `params` sets `group_records`, an option of the GDN and Mamba-2
     decode kernels that a kernel with its own record layout (KDA decode, verify) ignores,
-    or `per_tile_addresses`, `key_side` or `warpgroups` unless the kernel takes it (the GDN
-    verify kernel takes all three)."""
+    or `per_tile_addresses`, `key_side`, `warpgroups` or `launch_order` unless the kernel
+    takes it (the GDN verify kernel takes the first three, KDA decode the last)."""
     if getattr(params, "group_records", None) is not None:
         raise ValueError(f"{kernel} lays out its records itself: group_records must be None, got "
                          f"{params.group_records!r}")
@@ -210,6 +219,9 @@ def check_own_layout(params, kernel: str, *, per_tile_addresses: bool = False, k
         raise ValueError(f"{kernel} runs one program per CTA: warpgroups must be 1, got {params.warpgroups}")
     if getattr(params, "per_tile_addresses", False) and not per_tile_addresses:
         raise ValueError(f"{kernel} holds its buffers' addresses itself: per_tile_addresses must be False")
+    if getattr(params, "launch_order", False) and not launch_order:
+        raise ValueError(f"{kernel} serves its rows in their order: launch_order must be False")
+
 
 
 def check_fma_readout(params, kernel: str) -> None:
@@ -341,6 +353,20 @@ def key_side_values(q: Float[Array, "B Hk Dk"], k: Float[Array, "B Hk Dk"], k_ca
     return jnp.stack([k_x, q_x, scalars], axis=2)
 
 
+def xla_side_inputs(q: Float[Array, "B Hk Dk"], k: Float[Array, "B Hk Dk"], k_cache: Float[Array, "N Hk L Dk"],
+                    slot: Int[Array, " B"], *, params: MosaicReplayParams, use_qk_l2norm: bool,
+                    scale: float | None) -> list[Array]:
+    """The inputs XLA computes before the launch, in the kernel's order: for the "mma"
+    readout the raw q and k staged as its operand (`stage_vectors`, `[B, H_k, 8, d_k]`),
+    for `key_side="xla"` the key side (`key_side_values`, `[B, H_k, 3, L]`); none by
+    default. Their kernels are part of a step's time (they read the slots' key records)."""
+    vectors = [stage_vectors(jnp.stack([q, k.astype(q.dtype)], axis=1))] if params.readout == "mma" else []
+    if params.key_side == "xla":
+        scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
+        vectors.append(key_side_values(q, k, k_cache, slot, use_qk_l2norm=use_qk_l2norm, scale=scale))
+    return vectors
+
+
 def store_key_side(shared_smem, values) -> None:
     """`key_side`'s values into `shared_smem [3, L]`: the two `K x` rows, then the three
     scalars in row 2."""
@@ -403,9 +429,10 @@ def copy_token(token_refs, bufs, b, h, hk, rows, barrier) -> None:
 
 def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref, *refs,
             group_size, tiles, use_qk_l2norm, scale, raw_gates, rebuild, num_programs, chunk, readout, parts, grouped,
-            xla_side, program_scratch, per_tile, warpgroups, interpret):
-    # Inputs, the raw q and k staged for the "mma" readout and the key side from XLA
-    # first; outputs; scratch.
+            xla_side, program_scratch, per_tile, warpgroups, ordered, interpret):
+    # Inputs, the row order, the raw q and k staged for the "mma" readout and the key side
+    # from XLA first; outputs; scratch.
+    order_ref, *refs = refs if ordered else (None, *refs)
     xv_ref, *refs = refs if readout == "mma" else (None, *refs)
     side_ref, *refs = refs if xla_side else (None, *refs)
     (ckpt_ref, ucache_ref, kcache_ref, gcache_ref, y_ref,
@@ -548,7 +575,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a
                              group_size=group_size)
 
     serve_tiles(batch, num_heads, tiles, num_programs, issue, compute, group_size=group_size, chunk=chunk,
-                issue_group=issue_group if grouped else None, warpgroups=warpgroups)
+                issue_group=issue_group if grouped else None, warpgroups=warpgroups, row_order=order_ref)
 
 
 def _scratch(head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, v_dtype, swizzle, rebuild, stages,
@@ -614,7 +641,7 @@ def persistent_programs(batch: int, num_v_heads: int, head_v_dim: int, head_k_di
 @functools.lru_cache(maxsize=None)
 def _build(batch, num_v_heads, head_v_dim, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y_dtype,
            group_size, use_qk_l2norm, scale, raw_gates, swizzle, rebuild, programs, auto_barriers, readout,
-           group_records, chunk, xla_side, per_tile_addresses, warpgroups, interpret):
+           group_records, chunk, xla_side, per_tile_addresses, warpgroups, ordered, interpret):
     tiles = head_v_dim // BLOCK_V
     num_tiles = batch * num_v_heads * tiles
     warpgroups = min(warpgroups, num_tiles)  # every program serves at least one tile
@@ -633,7 +660,7 @@ def _build(batch, num_v_heads, head_v_dim, head_k_dim, cache_len, state_dtype, c
                              chunk=chunk, readout=readout, parts=tile_parts(state_dtype), grouped=grouped,
                              xla_side=xla_side,
                              program_scratch=view,
-                             per_tile=per_tile_addresses, warpgroups=warpgroups, interpret=interpret)
+                             per_tile=per_tile_addresses, warpgroups=warpgroups, ordered=ordered, interpret=interpret)
     return plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((batch, num_v_heads, head_v_dim), y_dtype),
@@ -663,6 +690,7 @@ def replay_decode_mgpu(
     scale: float | None = None,
     gate_params: tuple[Array, Array] | None = None,
     params: MosaicReplayParams = MosaicReplayParams(),
+    row_order: Int[Array, " B"] | None = None,
     interpret: bool | None = None,
 ):
     """One fused ReplaySSM decode step of one GDN layer on Mosaic GPU.
@@ -670,6 +698,7 @@ def replay_decode_mgpu(
     Args and returns as `pallas_kernels.replay_decode.replay_decode` (GDN only: g and beta
     `[B, H_v]`): `(y [B, H_v, d_v] in v's dtype, checkpoint, u_cache, k_cache, g_cache)`,
     the state arrays updated in place when the caller donates them.
+    `row_order`: the order rows are served in, given iff `params.launch_order`.
     `interpret`: run in Mosaic GPU interpret mode (default: off GPU).
     """
     batch, num_v_heads, head_v_dim = v.shape
@@ -683,20 +712,18 @@ def replay_decode_mgpu(
         interpret = jax.default_backend() != "gpu"
     check_rebuild(params.rebuild, cache_len, interpret)
     check_mma_readout(params, q.dtype, "replay_decode_mgpu")
+    order = launch_order_input(params, row_order, batch, "replay_decode_mgpu")
     a_log, dt_bias = gate_params if gate_params is not None else (jnp.zeros((1,), F32),) * 2
     kernel = _build(
         batch, num_v_heads, head_v_dim, head_k_dim, cache_len, checkpoint.dtype, u_cache.dtype, q.dtype, v.dtype,
         num_v_heads // q.shape[1], bool(use_qk_l2norm), float(head_k_dim ** -0.5 if scale is None else scale),
         gate_params is not None, params.swizzle, params.rebuild, params.programs, params.auto_barriers,
         params.readout, params.group_records, params.chunk, params.key_side == "xla", params.per_tile_addresses,
-        params.warpgroups, bool(interpret),
+        params.warpgroups, bool(order), bool(interpret),
     )
     k = k.astype(q.dtype)
-    vectors = [stage_vectors(jnp.stack([q, k], axis=1))] if params.readout == "mma" else []
-    if params.key_side == "xla":
-        vectors.append(key_side_values(q, k, k_cache, slot, use_qk_l2norm=bool(use_qk_l2norm),
-                                       scale=float(head_k_dim ** -0.5 if scale is None else scale)))
+    vectors = xla_side_inputs(q, k, k_cache, slot, params=params, use_qk_l2norm=bool(use_qk_l2norm), scale=scale)
     refs = [jax.new_ref(x) for x in (checkpoint, u_cache, k_cache, g_cache)]
     y = kernel(slot.astype(jnp.int32), pos.astype(jnp.int32), mode.astype(jnp.int32), q, k, v, g, beta,
-               a_log, dt_bias, *vectors, *refs)
+               a_log, dt_bias, *order, *vectors, *refs)
     return (y, *(jax.freeze(r) for r in refs))

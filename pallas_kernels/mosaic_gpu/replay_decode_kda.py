@@ -53,7 +53,7 @@ from pallas_kernels.common import MODE_APPEND, MODE_FLUSH, MODE_PAD
 from pallas_kernels.mosaic_gpu.layouts import (COL, F32, ROW, WGMMA, bcast_cols, bcast_rows, col_sum, check_smem,
                                               load_transposed, row_sum, softplus, tiled)
 from pallas_kernels.mosaic_gpu import replay_decode
-from pallas_kernels.mosaic_gpu.pipeline import STAGES, serve_tiles, tile_grid
+from pallas_kernels.mosaic_gpu.pipeline import STAGES, launch_order_input, serve_tiles, tile_grid
 from pallas_kernels.mosaic_gpu.rebuild import check_rebuild, rebuild_mma, tile_with_operands
 from pallas_kernels.mosaic_gpu.replay_decode import (BLOCK_V, MosaicReplayParams, append_entry, check_fma_readout,
                                                      check_own_layout, check_shapes, copy_token, load_qk, store_output,
@@ -199,11 +199,12 @@ def head_side(b, h, pos, qk_smem, group_bufs, shared, wk_smem, a_log_ref, dt_bia
     scalars[2, 0] = k_dot_q
 
 
-def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref,
-            ckpt_ref, ucache_ref, kcache_ref, gcache_ref,
-            y_ref,
-            stages, group_bufs, shared, wk_smem, barriers, group_barrier, rows_barrier,
-            *, group_size, tiles, use_qk_l2norm, scale, raw_gates, rebuild, num_programs, chunk):
+def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref, *refs,
+            group_size, tiles, use_qk_l2norm, scale, raw_gates, rebuild, num_programs, chunk, ordered):
+    # Inputs, the row order first; outputs; scratch.
+    order_ref, *refs = refs if ordered else (None, *refs)
+    (ckpt_ref, ucache_ref, kcache_ref, gcache_ref, y_ref,
+     stages, group_bufs, shared, wk_smem, barriers, group_barrier, rows_barrier) = refs
     vectors, scalars = shared
 
     def issue(b, h, tile, stage):
@@ -303,7 +304,8 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a
                              group_size=group_size)
 
     batch, num_heads = y_ref.shape[:2]
-    serve_tiles(batch, num_heads, tiles, num_programs, issue, compute, chunk=chunk, issue_group=issue_group)
+    serve_tiles(batch, num_heads, tiles, num_programs, issue, compute, chunk=chunk, issue_group=issue_group,
+                row_order=order_ref)
 
 
 def persistent_programs(*args, **kwargs) -> int:
@@ -314,14 +316,16 @@ def persistent_programs(*args, **kwargs) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _build(batch, num_v_heads, head_v_dim, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y_dtype,
-           group_size, use_qk_l2norm, scale, raw_gates, swizzle, rebuild, programs, auto_barriers, chunk, interpret):
+           group_size, use_qk_l2norm, scale, raw_gates, swizzle, rebuild, programs, auto_barriers, chunk, ordered,
+           interpret):
     tiles = head_v_dim // BLOCK_V
     num_programs = min(programs, batch * num_v_heads * tiles)
     scratch = _scratch(head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y_dtype, swizzle, rebuild,
                        STAGES if programs else 1)
     check_smem(scratch, f"replay_decode_kda_mgpu at cache_len = {cache_len}, d_k = {head_k_dim}")
     body = functools.partial(_kernel, group_size=group_size, tiles=tiles, use_qk_l2norm=use_qk_l2norm,
-                             scale=scale, raw_gates=raw_gates, rebuild=rebuild, num_programs=num_programs, chunk=chunk)
+                             scale=scale, raw_gates=raw_gates, rebuild=rebuild, num_programs=num_programs, chunk=chunk,
+                             ordered=ordered)
     return plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((batch, num_v_heads, head_v_dim), y_dtype),
@@ -351,6 +355,7 @@ def replay_decode_kda_mgpu(
     scale: float | None = None,
     gate_params: tuple[Array, Array] | None = None,
     params: MosaicReplayParams = MosaicReplayParams(),
+    row_order: Int[Array, " B"] | None = None,
     interpret: bool | None = None,
 ):
     """One fused ReplaySSM decode step of one KDA layer on Mosaic GPU.
@@ -359,7 +364,8 @@ def replay_decode_kda_mgpu(
     gate: g `[B, H_v, d_k]` (with `gate_params = (A_log [H_v], dt_bias [H_v, d_k])` the raw
     `a`), g records `[N, H_v, L, d_k]` fp32. Returns `(y [B, H_v, d_v] in v's dtype,
     checkpoint, u_cache, k_cache, g_cache)`, the state arrays updated in place when the
-    caller donates them. `interpret`: run in Mosaic GPU interpret mode (default: off GPU).
+    caller donates them. `row_order`: the order rows are served in, given iff
+    `params.launch_order`. `interpret`: run in Mosaic GPU interpret mode (default: off GPU).
     """
     batch, num_v_heads, head_v_dim = v.shape
     head_k_dim = q.shape[-1]
@@ -373,7 +379,8 @@ def replay_decode_kda_mgpu(
         interpret = jax.default_backend() != "gpu"
     check_rebuild(params.rebuild, cache_len, interpret)
     check_fma_readout(params, "replay_decode_kda_mgpu")
-    check_own_layout(params, "replay_decode_kda_mgpu")
+    check_own_layout(params, "replay_decode_kda_mgpu", launch_order=True)
+    order = launch_order_input(params, row_order, batch, "replay_decode_kda_mgpu")
     a_log, dt_bias = gate_params if gate_params is not None else (jnp.zeros((1,), F32),) * 2
     # The token's q and k share one shared buffer (`[4, d_k]`): one dtype, promoted (lossless).
     qk_dtype = jnp.result_type(q.dtype, k.dtype)
@@ -381,9 +388,9 @@ def replay_decode_kda_mgpu(
         batch, num_v_heads, head_v_dim, head_k_dim, cache_len, checkpoint.dtype, u_cache.dtype, qk_dtype, v.dtype,
         num_v_heads // q.shape[1], bool(use_qk_l2norm), float(head_k_dim ** -0.5 if scale is None else scale),
         gate_params is not None, params.swizzle, params.rebuild, params.programs, params.auto_barriers,
-        params.chunk, bool(interpret),
+        params.chunk, bool(order), bool(interpret),
     )
     refs = [jax.new_ref(x) for x in (checkpoint, u_cache, k_cache, g_cache)]
     y = kernel(slot.astype(jnp.int32), pos.astype(jnp.int32), mode.astype(jnp.int32), q.astype(qk_dtype),
-               k.astype(qk_dtype), v, g.astype(F32), beta, a_log, dt_bias, *refs)
+               k.astype(qk_dtype), v, g.astype(F32), beta, a_log, dt_bias, *order, *refs)
     return (y, *(jax.freeze(r) for r in refs))

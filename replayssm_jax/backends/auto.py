@@ -8,11 +8,10 @@ Pallas-Triton launch table's on the H200, each under its backend's default polic
 `benchmarks/NOTES.md`), for rings no longer than those measured faster
 (`MOSAIC_MAX_CACHE_LEN`), where its persistent kernel fits two or more CTAs per SM; and on
 "pallas_triton" below that batch, past that ring, for the layers with no row and where one
-CTA per SM is all that fits (Mamba-2 fp32 at L = 32 measured 0.98x plain with one, since
-one warpgroup per SM leaves each tile's latency exposed, and 1.51x with two). A verify step
-runs on "mosaic_gpu" (its one-launch verify kernels: 1.3-2.7x conventional verify, against
-0.9-1.2x for the Triton readouts). Other GPUs run "pallas_triton" (decode) and "xla"
-(verify).
+CTA per SM is all that fits (one warpgroup per SM leaves each tile's latency exposed: no
+faster than plain). A verify step runs on "mosaic_gpu" (its one-launch verify kernels
+measured faster than the Triton readouts at every shape timed). Other GPUs run
+"pallas_triton" (decode) and "xla" (verify).
 """
 
 from __future__ import annotations
@@ -21,26 +20,17 @@ import jax
 import jax.numpy as jnp
 
 # (gate, state itemsize) -> the smallest batch for "mosaic_gpu", each under its backend's
-# default policy (`plan.default_flush_policy`). GDN fp32, L = 16: Mosaic 25.6 / 93.2 / 340
-# µs at B = 32 / 128 / 512 against Triton 31.3 / 107.4 / 385, but 11.3 against 10.0 at
-# B = 8. Mamba-2 fp32 (Nemotron-H-8B, L = 16): Mosaic 4.4 / 18.4 / 166 / 638 µs at B = 1 /
-# 8 / 128 / 512 against plain 4.6 / 20.4 / 282 / 1119 (Triton folds at B <= 16 at
-# 0.98-1.06x plain; its replay cycle 216 / 836 from B = 17); L = 8, B = 128: 164.9 against
-# Triton 205.6. Mamba-2 bf16 (L = 16): Mosaic 150.5 µs at B = 128 (1.02x plain; Triton's
-# fold 0.92-0.94x), 394.2 at B = 512 (1.53x; Triton 808; B < 128 not measured). KDA fp32 (H = 32,
-# d = 128, L = 16): Mosaic 114.7 / 418.6 µs at B = 128 / 512 against Triton's fold 149.1 /
-# 588.8 (B < 128 not measured). fp32 rings of 32 (two CTAs per SM): GDN 104.3 / 387.3 µs at
-# B = 128 / 512 against Triton 119.6 / 409.6; Mamba-2 B = 128 187.1 against 248.2. GDN bf16
-# (key side from XLA; two CTAs per SM, as its registers allow): L = 16 7.1 / 13.6 / 17.6 /
-# 32.1 / 59.6 / 221.0 µs at B = 8 / 16 / 32 / 64 / 128 / 512 against Triton 8.1 / 14.8 /
-# 25.3 / 46.2 / 78.5 / 273.7 (B = 512 with per-tile addresses: 206.7), L = 32 266.3
-# against 382.2 at B = 512; up to B = 8 Triton folds every step
-# (`plan.default_flush_policy`) at the plain kernel's 6.3 µs (B = 8).
-MOSAIC_FROM_BATCH: dict[tuple[str, int], int] = {("gdn", 4): 32, ("gdn", 2): 9, ("kda", 4): 128,
+# default policy (`plan.default_flush_policy`): below it the Triton kernels (folding every
+# step at the smallest batches) measured faster; for KDA and Mamba-2 bf16 the smaller
+# batches are not measured (NOTES: "backend "auto", policy per backend", "mamba2 coverage",
+# "rings of 32 on two CTAs per SM"). GDN bf16: from B = 32, where the Mosaic kernel's lead
+# over Triton's cycle exceeds what the XLA pass before it can cost (below, its timing left
+# that pass out: NOTES "step timing with XLA's side inputs").
+MOSAIC_FROM_BATCH: dict[tuple[str, int], int] = {("gdn", 4): 32, ("gdn", 2): 32, ("kda", 4): 128,
                                                  ("mamba2", 4): 1, ("mamba2", 2): 128}
-# (gate, state itemsize) -> the longest ring for "mosaic_gpu". Mamba-2 bf16 (Nemotron-H-8B,
-# B = 512): 355.4 / 394.2 / 727.1 µs at L = 8 / 16 / 32 against plain 605 (1.70x / 1.53x /
-# 0.83x): a 2-byte tile's work grows with the ring, its bytes barely (Triton folds instead).
+# (gate, state itemsize) -> the longest ring for "mosaic_gpu": a 2-byte Mamba-2 tile's work
+# grows with the ring while its bytes barely do, slower than plain at L = 32 (NOTES: "coverage
+# (2026-12-04, sixth session)"; Triton folds instead).
 MOSAIC_MAX_CACHE_LEN: dict[tuple[str, int], int] = {("mamba2", 2): 16}
 # The fewest persistent CTAs per SM at which "auto" takes "mosaic_gpu" (every row above ran two or three).
 MOSAIC_MIN_CTAS_PER_SM = 2

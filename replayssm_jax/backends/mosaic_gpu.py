@@ -67,16 +67,15 @@ def default_params(cfg, batch: int, token_dtype, *, interpret: bool | None = Non
                    ) -> MosaicReplayParams | MosaicMamba2Params:
     """The kernel parameters a step uses when the caller gives none: as many persistent CTAs
     as fit on the device's SMs and the kernel's own barriers only (measured fastest on the
-    H200 at B = 128 and 512 for GDN and Mamba-2, `benchmarks/NOTES.md`), with `gpu_rebuild`
-    on a GPU (`interpret` false; default: off GPU; the tensor cores do not run in
-    interpret mode) and the exact rebuild off it. GDN with a 2-byte state and bf16 q, k
-    reads the tile out on tensor cores (`readout="mma"`: 348 -> 322 µs per cycle at B = 512,
-    L = 16 on the H200; with an fp32 state the tile's split into three parts made it
-    slower, 342 -> 494), takes its key side from XLA (`key_side="xla"`: 244 -> 221 µs
-    at B = 512 and 66 -> 60 at B = 128; with an fp32 state 338 -> 480) and recomputes its
-    buffers' addresses per tile (`per_tile_addresses`: 222 -> 207 µs at B = 512; with an
-    fp32 state 341 -> 350), except where it runs three warpgroups per CTA
-    (`warpgroups_for`)."""
+    H200 for GDN and Mamba-2), with `gpu_rebuild` on a GPU (`interpret` false; default: off
+    GPU; the tensor cores do not run in interpret mode) and the exact rebuild off it. GDN
+    with a 2-byte state and bf16 q, k reads the tile out on tensor cores (`readout="mma"`),
+    takes its key side from XLA (`key_side="xla"`) and recomputes its buffers' addresses
+    per tile (`per_tile_addresses`, except where it runs three warpgroups per CTA,
+    `warpgroups_for`): each measured faster there, and slower with an fp32 state, whose
+    tile the readout must split into three parts and whose step XLA's sums lengthen
+    (`benchmarks/NOTES.md`: "decode tensor-core readout", "GDN bf16 coverage with XLA's
+    key side", "per-tile addresses")."""
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     rebuild = "exact" if interpret else gpu_rebuild(cfg, token_dtype)
@@ -97,12 +96,11 @@ def default_params(cfg, batch: int, token_dtype, *, interpret: bool | None = Non
 
 def warpgroups_for(cfg, batch: int, token_dtype) -> int:
     """GDN decode's programs per CTA: `WARPGROUPS` where measured faster, 1 elsewhere. With
-    three warpgroups ptxas fits a thread in 167 registers (a 128-thread CTA takes ~250, two
-    per SM), so an SM runs three programs: bf16 state and q, k, L = 16 on the H200, B =
-    512: 207.4 -> 191.4 µs per cycle (staggered 218.7 -> 210.3), B = 256: 107.0 -> 102.4,
-    but B = 128: 56.2 -> 58.4 and B = 32: 16.9 -> 22.3 (fewer tiles per program, one CTA
-    per SM to hide them). fp32 tiles do not fit three programs' buffers; rings past 16 are
-    not measured."""
+    three warpgroups ptxas fits a thread in ~167 registers (a 128-thread CTA takes ~250,
+    two per SM), so an SM runs three programs: faster on the H200 from B = 256 with a bf16
+    state and q, k at L = 16; slower at B <= 128, where each program has fewer tiles and one
+    CTA per SM has none of another's to hide its own behind (NOTES: "three warpgroups per
+    CTA"). fp32 tiles do not fit three programs' buffers; rings past 16 are not measured."""
     two_byte = cfg.state_dtype.itemsize == 2 and jnp.dtype(token_dtype) == jnp.bfloat16
     measured = cfg.gate == "gdn" and two_byte and cfg.cache_len <= 16
     return WARPGROUPS if measured and batch >= WARPGROUPS_FROM_BATCH else 1
@@ -111,20 +109,19 @@ def warpgroups_for(cfg, batch: int, token_dtype) -> int:
 def verify_default_params(cfg, batch: int, width: int, token_dtype, *, interpret: bool | None = None
                           ) -> MosaicReplayParams | MosaicMamba2Params:
     """The verify kernel's parameters when the caller gives none. GDN: the tensor-core
-    readout where q and k are bf16 (`readout="mma"`: on the H200 at T = 4, B = 512 the
-    non-flush step went 907 -> 803 µs at fp32, L = 16, and 1112 -> 732 µs with a bf16
-    state); on a GPU (`interpret` false; default: off GPU) folds rebuilt by "3xtf32" where
-    its operands fit as many CTAs per SM as the exact rebuild's record copies (as the
-    decode kernel's `gpu_rebuild`) and the tile is not an fp32 one on persistent CTAs
-    (measured slower there), else exactly; persistent CTAs without Mosaic's barriers
-    where two or more fit per SM (the next tile's copies then hide behind another CTA's
-    work), else one CTA per tile (one persistent CTA per SM measured slower at L = 32);
-    with a 2-byte state and bf16 q, k, addresses recomputed per tile (`per_tile_addresses`:
-    kernel 527 -> 508 µs at bf16, L = 16, T = 4, B = 512); the window's key sums from XLA
-    (`key_side="xla"`) where only they make room for two persistent CTAs per SM (fp32, L =
-    32: non-flush 1341 -> 968 µs, 1.60x -> 2.09x conventional at 75%; where the kernel's
-    own fit two, XLA's sums cost more than they save: fp32 L = 16 802 -> 821 µs, bf16 596
-    -> 637). KDA and Mamba-2: one CTA per tile on CUDA cores, exact folds (their verify
+    readout where q and k are bf16 (`readout="mma"`); on a GPU (`interpret` false; default:
+    off GPU) folds rebuilt by "3xtf32" where its operands fit as many CTAs per SM as the
+    exact rebuild's record copies (as the decode kernel's `gpu_rebuild`) and the tile is
+    not an fp32 one on persistent CTAs (measured slower there), else exactly; persistent
+    CTAs without Mosaic's barriers where two or more fit per SM (the next tile's copies then
+    hide behind another CTA's work), else one CTA per tile (one persistent CTA per SM
+    measured slower); with a 2-byte state and bf16 q, k, addresses recomputed per tile
+    (`per_tile_addresses`); the window's key sums from XLA (`key_side="xla"`) only where
+    they make room for two persistent CTAs per SM (fp32, L = 32): where the kernel's own
+    fit two, XLA's gather and GEMM cost more than they save. Each choice is a measured line
+    of `benchmarks/NOTES.md` ("verify defaults", "verify tensor-core readout, measured",
+    "verify folds on tensor cores", "GDN verify with per-tile addresses", "verify key sums
+    from XLA"). KDA and Mamba-2: one CTA per tile on CUDA cores, exact folds (their verify
     kernels have no persistent form)."""
     if cfg.gate == "mamba2":
         return MosaicMamba2Params()
@@ -140,9 +137,8 @@ def verify_default_params(cfg, batch: int, width: int, token_dtype, *, interpret
         else "kernel"
     fits = lambda rebuild: ctas_per_sm(cta_bytes(rebuild, key_side), verify_decode.RESIDENT_CTAS)
     persistent = fits("exact") >= 2
-    # Measured (T = 4, B = 512): "3xtf32" cut the flush step 2052 -> 1539 µs at fp32, L = 32
-    # (one CTA per tile) and 1313 -> 860 with a bf16 state (persistent), but on persistent
-    # CTAs with an fp32 tile it slowed every step (non-flush 801 -> 878, flush unchanged).
+    # "3xtf32" shortened the flush step with one CTA per tile and with a bf16 tile, but on
+    # persistent CTAs with an fp32 tile it slowed every step (NOTES: "verify folds on tensor cores").
     fp32_persistent = persistent and cfg.state_dtype.itemsize == 4
     tensor_cores = not interpret and fits("3xtf32") >= fits("exact") and not fp32_persistent
     rebuild = "3xtf32" if tensor_cores else "exact"
@@ -189,20 +185,21 @@ def layer_step(
     interpret: bool | None = None,
 ) -> tuple[Float[Array, "B Hv Dv"], ReplayState]:
     """`backends.xla.layer_step` on the Mosaic GPU kernels; same arguments and results, plus
-    `kernel_params` (default `default_params`) and `interpret` (default: off GPU)."""
+    `kernel_params` (default `default_params`; with `launch_order` the kernel serves the
+    rows in the plan's launch order) and `interpret` (default: off GPU)."""
     cfg = state.config
     check_config(cfg)
     _check_params(kernel_params, MosaicReplayParams)
     kernel = replay_decode_kda_mgpu if cfg.per_channel_gate else replay_decode_mgpu
+    # One token dtype for q, k and v's buffers: bf16 only where all three are.
+    params = kernel_params or default_params(cfg, tokens.v.shape[0], jnp.result_type(tokens.q, tokens.v),
+                                             interpret=interpret)
     y, checkpoint, u_cache, k_cache, g_cache = kernel(
         state.checkpoint, state.u_cache, state.k_cache, state.g_cache,
         tokens.q, tokens.k, tokens.v, tokens.g, tokens.beta,
         plan.slot, plan.pos, common.row_modes(plan.valid, plan.flush),
-        use_qk_l2norm=use_qk_l2norm, scale=scale, gate_params=gate_params,
-        # One token dtype for q, k and v's buffers: bf16 only where all three are.
-        params=kernel_params or default_params(cfg, tokens.v.shape[0], jnp.result_type(tokens.q, tokens.v),
-                                               interpret=interpret),
-        interpret=interpret,
+        use_qk_l2norm=use_qk_l2norm, scale=scale, gate_params=gate_params, params=params,
+        row_order=plan.launch_order if params.launch_order else None, interpret=interpret,
     )
     return y, dataclasses.replace(state, checkpoint=checkpoint, u_cache=u_cache, k_cache=k_cache, g_cache=g_cache)
 
@@ -217,17 +214,17 @@ def mamba2_layer_step(
     interpret: bool | None = None,
 ) -> tuple[Float[Array, "B H P"], ReplayState]:
     """`backends.xla.mamba2_layer_step` on the Mosaic GPU kernel (`tokens: Mamba2Tokens`,
-    `params: Mamba2Params`); plus `kernel_params` (default `default_params`) and
-    `interpret` (default: off GPU)."""
+    `params: Mamba2Params`); plus `kernel_params` (default `default_params`; with
+    `launch_order`, the plan's launch order) and `interpret` (default: off GPU)."""
     cfg = state.config
     check_config(cfg)
     _check_params(kernel_params, MosaicMamba2Params)
+    kernel_params = kernel_params or default_params(cfg, tokens.x.shape[0], tokens.x.dtype, interpret=interpret)
     y, checkpoint, x_cache, b_cache, dt_cache = mamba2_replay_decode_mgpu(
         state.checkpoint, state.u_cache, state.k_cache, state.g_cache,
         tokens.x, tokens.B, tokens.C, tokens.dt, params.A, params.D, params.dt_bias,
         plan.slot, plan.pos, common.row_modes(plan.valid, plan.flush),
-        z=tokens.z, dt_softplus=params.dt_softplus, dt_limit=params.dt_limit,
-        params=kernel_params or default_params(cfg, tokens.x.shape[0], tokens.x.dtype, interpret=interpret),
-        interpret=interpret,
+        z=tokens.z, dt_softplus=params.dt_softplus, dt_limit=params.dt_limit, params=kernel_params,
+        row_order=plan.launch_order if kernel_params.launch_order else None, interpret=interpret,
     )
     return y, dataclasses.replace(state, checkpoint=checkpoint, u_cache=x_cache, k_cache=b_cache, g_cache=dt_cache)
