@@ -693,8 +693,8 @@ def sweep_cells(result, grid, timer, args, best, deadline, policies) -> None:
             break
         cfg = shp.config(L, dt)
         default = R.default_flush_policy(cfg, b)
-        cell = [default] + ([FlushPolicy.NATURAL] if "natural" in policies and default is not
-                            FlushPolicy.NATURAL and L > 1 else [])
+        cell = [default] + [policy for policy in (FlushPolicy.NATURAL, FlushPolicy.EVERY_STEP)
+                            if policy.value in policies and policy is not default and L > 1]
         rows = []
         for policy in cell:
             try:
@@ -747,7 +747,7 @@ def parse_args(argv):
     p.add_argument("--extra", default="hv64,kda", help="extra grids: hv64 (H_v=64, L=16), kda (L=16), mamba2 (the mamba2 section's grid)")
     p.add_argument("--policies", default="default",
                    help="flush policies per sweep cell: 'default' (default_flush_policy), and with "
-                        "'default,natural' also the natural (replay) policy where the default differs")
+                        "'natural' or 'every_step' in the list also that policy where the default differs")
     p.add_argument("--kda-batches", default="1,8,128,512", help="batches of the kda extra grid")
     p.add_argument("--steps-cases", default="512:16,512:32,128:16,8:16")
     p.add_argument("--mamba2-batches", default="1,8,32,128,512", help="batches of the mamba2 section")

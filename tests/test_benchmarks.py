@@ -30,7 +30,7 @@ def test_decode_bench_smoke_writes_every_section(tmp_path):
     out = tmp_path / "bench.json"
     result = decode_bench.main([
         "--smoke", "--sections", "check,steps,sweep,debug", "--batches", "2", "--cache-lens", "1,4",
-        "--extra", "kda", "--policies", "default,natural", "--out", str(out),
+        "--extra", "kda", "--policies", "default,natural,every_step", "--out", str(out),
     ])
     saved = json.loads(out.read_text())
     assert saved["rows"] == json.loads(json.dumps(result["rows"]))
