@@ -72,10 +72,11 @@ def default_params(cfg, batch: int, token_dtype, *, interpret: bool | None = Non
     with a 2-byte state and bf16 q, k reads the tile out on tensor cores (`readout="mma"`),
     takes its key side from XLA (`key_side="xla"`) and recomputes its buffers' addresses
     per tile (`per_tile_addresses`, except where it runs three warpgroups per CTA,
-    `warpgroups_for`): each measured faster there, and slower with an fp32 state, whose
-    tile the readout must split into three parts and whose step XLA's sums lengthen
-    (`benchmarks/NOTES.md`: "decode tensor-core readout", "GDN bf16 coverage with XLA's
-    key side", "per-tile addresses")."""
+    `warpgroups_for`): each made the kernel faster there and slower with an fp32 state
+    (whose tile the readout must split into three parts). The kernel times left out the
+    XLA pass that the readout's staging and XLA's key side add before the launch, to be
+    re-timed (`benchmarks/NOTES.md`: "decode tensor-core readout", "per-tile addresses",
+    "step timing with XLA's side inputs")."""
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     rebuild = "exact" if interpret else gpu_rebuild(cfg, token_dtype)
