@@ -17,6 +17,11 @@ P = 64, N = 128, G = 8, on mosaic_gpu only: pallas_triton has no Mamba-2 verify)
                 and appends; mosaic_gpu: the one verify kernel and XLA's scatter of folding
                 rows' key and gate records, Mamba-2: B and dt).
   flush         the same with write_pos = L (every row folds its whole ring first).
+  staggered     (--staggered) the same with each slot at a random write_pos in 0..L, so a
+                step mixes folding rows (write_pos + T > L, about T / (L + 1) of them) with
+                appending ones, as a serving engine's steps do; `staggered_vs_mix` is its
+                time over that mix of the flush and (costliest) non-flush steps' times: above
+                1 where the folding rows' work is spread unevenly over the kernel's programs.
   amortised     per verify step at acceptance 50 / 75 / 100 % of T (the bonus token
                 included, n = max(1, round(a T)) records accepted per step): the flush
                 frequency follows from the capacity rule (a row folds when write_pos + T > L)
@@ -250,7 +255,8 @@ def conventional_bytes(cfg: R.ReplayConfig, batch: int, width: int) -> int:
     return batch * width * (2 * hv * dv * dk * cfg.state_dtype.itemsize + token_bytes(cfg))
 
 
-def bench_row(timer, shape, dtype, cache_len, width, batch, bandwidth, iterations, smoke, backends) -> dict:
+def bench_row(timer, shape, dtype, cache_len, width, batch, bandwidth, iterations, smoke, backends,
+              staggered: bool = False) -> dict:
     cfg = shape.config(cache_len, dtype)
     rng = np.random.default_rng(batch * 100 + cache_len * 10 + width)
     sets, num_slots = slot_sets(batch, cfg.state_bytes_per_slot(), rng, smoke)
@@ -276,21 +282,25 @@ def bench_row(timer, shape, dtype, cache_len, width, batch, bandwidth, iteration
         row[f"{kind}_floor_us"] = nbytes / (bandwidth * 1e9) * 1e6
     row["conventional_bytes"] = conventional_bytes(cfg, batch, width)
     row["conventional_floor_fraction"] = row["conventional_bytes"] / (bandwidth * 1e9) * 1e6 / row["conventional_us"]
-    row["backends"] = {b: backend_times(timer, b, cfg, num_slots, sets, windows, reps, row, iterations, smoke)
-                       for b in backends}
+    row["backends"] = {b: backend_times(timer, b, cfg, num_slots, sets, windows, reps, row, iterations, smoke,
+                                        staggered) for b in backends}
     return row
 
 
-def backend_times(timer, backend, cfg, num_slots, sets, windows, reps, row, iterations, smoke) -> dict:
+def backend_times(timer, backend, cfg, num_slots, sets, windows, reps, row, iterations, smoke,
+                  staggered: bool = False) -> dict:
     """One backend's non-flush and flush step times, floor fractions and the amortised cost
     per verify step at each acceptance rate (`row` holds the bytes and the conventional
-    time)."""
+    time); with `staggered`, also a step of slots at random cursors against its mix."""
     cache_len, width = row["L"], row["T"]
     steps = reps * len(sets)
     name, kernel_params = backend_params(backend, cfg, row["B"], width)
     out = {} if kernel_params is None else dict(kernel_params=dataclasses.asdict(kernel_params))
-    for kind, cursor in (("nonflush", cache_len - width), ("flush", cache_len)):
-        state = random_pool(cfg, num_slots, jax.random.key(1), np.full(num_slots, cursor))
+    kinds = [("nonflush", np.full(num_slots, cache_len - width)), ("flush", np.full(num_slots, cache_len))]
+    if staggered:
+        kinds.append(("staggered", np.random.default_rng(7).integers(0, cache_len + 1, num_slots)))
+    for kind, cursors in kinds:
+        state = random_pool(cfg, num_slots, jax.random.key(1), cursors)
         fn = verify_fn(name, smoke, reps, mamba2_heads(cfg), kernel_params)  # the flush step reuses its compile
         verify_args = (state, jnp.asarray(sets), windows)
         if smoke:
@@ -304,7 +314,12 @@ def backend_times(timer, backend, cfg, num_slots, sets, windows, reps, row, iter
             out[f"{kind}_all_kernels_us"] = statistics.median(sum(us for _, us in run) / steps for run in runs)
             main = MAMBA2_MAIN_KERNEL if cfg.gate_kind.additive else MAIN_KERNEL[name]
             out[f"{kind}_main_kernel_us"] = statistics.median(us for run in runs for name, us in run if main in name)
-        out[f"{kind}_floor_fraction"] = row[f"{kind}_floor_us"] / out[f"{kind}_us"]
+        if kind != "staggered":
+            out[f"{kind}_floor_fraction"] = row[f"{kind}_floor_us"] / out[f"{kind}_us"]
+    if staggered:
+        folding = float(np.mean(kinds[-1][1][np.asarray(sets)] + width > cache_len))
+        out["staggered_fold_fraction"] = folding
+        out["staggered_vs_mix"] = out["staggered_us"] / (folding * out["flush_us"] + (1 - folding) * out["nonflush_us"])
     for a in ACCEPTANCE:
         accepted = max(1, round(a * width))
         f = flush_fraction(cache_len, width, accepted)
@@ -371,6 +386,8 @@ def main(argv=None) -> dict:
     p.add_argument("--iterations", type=int, default=3)
     p.add_argument("--checks", default="float32:16",
                    help="state dtype:L pairs checked against xla before timing, e.g. float32:16,bfloat16:32")
+    p.add_argument("--staggered", action="store_true",
+                   help="also time a step of slots at random cursors (folding and appending rows mixed)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode, wall clock (CPU)")
     args = p.parse_args(argv)
     start = time.time()
@@ -404,7 +421,7 @@ def main(argv=None) -> dict:
             break
         try:
             row = bench_row(timer, shape, dt, L, t, b, meta["copy_bandwidth_GBps"], args.iterations, args.smoke,
-                            backends)
+                            backends, args.staggered)
         except Exception as err:  # keep the rest of the grid; the error is in the log
             print(f"FAILED {dt.name} L={L} T={t} B={b}: {err!r}"[:2000], flush=True)
             continue

@@ -72,7 +72,7 @@ from pallas_kernels.mosaic_gpu.verify_decode_kda import verify_decode_kda_mgpu
 from pallas_kernels.mosaic_gpu.verify_decode_mamba2 import mamba2_verify_decode_mgpu
 from pallas_kernels.verify_readout import VerifyReadoutParams, verify_readout
 from replayssm_jax.backends import auto, mosaic_gpu, pallas_triton, xla
-from replayssm_jax.plan import plan_step
+from replayssm_jax.plan import launch_order, plan_step
 from replayssm_jax.state import ReplayState, check_state
 from replayssm_jax.tokens import Mamba2Params, Mamba2Tokens, Tokens, check_gate_params
 from replayssm_jax.validation import check_array, check_slots, concrete_or_none, debug_check
@@ -471,11 +471,15 @@ def _mosaic_verify(state, window: Tokens, plan, fold, in_window, anc, *, use_qk_
     cfg = state.config
     window = xla.gate_tokens(cfg, window, gate_params)
     kernel = verify_decode_kda_mgpu if cfg.per_channel_gate else verify_decode_mgpu
+    # The GDN kernel's rows in a launch order, folding rows first (the plan's order is the
+    # decode flush's); the KDA kernel refuses `launch_order`.
+    order = (dict(row_order=launch_order(plan.valid, plan.pos, fold, cfg.cache_len))
+             if kernel_params.launch_order and not cfg.per_channel_gate else {})
     y, checkpoint, u_cache, k_cache, g_cache = kernel(
         state.checkpoint, state.u_cache, state.k_cache, state.g_cache,
         window.q, window.k, window.v, window.g, window.beta,
         plan.slot, plan.pos, common.row_modes(plan.valid, fold), in_window.sum(axis=1), anc,
-        use_qk_l2norm=use_qk_l2norm, scale=scale, params=kernel_params, interpret=interpret)
+        use_qk_l2norm=use_qk_l2norm, scale=scale, params=kernel_params, interpret=interpret, **order)
     # The kernel leaves a folding row's key and gate records to us: its other CTAs may still
     # read the history these records overwrite. They go to 0 .. length - 1.
     _, k = gating.prepare_qk(window.q, window.k, use_qk_l2norm=use_qk_l2norm, scale=scale)

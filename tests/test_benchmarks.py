@@ -194,18 +194,21 @@ def test_verify_bench_smoke_writes_its_rows(tmp_path, gate):
 
 def test_verify_bench_runs_mosaic_kernel_options(tmp_path):
     """A `mosaic_gpu:` backend entry runs the GDN verify kernel as persistent CTAs without
-    Mosaic's barriers and with the tensor-core readout (its products as dots in interpret
-    mode), checked against xla and timed beside the default."""
-    variant = "mosaic_gpu:programs=fit+auto_barriers=false+readout=mma"
-    result = verify_bench.main(["--smoke", "--batches", "2", "--cache-lens", "8", "--widths", "2",
+    Mosaic's barriers, with the tensor-core readout (its products as dots in interpret
+    mode) and the rows in launch order, checked against xla and timed beside the default,
+    also at staggered cursors."""
+    variant = "mosaic_gpu:programs=fit+auto_barriers=false+readout=mma+launch_order=true"
+    result = verify_bench.main(["--smoke", "--batches", "2", "--cache-lens", "8", "--widths", "2", "--staggered",
                                 "--backends", f"mosaic_gpu,{variant}", "--out", str(tmp_path / "v.json")])
     (row,) = result["rows"]
     assert row["backends"][variant]["kernel_params"] == dict(swizzle=128, rebuild="exact", programs=4,
                                                              auto_barriers=False,  # 2 rows x 2 heads x 1 tile
                                                              readout="mma", group_records=None, chunk=0,
                                                              key_side="kernel", per_tile_addresses=False, warpgroups=1,
-                                                             launch_order=False)
+                                                             launch_order=True)
     assert row["backends"][variant]["nonflush_us"] > 0
+    assert all(times["staggered_us"] > 0 and 0 <= times["staggered_fold_fraction"] <= 1
+               for times in row["backends"].values())
     errors = result["check"]["backends"][variant]
     assert errors.pop("write_pos_equal") and max(errors.values()) < 1e-4, errors
     with pytest.raises(ValueError, match="GDN mosaic_gpu verify kernel"):

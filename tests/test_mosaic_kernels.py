@@ -443,7 +443,7 @@ def test_backend_refuses_other_gates_and_shapes():
 
 def test_row_order_goes_with_launch_order(rng):
     """A row order is given exactly when `launch_order` asks for one, and must be a
-    permutation of the rows; the verify kernels serve rows in their order."""
+    permutation of the rows; the one-CTA-per-tile verify kernels (KDA, Mamba-2) refuse it."""
     from pallas_kernels.mosaic_gpu.verify_decode import check_params
 
     ckpt, u_c, k_c, g_c, q, k, v, g, beta = _inputs(rng, jnp.float32, jnp.float32, False)
@@ -460,8 +460,9 @@ def test_row_order_goes_with_launch_order(rng):
         step(params=MosaicReplayParams(programs=3, launch_order=True), row_order=jnp.arange(rows + 1))
     with pytest.raises(ValueError, match="launch_order must be a bool"):
         MosaicReplayParams(launch_order=1)
+    check_params(MosaicReplayParams(programs=4, launch_order=True), "gdn", pipelined=True)
     with pytest.raises(ValueError, match="launch_order must be False"):
-        check_params(MosaicReplayParams(programs=4, launch_order=True), "gdn", pipelined=True)
+        check_params(MosaicReplayParams(launch_order=True), "kda")
 
 
 def test_kda_shape_checks_name_the_bad_size():

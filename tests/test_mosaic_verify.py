@@ -124,6 +124,7 @@ def _ancestors(parents):
     ("gdn", MosaicReplayParams(programs=6, auto_barriers=False, warpgroups=3)),  # 2 CTAs of 3 programs
     ("gdn", MosaicReplayParams(programs=3, auto_barriers=False, readout="mma", per_tile_addresses=True,
                                warpgroups=3)),
+    ("gdn", MosaicReplayParams(programs=5, auto_barriers=False, launch_order=True)),
 ])
 def test_verify_matches_the_float64_model(rng, gate, params, state_dtype):
     """GDN also as persistent CTAs without Mosaic's barriers: each CTA serves several tiles
@@ -133,7 +134,8 @@ def test_verify_matches_the_float64_model(rng, gate, params, state_dtype):
     opaque zero (`per_tile_addresses`); and with the window's key sums from XLA
     (`key_side="xla"`: the stale ring entries' Inf reach those sums, and the kernel must
     mask them); and as three programs per CTA, one per warpgroup, each on its own slice of
-    the buffers and barriers (`warpgroups=3`)."""
+    the buffers and barriers (`warpgroups=3`); and serving the rows in a random order
+    (`launch_order`)."""
     kernel = verify_decode_kda_mgpu if gate == "kda" else verify_decode_mgpu
     ckpt, u_c, k_c, g_c, q, k, v, g, beta, parents = _inputs(rng, state_dtype, state_dtype, gate == "kda")
     qk_dtype = jnp.bfloat16 if params.readout == "mma" else jnp.float32
@@ -142,7 +144,8 @@ def test_verify_matches_the_float64_model(rng, gate, params, state_dtype):
         jnp.asarray(ckpt, state_dtype), jnp.asarray(u_c, state_dtype), jnp.asarray(k_c, state_dtype),
         jnp.asarray(g_c), jnp.asarray(q, qk_dtype), jnp.asarray(k, qk_dtype), *(jnp.asarray(x) for x in (v, g, beta)),
         jnp.asarray(SLOTS), jnp.asarray(POS), jnp.asarray(MODES), jnp.asarray(LENGTHS),
-        jnp.asarray(_ancestors(parents), bool), use_qk_l2norm=True, params=params, interpret=True)
+        jnp.asarray(_ancestors(parents), bool), use_qk_l2norm=True, params=params, interpret=True,
+        **(dict(row_order=jnp.asarray(rng.permutation(len(SLOTS)), jnp.int32)) if params.launch_order else {}))
     want = _model(ckpt, u_c, k_c, g_c, q, k, v, g, beta, parents, state_dtype=state_dtype)
     # fp32: float64 sums vs fp32 FMAs in another order (~1e-6 of the largest entry).
     # bf16 state and caches: the inputs are the rounded values in both, the stores round
@@ -406,14 +409,17 @@ def test_kda_refuses_shapes_it_cannot_take():
         _lower_for_h200("kda", jnp.float32, 96, 4)
 
 
-@pytest.mark.parametrize("gate,state_dtype,raw", [
-    ("gdn", jnp.float32, True), ("gdn", jnp.bfloat16, False), ("kda", jnp.float32, True), ("kda", jnp.bfloat16, False),
+@pytest.mark.parametrize("gate,state_dtype,raw,params", [
+    ("gdn", jnp.float32, True, None), ("gdn", jnp.bfloat16, False, None), ("kda", jnp.float32, True, None),
+    ("kda", jnp.bfloat16, False, None),
+    ("gdn", jnp.float32, False, MosaicReplayParams(programs=2, auto_barriers=False, launch_order=True)),
 ])
-def test_backend_verify_and_accept_match_xla(rng, gate, state_dtype, raw):
+def test_backend_verify_and_accept_match_xla(rng, gate, state_dtype, raw, params):
     """`verify_step(backend="mosaic_gpu")` against the xla backend through rounds of
     verify and accept (0..length tokens per row, chains and trees), with a padding row and
     rows that fold by the capacity rule, each backend on its own state; raw gates (gated
-    by the backend) or activated ones."""
+    by the backend) or activated ones; `params`: the kernel's (two persistent programs
+    serving the rows folding ones first) or its defaults."""
     from replayssm_jax import ReplayConfig, Tokens, accept, init_state, materialize_state, verify_step
 
     cfg = ReplayConfig(1, 2, 64, 64, 8, gate=gate, state_dtype=state_dtype, cache_dtype=state_dtype)
@@ -421,13 +427,15 @@ def test_backend_verify_and_accept_match_xla(rng, gate, state_dtype, raw):
     start = jnp.asarray(rng.standard_normal((4, 2, 64, 64)) * 0.1, state_dtype)
     states = {b: init_state(cfg, 4, checkpoint=start) for b in ("xla", "mosaic_gpu")}
     slots = jnp.asarray([2, -1, 0, 3], jnp.int32)
-    verify = jax.jit(verify_step, static_argnames=("backend", "use_qk_l2norm"))
+    verify = jax.jit(verify_step, static_argnames=("backend", "use_qk_l2norm", "kernel_params"))
     # fp32: two summation orders (~1e-7 relative). bf16: both backends round the stores to
     # bf16, and an entry that rounds differently differs by one bf16 ulp.
     tol = 1e-5 if state_dtype == jnp.float32 else 2e-2
     folds = 0
     dt_bias = jnp.broadcast_to(jnp.asarray([0.5, -1.0]).reshape(2, *(1,) * len(channels)), (2, *channels))
-    for round_ in range(8):
+    for round_ in range(24):  # at least 8 rounds, then until a row has folded
+        if round_ >= 8 and folds:
+            break
         f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
         g = f(4, T, 2, *channels) if raw else -jnp.abs(f(4, T, 2, *channels)) * 0.2
         window = Tokens(f(4, T, 1, 64), f(4, T, 1, 64), f(4, T, 2, 64), g,
@@ -441,7 +449,8 @@ def test_backend_verify_and_accept_match_xla(rng, gate, state_dtype, raw):
         folds += int(np.sum((np.asarray(slots) >= 0) & (cursors + lengths > cfg.cache_len)))
         ys = {}
         for b in states:
-            ys[b], states[b] = verify(states[b], window, slots, backend=b, use_qk_l2norm=True, **extra)
+            ys[b], states[b] = verify(states[b], window, slots, backend=b, use_qk_l2norm=True,
+                                      kernel_params=params if b == "mosaic_gpu" else None, **extra)
         np.testing.assert_allclose(np.asarray(ys["mosaic_gpu"], np.float32), np.asarray(ys["xla"], np.float32),
                                    atol=tol, rtol=tol, err_msg=f"y in round {round_}")
         counts = jnp.asarray(rng.integers(0, lengths + 1), jnp.int32)

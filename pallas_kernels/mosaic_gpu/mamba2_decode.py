@@ -111,7 +111,8 @@ class MosaicMamba2Params:
         (default): grouped where that fits more persistent CTAs per SM in shared memory
         (`pipeline.grouped_fits_more`: fp32 rings of 32), as `MosaicReplayParams`.
       launch_order: serve the rows in the caller's `row_order` (the backend's plan's launch
-        order), as `MosaicReplayParams.launch_order`; the verify kernel refuses it.
+        order), as `MosaicReplayParams.launch_order`; the Mamba-2 verify kernel (one CTA per
+        tile) refuses it.
     """
 
     swizzle: int = 128

@@ -156,10 +156,10 @@ class MosaicReplayParams:
         tensor-core rebuild's operands get a buffer per program instead of the union with
         the tile (programs cannot share a union).
       launch_order: False (default) serves the rows in their order; True in the caller's
-        `row_order` (the decode kernels: the backend passes its plan's launch order, the
-        costliest rows first), so that rows which flush (about twice a tile's work) are
-        dealt evenly over the persistent programs instead of where their index falls
-        (`pipeline.serve_tiles`).
+        `row_order` (the backends pass the plan's launch order, the costliest rows first:
+        flushing rows in decode, folding rows in verify), so that those rows (about twice
+        a tile's work) are dealt evenly over the persistent programs instead of where their
+        index falls (`pipeline.serve_tiles`). GDN and KDA decode, GDN verify.
     """
 
     swizzle: int = 128
@@ -209,7 +209,7 @@ def check_own_layout(params, kernel: str, *, per_tile_addresses: bool = False, k
     """Raise ValueError if `params` sets `group_records`, an option of the GDN and Mamba-2
     decode kernels that a kernel with its own record layout (KDA decode, verify) ignores,
     or `per_tile_addresses`, `key_side`, `warpgroups` or `launch_order` unless the kernel
-    takes it (the GDN verify kernel takes the first three, KDA decode the last)."""
+    takes it (the GDN verify kernel takes all four, KDA decode the last)."""
     if getattr(params, "group_records", None) is not None:
         raise ValueError(f"{kernel} lays out its records itself: group_records must be None, got "
                          f"{params.group_records!r}")

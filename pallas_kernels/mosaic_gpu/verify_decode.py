@@ -73,8 +73,8 @@ from pallas_kernels.common import L2NORM_EPS, MODE_APPEND, MODE_FLUSH, MODE_PAD
 from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA, bcast_cols, bcast_rows, check_smem,
                                                col_sum, copy_record_rows, copy_replay_tile, load_transposed,
                                                record_copies, replay_scratch, row_sum, smem_bytes, tiled)
-from pallas_kernels.mosaic_gpu.pipeline import (STAGES, group_shared, kernel_scratch, programs_that_fit, serve_tiles,
-                                                tile_buffers, tile_grid)
+from pallas_kernels.mosaic_gpu.pipeline import (STAGES, group_shared, kernel_scratch, launch_order_input,
+                                                programs_that_fit, serve_tiles, tile_buffers, tile_grid)
 from pallas_kernels.mosaic_gpu.readout import column, stage_vectors, tile_parts, tile_products, vector_rows
 from pallas_kernels.mosaic_gpu.rebuild import check_rebuild, rebuild_operands
 from pallas_kernels.mosaic_gpu.replay_decode import (MosaicReplayParams, check_fma_readout, check_mma_readout,
@@ -363,9 +363,10 @@ def stage_copies(readout: str, xla_side: bool = False) -> int:
 
 def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_ref, *refs,
             width, group_size, tiles, num_programs, chunk, readout, parts, rebuild, xla_side, program_scratch, per_tile,
-            warpgroups, interpret):
-    # Inputs, the window's raw vectors first with the "mma" readout and the key sums from
-    # XLA; outputs; scratch.
+            warpgroups, ordered, interpret):
+    # Inputs, the row order, the window's raw vectors with the "mma" readout and the key
+    # sums from XLA first; outputs; scratch.
+    order_ref, *refs = refs if ordered else (None, *refs)
     xw_ref, *refs = refs if readout == "mma" else (None, *refs)
     side_ref, *refs = refs if xla_side else (None, *refs)
     ckpt_ref, ucache_ref, kcache_ref, gcache_ref, y_ref, *all_scratch = refs
@@ -523,7 +524,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
             plgpu.copy_smem_to_gmem(o_smem, y_ref.at[b, :, h, rows])
 
     serve_tiles(batch, num_v_heads, tiles, num_programs, issue, compute, group_size=group_size, chunk=chunk,
-                warpgroups=warpgroups)
+                warpgroups=warpgroups, row_order=order_ref)
 
 
 def check_params(params, kernel: str, *, pipelined: bool = False) -> None:
@@ -532,7 +533,8 @@ def check_params(params, kernel: str, *, pipelined: bool = False) -> None:
     runs one CTA per tile, keeps Mosaic's barriers and reads out on CUDA cores; its records'
     layout is its own (`group_records` None). `params`: a `MosaicReplayParams` or a
     `MosaicMamba2Params`."""
-    check_own_layout(params, kernel, per_tile_addresses=pipelined, key_side=pipelined, warpgroups=pipelined)
+    check_own_layout(params, kernel, per_tile_addresses=pipelined, key_side=pipelined, warpgroups=pipelined,
+                     launch_order=pipelined)
     if pipelined:
         return
     if getattr(params, "rebuild", "exact") != "exact":
@@ -575,7 +577,7 @@ def persistent_programs(batch: int, width: int, num_v_heads: int, head_v_dim: in
 @functools.lru_cache(maxsize=None)
 def _build(batch, width, num_v_heads, head_v_dim, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y_dtype,
            group_size, swizzle, programs, auto_barriers, readout, rebuild, chunk, per_tile_addresses, xla_side,
-           warpgroups, interpret):
+           warpgroups, ordered, interpret):
     tiles = head_v_dim // BLOCK_ROWS
     num_tiles = batch * num_v_heads * tiles
     warpgroups = min(warpgroups, num_tiles)  # every program serves at least one tile
@@ -588,7 +590,7 @@ def _build(batch, width, num_v_heads, head_v_dim, head_k_dim, cache_len, state_d
     body = functools.partial(_kernel, width=width, group_size=group_size, tiles=tiles, num_programs=num_programs,
                              chunk=chunk, readout=readout, parts=tile_parts(state_dtype), rebuild=rebuild,
                              xla_side=xla_side, program_scratch=view,
-                             per_tile=per_tile_addresses, warpgroups=warpgroups, interpret=interpret)
+                             per_tile=per_tile_addresses, warpgroups=warpgroups, ordered=ordered, interpret=interpret)
     return plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((batch, width, num_v_heads, head_v_dim), y_dtype),
@@ -619,6 +621,7 @@ def verify_decode_mgpu(
     use_qk_l2norm: bool = False,
     scale: float | None = None,
     params: MosaicReplayParams = MosaicReplayParams(),
+    row_order: Int[Array, " B"] | None = None,
     interpret: bool | None = None,
 ):
     """Verify one GDN draft window per row on Mosaic GPU: `window_coefficients` in XLA, then
@@ -636,6 +639,8 @@ def verify_decode_mgpu(
       params: the checkpoint tile's swizzle, persistent CTAs, automatic barriers, the folds'
         rebuild and the readout (`MosaicReplayParams`; tensor-core rebuilds need a GPU;
         readout "mma" takes bf16 q and k, and interpret mode computes its products as dots).
+      row_order: `[B]` the order rows are served in (folding rows first, as the decode
+        kernels' launch order), given iff `params.launch_order`.
       interpret: run in Mosaic GPU interpret mode (default: off GPU).
 
     Returns:
@@ -659,6 +664,7 @@ def verify_decode_mgpu(
         interpret = jax.default_backend() != "gpu"
     check_rebuild(params.rebuild, cache_len, interpret)
     check_mma_readout(params, q.dtype, "verify_decode_mgpu")
+    order = launch_order_input(params, row_order, batch, "verify_decode_mgpu")
     length = length.astype(jnp.int32)
     coef = window_coefficients(q, k, g, beta, anc.astype(bool), length, use_qk_l2norm=bool(use_qk_l2norm),
                                scale=float(head_k_dim ** -0.5 if scale is None else scale))
@@ -667,11 +673,11 @@ def verify_decode_mgpu(
     kernel = _build(batch, width, num_v_heads, head_v_dim, head_k_dim, cache_len, checkpoint.dtype, u_cache.dtype,
                     q.dtype, v.dtype, num_v_heads // q.shape[2], params.swizzle, params.programs,
                     params.auto_barriers, params.readout, params.rebuild, params.chunk, params.per_tile_addresses,
-                    params.key_side == "xla", params.warpgroups, bool(interpret))
+                    params.key_side == "xla", params.warpgroups, bool(order), bool(interpret))
     refs = [jax.new_ref(x) for x in (checkpoint, u_cache, k_cache, g_cache)]
     i32 = lambda x: x.astype(jnp.int32)
     vectors = [window_vectors(q, k, length)] if params.readout == "mma" else []
     if params.key_side == "xla":
         vectors.append(window_key_values(q, k, k_cache, slot, length))
-    y = kernel(i32(slot), i32(pos), i32(mode), length, q, k, v, coef, *vectors, *refs)
+    y = kernel(i32(slot), i32(pos), i32(mode), length, q, k, v, coef, *order, *vectors, *refs)
     return (y, *(jax.freeze(r) for r in refs))
