@@ -412,13 +412,15 @@ def kda_row(timer, args, cfg, batch, rng, staggered, variant, plain_us, policy, 
 
 def print_table(rows):
     print(f"{'gate':>6} {'dtype':>8} {'L':>3} {'B':>4} {'cursors':>9} {'variant':>14} {'plain':>8} {'tri cyc':>8} "
-          f"{'mgpu nf':>8} {'mgpu fl':>8} {'mgpu cyc':>8} {'floor':>8} {'m/floor':>7} {'m vs pl':>7} {'m vs tri':>8}")
+          f"{'mgpu nf':>8} {'mgpu fl':>8} {'mgpu cyc':>8} {'of it xla':>9} {'floor':>8} {'m/floor':>7} {'m vs pl':>7} "
+          f"{'m vs tri':>8}")
     for r in rows:
         f = lambda x: f"{x:8.1f}" if x is not None else f"{'-':>8}"
         print(f"{r['gate']:>6} {r['state_dtype']:>8} {r['cache_len']:>3} {r['batch']:>4} {r['cursors']:>9} "
               f"{r.get('mosaic_variant', 'default'):>14} "
               f"{f(r['plain_us'])} {f(r['triton_cycle_us'])} {f(r['mosaic_nonflush_us'])} {f(r['mosaic_flush_us'])} "
-              f"{f(r['mosaic_cycle_us'])} {f(r['cycle_floor_us'])} {r['mosaic_floor_fraction']:7.2f} "
+              f"{f(r['mosaic_cycle_us'])} {f(r.get('mosaic_xla_side_us')):>9} {f(r['cycle_floor_us'])} "
+              f"{r['mosaic_floor_fraction']:7.2f} "
               f"{r['mosaic_vs_plain']:7.2f} {r['mosaic_vs_triton']:8.2f}")
 
 

@@ -223,7 +223,6 @@ def check_own_layout(params, kernel: str, *, per_tile_addresses: bool = False, k
         raise ValueError(f"{kernel} serves its rows in their order: launch_order must be False")
 
 
-
 def check_fma_readout(params, kernel: str) -> None:
     """Raise ValueError unless `params` reads out on CUDA cores ("mma" is the GDN kernels';
     parameters without a readout, `MosaicMamba2Params`, pass)."""
