@@ -107,6 +107,15 @@ def mamba2_params(heads: int) -> R.Mamba2Params:
 # ----------------------------------------------------------------------------- timing
 
 
+def kernel_runs(fn, args, iterations: int) -> list[list[tuple[str, float]]]:
+    """CUPTI `(kernel name, µs)` of each of `iterations` runs of `fn(*args)`."""
+    from jax.experimental.mosaic.gpu import profiler
+
+    _, runs = profiler.measure(fn, aggregate=False, iterations=iterations)(*args)
+    runs = runs if iterations > 1 else [runs]
+    return [[(name, ms * 1e3) for name, ms in run] for run in runs]
+
+
 class Timer:
     """Per-kernel GPU times (µs) of one call: CUPTI on a GPU, wall clock in smoke mode."""
 
@@ -118,11 +127,8 @@ class Timer:
             t0 = time.perf_counter()
             jax.block_until_ready(fn(*args))
             return [(time.perf_counter() - t0) * 1e6]
-        from jax.experimental.mosaic.gpu import profiler
-
-        _, runs = profiler.measure(fn, aggregate=False, iterations=iterations)(*args)
-        runs = runs if iterations > 1 else [runs]
-        times = [[ms * 1e3 for kname, ms in run if name in kname] for run in runs]
+        runs = kernel_runs(fn, args, iterations)
+        times = [[us for kname, us in run if name in kname] for run in runs]
         if not times[0]:
             names = sorted({kname for kname, _ in runs[0]})
             raise RuntimeError(f"no kernel named {name!r} among {names}")
@@ -135,11 +141,7 @@ class Timer:
         """µs of all of `fn`'s kernels together, one figure per run (smoke: one wall-clock call)."""
         if self.smoke:
             return self.kernel_times(fn, args, "", 1)
-        from jax.experimental.mosaic.gpu import profiler
-
-        _, runs = profiler.measure(fn, aggregate=False, iterations=iterations)(*args)
-        runs = runs if iterations > 1 else [runs]
-        return [sum(ms * 1e3 for _, ms in run) for run in runs]
+        return [sum(us for _, us in run) for run in kernel_runs(fn, args, iterations)]
 
 
 def copy_bandwidth_GBps(timer: Timer, num_bytes: int = 2 << 30) -> float:

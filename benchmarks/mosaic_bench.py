@@ -157,23 +157,22 @@ def time_xla_side(timer, cfg, params, k_cache, sets, token, iterations) -> float
     return statistics.median(timer.run_totals(fn, (k_cache, sets, token), iterations)) / sets.shape[0]
 
 
-def time_mosaic(timer, cfg, batch, rng, iterations, smoke, staggered, kernel_params=None):
+def time_mosaic(timer, cfg, batch, rng, iterations, smoke, staggered, params):
     """Median µs per step of the layer's kernels, the Mosaic kernel and XLA's side inputs
     before it (`time_xla_side`, timed on its own over the same slot sets and added to every
     step): `(non-flush, flush, cycle, xla_side)` for sync cursors, `(None, None, per step,
-    xla_side)` for staggered ones."""
+    xla_side)` for staggered ones. `params`: the kernel's (`effective_params`)."""
     sets, num_slots = db.slot_sets(batch, cfg.state_bytes_per_slot(), rng, smoke)
     cursors = rng.integers(0, cfg.cache_len, num_slots) if staggered else np.zeros(num_slots)
     pool = db.random_pool(cfg, num_slots, jax.random.key(1), cursors)
     token = db.random_token(cfg, batch, jax.random.key(2))
-    fn = mosaic_cycle_fn(cfg, smoke, kernel_params)
+    fn = mosaic_cycle_fn(cfg, smoke, params)
     if not getattr(time_mosaic, "shown", False):  # list the kernels of one Mosaic cycle once
         timer._shown, time_mosaic.shown = False, True
     # The cycle donates its state: time it on a fresh pool per call (the copies are other
     # kernels, not counted).
     times = timer.kernel_times(lambda s, t: fn(jax.tree.map(jnp.copy, pool), s, t), (jnp.asarray(sets), token),
                                "" if smoke else MOSAIC_KERNELS[cfg.gate], iterations)
-    params = kernel_params or mosaic_gpu.default_params(cfg, batch, jnp.bfloat16, interpret=smoke)
     side_us = time_xla_side(timer, cfg, params, pool.k_cache, jnp.asarray(sets), token, iterations)
     if staggered or smoke:
         return None, None, statistics.median(times) + side_us, side_us
@@ -209,6 +208,12 @@ def mosaic_params(spec: str, cfg: R.ReplayConfig, batch: int):
                                                         readout=fields.get("readout", "fma"),
                                                         key_side=fields.get("key_side", "kernel"))
     return cls(**fields)
+
+
+def effective_params(spec: str, cfg: R.ReplayConfig, batch: int):
+    """The params a variant's steps run with: `mosaic_params`', or for `default` the
+    backend's `default_params` for the benchmark's bf16 tokens."""
+    return mosaic_params(spec, cfg, batch) or mosaic_gpu.default_params(cfg, batch, jnp.bfloat16)
 
 
 def pool_copies(hlo_text: str, state: R.ReplayState) -> int:
@@ -340,13 +345,12 @@ def sweep_section(timer, args, bandwidth, gate: str = "gdn") -> list[dict]:
 def sweep_row(timer, args, cfg, batch, rng, staggered, variant, bandwidth, plain_us, params, triton_us) -> dict:
     """One Mosaic variant timed beside the cell's plain and Triton times."""
     t_nf, t_fl, t_cyc = triton_us
-    kernel_params = mosaic_params(variant, cfg, batch)
-    m_nf, m_fl, m_cyc, m_side = time_mosaic(timer, cfg, batch, rng, 3, args.smoke, staggered, kernel_params)
+    effective = effective_params(variant, cfg, batch)
+    m_nf, m_fl, m_cyc, m_side = time_mosaic(timer, cfg, batch, rng, 3, args.smoke, staggered, effective)
     cycle_bytes = cost.replay_cycle_bytes(cfg, batch).total
     floor = cost.floor_us(cycle_bytes, bandwidth)
     nf_bytes = statistics.mean(cost.replay_step_bytes(cfg, [p] * batch).total for p in range(cfg.cache_len - 1))
     fl_bytes = cost.replay_step_bytes(cfg, [cfg.cache_len - 1] * batch).total
-    effective = kernel_params or mosaic_gpu.default_params(cfg, batch, jnp.bfloat16)
     row = dict(mosaic_variant=variant, mosaic_params=repr(effective),
                gate=cfg.gate, num_k_heads=cfg.num_k_heads, num_v_heads=cfg.num_v_heads,
                head_k_dim=cfg.head_k_dim, head_v_dim=cfg.head_v_dim,
@@ -396,9 +400,8 @@ def kda_section(timer, args, bandwidth) -> list[dict]:
 def kda_row(timer, args, cfg, batch, rng, staggered, variant, plain_us, policy, params, t_step, floor,
             cycle_bytes) -> dict:
     """One Mosaic variant timed beside the KDA cell's plain and Triton times."""
-    kernel_params = mosaic_params(variant, cfg, batch)
-    m_nf, m_fl, m_cyc, _ = time_mosaic(timer, cfg, batch, rng, 3, args.smoke, staggered, kernel_params)
-    effective = kernel_params or mosaic_gpu.default_params(cfg, batch, jnp.bfloat16)
+    effective = effective_params(variant, cfg, batch)
+    m_nf, m_fl, m_cyc, _ = time_mosaic(timer, cfg, batch, rng, 3, args.smoke, staggered, effective)
     row = dict(mosaic_variant=variant, mosaic_params=repr(effective), gate="kda", state_dtype=cfg.state_dtype.name,
                cache_len=cfg.cache_len, batch=batch, cursors="staggered" if staggered else "sync",
                triton_policy=policy.value,

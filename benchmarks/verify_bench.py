@@ -69,6 +69,7 @@ from decode_bench import (  # noqa: E402
     Shape,
     Timer,
     copy_bandwidth_GBps,
+    kernel_runs,
     mamba2_params,
     plain_params,
     random_pool,
@@ -192,15 +193,6 @@ def conventional_fn(params, width: int, interpret: bool):
         return buffers
 
     return jax.jit(run)
-
-
-def kernel_runs(fn, args, iterations: int) -> list[list[tuple[str, float]]]:
-    """CUPTI `(kernel name, µs)` of each of `iterations` runs of `fn(*args)`."""
-    from jax.experimental.mosaic.gpu import profiler
-
-    _, runs = profiler.measure(fn, aggregate=False, iterations=iterations)(*args)
-    runs = runs if iterations > 1 else [runs]
-    return [[(name, ms * 1e3) for name, ms in run] for run in runs]
 
 
 def per_step_us(runs, steps: int) -> tuple[float, dict]:
