@@ -143,17 +143,22 @@ def xla_side(cfg: R.ReplayConfig, params):
         token.q, token.k, k_cache, slots, params=params, use_qk_l2norm=True, scale=None)
 
 
+@functools.lru_cache(maxsize=None)
+def xla_side_fn(cfg: R.ReplayConfig, params):
+    """jit: `xla_side` for every slot set in turn, each set with a token of its own (as
+    every step has), so that XLA cannot compute the token's part once for all of them."""
+    side = xla_side(cfg, params)
+    own_token = lambda token, i: jax.tree.map(lambda x: x + jnp.asarray(i, x.dtype), token)
+    return jax.jit(lambda k_cache, sets, token: [side(k_cache, sets[i], own_token(token, i))
+                                                 for i in range(sets.shape[0])])
+
+
 def time_xla_side(timer, cfg, params, k_cache, sets, token, iterations) -> float:
     """Median µs per step of `xla_side` over every slot set in turn (all of its kernels); 0
     where the params leave XLA nothing to compute."""
-    side = xla_side(cfg, params)
-    if not jax.eval_shape(side, k_cache, sets[0], token):
+    if not jax.eval_shape(xla_side(cfg, params), k_cache, sets[0], token):
         return 0.0
-    # A token of its own per set (as every step has), so that XLA cannot compute the
-    # token's part once for all of them.
-    own_token = lambda token, i: jax.tree.map(lambda x: x + jnp.asarray(i, x.dtype), token)
-    fn = jax.jit(lambda k_cache, sets, token: [side(k_cache, sets[i], own_token(token, i))
-                                               for i in range(sets.shape[0])])
+    fn = xla_side_fn(cfg, params)
     return statistics.median(timer.run_totals(fn, (k_cache, sets, token), iterations)) / sets.shape[0]
 
 
