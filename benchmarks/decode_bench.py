@@ -30,6 +30,7 @@ state. Byte floors use the copy bandwidth measured at the start of the same run.
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import datetime
 import functools
@@ -137,11 +138,24 @@ class Timer:
             self._shown = True
         return [t for run in times for t in run]  # launch order, run after run
 
-    def run_totals(self, fn, args, iterations: int) -> list[float]:
-        """µs of all of `fn`'s kernels together, one figure per run (smoke: one wall-clock call)."""
+    def run_totals(self, fn, args, iterations: int, label: str = "", per: int = 1) -> list[float]:
+        """µs of all of `fn`'s kernels together, one figure per run (smoke: one wall-clock call).
+        With a `label`, also prints each kernel's median µs over the runs, divided by `per`
+        (the steps one run holds), so that a total can be read kernel by kernel."""
         if self.smoke:
             return self.kernel_times(fn, args, "", 1)
-        return [sum(us for _, us in run) for run in kernel_runs(fn, args, iterations)]
+        runs = kernel_runs(fn, args, iterations)
+        if label:
+            per_kernel = collections.defaultdict(list)
+            for run in runs:
+                totals = collections.defaultdict(float)
+                for kname, us in run:
+                    totals[kname] += us
+                for kname, us in totals.items():
+                    per_kernel[kname].append(us / per)
+            shares = ", ".join(f"{k}: {statistics.median(v):.1f}" for k, v in sorted(per_kernel.items()))
+            print(f"{label} µs per step by kernel: {shares}", flush=True)
+        return [sum(us for _, us in run) for run in runs]
 
 
 def copy_bandwidth_GBps(timer: Timer, num_bytes: int = 2 << 30) -> float:

@@ -159,7 +159,9 @@ def time_xla_side(timer, cfg, params, k_cache, sets, token, iterations) -> float
     if not jax.eval_shape(xla_side(cfg, params), k_cache, sets[0], token):
         return 0.0
     fn = xla_side_fn(cfg, params)
-    return statistics.median(timer.run_totals(fn, (k_cache, sets, token), iterations)) / sets.shape[0]
+    label = f"xla side {cfg.gate} {jnp.dtype(cfg.state_dtype).name} B={sets.shape[1]}"
+    totals = timer.run_totals(fn, (k_cache, sets, token), iterations, label=label, per=sets.shape[0])
+    return statistics.median(totals) / sets.shape[0]
 
 
 def time_mosaic(timer, cfg, batch, rng, iterations, smoke, staggered, params):
