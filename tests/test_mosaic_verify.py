@@ -21,8 +21,8 @@ from pallas_kernels import common
 from pallas_kernels.mosaic_gpu.mamba2_decode import MosaicMamba2Params
 from pallas_kernels.mosaic_gpu.readout import split_bf16, tile_parts
 from pallas_kernels.mosaic_gpu.replay_decode import MosaicReplayParams
-from pallas_kernels.mosaic_gpu.verify_decode import (check_params, persistent_programs, verify_decode_mgpu, window_rows,
-                                                     window_vectors)
+from pallas_kernels.mosaic_gpu.verify_decode import (check_params, persistent_programs, verify_decode_mgpu,
+                                                     window_key_values, window_rows, window_vectors)
 from pallas_kernels.mosaic_gpu.verify_decode_kda import verify_decode_kda_mgpu
 
 NUM_SLOTS, H_K, H_V, D, L, T = 6, 1, 2, 64, 8, 3
@@ -221,6 +221,32 @@ def test_tensor_core_fold_lowers_for_an_abstract_h200(state_dtype, cache_len, re
     params = MosaicReplayParams(programs=programs, auto_barriers=not programs, readout=readout, rebuild=rebuild,
                                 per_tile_addresses=per_tile_addresses)
     assert "mosaic_gpu" in _lower_for_h200("gdn", state_dtype, cache_len, 4, params=params)
+
+
+@pytest.mark.parametrize("cache_dtype,qk_dtype", [(jnp.float32, jnp.float32), (jnp.bfloat16, jnp.bfloat16)])
+def test_window_key_values_are_the_key_sums(rng, cache_dtype, qk_dtype):
+    """`window_key_values` (its own kernel, interpret mode) against the sums written out in
+    NumPy: `K k_i` in row 2i and `K q_i` in row 2i + 1 over each slot's whole ring, of the
+    raw vectors, zeros at and past a row's length (NaN there stays out); a padding row
+    (slot -1) reads slot 0."""
+    batch, width, hk, d, L, n = 3, 3, 2, 64, 8, 4
+    k_cache = rng.standard_normal((n, hk, L, d)).astype(np.float32)
+    q, k = (rng.standard_normal((batch, width, hk, d)).astype(np.float32) for _ in range(2))
+    slot, length = np.array([2, -1, 0], np.int32), np.array([3, 1, 0], np.int32)
+    for b in range(batch):
+        q[b, length[b]:], k[b, length[b]:] = np.nan, np.nan
+    k_cache, q, k = (np.asarray(jnp.asarray(x, dt).astype(jnp.float32)) for x, dt in
+                     ((k_cache, cache_dtype), (q, qk_dtype), (k, qk_dtype)))
+    got = window_key_values(jnp.asarray(q, qk_dtype), jnp.asarray(k, qk_dtype), jnp.asarray(k_cache, cache_dtype),
+                            jnp.asarray(slot), jnp.asarray(length), interpret=True)
+    want = np.zeros((batch, hk, 2 * width, L))
+    for b in range(batch):
+        keys = k_cache[max(slot[b], 0)].astype(np.float64)  # [hk, L, d]
+        for i in range(length[b]):
+            want[b, :, 2 * i] = np.einsum("hld,hd->hl", keys, k[b, i])
+            want[b, :, 2 * i + 1] = np.einsum("hld,hd->hl", keys, q[b, i])
+    # fp32 sums of 64 products in another order than the float64 ones.
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
 
 
 def test_verify_kernels_take_only_their_options():

@@ -141,8 +141,9 @@ class MosaicReplayParams:
         3, L]` fp32, copied with each tile), so no tile sums across warps and a tile copies
         the key records only to flush (the tensor-core rebuilds' operand; the exact rebuild
         reads its untiled copies). Its records are never grouped. The GDN verify kernel takes
-        it too: the window's `K k_i`, `K q_i` from XLA (`verify_decode.window_key_values`)
-        in place of its key records and group sums.
+        it too: the window's `K k_i`, `K q_i` before its launch (`verify_decode.
+        window_key_values`, a small kernel of their own) in place of its key records and
+        group sums.
       per_tile_addresses: False (default) lets the compiler compute the shared buffers'
         addresses and `wgmma` descriptors once and hold them in registers across a
         persistent CTA's loop; True indexes every buffer by a zero it cannot prove

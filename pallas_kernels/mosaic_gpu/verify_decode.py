@@ -22,9 +22,9 @@ The scalars of these sums (the `T x T` products, decays and norms: `window_coeff
 a few small XLA ops on `[B, T, H, d_k]` inputs) arrive packed per (row, value head); the
 kernel applies them to vectors. The key sums `K k_i`, `K q_i` over the ring are computed
 once per key-head group on a fresh tile (`window_keys`) or, with `MosaicReplayParams.key_side
-= "xla"`, before the launch (`window_key_values`, `[B, H_k, 2T, L]`, copied with each tile in
-place of the key records, which only a tensor-core fold then fetches). `S x` is read out as
-in `replay_decode` without forming S:
+= "xla"`, before the launch by a kernel of their own (`window_key_values`, `[B, H_k, 2T, L]`,
+copied with each tile in place of the key records, which only a tensor-core fold then
+fetches). `S x` is read out as in `replay_decode` without forming S:
 `e^G S_c x + U^T (W * (K x))` over the row's `pos` valid cache entries (WGMMA-layout row and
 column reductions, records loaded transposed from swizzled buffers; entries at and past
 `pos` are masked with selects before any product). The checkpoint tile and the records are
@@ -200,18 +200,46 @@ def load_window_keys(shared_smem):
     return lambda row: plgpu.load(shared_smem.at[row], layout=COL, optimized=False)
 
 
+def _key_sums_kernel(slot_ref, length_ref, q_ref, k_ref, kcache_ref, out_ref, k_smem, q_rows, k_rows, out_smem,
+                     barrier, *, width):
+    """CTA (b, hk): `window_keys`' `[2T, L]` sums of row b, key head hk, into `out_ref`."""
+    b, hk = lax.axis_index("b"), lax.axis_index("hk")
+    plgpu.copy_gmem_to_smem(kcache_ref.at[jnp.maximum(slot_ref[b], 0), hk], k_smem, barrier)
+    plgpu.copy_gmem_to_smem(q_ref.at[b, :, hk], q_rows, barrier)
+    plgpu.copy_gmem_to_smem(k_ref.at[b, :, hk], k_rows, barrier)
+    plgpu.barrier_wait(barrier)
+    store_window_keys(out_smem, window_keys(k_smem, k_rows, q_rows, width, length_ref[b]))
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out_smem, out_ref.at[b, hk])
+    plgpu.wait_smem_to_gmem(0)
+
+
+@functools.lru_cache(maxsize=None)
+def _build_key_sums(batch, width, num_k_heads, head_k_dim, cache_len, cache_dtype, qk_dtype, interpret):
+    keys = replay_scratch(BLOCK_ROWS, head_k_dim, cache_len, F32, cache_dtype, (BLOCK_ROWS,), F32, 128)[2]
+    return plgpu.kernel(
+        functools.partial(_key_sums_kernel, width=width),
+        out_type=jax.ShapeDtypeStruct((batch, num_k_heads, 2 * width, cache_len), F32),
+        scratch_types=[keys, plgpu.SMEM((width, head_k_dim), qk_dtype), plgpu.SMEM((width, head_k_dim), qk_dtype),
+                       plgpu.SMEM((2 * width, cache_len), F32), plgpu.Barrier(num_arrivals=3)],
+        grid=(batch, num_k_heads), grid_names=("b", "hk"),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+        kernel_name="replayssm_verify_key_sums_mgpu",
+    )
+
+
 def window_key_values(q: Float[Array, "B T Hk Dk"], k: Float[Array, "B T Hk Dk"], k_cache: Float[Array, "N Hk L Dk"],
-                      slot: Int[Array, " B"], length: Int[Array, " B"]) -> Float[Array, "B Hk 2T L"]:
-    """`window_keys`' sums of every row and key head, in XLA, in its row order: `K k_i`
-    (row 2i) and `K q_i` (row 2i + 1) over each slot's whole ring, of the raw window vectors
-    (zeros at and past a row's length; stale entries included: the kernel masks them; a
-    padding row reads slot 0's), fp32 products at `Precision.HIGHEST`."""
-    batch, width = q.shape[:2]
-    x = jnp.stack([k, q], axis=2).reshape(batch, 2 * width, *q.shape[2:])  # [B, 2T, Hk, Dk]
-    in_window = jnp.repeat(jnp.arange(width)[None, :] < length[:, None], 2, axis=1)
-    x = jnp.where(in_window[:, :, None, None], x.astype(F32), 0.0)
-    keys = k_cache[jnp.maximum(slot, 0)].astype(F32)  # [B, Hk, L, Dk]
-    return jnp.einsum("bhlc,bxhc->bhxl", keys, x, precision=lax.Precision.HIGHEST, preferred_element_type=F32)
+                      slot: Int[Array, " B"], length: Int[Array, " B"], *, interpret: bool) -> Float[Array, "B Hk 2T L"]:
+    """`window_keys`' sums of every row and key head, before the verify kernel, in its row
+    order: `K k_i` (row 2i) and `K q_i` (row 2i + 1) over each slot's whole ring, of the raw
+    window vectors (zeros at and past a row's length; stale entries included: the verify
+    kernel masks them; a padding row reads slot 0's). A small kernel of its own, one CTA per
+    (row, key head), reading the slot's key records by TMA where XLA would gather them
+    into a copy first."""
+    batch, width, num_k_heads, head_k_dim = q.shape
+    kernel = _build_key_sums(batch, width, num_k_heads, head_k_dim, k_cache.shape[2], k_cache.dtype, q.dtype,
+                             interpret)
+    return kernel(slot.astype(jnp.int32), length.astype(jnp.int32), q, k, k_cache)
 
 
 def store_zeros(o_smem, y_ref, b, h, rows, width):
@@ -678,6 +706,6 @@ def verify_decode_mgpu(
     i32 = lambda x: x.astype(jnp.int32)
     vectors = [window_vectors(q, k, length)] if params.readout == "mma" else []
     if params.key_side == "xla":
-        vectors.append(window_key_values(q, k, k_cache, slot, length))
+        vectors.append(window_key_values(q, k, k_cache, slot, length, interpret=bool(interpret)))
     y = kernel(i32(slot), i32(pos), i32(mode), length, q, k, v, coef, *order, *vectors, *refs)
     return (y, *(jax.freeze(r) for r in refs))
