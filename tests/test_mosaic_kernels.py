@@ -103,6 +103,7 @@ def _inputs(rng, state_dtype, cache_dtype, per_channel, d_v=D):
     ("gdn", 3, D, "mma", None, dict(key_side="xla", per_tile_addresses=True)),
     ("gdn", 3, D, "mma", True, {}),
     ("gdn", 6, D, "fma", None, dict(warpgroups=3, auto_barriers=False)),
+    ("gdn", 6, D, "mma", None, dict(warpgroups=3, auto_barriers=False)),
     ("gdn", 3, D, "mma", None, dict(key_side="xla", per_tile_addresses=True, warpgroups=3, auto_barriers=False)),
     ("gdn", 0, D, "fma", None, dict(launch_order=True)),
     ("gdn", 3, D, "mma", None, dict(key_side="xla", warpgroups=3, auto_barriers=False, launch_order=True)),
@@ -218,6 +219,9 @@ def test_lowers_for_an_abstract_h200(state_dtype, cache_dtype, cache_len, raw, p
                                           key_side="xla", per_tile_addresses=True, warpgroups=3, launch_order=True)),
     (jnp.bfloat16, 16, MosaicReplayParams(programs=396, auto_barriers=False, rebuild="3xtf32", readout="mma",
                                           key_side="xla", warpgroups=3)),
+    # The default from B = 256: three warpgroups, each summing its key side.
+    (jnp.bfloat16, 16, MosaicReplayParams(programs=396, auto_barriers=False, rebuild="3xtf32", readout="mma",
+                                          warpgroups=3)),
 ])
 def test_the_tensor_core_readout_lowers_for_an_abstract_h200(state_dtype, cache_len, params):
     """GDN's "mma" readout: `wgmma`s from the tile's three bf16 register parts (fp32 state)
@@ -678,15 +682,17 @@ def test_backend_default_params_per_gate(monkeypatch):
         on_gpu = mosaic_gpu.default_params(bf16(L), 128, jnp.bfloat16, interpret=False)
         assert (on_gpu.rebuild, on_gpu.programs, on_gpu.warpgroups) == ("3xtf32", 264, 1)
     # From B = 256 at L = 16 (measured faster there) three warpgroups per CTA, each a
-    # program with its own buffers: one CTA per SM, three programs; addresses held.
+    # program with its own buffers: one CTA per SM, three programs; addresses held; the key
+    # side summed in the kernel (faster there than XLA's pass, which one warpgroup takes).
     wide = mosaic_gpu.default_params(bf16(16), 512, jnp.bfloat16, interpret=False)
-    assert (wide.programs, wide.warpgroups, wide.per_tile_addresses) == (396, 3, False)
+    assert (wide.programs, wide.warpgroups, wide.per_tile_addresses, wide.key_side) == (396, 3, False, "kernel")
     assert mosaic_gpu.default_params(bf16(16), 256, jnp.bfloat16, interpret=False).warpgroups == 3
     assert mosaic_gpu.default_params(bf16(32), 512, jnp.bfloat16, interpret=False).warpgroups == 1  # not measured
     assert mosaic_gpu.fitting_programs(gdn, 512, jnp.bfloat16, rebuild="3xtf32", warpgroups=3, sm_count=132) == 0
     assert mosaic_gpu.default_params(gdn, 512, jnp.bfloat16, interpret=True).rebuild == "exact"
-    # GDN 2-byte states read the tile out on tensor cores (bf16 q and k only), take their
-    # key side from XLA and recompute addresses per tile; fp32 ones and KDA do none of it.
+    # GDN 2-byte states read the tile out on tensor cores (bf16 q and k only) and, with one
+    # warpgroup per CTA, take their key side from XLA and recompute addresses per tile;
+    # fp32 ones and KDA do none of it.
     sides = lambda p: (p.readout, p.key_side, p.per_tile_addresses)
     assert sides(mosaic_gpu.default_params(bf16(16), 128, jnp.bfloat16)) == ("mma", "xla", True)
     assert sides(mosaic_gpu.default_params(bf16(16), 512, jnp.float32)) == ("fma", "kernel", False)
