@@ -229,7 +229,8 @@ def _build_key_sums(batch, width, num_k_heads, head_k_dim, cache_len, cache_dtyp
 
 
 def window_key_values(q: Float[Array, "B T Hk Dk"], k: Float[Array, "B T Hk Dk"], k_cache: Float[Array, "N Hk L Dk"],
-                      slot: Int[Array, " B"], length: Int[Array, " B"], *, interpret: bool) -> Float[Array, "B Hk 2T L"]:
+                      slot: Int[Array, " B"], length: Int[Array, " B"], *,
+                      interpret: bool) -> Float[Array, "B Hk 2T L"]:
     """`window_keys`' sums of every row and key head, before the verify kernel, in its row
     order: `K k_i` (row 2i) and `K q_i` (row 2i + 1) over each slot's whole ring, of the raw
     window vectors (zeros at and past a row's length; stale entries included: the verify
@@ -331,11 +332,11 @@ def _scratch(width, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y
              readout="fma", rebuild="exact", xla_side=False, own_fold_buffers=False) -> list:
     """`[stages, shared, fold keys, fold buffers, barriers, rows barrier, fold keys barrier]`: `stages` sets
     of a tile's replay buffers (y `[T, BV]`), its window coefficients, the window's vectors
-    for ROW loads (`[q, k]` `[T, d_k]` for `window_keys`; `[]` with the key side from XLA;
+    for ROW loads (`[q, k]` `[T, d_k]` for `window_keys`; `[]` with the key side computed before the launch;
     v `[T, BV]`) and the readout's (`readout_scratch`); `[shared]` the key-head group's
     `K k_i`, `K q_i` (`store_window_keys`, `[2T, L]` fp32); a barrier per stage
     (`stage_copies`) and, for the exact rebuild, one for the fold's record copies (else
-    `[]`). With the key side from XLA (`xla_side`) each stage takes those sums `[2T, L]`
+    `[]`). With the key side computed before the launch (`xla_side`) each stage takes those sums `[2T, L]`
     in place of the key records and `shared` is `[]`; a tensor-core fold then copies the
     key records into `[fold keys]` `[L, d_k]` (one per CTA) with its own barrier (else
     `[]`, `[]`). What a fold needs besides the replay buffers shares the stage's
@@ -393,7 +394,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
             width, group_size, tiles, num_programs, chunk, readout, parts, rebuild, xla_side, program_scratch, per_tile,
             warpgroups, ordered, interpret):
     # Inputs, the row order, the window's raw vectors with the "mma" readout and the key
-    # sums from XLA first; outputs; scratch.
+    # sums computed before the launch first; outputs; scratch.
     order_ref, *refs = refs if ordered else (None, *refs)
     xw_ref, *refs = refs if readout == "mma" else (None, *refs)
     side_ref, *refs = refs if xla_side else (None, *refs)
@@ -430,7 +431,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
               rows_barrier[0] if rows_barrier else None, fold_barrier, fresh)
 
     def _tile(b, h, tile, bufs, shared_smem, fold_keys, own_fold_bufs, barrier, rows_barrier, fold_barrier, fresh):
-        # k_smem: the key records, or with the key side from XLA the window's key sums.
+        # k_smem: the key records, or with the key side computed before the launch the window's key sums.
         tile_buf, u_smem, k_smem, g_smem, o_smem, c_smem, qk_rows, v_rows, *readout_bufs = bufs
         # The fold's record copies or operands: aliasing the tile, or their own buffers.
         t_smem, fold_bufs = (tile_buf, own_fold_bufs) if own_fold_buffers else tuple(tile_buf)

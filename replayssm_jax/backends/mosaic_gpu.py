@@ -117,9 +117,10 @@ def verify_default_params(cfg, batch: int, width: int, token_dtype, *, interpret
     CTAs without Mosaic's barriers where two or more fit per SM (the next tile's copies then
     hide behind another CTA's work), else one CTA per tile (one persistent CTA per SM
     measured slower); with a 2-byte state and bf16 q, k, addresses recomputed per tile
-    (`per_tile_addresses`); the window's key sums from XLA (`key_side="xla"`) only where
-    they make room for two persistent CTAs per SM (fp32, L = 32): where the kernel's own
-    fit two, XLA's gather and GEMM cost more than they save. Each choice is a measured line
+    (`per_tile_addresses`); the window's key sums before the launch (`key_side="xla"`: a
+    small kernel of their own, `verify_decode.window_key_values`) only where they make room
+    for two persistent CTAs per SM (fp32, L = 32): where the kernel's own fit two, they
+    cost more than they save. Each choice is a measured line
     of `benchmarks/NOTES.md` ("verify defaults", "verify tensor-core readout, measured",
     "verify folds on tensor cores", "GDN verify with per-tile addresses", "verify key sums
     from XLA"). KDA and Mamba-2: one CTA per tile on CUDA cores, exact folds (their verify
