@@ -4,7 +4,8 @@ Sections:
   check         GDN: one GPU step per backend (xla, pallas_triton, mosaic_gpu) on the same
                 state and tokens, with padding, append and flush rows: outputs and every
                 state array against xla (relative max error), and the copies of a state
-                array in the donated step's compiled HLO (0: updated in place).
+                array in the donated step's compiled HLO (0: updated in place); fp32 at
+                B = 8 (L = 16) and 64 (L = 32), bf16 at B = 8 and 256 (three warpgroups).
   sweep         GDN H_k = 16, H_v = 32 (--gdn-value-heads), d = 128, for each state dtype (--dtypes), L
                 (--cache-lens) and B (--batches): the plain kernel, the Triton replay cycle
                 (the launch table's row, natural policy) and the Mosaic replay cycle of
@@ -241,8 +242,10 @@ def check_cases(smoke: bool, gate: str) -> list[tuple[R.ReplayConfig, int, bool]
     config = mamba2_config if gate == "mamba2" else gdn_config
     if smoke:
         return [(config(True, 8, jnp.float32), 3, False)]
+    # GDN bf16 at B = 256 too: the default there runs three warpgroups per CTA.
+    wide = ((jnp.bfloat16, 256, 16),) if gate == "gdn" else ()
     return [(config(False, L, dtype), batch, False) for dtype, batch, L in
-            ((jnp.float32, 8, 16), (jnp.float32, 64, 32), (jnp.bfloat16, 8, 16))]
+            ((jnp.float32, 8, 16), (jnp.float32, 64, 32), (jnp.bfloat16, 8, 16), *wide)]
 
 
 def tensor_core_rebuilds(smoke: bool, cfg: R.ReplayConfig) -> list[str]:
