@@ -30,15 +30,21 @@ _SMEM_ALIGN = 1024
 _REDUCTION_SCRATCH = 2048
 
 
+def records_buffer(cache_len: int, width: int, cache_dtype):
+    """A swizzled `[L, width]` buffer of cache records (the transposed readout loads of
+    untiled ones conflict on banks)."""
+    return plgpu.SMEM((cache_len, width), cache_dtype, transforms=tiled(128, cache_dtype))
+
+
 def replay_scratch(rows: int, width: int, cache_len: int, state_dtype, cache_dtype, y_shape: tuple, y_dtype,
                    swizzle: int) -> list:
     """The shared buffers of a replay kernel's `[rows, width]` state tile, in kernel order:
-    the tile, swizzled u `[L, rows]` and k `[L, width]` records (the transposed readout
-    loads of untiled ones conflict on banks), the decays `[L]` and the output `y_shape`."""
+    the tile, the u `[L, rows]` and k `[L, width]` records (`records_buffer`), the decays
+    `[L]` and the output `y_shape`."""
     return [
         plgpu.SMEM((rows, width), state_dtype, transforms=tiled(swizzle, state_dtype)),
-        plgpu.SMEM((cache_len, rows), cache_dtype, transforms=tiled(128, cache_dtype)),
-        plgpu.SMEM((cache_len, width), cache_dtype, transforms=tiled(128, cache_dtype)),
+        records_buffer(cache_len, rows, cache_dtype),
+        records_buffer(cache_len, width, cache_dtype),
         plgpu.SMEM((cache_len,), F32),
         plgpu.SMEM(y_shape, y_dtype),
     ]

@@ -72,7 +72,8 @@ from jaxtyping import Array, Bool, Float, Int
 from pallas_kernels.common import L2NORM_EPS, MODE_APPEND, MODE_FLUSH, MODE_PAD
 from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA, bcast_cols, bcast_rows, check_smem,
                                                col_sum, copy_record_rows, copy_replay_tile, load_transposed,
-                                               record_copies, replay_scratch, row_sum, smem_bytes, tiled)
+                                               record_copies, records_buffer, replay_scratch, row_sum, smem_bytes,
+                                               tiled)
 from pallas_kernels.mosaic_gpu.pipeline import (STAGES, group_shared, kernel_scratch, launch_order_input,
                                                 programs_that_fit, serve_tiles, tile_buffers, tile_grid)
 from pallas_kernels.mosaic_gpu.readout import column, stage_vectors, tile_parts, tile_products, vector_rows
@@ -216,11 +217,11 @@ def _key_sums_kernel(slot_ref, length_ref, q_ref, k_ref, kcache_ref, out_ref, k_
 
 @functools.lru_cache(maxsize=None)
 def _build_key_sums(batch, width, num_k_heads, head_k_dim, cache_len, cache_dtype, qk_dtype, interpret):
-    keys = replay_scratch(BLOCK_ROWS, head_k_dim, cache_len, F32, cache_dtype, (BLOCK_ROWS,), F32, 128)[2]
     return plgpu.kernel(
         functools.partial(_key_sums_kernel, width=width),
         out_type=jax.ShapeDtypeStruct((batch, num_k_heads, 2 * width, cache_len), F32),
-        scratch_types=[keys, plgpu.SMEM((width, head_k_dim), qk_dtype), plgpu.SMEM((width, head_k_dim), qk_dtype),
+        scratch_types=[records_buffer(cache_len, head_k_dim, cache_dtype), plgpu.SMEM((width, head_k_dim), qk_dtype),
+                       plgpu.SMEM((width, head_k_dim), qk_dtype),
                        plgpu.SMEM((2 * width, cache_len), F32), plgpu.Barrier(num_arrivals=3)],
         grid=(batch, num_k_heads), grid_names=("b", "hk"),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
