@@ -51,7 +51,7 @@ from jaxtyping import Array, Float, Int
 
 from pallas_kernels.common import MODE_APPEND, MODE_FLUSH, MODE_PAD
 from pallas_kernels.mosaic_gpu.layouts import (COL, F32, ROW, WGMMA, bcast_cols, bcast_rows, col_sum, check_smem,
-                                              load_transposed, row_sum, softplus, tiled)
+                                              load_transposed, records_buffer, row_sum, softplus, tiled)
 from pallas_kernels.mosaic_gpu import replay_decode
 from pallas_kernels.mosaic_gpu.pipeline import STAGES, launch_order_input, serve_tiles, tile_grid
 from pallas_kernels.mosaic_gpu.rebuild import check_rebuild, rebuild_mma, tile_with_operands
@@ -141,7 +141,7 @@ def _scratch(head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, v_dtype,
             tile = plgpu.RefUnion(tile, [plgpu.SMEM((cache_len, BLOCK_V), cache_dtype)])
         else:
             tile = tile_with_operands(tile, BLOCK_V, head_k_dim, cache_len, rebuild)
-        return [tile, plgpu.SMEM((cache_len, BLOCK_V), cache_dtype, transforms=tiled(128, cache_dtype)),
+        return [tile, records_buffer(cache_len, BLOCK_V, cache_dtype),
                 plgpu.SMEM((BLOCK_V,), v_dtype), plgpu.SMEM((4, head_k_dim), qk_dtype), plgpu.SMEM((BLOCK_V,), v_dtype)]
 
     group = [plgpu.SMEM((cache_len, head_k_dim), cache_dtype), plgpu.SMEM((cache_len, head_k_dim), F32)]

@@ -47,7 +47,8 @@ from jaxtyping import Array, Bool, Float, Int
 
 from pallas_kernels.common import MODE_APPEND, MODE_FLUSH, MODE_PAD
 from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA, bcast_cols, bcast_rows, col_sum,
-                                              check_smem, copy_replay_tile, load_transposed, row_sum, tiled)
+                                              check_smem, copy_replay_tile, load_transposed, records_buffer, row_sum,
+                                              tiled)
 from pallas_kernels.mosaic_gpu.replay_decode import MosaicReplayParams
 from pallas_kernels.mosaic_gpu.replay_decode_kda import (channel_layout, check_kda_shapes, decay_weights,
                                                          rebuild_exact, weighted_keys)
@@ -217,8 +218,8 @@ def _build(batch, width, num_v_heads, head_v_dim, head_k_dim, cache_len, state_d
     body = functools.partial(_kernel, width=width, group_size=group_size, tiles=tiles)
     scratch = [
         plgpu.SMEM((BLOCK_ROWS, head_k_dim), state_dtype, transforms=tiled(swizzle, state_dtype)),
-        plgpu.SMEM((cache_len, BLOCK_ROWS), cache_dtype, transforms=tiled(128, cache_dtype)),
-        plgpu.SMEM((cache_len, head_k_dim), cache_dtype, transforms=tiled(128, cache_dtype)),
+        records_buffer(cache_len, BLOCK_ROWS, cache_dtype),
+        records_buffer(cache_len, head_k_dim, cache_dtype),
         plgpu.SMEM((cache_len, head_k_dim), F32),  # g records, then W * K on folding rows
         plgpu.SMEM((cache_len, head_k_dim), F32, transforms=tiled(128, F32)),  # W
         plgpu.SMEM((1, head_k_dim), F32),  # e^{G_h}
