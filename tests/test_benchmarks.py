@@ -1,11 +1,12 @@
 """The benchmark scripts on a CPU: decode_bench's smoke mode end to end, and the register
 tool's parameter parsing, table listing and occupancy arithmetic (the launch table's rows
-compiled for sm_90a are tested in test_launch_table.py), and the Mosaic register tool on
-PTX dumped on the H200."""
+compiled for sm_90a are tested in test_launch_table.py), the Mosaic register tool on
+PTX dumped on the H200, and the Mosaic profile tool's trace arithmetic."""
 
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import sys
 import tarfile
@@ -18,6 +19,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks
 import decode_bench  # noqa: E402
 import kernel_registers  # noqa: E402
 import mosaic_bench  # noqa: E402
+import mosaic_profile  # noqa: E402
 import mosaic_registers  # noqa: E402
 import verify_bench  # noqa: E402
 from pallas_kernels.common import GridOrder  # noqa: E402
@@ -286,3 +288,37 @@ def test_mosaic_registers_builds_each_variant_up_to_the_gpu_compile(spec):
     defaults and lowers the kernel; off GPU Mosaic stops there (it compiles on a GPU only)."""
     with pytest.raises(ValueError, match="Only interpret mode is supported on CPU"):
         mosaic_registers.compile_variant(spec)
+
+
+def _region(tid, name, begin_cycles, end_cycles):
+    """A region's begin and end events as Mosaic's profiler writes them (`ts`: cycles / 1000)."""
+    return [dict(name=name, ph="B", ts=begin_cycles / 1e3, pid=1, tid=tid),
+            dict(name=name, ph="E", ts=end_cycles / 1e3, pid=1, tid=tid)]
+
+
+def test_mosaic_profile_sums_each_region_over_the_tiles():
+    b, e = _region(1, "tile", 0, 1000)
+    events = ([b, *_region(1, "readout", 100, 400), e] + _region(2, "tile", 5000, 5500)
+              + [dict(b, ts=1.0), *_region(1, "readout", 1200, 1300), dict(e, ts=2.0)])
+    table = mosaic_profile.region_table(mosaic_profile.region_cycles({"traceEvents": events}))
+    assert list(table) == ["tile", "readout"]  # most cycles first
+    assert table["tile"] == dict(count=3, median_cycles=1000, total_cycles=2500, cycles_per_tile=2500 / 3)
+    assert table["readout"] == dict(count=2, median_cycles=200, total_cycles=400, cycles_per_tile=400 / 3)
+    no_tiles = mosaic_profile.region_table(mosaic_profile.region_cycles({"traceEvents": _region(3, "wait", 0, 7)}))
+    assert no_tiles["wait"]["cycles_per_tile"] is None
+    crossed = [*_region(1, "tile", 0, 10)[:1], *_region(1, "wait", 1, 5)[:1], *_region(1, "tile", 0, 10)[1:]]
+    with pytest.raises(ValueError, match="closed while 'wait' was open"):
+        mosaic_profile.region_cycles({"traceEvents": crossed})
+
+
+def test_mosaic_profile_smoke_leaves_the_environment_as_it_was(tmp_path, monkeypatch):
+    monkeypatch.delenv(mosaic_profile.PROFILE_DIR_ENV, raising=False)
+    out = tmp_path / "profile.json"
+    result = mosaic_profile.main(["--smoke", "--kernel", "verify", "--width", "2", "--out", str(out),
+                                  "--trace-dir", str(tmp_path / "traces")])
+    saved = json.loads(out.read_text())
+    assert saved["meta"]["kernel"] == "verify" and saved["meta"]["kernel_params"].startswith("MosaicReplayParams(")
+    assert saved["kernels"] == result["kernels"] == {}  # interpret mode has no profiler
+    assert mosaic_profile.PROFILE_DIR_ENV not in os.environ
+    with pytest.raises(SystemExit):
+        mosaic_profile.parse_args(["--kernel", "verify", "--gate", "mamba2"])

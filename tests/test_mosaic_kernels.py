@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import common
+from pallas_kernels.mosaic_gpu import build
 from pallas_kernels.mosaic_gpu.rebuild import operand_entries, tf32_split
 from pallas_kernels.mosaic_gpu.replay_decode import MosaicReplayParams, check_shapes, replay_decode_mgpu
 from pallas_kernels.mosaic_gpu.replay_decode_kda import check_kda_shapes, replay_decode_kda_mgpu
@@ -714,3 +715,18 @@ def test_backend_default_params_per_gate(monkeypatch):
         core_count = 66
     monkeypatch.setattr(jax, "devices", lambda *a: [Device()])
     assert mosaic_gpu.default_params(gdn, 512, jnp.bfloat16).programs == 132
+
+
+def test_the_profiler_is_on_only_where_the_environment_names_a_folder(monkeypatch):
+    monkeypatch.delenv(build.PROFILE_DIR_ENV, raising=False)
+    params = build.compiler_params(auto_barriers=False)
+    assert (params.profile_space, params.profile_dir, params.unsafe_no_auto_barriers) == (0, "", True)
+    monkeypatch.setenv(build.PROFILE_DIR_ENV, "/tmp/traces")
+    assert build.compiler_params().profile_space == build.DEFAULT_PROFILE_SPACE
+    monkeypatch.setenv(build.PROFILE_SPACE_ENV, "64")
+    params = build.compiler_params()
+    assert (params.profile_space, params.profile_dir, params.profile_bounds_check) == (64, "/tmp/traces", True)
+    assert not params.unsafe_no_auto_barriers
+    monkeypatch.setenv(build.PROFILE_SPACE_ENV, "0")
+    with pytest.raises(ValueError, match="positive count"):
+        build.compiler_params()

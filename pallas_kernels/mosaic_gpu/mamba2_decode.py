@@ -67,6 +67,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels.common import MODE_APPEND, MODE_FLUSH, MODE_PAD
+from pallas_kernels.mosaic_gpu.build import build_kernel
 from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA, bcast_cols, bcast_rows, col_sum,
                                                check_smem, copy_record_rows, load_transposed,
                                                record_copies, replay_scratch, row_sum, smem_bytes, softplus, tiled)
@@ -338,7 +339,8 @@ def _kernel(slot_ref, pos_ref, mode_ref, x_ref, b_ref, c_ref, dt_ref, z_ref, a_r
             a, d = a_ref[h].astype(F32), d_ref[h].astype(F32)
             alpha = jnp.exp(a * dt)
 
-            plgpu.barrier_wait(barrier)
+            with jax.named_scope("wait"):
+                plgpu.barrier_wait(barrier)
             # The token: B and C in COL (C again in ROW for the group's `B_j . C`, a second
             # copy: layout inference gives one ref one layout), x and z on this tile's rows.
             def fresh_group_side():
@@ -346,75 +348,81 @@ def _kernel(slot_ref, pos_ref, mode_ref, x_ref, b_ref, c_ref, dt_ref, z_ref, a_r
                     plgpu.barrier_wait(group_barrier[0])
                 return group_side(bc_smem, b_smem)
 
-            b_dot_c_records, b_dot_c = group_shared(  # B_j . C [L], B . C
-                fresh, fresh_group_side, functools.partial(store_group_side, shared_smem),
-                functools.partial(load_group_side, shared_smem))
+            with jax.named_scope("key_side"):
+                b_dot_c_records, b_dot_c = group_shared(  # B_j . C [L], B . C
+                    fresh, fresh_group_side, functools.partial(store_group_side, shared_smem),
+                    functools.partial(load_group_side, shared_smem))
             # The next group's B records may replace these now, unless this row flushes: a
             # flush reads them again (all tiles of a group are one row's, one mode).
             pl.when(mode != MODE_FLUSH)(prefetch)
-            b_col = plgpu.load(bc_smem.at[0], layout=COL, optimized=False).astype(F32)
-            x_row = plgpu.load(xz_smem.at[0], layout=ROW, optimized=False).astype(F32)
-            weights, decay_total = window_weights(dt_smem, a, pos, cache_len)
-            j = plgpu.broadcasted_iota(jnp.int32, (BLOCK_P, cache_len), 1, layout=WGMMA)
-            x_t = jnp.where(j < pos, load_transposed(x_smem), 0.0)  # [BP, L], stale entries 0
-            valid = plgpu.broadcasted_iota(jnp.int32, (cache_len,), 0, layout=COL) < pos
-            load_tile = lambda: plgpu.load(t_smem, layout=WGMMA).astype(F32)  # [BP, N]
-            if readout == "mma":
-                # `S_c C` as one product; a bf16 tile straight from its buffer, so a
-                # non-flush row never holds it in registers.
-                s_c = None if parts == 1 else load_tile()
-                products = (buffer_products(t_smem, c_smem[0], interpret=interpret) if s_c is None
-                            else tile_products(s_c, c_smem[0], parts, interpret=interpret))
-                tile_c = column(products, 0)
-            else:
-                s_c = load_tile()
-                c_col = plgpu.load(bc_smem.at[1], layout=COL, optimized=False).astype(F32)
-                tile_c = row_sum(s_c * bcast_cols(c_col, s_c.shape))
+            with jax.named_scope("records"):
+                b_col = plgpu.load(bc_smem.at[0], layout=COL, optimized=False).astype(F32)
+                x_row = plgpu.load(xz_smem.at[0], layout=ROW, optimized=False).astype(F32)
+                weights, decay_total = window_weights(dt_smem, a, pos, cache_len)
+                j = plgpu.broadcasted_iota(jnp.int32, (BLOCK_P, cache_len), 1, layout=WGMMA)
+                x_t = jnp.where(j < pos, load_transposed(x_smem), 0.0)  # [BP, L], stale entries 0
+                valid = plgpu.broadcasted_iota(jnp.int32, (cache_len,), 0, layout=COL) < pos
+            with jax.named_scope("readout"):
+                load_tile = lambda: plgpu.load(t_smem, layout=WGMMA).astype(F32)  # [BP, N]
+                if readout == "mma":
+                    # `S_c C` as one product; a bf16 tile straight from its buffer, so a
+                    # non-flush row never holds it in registers.
+                    s_c = None if parts == 1 else load_tile()
+                    products = (buffer_products(t_smem, c_smem[0], interpret=interpret) if s_c is None
+                                else tile_products(s_c, c_smem[0], parts, interpret=interpret))
+                    tile_c = column(products, 0)
+                else:
+                    s_c = load_tile()
+                    c_col = plgpu.load(bc_smem.at[1], layout=COL, optimized=False).astype(F32)
+                    tile_c = row_sum(s_c * bcast_cols(c_col, s_c.shape))
 
-            coef = jnp.where(valid, b_dot_c_records * weights, 0.0)
-            prev_readout = decay_total * tile_c + row_sum(x_t * bcast_cols(coef, x_t.shape))  # S_{t-1} C, [BP]
-            y = alpha * prev_readout + (dt * b_dot_c + d) * x_row
-            if has_z:
-                z = plgpu.load(xz_smem.at[1], layout=ROW, optimized=False).astype(F32)
-                y = y * (z / (1.0 + jnp.exp(-z)))
+                coef = jnp.where(valid, b_dot_c_records * weights, 0.0)
+                prev_readout = decay_total * tile_c + row_sum(x_t * bcast_cols(coef, x_t.shape))  # S_{t-1} C, [BP]
+                y = alpha * prev_readout + (dt * b_dot_c + d) * x_row
+                if has_z:
+                    z = plgpu.load(xz_smem.at[1], layout=ROW, optimized=False).astype(F32)
+                    y = y * (z / (1.0 + jnp.exp(-z)))
 
             @pl.when(mode == MODE_FLUSH)
             def _flush():
-                s_tile = load_tile() if s_c is None else s_c
-                if rebuild == "exact":
-                    # The rebuild reads single records at a dynamic index, which the swizzled
-                    # buffers cannot serve: flush rows fetch an untiled copy (L2-resident).
-                    x_rows, b_rows = record_bufs
-                    copy_record_rows((xcache_ref, bcache_ref), record_bufs, slot, h, grp, rows, rows_barrier)
-                    plgpu.barrier_wait(rows_barrier)
-                    prev = rebuild_exact(s_tile, decay_total, x_rows, b_rows, dt_smem, a, pos)
-                else:
-                    b_t = load_transposed(b_smem)  # [N, L]
-                    plgpu.commit_smem()  # every thread has S_c from the buffer its operands reuse
-                    prev = rebuild_mma(s_tile * decay_total, x_t * bcast_cols(weights, x_t.shape), b_t, pos, operands)
-                new = alpha * prev + bcast_rows(dt * x_row, prev.shape) * bcast_cols(b_col, prev.shape)
-                plgpu.commit_smem()  # every thread's loads of the tile done before it is rewritten
-                t_smem[...] = new.astype(t_smem.dtype)
+                with jax.named_scope("flush"):
+                    s_tile = load_tile() if s_c is None else s_c
+                    if rebuild == "exact":
+                        # The rebuild reads single records at a dynamic index, which the swizzled
+                        # buffers cannot serve: flush rows fetch an untiled copy (L2-resident).
+                        x_rows, b_rows = record_bufs
+                        copy_record_rows((xcache_ref, bcache_ref), record_bufs, slot, h, grp, rows, rows_barrier)
+                        plgpu.barrier_wait(rows_barrier)
+                        prev = rebuild_exact(s_tile, decay_total, x_rows, b_rows, dt_smem, a, pos)
+                    else:
+                        b_t = load_transposed(b_smem)  # [N, L]
+                        plgpu.commit_smem()  # every thread has S_c from the buffer its operands reuse
+                        prev = rebuild_mma(s_tile * decay_total, x_t * bcast_cols(weights, x_t.shape), b_t, pos,
+                                           operands)
+                    new = alpha * prev + bcast_rows(dt * x_row, prev.shape) * bcast_cols(b_col, prev.shape)
+                    plgpu.commit_smem()  # every thread's loads of the tile done before it is rewritten
+                    t_smem[...] = new.astype(t_smem.dtype)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(t_smem, ckpt_ref.at[slot, h, rows])
+                    prefetch()
+
+            with jax.named_scope("store"):
+                # After the tile's store: the persistent loop leaves only the newest store in flight.
+                o_smem[...] = y.astype(o_smem.dtype)
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(t_smem, ckpt_ref.at[slot, h, rows])
-                prefetch()
+                plgpu.copy_smem_to_gmem(o_smem, y_ref.at[b, h, rows])
 
-            # After the tile's store: the persistent loop leaves only the newest store in flight.
-            o_smem[...] = y.astype(o_smem.dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem, y_ref.at[b, h, rows])
+                @pl.when(mode == MODE_APPEND)
+                def _append():
+                    xcache_ref[slot, h, pos, rows] = x_row.astype(xcache_ref.dtype)
 
-            @pl.when(mode == MODE_APPEND)
-            def _append():
-                xcache_ref[slot, h, pos, rows] = x_row.astype(xcache_ref.dtype)
+                    @pl.when(tile == 0)
+                    def _append_dt():
+                        dtcache_ref[slot, h, pos] = dt
 
-                @pl.when(tile == 0)
-                def _append_dt():
-                    dtcache_ref[slot, h, pos] = dt
-
-                @pl.when((tile == 0) & (h % group_size == 0))
-                def _append_b():
-                    bcache_ref[slot, grp, pos] = b_col.astype(bcache_ref.dtype)
+                    @pl.when((tile == 0) & (h % group_size == 0))
+                    def _append_b():
+                        bcache_ref[slot, grp, pos] = b_col.astype(bcache_ref.dtype)
 
     batch, heads = y_ref.shape[:2]
     serve_tiles(batch, heads, tiles, num_programs, issue, compute, group_size=group_size, chunk=chunk,
@@ -448,15 +456,9 @@ def _build(batch, heads, head_dim, state_size, cache_len, state_dtype, cache_dty
                              dt_limit=dt_limit, has_z=has_z, num_programs=num_programs, chunk=chunk, rebuild=rebuild,
                              readout=readout, parts=tile_parts(state_dtype), grouped=grouped, ordered=ordered,
                              interpret=interpret)
-    return plgpu.kernel(
-        body,
-        out_type=jax.ShapeDtypeStruct((batch, heads, head_dim), y_dtype),
-        scratch_types=scratch,
-        **tile_grid(batch, heads, tiles, num_programs),
-        compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=not auto_barriers),
-        interpret=plgpu.InterpretGPUParams() if interpret else None,
-        kernel_name="replayssm_mamba2_decode_mgpu",
-    )
+    return build_kernel(body, jax.ShapeDtypeStruct((batch, heads, head_dim), y_dtype), scratch,
+                        tile_grid(batch, heads, tiles, num_programs),
+                        name="replayssm_mamba2_decode_mgpu", interpret=interpret, auto_barriers=auto_barriers)
 
 
 def mamba2_replay_decode_mgpu(

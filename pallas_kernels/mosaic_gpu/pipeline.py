@@ -44,6 +44,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -253,12 +254,14 @@ def serve_tiles(batch: int, heads: int, tiles: int, num_programs: int, issue: Ca
         return
     b, ht = lax.axis_index("b"), lax.axis_index("ht")
     b = b if row_order is None else row_order[b]
-    issue(b, ht // tiles, ht % tiles, 0)
-    if issue_group is None:
-        compute(b, ht // tiles, ht % tiles, 0, True)
-    else:
-        issue_group(b, ht // tiles, ht % tiles)
-        compute(b, ht // tiles, ht % tiles, 0, True, lambda: None)
+    with jax.named_scope("issue"):
+        issue(b, ht // tiles, ht % tiles, 0)
+    with jax.named_scope("tile"):
+        if issue_group is None:
+            compute(b, ht // tiles, ht % tiles, 0, True)
+        else:
+            issue_group(b, ht // tiles, ht % tiles)
+            compute(b, ht // tiles, ht % tiles, 0, True, lambda: None)
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -339,16 +342,19 @@ def persistent_tiles(num_tiles: int, num_programs: int, issue: Callable, compute
 
             @pl.when(n < count)
             def _serve():
-                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                plgpu.commit_smem()  # also a warpgroup barrier: tile n - 1 is done with its stage
+                with jax.named_scope("drain"):
+                    plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                    plgpu.commit_smem()  # also a warpgroup barrier: tile n - 1 is done with its stage
 
                 @pl.when(n + 1 < count)
                 def _prefetch():
-                    issue(tile_of(n + 1), (stage + 1) % STAGES)
+                    with jax.named_scope("issue"):
+                        issue(tile_of(n + 1), (stage + 1) % STAGES)
 
                 fresh = (n == 0) | (group_of(n) != group_of(n - 1))
                 if issue_group is None:
-                    compute(tile_of(n), stage, fresh)
+                    with jax.named_scope("tile"):
+                        compute(tile_of(n), stage, fresh)
                     return
 
                 def prefetch():
@@ -356,7 +362,8 @@ def persistent_tiles(num_tiles: int, num_programs: int, issue: Callable, compute
                     def _next_group():
                         issue_group(tile_of(n + 1))
 
-                compute(tile_of(n), stage, fresh, prefetch)
+                with jax.named_scope("tile"):
+                    compute(tile_of(n), stage, fresh, prefetch)
 
         return carry
 

@@ -69,6 +69,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels.common import L2NORM_EPS, MODE_APPEND, MODE_FLUSH, MODE_PAD
+from pallas_kernels.mosaic_gpu.build import build_kernel
 from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA, bcast_cols, bcast_rows, check_smem,
                                                col_sum, copy_record_rows, load_transposed, record_copies,
                                                replay_scratch, row_sum, smem_bytes, softplus, tiled)
@@ -500,7 +501,8 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a
                 beta = 1.0 / (1.0 + jnp.exp(-beta))
             alpha = jnp.exp(g)
 
-            plgpu.barrier_wait(barrier)
+            with jax.named_scope("wait"):
+                plgpu.barrier_wait(barrier)
 
             def fresh_key_side():
                 if grouped:
@@ -509,70 +511,75 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a
 
             # The token from shared memory (copied with the tile, so a persistent CTA has
             # it one tile ahead); the key side shared by the key head's tiles.
-            if xla_side:
-                k_x, q_x, q_scale, k_scale, k_dot_q = load_key_side(side_smem[0])
-            else:
-                k_x, q_x, q_scale, k_scale, k_dot_q = group_shared(
-                    fresh, fresh_key_side, functools.partial(store_key_side, shared_smem),
-                    functools.partial(load_key_side, shared_smem))
+            with jax.named_scope("key_side"):
+                if xla_side:
+                    k_x, q_x, q_scale, k_scale, k_dot_q = load_key_side(side_smem[0])
+                else:
+                    k_x, q_x, q_scale, k_scale, k_dot_q = group_shared(
+                        fresh, fresh_key_side, functools.partial(store_key_side, shared_smem),
+                        functools.partial(load_key_side, shared_smem))
             # The next group's key records may replace these now, unless this row flushes:
             # a flush reads them again (all tiles of a group are one row's, one mode).
             pl.when(mode != MODE_FLUSH)(prefetch)
-            k_col = plgpu.load(qk_smem.at[1], layout=COL, optimized=False).astype(F32) * k_scale
-            v_row = plgpu.load(v_smem, layout=ROW, optimized=False).astype(F32)
-            weights, decay_total = decay_weights(g_smem, pos, cache_len)
-            j = plgpu.broadcasted_iota(jnp.int32, (BLOCK_V, cache_len), 1, layout=WGMMA)
-            u_t = jnp.where(j < pos, load_transposed(u_smem), 0.0)  # [BV, L], stale entries 0
+            with jax.named_scope("records"):
+                k_col = plgpu.load(qk_smem.at[1], layout=COL, optimized=False).astype(F32) * k_scale
+                v_row = plgpu.load(v_smem, layout=ROW, optimized=False).astype(F32)
+                weights, decay_total = decay_weights(g_smem, pos, cache_len)
+                j = plgpu.broadcasted_iota(jnp.int32, (BLOCK_V, cache_len), 1, layout=WGMMA)
+                u_t = jnp.where(j < pos, load_transposed(u_smem), 0.0)  # [BV, L], stale entries 0
             valid = plgpu.broadcasted_iota(jnp.int32, (cache_len,), 0, layout=COL) < pos
-            load_tile = lambda: plgpu.load(t_smem, layout=WGMMA).astype(F32)  # [BV, Dk]
-            if readout == "mma":
-                # `S_c q`, `S_c k` (raw vectors) as one product; a bf16 tile straight from
-                # its buffer, so a non-flush row never holds it in registers.
-                s_c = None if parts == 1 else load_tile()
-                products = (buffer_products(t_smem, x_smem[0], interpret=interpret) if s_c is None
-                            else tile_products(s_c, x_smem[0], parts, interpret=interpret))
-                tile_q, tile_k = q_scale * column(products, 0), k_scale * column(products, 1)
-            else:
-                s_c = load_tile()
-                q_col = plgpu.load(qk_smem.at[0], layout=COL, optimized=False).astype(F32) * q_scale
-                tile_q, tile_k = (row_sum(s_c * bcast_cols(x, s_c.shape)) for x in (q_col, k_col))
+            with jax.named_scope("readout"):
+                load_tile = lambda: plgpu.load(t_smem, layout=WGMMA).astype(F32)  # [BV, Dk]
+                if readout == "mma":
+                    # `S_c q`, `S_c k` (raw vectors) as one product; a bf16 tile straight from
+                    # its buffer, so a non-flush row never holds it in registers.
+                    s_c = None if parts == 1 else load_tile()
+                    products = (buffer_products(t_smem, x_smem[0], interpret=interpret) if s_c is None
+                                else tile_products(s_c, x_smem[0], parts, interpret=interpret))
+                    tile_q, tile_k = q_scale * column(products, 0), k_scale * column(products, 1)
+                else:
+                    s_c = load_tile()
+                    q_col = plgpu.load(qk_smem.at[0], layout=COL, optimized=False).astype(F32) * q_scale
+                    tile_q, tile_k = (row_sum(s_c * bcast_cols(x, s_c.shape)) for x in (q_col, k_col))
 
-            def live_readout(tile_x, k_x):
-                """`S_{t-1} x` `[BV]` (ROW) from the tile's `S_c x` (ROW) and `K x` `[L]` (COL)."""
-                c = jnp.where(valid, k_x * weights, 0.0)
-                return row_sum(u_t * bcast_cols(c, u_t.shape)) + decay_total * tile_x
+                def live_readout(tile_x, k_x):
+                    """`S_{t-1} x` `[BV]` (ROW) from the tile's `S_c x` (ROW) and `K x` `[L]` (COL)."""
+                    c = jnp.where(valid, k_x * weights, 0.0)
+                    return row_sum(u_t * bcast_cols(c, u_t.shape)) + decay_total * tile_x
 
-            s_k = alpha * live_readout(tile_k, k_x)
-            s_q = alpha * live_readout(tile_q, q_x)
-            u = beta * (v_row - s_k)
+                s_k = alpha * live_readout(tile_k, k_x)
+                s_q = alpha * live_readout(tile_q, q_x)
+                u = beta * (v_row - s_k)
 
             @pl.when(mode == MODE_FLUSH)
             def _flush():
-                s_tile = load_tile() if s_c is None else s_c
-                if rebuild == "exact":
-                    # The rebuild reads single records at a dynamic index, which the swizzled
-                    # buffers cannot serve: flush rows fetch an untiled copy (L2-resident).
-                    u_rows, k_rows = rebuild_bufs
-                    copy_record_rows((ucache_ref, kcache_ref), rebuild_bufs, slot, h, h // group_size, rows,
-                                     rows_barrier)
-                    plgpu.barrier_wait(rows_barrier)
-                    prev = rebuild_exact(s_tile, decay_total, u_rows, k_rows, g_smem, pos)
-                else:
-                    if xla_side:  # the key records, which only this flush reads, into the CTA's buffer
-                        plgpu.copy_gmem_to_smem(kcache_ref.at[slot, h // group_size], k_smem, group_barrier[0])
-                        plgpu.barrier_wait(group_barrier[0])
-                    prev = rebuild_tensor_cores(s_tile, decay_total, u_t, weights, k_smem, pos, operands)
-                new = alpha * prev + bcast_rows(u, prev.shape) * bcast_cols(k_col, prev.shape)
-                store_tile(t_smem, ckpt_ref, new, slot, h, rows)
-                prefetch()
+                with jax.named_scope("flush"):
+                    s_tile = load_tile() if s_c is None else s_c
+                    if rebuild == "exact":
+                        # The rebuild reads single records at a dynamic index, which the swizzled
+                        # buffers cannot serve: flush rows fetch an untiled copy (L2-resident).
+                        u_rows, k_rows = rebuild_bufs
+                        copy_record_rows((ucache_ref, kcache_ref), rebuild_bufs, slot, h, h // group_size, rows,
+                                         rows_barrier)
+                        plgpu.barrier_wait(rows_barrier)
+                        prev = rebuild_exact(s_tile, decay_total, u_rows, k_rows, g_smem, pos)
+                    else:
+                        if xla_side:  # the key records, which only this flush reads, into the CTA's buffer
+                            plgpu.copy_gmem_to_smem(kcache_ref.at[slot, h // group_size], k_smem, group_barrier[0])
+                            plgpu.barrier_wait(group_barrier[0])
+                        prev = rebuild_tensor_cores(s_tile, decay_total, u_t, weights, k_smem, pos, operands)
+                    new = alpha * prev + bcast_rows(u, prev.shape) * bcast_cols(k_col, prev.shape)
+                    store_tile(t_smem, ckpt_ref, new, slot, h, rows)
+                    prefetch()
 
-            # After the tile's store: the persistent loop leaves only the newest store in flight.
-            store_output(o_smem, y_ref, s_q + u * k_dot_q, b, h, rows)
+            with jax.named_scope("store"):
+                # After the tile's store: the persistent loop leaves only the newest store in flight.
+                store_output(o_smem, y_ref, s_q + u * k_dot_q, b, h, rows)
 
-            @pl.when(mode == MODE_APPEND)
-            def _append():
-                append_entry(ucache_ref, kcache_ref, gcache_ref, slot, h, tile, pos, u, k_col, g,
-                             group_size=group_size)
+                @pl.when(mode == MODE_APPEND)
+                def _append():
+                    append_entry(ucache_ref, kcache_ref, gcache_ref, slot, h, tile, pos, u, k_col, g,
+                                 group_size=group_size)
 
     serve_tiles(batch, num_heads, tiles, num_programs, issue, compute, group_size=group_size, chunk=chunk,
                 issue_group=issue_group if grouped else None, warpgroups=warpgroups, row_order=order_ref)
@@ -661,15 +668,9 @@ def _build(batch, num_v_heads, head_v_dim, head_k_dim, cache_len, state_dtype, c
                              xla_side=xla_side,
                              program_scratch=view,
                              per_tile=per_tile_addresses, warpgroups=warpgroups, ordered=ordered, interpret=interpret)
-    return plgpu.kernel(
-        body,
-        out_type=jax.ShapeDtypeStruct((batch, num_v_heads, head_v_dim), y_dtype),
-        scratch_types=scratch,
-        **tile_grid(batch, num_v_heads, tiles, num_programs, warpgroups),
-        compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=not auto_barriers),
-        interpret=plgpu.InterpretGPUParams() if interpret else None,
-        kernel_name="replayssm_replay_decode_mgpu",
-    )
+    return build_kernel(body, jax.ShapeDtypeStruct((batch, num_v_heads, head_v_dim), y_dtype), scratch,
+                        tile_grid(batch, num_v_heads, tiles, num_programs, warpgroups),
+                        name="replayssm_replay_decode_mgpu", interpret=interpret, auto_barriers=auto_barriers)
 
 
 def replay_decode_mgpu(

@@ -50,6 +50,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels.common import MODE_APPEND, MODE_FLUSH, MODE_PAD
+from pallas_kernels.mosaic_gpu.build import build_kernel
 from pallas_kernels.mosaic_gpu.layouts import (COL, F32, ROW, WGMMA, bcast_cols, bcast_rows, col_sum, check_smem,
                                               load_transposed, records_buffer, row_sum, softplus, tiled)
 from pallas_kernels.mosaic_gpu import replay_decode
@@ -326,15 +327,9 @@ def _build(batch, num_v_heads, head_v_dim, head_k_dim, cache_len, state_dtype, c
     body = functools.partial(_kernel, group_size=group_size, tiles=tiles, use_qk_l2norm=use_qk_l2norm,
                              scale=scale, raw_gates=raw_gates, rebuild=rebuild, num_programs=num_programs, chunk=chunk,
                              ordered=ordered)
-    return plgpu.kernel(
-        body,
-        out_type=jax.ShapeDtypeStruct((batch, num_v_heads, head_v_dim), y_dtype),
-        scratch_types=scratch,
-        **tile_grid(batch, num_v_heads, tiles, num_programs),
-        compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=not auto_barriers),
-        interpret=plgpu.InterpretGPUParams() if interpret else None,
-        kernel_name="replayssm_replay_decode_mgpu_kda",
-    )
+    return build_kernel(body, jax.ShapeDtypeStruct((batch, num_v_heads, head_v_dim), y_dtype), scratch,
+                        tile_grid(batch, num_v_heads, tiles, num_programs),
+                        name="replayssm_replay_decode_mgpu_kda", interpret=interpret, auto_barriers=auto_barriers)
 
 
 def replay_decode_kda_mgpu(

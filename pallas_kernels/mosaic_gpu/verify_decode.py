@@ -70,6 +70,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxtyping import Array, Bool, Float, Int
 
 from pallas_kernels.common import L2NORM_EPS, MODE_APPEND, MODE_FLUSH, MODE_PAD
+from pallas_kernels.mosaic_gpu.build import build_kernel
 from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA, bcast_cols, bcast_rows, check_smem,
                                                col_sum, copy_record_rows, copy_replay_tile, load_transposed,
                                                record_copies, records_buffer, replay_scratch, row_sum, smem_bytes,
@@ -217,16 +218,13 @@ def _key_sums_kernel(slot_ref, length_ref, q_ref, k_ref, kcache_ref, out_ref, k_
 
 @functools.lru_cache(maxsize=None)
 def _build_key_sums(batch, width, num_k_heads, head_k_dim, cache_len, cache_dtype, qk_dtype, interpret):
-    return plgpu.kernel(
-        functools.partial(_key_sums_kernel, width=width),
-        out_type=jax.ShapeDtypeStruct((batch, num_k_heads, 2 * width, cache_len), F32),
-        scratch_types=[records_buffer(cache_len, head_k_dim, cache_dtype), plgpu.SMEM((width, head_k_dim), qk_dtype),
-                       plgpu.SMEM((width, head_k_dim), qk_dtype),
-                       plgpu.SMEM((2 * width, cache_len), F32), plgpu.Barrier(num_arrivals=3)],
-        grid=(batch, num_k_heads), grid_names=("b", "hk"),
-        interpret=plgpu.InterpretGPUParams() if interpret else None,
-        kernel_name="replayssm_verify_key_sums_mgpu",
-    )
+    scratch = [records_buffer(cache_len, head_k_dim, cache_dtype), plgpu.SMEM((width, head_k_dim), qk_dtype),
+               plgpu.SMEM((width, head_k_dim), qk_dtype), plgpu.SMEM((2 * width, cache_len), F32),
+               plgpu.Barrier(num_arrivals=3)]
+    return build_kernel(functools.partial(_key_sums_kernel, width=width),
+                        jax.ShapeDtypeStruct((batch, num_k_heads, 2 * width, cache_len), F32), scratch,
+                        dict(grid=(batch, num_k_heads), grid_names=("b", "hk")),
+                        name="replayssm_verify_key_sums_mgpu", interpret=interpret)
 
 
 def window_key_values(q: Float[Array, "B T Hk Dk"], k: Float[Array, "B T Hk Dk"], k_cache: Float[Array, "N Hk L Dk"],
@@ -449,63 +447,71 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
         def _live_row():
             slot, pos, length = slot_ref[b], pos_ref[b], length_ref[b]
             fold = mode == MODE_FLUSH
-            plgpu.barrier_wait(barrier)
-            if xla_side:
-                key_sum = load_window_keys(k_smem)
-            else:
-                q_rows, k_rows_w = qk_rows
-                key_sum = group_shared(fresh, functools.partial(window_keys, k_smem, k_rows_w, q_rows, width, length),
-                                        functools.partial(store_window_keys, shared_smem[0]),
-                                        functools.partial(load_window_keys, shared_smem[0]))
-            weights, decay_total = decay_weights(g_smem, pos, cache_len)
-            s_c = plgpu.load(t_smem, layout=WGMMA).astype(F32)  # [BV, Dk]
-            j_tile = plgpu.broadcasted_iota(jnp.int32, (BLOCK_ROWS, cache_len), 1, layout=WGMMA)
+            with jax.named_scope("wait"):
+                plgpu.barrier_wait(barrier)
+            with jax.named_scope("key_side"):
+                if xla_side:
+                    key_sum = load_window_keys(k_smem)
+                else:
+                    q_rows, k_rows_w = qk_rows
+                    key_sum = group_shared(fresh,
+                                           functools.partial(window_keys, k_smem, k_rows_w, q_rows, width, length),
+                                           functools.partial(store_window_keys, shared_smem[0]),
+                                           functools.partial(load_window_keys, shared_smem[0]))
+            with jax.named_scope("records"):
+                weights, decay_total = decay_weights(g_smem, pos, cache_len)
+                s_c = plgpu.load(t_smem, layout=WGMMA).astype(F32)  # [BV, Dk]
+                j_tile = plgpu.broadcasted_iota(jnp.int32, (BLOCK_ROWS, cache_len), 1, layout=WGMMA)
             # A folding row's live state, rebuilt with its whole history and rounded as
             # stored; other rows keep S_c (their history is read out below).
-            if rebuild == "exact":
-                u_rows, k_rows = fold_bufs
+            with jax.named_scope("fold"):
+                if rebuild == "exact":
+                    u_rows, k_rows = fold_bufs
 
-                @pl.when(fold)
-                def _fetch_rows():
-                    # The rebuild reads single records at a dynamic index, which the swizzled
-                    # buffers cannot serve: folding rows fetch an untiled copy (L2-resident)
-                    # into the tile's buffer, once every thread holds S_c.
-                    plgpu.commit_smem()
-                    copy_record_rows((ucache_ref, kcache_ref), (u_rows, k_rows), slot, h, hk, rows, rows_barrier)
-                    plgpu.barrier_wait(rows_barrier)
+                    @pl.when(fold)
+                    def _fetch_rows():
+                        # The rebuild reads single records at a dynamic index, which the swizzled
+                        # buffers cannot serve: folding rows fetch an untiled copy (L2-resident)
+                        # into the tile's buffer, once every thread holds S_c.
+                        plgpu.commit_smem()
+                        copy_record_rows((ucache_ref, kcache_ref), (u_rows, k_rows), slot, h, hk, rows, rows_barrier)
+                        plgpu.barrier_wait(rows_barrier)
 
-                # Other rows run the loop zero times.
-                rebuilt = rebuild_exact(s_c, jnp.where(fold, decay_total, 1.0), u_rows, k_rows, g_smem,
-                                        jnp.where(fold, pos, 0))
-            else:
-                def tensor_core_fold():
-                    u_all = jnp.where(j_tile < pos, load_transposed(u_smem), 0.0)  # [BV, L], stale entries 0
-                    keys = k_smem
-                    if xla_side:  # the key records, which only a fold reads, into the CTA's buffer
-                        keys = fold_keys[0]
-                        plgpu.copy_gmem_to_smem(kcache_ref.at[slot, hk], keys, fold_barrier[0])
-                        plgpu.barrier_wait(fold_barrier[0])
-                    return rebuild_tensor_cores(s_c, decay_total, u_all, weights, keys, pos, fold_bufs)
+                    # Other rows run the loop zero times.
+                    rebuilt = rebuild_exact(s_c, jnp.where(fold, decay_total, 1.0), u_rows, k_rows, g_smem,
+                                            jnp.where(fold, pos, 0))
+                else:
+                    def tensor_core_fold():
+                        u_all = jnp.where(j_tile < pos, load_transposed(u_smem), 0.0)  # [BV, L], stale entries 0
+                        keys = k_smem
+                        if xla_side:  # the key records, which only a fold reads, into the CTA's buffer
+                            keys = fold_keys[0]
+                            plgpu.copy_gmem_to_smem(kcache_ref.at[slot, hk], keys, fold_barrier[0])
+                            plgpu.barrier_wait(fold_barrier[0])
+                        return rebuild_tensor_cores(s_c, decay_total, u_all, weights, keys, pos, fold_bufs)
 
-                # A branch, not a select: the other rows skip the products.
-                rebuilt = lax.cond(fold, tensor_core_fold, lambda: s_c)
-            s_eff = rebuilt.astype(t_smem.dtype).astype(F32)
-            history_len = jnp.where(fold, 0, pos)
-            decay_eff = jnp.where(fold, 1.0, decay_total)
+                    # A branch, not a select: the other rows skip the products.
+                    rebuilt = lax.cond(fold, tensor_core_fold, lambda: s_c)
+                s_eff = rebuilt.astype(t_smem.dtype).astype(F32)
+                history_len = jnp.where(fold, 0, pos)
+                decay_eff = jnp.where(fold, 1.0, decay_total)
 
             @pl.when(fold)
             def _store_checkpoint():
-                plgpu.commit_smem()  # every thread done with the records or operands before the tile is rewritten
-                t_smem[...] = s_eff.astype(t_smem.dtype)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(t_smem, ckpt_ref.at[slot, h, rows])
+                with jax.named_scope("store_checkpoint"):
+                    plgpu.commit_smem()  # every thread done with the records or operands before the tile is rewritten
+                    t_smem[...] = s_eff.astype(t_smem.dtype)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(t_smem, ckpt_ref.at[slot, h, rows])
 
-            u_t = jnp.where(j_tile < history_len, load_transposed(u_smem), 0.0)  # [BV, L], stale entries 0
-            valid = plgpu.broadcasted_iota(jnp.int32, (cache_len,), 0, layout=COL) < history_len
+            with jax.named_scope("products"):
+                u_t = jnp.where(j_tile < history_len, load_transposed(u_smem), 0.0)  # [BV, L], stale entries 0
+                valid = plgpu.broadcasted_iota(jnp.int32, (cache_len,), 0, layout=COL) < history_len
 
-            # "mma": `S_eff x` for all 2T raw vectors at once (column j: q_j, column T + j: k_j).
-            products = tile_products(s_eff, readout_bufs[0], parts, interpret=interpret) if readout == "mma" else None
-            q_cols, k_cols = readout_bufs if readout == "fma" else (None, None)
+                # "mma": `S_eff x` for all 2T raw vectors at once (column j: q_j, column T + j: k_j).
+                products = (tile_products(s_eff, readout_bufs[0], parts, interpret=interpret) if readout == "mma"
+                            else None)
+                q_cols, k_cols = readout_bufs if readout == "fma" else (None, None)
 
             def tile_x(x_col):
                 """`S_eff x` `[BV]` (ROW) for x in COL, on CUDA cores."""
@@ -520,38 +526,42 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
             base = jnp.where(fold, 0, pos)
 
             def read_k(i, load):
-                k_x = k_scale(i) * key_sum(2 * i)
-                if readout == "mma":  # the key record is loaded by the append that stores it
-                    return e_G(i) * live_x(k_scale(i) * column(products, width + i), k_x), None
-                k_col = k_scale(i) * load(k_cols.at[i], COL)
-                return e_G(i) * live_x(tile_x(k_col), k_x), k_col
+                with jax.named_scope("readout"):
+                    k_x = k_scale(i) * key_sum(2 * i)
+                    if readout == "mma":  # the key record is loaded by the append that stores it
+                        return e_G(i) * live_x(k_scale(i) * column(products, width + i), k_x), None
+                    k_col = k_scale(i) * load(k_cols.at[i], COL)
+                    return e_G(i) * live_x(tile_x(k_col), k_x), k_col
 
             def read_q(i, load):
-                q_x = q_scale(i) * key_sum(2 * i + 1)
-                if readout == "mma":
-                    return e_G(i) * live_x(q_scale(i) * column(products, i), q_x)
-                return e_G(i) * live_x(tile_x(q_scale(i) * load(q_cols.at[i], COL)), q_x)
+                with jax.named_scope("readout"):
+                    q_x = q_scale(i) * key_sum(2 * i + 1)
+                    if readout == "mma":
+                        return e_G(i) * live_x(q_scale(i) * column(products, i), q_x)
+                    return e_G(i) * live_x(tile_x(q_scale(i) * load(q_cols.at[i], COL)), q_x)
 
             def append(i, in_window, u_i, k_col):
-                @pl.when(in_window)
-                def _append_u():
-                    ucache_ref[slot, h, base + i, rows] = u_i.astype(ucache_ref.dtype)
+                with jax.named_scope("append"):
+                    @pl.when(in_window)
+                    def _append_u():
+                        ucache_ref[slot, h, base + i, rows] = u_i.astype(ucache_ref.dtype)
 
-                @pl.when(in_window & (mode == MODE_APPEND) & (tile == 0))
-                def _append_gate():
-                    gcache_ref[slot, h, base + i] = g(i)
+                    @pl.when(in_window & (mode == MODE_APPEND) & (tile == 0))
+                    def _append_gate():
+                        gcache_ref[slot, h, base + i] = g(i)
 
-                @pl.when(in_window & (mode == MODE_APPEND) & (tile == 0) & (h % group_size == 0))
-                def _append_key():
-                    key = k_col
-                    if key is None:  # "mma": from global memory, on the one tile that stores it
-                        key = k_scale(i) * plgpu.load(k_ref.at[b, i, hk], layout=COL, optimized=False).astype(F32)
-                    kcache_ref[slot, hk, base + i] = key.astype(kcache_ref.dtype)
+                    @pl.when(in_window & (mode == MODE_APPEND) & (tile == 0) & (h % group_size == 0))
+                    def _append_key():
+                        key = k_col
+                        if key is None:  # "mma": from global memory, on the one tile that stores it
+                            key = k_scale(i) * plgpu.load(k_ref.at[b, i, hk], layout=COL, optimized=False).astype(F32)
+                        kcache_ref[slot, hk, base + i] = key.astype(kcache_ref.dtype)
 
             solve_positions(width, length, A, M, beta, v_rows, o_smem, read_k, read_q, append)
-            # After the tile's store: the persistent loop leaves only the newest store in flight.
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem, y_ref.at[b, :, h, rows])
+            with jax.named_scope("store"):
+                # After the tile's store: the persistent loop leaves only the newest store in flight.
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_smem, y_ref.at[b, :, h, rows])
 
     serve_tiles(batch, num_v_heads, tiles, num_programs, issue, compute, group_size=group_size, chunk=chunk,
                 warpgroups=warpgroups, row_order=order_ref)
@@ -621,15 +631,9 @@ def _build(batch, width, num_v_heads, head_v_dim, head_k_dim, cache_len, state_d
                              chunk=chunk, readout=readout, parts=tile_parts(state_dtype), rebuild=rebuild,
                              xla_side=xla_side, program_scratch=view,
                              per_tile=per_tile_addresses, warpgroups=warpgroups, ordered=ordered, interpret=interpret)
-    return plgpu.kernel(
-        body,
-        out_type=jax.ShapeDtypeStruct((batch, width, num_v_heads, head_v_dim), y_dtype),
-        scratch_types=scratch,
-        **tile_grid(batch, num_v_heads, tiles, num_programs, warpgroups),
-        compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=not auto_barriers),
-        interpret=plgpu.InterpretGPUParams() if interpret else None,
-        kernel_name="replayssm_verify_decode_mgpu",
-    )
+    return build_kernel(body, jax.ShapeDtypeStruct((batch, width, num_v_heads, head_v_dim), y_dtype), scratch,
+                        tile_grid(batch, num_v_heads, tiles, num_programs, warpgroups),
+                        name="replayssm_verify_decode_mgpu", interpret=interpret, auto_barriers=auto_barriers)
 
 
 def verify_decode_mgpu(

@@ -46,6 +46,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxtyping import Array, Bool, Float, Int
 
 from pallas_kernels.common import MODE_APPEND, MODE_FLUSH, MODE_PAD
+from pallas_kernels.mosaic_gpu.build import build_kernel
 from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA, bcast_cols, bcast_rows, col_sum,
                                               check_smem, copy_replay_tile, load_transposed, records_buffer, row_sum,
                                               tiled)
@@ -232,15 +233,9 @@ def _build(batch, width, num_v_heads, head_v_dim, head_k_dim, cache_len, state_d
         plgpu.Barrier(num_arrivals=1),
     ]
     check_smem(scratch, f"verify_decode_kda_mgpu at T = {width}, cache_len = {cache_len}, d_k = {head_k_dim}")
-    return plgpu.kernel(
-        body,
-        out_type=jax.ShapeDtypeStruct((batch, width, num_v_heads, head_v_dim), y_dtype),
-        scratch_types=scratch,
-        grid=(batch, num_v_heads * tiles),
-        grid_names=("b", "hv"),
-        interpret=plgpu.InterpretGPUParams() if interpret else None,
-        kernel_name="replayssm_verify_decode_mgpu_kda",
-    )
+    return build_kernel(body, jax.ShapeDtypeStruct((batch, width, num_v_heads, head_v_dim), y_dtype), scratch,
+                        dict(grid=(batch, num_v_heads * tiles), grid_names=("b", "hv")),
+                        name="replayssm_verify_decode_mgpu_kda", interpret=interpret)
 
 
 def verify_decode_kda_mgpu(

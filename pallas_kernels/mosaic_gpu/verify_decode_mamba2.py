@@ -45,6 +45,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxtyping import Array, Bool, Float, Int
 
 from pallas_kernels.common import MODE_APPEND, MODE_FLUSH, MODE_PAD
+from pallas_kernels.mosaic_gpu.build import build_kernel
 from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA, bcast_cols, bcast_rows, col_sum,
                                                check_smem, copy_record_rows, copy_replay_tile, load_transposed,
                                                record_copies, replay_scratch, row_sum)
@@ -223,15 +224,9 @@ def _build(batch, width, heads, head_dim, state_size, cache_len, state_dtype, ca
     scratch = _scratch(width, BLOCK_ROWS, state_size, cache_len, state_dtype, cache_dtype, c_dtype, x_dtype, z_dtype,
                        x_dtype, swizzle)
     check_smem(scratch, f"mamba2_verify_decode_mgpu at T = {width}, cache_len = {cache_len}, N = {state_size}")
-    return plgpu.kernel(
-        body,
-        out_type=jax.ShapeDtypeStruct((batch, width, heads, head_dim), x_dtype),
-        scratch_types=scratch,
-        grid=(batch, heads * tiles),
-        grid_names=("b", "hp"),
-        interpret=plgpu.InterpretGPUParams() if interpret else None,
-        kernel_name="replayssm_mamba2_verify_decode_mgpu",
-    )
+    return build_kernel(body, jax.ShapeDtypeStruct((batch, width, heads, head_dim), x_dtype), scratch,
+                        dict(grid=(batch, heads * tiles), grid_names=("b", "hp")),
+                        name="replayssm_mamba2_verify_decode_mgpu", interpret=interpret)
 
 
 def mamba2_verify_decode_mgpu(

@@ -1,0 +1,58 @@
+"""Where every Mosaic GPU kernel of this package is built (`plgpu.kernel`), so the options
+all of them take are set once: Mosaic's automatic barriers, interpret mode and the
+on-device profiler.
+
+The profiler (off unless `PROFILE_DIR_ENV` names a folder; `benchmarks/mosaic_profile.py`
+sets it) records the kernels' named regions (`jax.named_scope` blocks in the kernel bodies:
+a region's enter and exit as SM clock reads, per warpgroup, into shared memory) and writes
+one Chrome-trace JSON per launch into that folder. Without it the named regions lower to
+nothing. The variables are read when a kernel is first built in a process (builds are
+cached per shape and parameters), so set them before the first step.
+"""
+
+from __future__ import annotations
+
+import os
+
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+PROFILE_DIR_ENV = "REPLAYSSM_MOSAIC_PROFILE_DIR"
+# Regions recorded per warpgroup at most (16 bytes of shared memory each); later ones
+# are dropped, not written past the buffer.
+PROFILE_SPACE_ENV = "REPLAYSSM_MOSAIC_PROFILE_SPACE"
+DEFAULT_PROFILE_SPACE = 256
+
+
+def profile_settings() -> tuple[str, int]:
+    """`(folder, regions per warpgroup)` from the environment; `("", 0)`: profiler off."""
+    folder = os.environ.get(PROFILE_DIR_ENV, "")
+    if not folder:
+        return "", 0
+    space = int(os.environ.get(PROFILE_SPACE_ENV, DEFAULT_PROFILE_SPACE))
+    if space < 1:
+        raise ValueError(f"{PROFILE_SPACE_ENV} must be a positive count of regions, got {space}")
+    return folder, space
+
+
+def compiler_params(auto_barriers: bool = True) -> plgpu.CompilerParams:
+    """The kernels' compiler parameters: `auto_barriers` False builds without Mosaic's
+    automatic barriers (`unsafe_no_auto_barriers`: the kernel places its own); the profiler
+    as the environment says (module doc)."""
+    folder, space = profile_settings()
+    return plgpu.CompilerParams(unsafe_no_auto_barriers=not auto_barriers, profile_space=space, profile_dir=folder,
+                                profile_bounds_check=bool(space))
+
+
+def build_kernel(body, out_type, scratch_types, grid: dict, *, name: str, interpret: bool,
+                 auto_barriers: bool = True):
+    """`plgpu.kernel` of `body` with `grid` (`grid` and `grid_names`, or `pipeline.tile_grid`'s
+    arguments), named `name`, in Mosaic GPU interpret mode if `interpret`."""
+    return plgpu.kernel(
+        body,
+        out_type=out_type,
+        scratch_types=scratch_types,
+        **grid,
+        compiler_params=compiler_params(auto_barriers),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+        kernel_name=name,
+    )
