@@ -730,3 +730,16 @@ def test_the_profiler_is_on_only_where_the_environment_names_a_folder(monkeypatc
     monkeypatch.setenv(build.PROFILE_SPACE_ENV, "0")
     with pytest.raises(ValueError, match="positive count"):
         build.compiler_params()
+
+
+@pytest.mark.parametrize("field,bad,message", [
+    ("swizzle", 48, "swizzle must be 32, 64 or 128"), ("rebuild", "fp16", "rebuild must be one of"),
+    ("programs", -1, "programs must be an int >= 0"), ("chunk", 2.0, "chunk must be an int >= 0"),
+    ("readout", "tma", "readout must be one of"), ("group_records", 1, "group_records must be None, True or False"),
+    ("launch_order", 1, "launch_order must be a bool")])
+def test_both_params_classes_refuse_a_bad_shared_field(field, bad, message):
+    from pallas_kernels.mosaic_gpu.mamba2_decode import MosaicMamba2Params
+
+    for params_class in (MosaicReplayParams, MosaicMamba2Params):
+        with pytest.raises(ValueError, match=message):
+            params_class(**{field: bad})

@@ -1,6 +1,7 @@
 """Where every Mosaic GPU kernel of this package is built (`plgpu.kernel`), so the options
 all of them take are set once: Mosaic's automatic barriers, interpret mode and the
-on-device profiler.
+on-device profiler; and the checks of the parameters the decode kernels' params classes
+share (`check_shared_params`).
 
 The profiler (off unless `PROFILE_DIR_ENV` names a folder; `benchmarks/mosaic_profile.py`
 sets it) records the kernels' named regions (`jax.named_scope` blocks in the kernel bodies:
@@ -15,6 +16,9 @@ from __future__ import annotations
 import os
 
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.mosaic_gpu.readout import READOUTS
+from pallas_kernels.mosaic_gpu.rebuild import check_rebuild_mode
 
 PROFILE_DIR_ENV = "REPLAYSSM_MOSAIC_PROFILE_DIR"
 # Regions recorded per warpgroup at most (16 bytes of shared memory each); later ones
@@ -56,3 +60,22 @@ def build_kernel(body, out_type, scratch_types, grid: dict, *, name: str, interp
         interpret=plgpu.InterpretGPUParams() if interpret else None,
         kernel_name=name,
     )
+
+
+def check_shared_params(params) -> None:
+    """Raise ValueError on a bad value of the fields `MosaicReplayParams` and
+    `MosaicMamba2Params` share: `swizzle`, `rebuild`, `programs`, `chunk`, `readout`,
+    `group_records`, `launch_order`."""
+    if params.swizzle not in (32, 64, 128):
+        raise ValueError(f"swizzle must be 32, 64 or 128 bytes, got {params.swizzle!r}")
+    check_rebuild_mode(params.rebuild)
+    for name in ("programs", "chunk"):
+        value = getattr(params, name)
+        if not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    if params.readout not in READOUTS:
+        raise ValueError(f"readout must be one of {READOUTS}, got {params.readout!r}")
+    if params.group_records is not None and not isinstance(params.group_records, bool):
+        raise ValueError(f"group_records must be None, True or False, got {params.group_records!r}")
+    if not isinstance(params.launch_order, bool):
+        raise ValueError(f"launch_order must be a bool, got {params.launch_order!r}")

@@ -67,15 +67,15 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels.common import MODE_APPEND, MODE_FLUSH, MODE_PAD
-from pallas_kernels.mosaic_gpu.build import build_kernel
+from pallas_kernels.mosaic_gpu.build import build_kernel, check_shared_params
 from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA, bcast_cols, bcast_rows, col_sum,
                                                check_smem, copy_record_rows, load_transposed,
                                                record_copies, replay_scratch, row_sum, smem_bytes, softplus, tiled)
 from pallas_kernels.mosaic_gpu.pipeline import (STAGES, group_shared, grouped_fits_more, launch_order_input,
                                                 programs_that_fit, serve_tiles, tile_grid)
-from pallas_kernels.mosaic_gpu.readout import (READOUTS, buffer_products, column, stage_vectors, tile_parts,
-                                               tile_products, vector_rows)
-from pallas_kernels.mosaic_gpu.rebuild import (check_rebuild, check_rebuild_mode, rebuild_mma, split_tile_buffer,
+from pallas_kernels.mosaic_gpu.readout import (buffer_products, column, stage_vectors, tile_parts, tile_products,
+                                               vector_rows)
+from pallas_kernels.mosaic_gpu.rebuild import (check_rebuild, rebuild_mma, split_tile_buffer,
                                                tile_with_operands)
 
 BLOCK_P = BLOCK_ROWS
@@ -126,19 +126,7 @@ class MosaicMamba2Params:
     launch_order: bool = False
 
     def __post_init__(self) -> None:
-        if self.swizzle not in (32, 64, 128):
-            raise ValueError(f"swizzle must be 32, 64 or 128 bytes, got {self.swizzle!r}")
-        check_rebuild_mode(self.rebuild)
-        if not isinstance(self.programs, int) or self.programs < 0:
-            raise ValueError(f"programs must be an int >= 0, got {self.programs!r}")
-        if not isinstance(self.chunk, int) or self.chunk < 0:
-            raise ValueError(f"chunk must be an int >= 0, got {self.chunk!r}")
-        if self.readout not in READOUTS:
-            raise ValueError(f"readout must be one of {READOUTS}, got {self.readout!r}")
-        if self.group_records is not None and not isinstance(self.group_records, bool):
-            raise ValueError(f"group_records must be None, True or False, got {self.group_records!r}")
-        if not isinstance(self.launch_order, bool):
-            raise ValueError(f"launch_order must be a bool, got {self.launch_order!r}")
+        check_shared_params(self)
 
 
 def _scratch(state_size, cache_len, state_dtype, cache_dtype, bc_dtype, xz_dtype, y_dtype, swizzle, stages=1,
