@@ -200,7 +200,10 @@ def parse_args(argv):
     p.add_argument("--params", default="default",
                    help="`default` or comma-separated kernel params as mosaic_bench's --variants entries")
     p.add_argument("--step", default="nonflush", choices=("nonflush", "flush"))
-    p.add_argument("--space", type=int, default=1024, help="regions recorded per warpgroup at most")
+    p.add_argument("--space", type=int, default=128,
+                   help="regions recorded per warpgroup at most (16 bytes of shared memory each: the default "
+                        "keeps two fp32 verify CTAs or three bf16 decode warpgroups per SM; a persistent program "
+                        "records its first tiles)")
     p.add_argument("--trace-dir", default="", help="where the profiler writes its traces (default: a temp dir)")
     p.add_argument("--out", default="mosaic_profile.json")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (CPU; no profiler)")
