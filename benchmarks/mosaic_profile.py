@@ -18,7 +18,7 @@ interpret mode on CPU, which has no profiler (the tables are empty), so CI exerc
 
   python benchmarks/mosaic_profile.py --kernel verify --dtype float32 --batch 512 --cache-len 16 --width 4
   python benchmarks/mosaic_profile.py --kernel decode --dtype bfloat16 --batch 512 \
-      --params "programs=396,rebuild=3xtf32,readout=mma,auto_barriers=false,warpgroups=3"
+      --params "programs=396,rebuild=3xtf32,readout=mma,auto_barriers=false,warpgroups=3,key_side=xla"
 """
 
 from __future__ import annotations

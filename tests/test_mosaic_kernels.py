@@ -103,8 +103,8 @@ def _inputs(rng, state_dtype, cache_dtype, per_channel, d_v=D):
     ("gdn", 3, D, "fma", True, dict(per_tile_addresses=True)),
     ("gdn", 3, D, "mma", None, dict(key_side="xla", per_tile_addresses=True)),
     ("gdn", 3, D, "mma", True, {}),
-    ("gdn", 6, D, "fma", None, dict(warpgroups=3, auto_barriers=False)),
-    ("gdn", 6, D, "mma", None, dict(warpgroups=3, auto_barriers=False)),
+    ("gdn", 6, D, "fma", None, dict(warpgroups=3, auto_barriers=False, key_side="xla")),
+    ("gdn", 6, D, "mma", None, dict(warpgroups=3, auto_barriers=False, key_side="xla")),
     ("gdn", 3, D, "mma", None, dict(key_side="xla", per_tile_addresses=True, warpgroups=3, auto_barriers=False)),
     ("gdn", 0, D, "fma", None, dict(launch_order=True)),
     ("gdn", 3, D, "mma", None, dict(key_side="xla", warpgroups=3, auto_barriers=False, launch_order=True)),
@@ -220,9 +220,6 @@ def test_lowers_for_an_abstract_h200(state_dtype, cache_dtype, cache_len, raw, p
                                           key_side="xla", per_tile_addresses=True, warpgroups=3, launch_order=True)),
     (jnp.bfloat16, 16, MosaicReplayParams(programs=396, auto_barriers=False, rebuild="3xtf32", readout="mma",
                                           key_side="xla", warpgroups=3)),
-    # The default from B = 256: three warpgroups, each summing its key side.
-    (jnp.bfloat16, 16, MosaicReplayParams(programs=396, auto_barriers=False, rebuild="3xtf32", readout="mma",
-                                          warpgroups=3)),
 ])
 def test_the_tensor_core_readout_lowers_for_an_abstract_h200(state_dtype, cache_len, params):
     """GDN's "mma" readout: `wgmma`s from the tile's three bf16 register parts (fp32 state)
@@ -358,7 +355,7 @@ def test_tensor_core_rebuild_refusals(rng):
     # The GDN decode kernel's own options: the KDA kernel refuses them rather than ignore them.
     for own, match in ((dict(key_side="xla"), "computes its key side itself"),
                        (dict(per_tile_addresses=True), "per_tile_addresses must be False"),
-                       (dict(programs=6, auto_barriers=False, warpgroups=3), "warpgroups must be 1")):
+                       (dict(programs=6, auto_barriers=False, warpgroups=3, key_side="xla"), "warpgroups must be 1")):
         with pytest.raises(ValueError, match=match):
             arrays = [jnp.asarray(x) for x in _inputs(rng, jnp.float32, jnp.float32, True)]
             replay_decode_kda_mgpu(*arrays, jnp.asarray(SLOTS), jnp.asarray(POS), jnp.asarray(MODES),
@@ -367,7 +364,9 @@ def test_tensor_core_rebuild_refusals(rng):
                        (dict(warpgroups=5), r"warpgroups must be an int in \[1, 4\]"),
                        (dict(warpgroups=3, auto_barriers=False), "programs must be a positive multiple"),
                        (dict(warpgroups=3, programs=10, auto_barriers=False), "programs must be a positive multiple"),
-                       (dict(warpgroups=3, programs=9), "auto_barriers must be False")):
+                       (dict(warpgroups=3, programs=9, key_side="xla"), "auto_barriers must be False"),
+                       # Its own key side would share the CTA's one cross-warp reduction scratch.
+                       (dict(warpgroups=3, programs=9, auto_barriers=False), "key_side must be 'xla'")):
         with pytest.raises(ValueError, match=match):
             MosaicReplayParams(**bad)
     with pytest.raises(ValueError, match="per_tile_addresses must be a bool"):
@@ -684,9 +683,9 @@ def test_backend_default_params_per_gate(monkeypatch):
         assert (on_gpu.rebuild, on_gpu.programs, on_gpu.warpgroups) == ("3xtf32", 264, 1)
     # From B = 256 at L = 16 (measured faster there) three warpgroups per CTA, each a
     # program with its own buffers: one CTA per SM, three programs; addresses held; the key
-    # side summed in the kernel (faster there than XLA's pass, which one warpgroup takes).
+    # side from XLA (their own would share the CTA's reduction scratch).
     wide = mosaic_gpu.default_params(bf16(16), 512, jnp.bfloat16, interpret=False)
-    assert (wide.programs, wide.warpgroups, wide.per_tile_addresses, wide.key_side) == (396, 3, False, "kernel")
+    assert (wide.programs, wide.warpgroups, wide.per_tile_addresses, wide.key_side) == (396, 3, False, "xla")
     assert mosaic_gpu.default_params(bf16(16), 256, jnp.bfloat16, interpret=False).warpgroups == 3
     assert mosaic_gpu.default_params(bf16(32), 512, jnp.bfloat16, interpret=False).warpgroups == 1  # not measured
     assert mosaic_gpu.fitting_programs(gdn, 512, jnp.bfloat16, rebuild="3xtf32", warpgroups=3, sm_count=132) == 0

@@ -121,9 +121,9 @@ def _ancestors(parents):
     ("gdn", MosaicReplayParams(key_side="xla")),
     ("gdn", MosaicReplayParams(programs=5, auto_barriers=False, readout="mma", key_side="xla",
                                per_tile_addresses=True)),
-    ("gdn", MosaicReplayParams(programs=6, auto_barriers=False, warpgroups=3)),  # 2 CTAs of 3 programs
+    ("gdn", MosaicReplayParams(programs=6, auto_barriers=False, warpgroups=3, key_side="xla")),  # 2 CTAs of 3
     ("gdn", MosaicReplayParams(programs=3, auto_barriers=False, readout="mma", per_tile_addresses=True,
-                               warpgroups=3)),
+                               warpgroups=3, key_side="xla")),
     ("gdn", MosaicReplayParams(programs=5, auto_barriers=False, launch_order=True)),
 ])
 def test_verify_matches_the_float64_model(rng, gate, params, state_dtype):
@@ -257,9 +257,10 @@ def test_verify_kernels_take_only_their_options():
         check_params(MosaicReplayParams(per_tile_addresses=True), "kda")
     with pytest.raises(ValueError, match="key_side must be 'kernel'"):
         check_params(MosaicReplayParams(key_side="xla"), "kda")
-    check_params(MosaicReplayParams(programs=6, auto_barriers=False, warpgroups=3), "gdn", pipelined=True)
+    three = MosaicReplayParams(programs=6, auto_barriers=False, warpgroups=3, key_side="xla")
+    check_params(three, "gdn", pipelined=True)
     with pytest.raises(ValueError, match="warpgroups must be 1"):
-        check_params(MosaicReplayParams(programs=6, auto_barriers=False, warpgroups=3), "kda")
+        check_params(three, "kda")
 
 
 @pytest.mark.parametrize("state_dtype,cache_len,rebuild,readout", [
@@ -286,12 +287,12 @@ def test_three_warpgroups_lower_for_an_abstract_h200():
     programs do not fit."""
     rebuild, per_tile_addresses = "3xtf32", True
     programs = persistent_programs(512, 4, 32, 128, 128, 16, jnp.bfloat16, jnp.bfloat16, jnp.bfloat16, 132,
-                                   readout="mma", rebuild=rebuild, warpgroups=3)
+                                   readout="mma", rebuild=rebuild, key_side="xla", warpgroups=3)
     assert programs == 396
     assert persistent_programs(512, 4, 32, 128, 128, 16, jnp.float32, jnp.float32, jnp.bfloat16, 132,
-                               readout="mma", rebuild=rebuild, warpgroups=3) == 0
+                               readout="mma", rebuild=rebuild, key_side="xla", warpgroups=3) == 0
     params = MosaicReplayParams(programs=programs, auto_barriers=False, readout="mma", rebuild=rebuild,
-                                per_tile_addresses=per_tile_addresses, warpgroups=3)
+                                per_tile_addresses=per_tile_addresses, key_side="xla", warpgroups=3)
     assert "mosaic_gpu" in _lower_for_h200("gdn", jnp.bfloat16, 16, 4, params=params)
 
 

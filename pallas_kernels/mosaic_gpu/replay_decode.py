@@ -154,9 +154,11 @@ class MosaicReplayParams:
         warpgroups side by side, each a program on its own slice of the buffers
         (`pipeline.with_program_axis`), so ptxas must fit a thread in 65,536 / (128 w)
         registers (168 at w = 3: what three resident CTAs need, which a 128-thread CTA
-        cannot ask for). Needs `programs` a multiple of w and `auto_barriers=False`; a
-        tensor-core rebuild's operands get a buffer per program instead of the union with
-        the tile (programs cannot share a union).
+        cannot ask for). Needs `programs` a multiple of w, `auto_barriers=False` and
+        `key_side="xla"` (the kernel's own key side sums across warps through the one
+        reduction scratch of the CTA, which the warpgroups would share: wrong results on the
+        GPU); a tensor-core rebuild's operands get a buffer per program instead of the union
+        with the tile (programs cannot share a union).
       launch_order: False (default) serves the rows in their order; True in the caller's
         `row_order` (the backends pass the plan's launch order, the costliest rows first:
         flushing rows in decode, folding rows in verify), so that those rows (about twice
@@ -189,6 +191,12 @@ class MosaicReplayParams:
         if self.warpgroups > 1 and (not self.programs or self.programs % self.warpgroups):
             raise ValueError(f"warpgroups={self.warpgroups} runs persistent programs: programs must be a positive "
                              f"multiple of it, got {self.programs}")
+        if self.warpgroups > 1 and self.key_side != "xla":
+            # The kernel's key side sums across a warpgroup's warps through Mosaic's one
+            # reduction scratch per CTA, which several warpgroups would share: measured wrong
+            # on the GPU (interpret mode runs the programs one at a time and cannot see it).
+            raise ValueError(f"warpgroups={self.warpgroups} shares one cross-warp reduction scratch per CTA: "
+                             f"key_side must be 'xla', got {self.key_side!r}")
         if self.warpgroups > 1 and self.auto_barriers:
             raise ValueError(f"warpgroups={self.warpgroups} keeps each program's own barriers: auto_barriers must "
                              "be False")
@@ -203,10 +211,10 @@ def check_own_layout(params, kernel: str, *, per_tile_addresses: bool = False, k
     if getattr(params, "group_records", None) is not None:
         raise ValueError(f"{kernel} lays out its records itself: group_records must be None, got "
                          f"{params.group_records!r}")
-    if getattr(params, "key_side", "kernel") != "kernel" and not key_side:
-        raise ValueError(f"{kernel} computes its key side itself: key_side must be 'kernel', got {params.key_side!r}")
     if getattr(params, "warpgroups", 1) != 1 and not warpgroups:
         raise ValueError(f"{kernel} runs one program per CTA: warpgroups must be 1, got {params.warpgroups}")
+    if getattr(params, "key_side", "kernel") != "kernel" and not key_side:
+        raise ValueError(f"{kernel} computes its key side itself: key_side must be 'kernel', got {params.key_side!r}")
     if getattr(params, "per_tile_addresses", False) and not per_tile_addresses:
         raise ValueError(f"{kernel} holds its buffers' addresses itself: per_tile_addresses must be False")
     if getattr(params, "launch_order", False) and not launch_order:

@@ -69,13 +69,13 @@ def default_params(cfg, batch: int, token_dtype, *, interpret: bool | None = Non
     as fit on the device's SMs and the kernel's own barriers only (measured fastest on the
     H200 for GDN and Mamba-2), with `gpu_rebuild` on a GPU (`interpret` false; default: off
     GPU; the tensor cores do not run in interpret mode) and the exact rebuild off it. GDN
-    with a 2-byte state and bf16 q, k reads the tile out on tensor cores (`readout="mma"`);
-    with one warpgroup per CTA it takes its key side from XLA (`key_side="xla"`) and
-    recomputes its buffers' addresses per tile (`per_tile_addresses`), with three
-    (`warpgroups_for`) it computes the key side itself: each faster there, XLA's pass before
-    the launch counted, and slower with an fp32 state (whose tile the readout must split
-    into three parts) (`benchmarks/NOTES.md`: "decode tensor-core readout", "per-tile
-    addresses", "GPU runs, eleventh session")."""
+    with a 2-byte state and bf16 q, k reads the tile out on tensor cores (`readout="mma"`)
+    and takes its key side from XLA (`key_side="xla"`), and with one warpgroup per CTA
+    recomputes its buffers' addresses per tile (`per_tile_addresses`): each faster there
+    and slower with an fp32 state (whose tile the readout must split into three parts)
+    (`benchmarks/NOTES.md`: "decode tensor-core readout", "per-tile addresses"). Three
+    warpgroups (`warpgroups_for`) cannot sum the key side themselves (`MosaicReplayParams.
+    warpgroups`; NOTES: "three warpgroups' own key side, wrong on the GPU")."""
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     rebuild = "exact" if interpret else gpu_rebuild(cfg, token_dtype)
@@ -85,13 +85,12 @@ def default_params(cfg, batch: int, token_dtype, *, interpret: bool | None = Non
     two_byte = cfg.state_dtype.itemsize == 2 and jnp.dtype(token_dtype) == jnp.bfloat16
     tensor_core_readout = two_byte and not cfg.per_channel_gate
     readout = "mma" if tensor_core_readout else "fma"
-    # Three warpgroups sum the key side faster than XLA's pass before the launch; one, slower.
-    side = lambda warpgroups: "xla" if tensor_core_readout and warpgroups == 1 else "kernel"
+    key_side = "xla" if tensor_core_readout else "kernel"
     fits = lambda warpgroups: fitting_programs(cfg, batch, token_dtype, rebuild=rebuild, readout=readout,
-                                               key_side=side(warpgroups), warpgroups=warpgroups)
-    warpgroups = warpgroups_for(cfg, batch, token_dtype) if fits(WARPGROUPS) else 1
+                                               key_side=key_side, warpgroups=warpgroups)
+    warpgroups = warpgroups_for(cfg, batch, token_dtype) if key_side == "xla" and fits(WARPGROUPS) else 1
     return MosaicReplayParams(programs=fits(warpgroups), auto_barriers=False, rebuild=rebuild, readout=readout,
-                              key_side=side(warpgroups), per_tile_addresses=tensor_core_readout and warpgroups == 1,
+                              key_side=key_side, per_tile_addresses=tensor_core_readout and warpgroups == 1,
                               warpgroups=warpgroups)
 
 
