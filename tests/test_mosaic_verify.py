@@ -12,6 +12,8 @@ through verify / accept rounds.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,8 +23,9 @@ from pallas_kernels import common
 from pallas_kernels.mosaic_gpu.mamba2_decode import MosaicMamba2Params
 from pallas_kernels.mosaic_gpu.readout import split_bf16, tile_parts
 from pallas_kernels.mosaic_gpu.replay_decode import MosaicReplayParams
-from pallas_kernels.mosaic_gpu.verify_decode import (check_params, persistent_programs, verify_decode_mgpu,
-                                                     window_key_values, window_rows, window_vectors)
+from pallas_kernels.mosaic_gpu.verify_decode import (check_params, key_block_heads, persistent_programs,
+                                                     verify_decode_mgpu, window_key_values, window_rows,
+                                                     window_vectors)
 from pallas_kernels.mosaic_gpu.verify_decode_kda import verify_decode_kda_mgpu
 
 NUM_SLOTS, H_K, H_V, D, L, T = 6, 1, 2, 64, 8, 3
@@ -223,13 +226,18 @@ def test_tensor_core_fold_lowers_for_an_abstract_h200(state_dtype, cache_len, re
     assert "mosaic_gpu" in _lower_for_h200("gdn", state_dtype, cache_len, 4, params=params)
 
 
-@pytest.mark.parametrize("cache_dtype,qk_dtype", [(jnp.float32, jnp.float32), (jnp.bfloat16, jnp.bfloat16)])
-def test_window_key_values_are_the_key_sums(rng, cache_dtype, qk_dtype):
-    """`window_key_values` (its own kernel, interpret mode) against the sums written out in
-    NumPy: `K k_i` in row 2i and `K q_i` in row 2i + 1 over each slot's whole ring, of the
-    raw vectors, zeros at and past a row's length (NaN there stays out); a padding row
-    (slot -1) reads slot 0."""
-    batch, width, hk, d, L, n = 3, 3, 2, 64, 8, 4
+@pytest.mark.parametrize("cache_dtype,qk_dtype,cache_len,num_k_heads,heads", [
+    (jnp.float32, jnp.float32, 16, 4, 4), (jnp.bfloat16, jnp.bfloat16, 16, 4, 4), (jnp.float32, jnp.bfloat16, 32, 4, 2),
+    (jnp.bfloat16, jnp.float32, 24, 3, 1)])
+def test_window_key_values_are_the_key_sums(rng, cache_dtype, qk_dtype, cache_len, num_k_heads, heads):
+    """`window_key_values` (its own kernel, interpret mode: the same bf16 parts and products
+    as dots) against the sums written out in NumPy: `K q_j` in row j and `K k_j` in row
+    T + j of each key head's block columns, over each slot's whole ring, of the raw
+    vectors, zeros at and past a row's length (NaN there stays out); a padding row (slot
+    -1) reads slot 0. Blocks of 4 rings of 16 (the 64 rows of the product), of 2 rings of
+    32, and of one ring of 24 (24 of the 64 rows: three rings of H_k = 3 would take 72)."""
+    batch, width, d, n = 3, 3, 64, 4
+    hk, L = num_k_heads, cache_len
     k_cache = rng.standard_normal((n, hk, L, d)).astype(np.float32)
     q, k = (rng.standard_normal((batch, width, hk, d)).astype(np.float32) for _ in range(2))
     slot, length = np.array([2, -1, 0], np.int32), np.array([3, 1, 0], np.int32)
@@ -237,16 +245,35 @@ def test_window_key_values_are_the_key_sums(rng, cache_dtype, qk_dtype):
         q[b, length[b]:], k[b, length[b]:] = np.nan, np.nan
     k_cache, q, k = (np.asarray(jnp.asarray(x, dt).astype(jnp.float32)) for x, dt in
                      ((k_cache, cache_dtype), (q, qk_dtype), (k, qk_dtype)))
-    got = window_key_values(jnp.asarray(q, qk_dtype), jnp.asarray(k, qk_dtype), jnp.asarray(k_cache, cache_dtype),
-                            jnp.asarray(slot), jnp.asarray(length), interpret=True)
-    want = np.zeros((batch, hk, 2 * width, L))
+    got = np.asarray(window_key_values(jnp.asarray(q, qk_dtype), jnp.asarray(k, qk_dtype),
+                                       jnp.asarray(k_cache, cache_dtype), jnp.asarray(slot), jnp.asarray(length),
+                                       interpret=True))
+    assert key_block_heads(hk, L, window_rows(width) * tile_parts(qk_dtype)) == heads
+    assert got.shape == (batch, hk // heads, window_rows(width), 64)
     for b in range(batch):
         keys = k_cache[max(slot[b], 0)].astype(np.float64)  # [hk, L, d]
+        want = np.zeros((hk, 2 * width, L))
         for i in range(length[b]):
-            want[b, :, 2 * i] = np.einsum("hld,hd->hl", keys, k[b, i])
-            want[b, :, 2 * i + 1] = np.einsum("hld,hd->hl", keys, q[b, i])
-    # fp32 sums of 64 products in another order than the float64 ones.
-    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+            want[:, i] = np.einsum("hld,hd->hl", keys, q[b, i])
+            want[:, width + i] = np.einsum("hld,hd->hl", keys, k[b, i])
+        for h in range(hk):
+            block = got[b, h // heads, :2 * width, h % heads * L:(h % heads + 1) * L]
+            # Exact products summed in fp32 in another order than the float64 ones.
+            np.testing.assert_allclose(block, want[h], rtol=1e-5, atol=1e-5, err_msg=f"row {b}, key head {h}")
+        assert not np.any(got[b, :, 2 * width:]), "the zero rows past 2T sum to zero"
+
+
+@pytest.mark.parametrize("cache_dtype,qk_dtype,cache_len,width", [
+    (jnp.float32, jnp.float32, 32, 4), (jnp.bfloat16, jnp.float32, 24, 8), (jnp.bfloat16, jnp.bfloat16, 16, 4)])
+def test_window_key_values_lower_for_an_abstract_h200(cache_dtype, qk_dtype, cache_len, width):
+    """The key-sum kernel at the benchmark's H_k = 16, d = 128: fp32 q and k (three bf16
+    parts per vector), blocks of two rings of 24 (48 of the product's 64 rows) and of four
+    rings of 16; its transposed store is what interpret mode cannot check."""
+    S, i32 = jax.ShapeDtypeStruct, jnp.int32
+    b, hk, d = 8, 16, 128
+    args = [S((b, width, hk, d), qk_dtype)] * 2 + [S((16, hk, cache_len, d), cache_dtype), S((b,), i32), S((b,), i32)]
+    step = functools.partial(window_key_values, interpret=False)
+    assert "mosaic_gpu" in jax.jit(step).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def test_verify_kernels_take_only_their_options():

@@ -55,19 +55,23 @@ def split_bf16(x, parts: int) -> list:
     return out
 
 
-def _products(a_operands, x_smem, interpret: bool):
-    """`sum_p A_p X^T` over `a_operands` (bf16 register arrays, or one bf16 buffer)."""
+def summed_products(a_operands, x_smems, *, interpret: bool = False):
+    """`sum_p sum_x A_p X^T` `[M, N]` in fp32 (WGMMA layout) over `a_operands` (bf16
+    register arrays, or one bf16 buffer) and the raw bf16 vectors of each buffer in
+    `x_smems` (each `[N, W]`, K-major, swizzled). `interpret`: the same products as fp32
+    dots."""
     if interpret:
-        x = x_smem[...].astype(F32)
-        return sum(lax.dot_general(a[...].astype(F32), x, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST)
-                   for a in a_operands)
+        dot = lambda a, x: lax.dot_general(a[...].astype(F32), x[...].astype(F32), (((1,), (1,)), ((), ())),
+                                           precision=lax.Precision.HIGHEST)
+        return sum(dot(a, x) for x in x_smems for a in a_operands)
 
     def mma(acc_ref):  # returns nothing: `run_state` gives the accumulator's final value
-        for a in a_operands:
-            plgpu.wgmma(acc_ref, a, x_smem.T)
-            plgpu.wgmma_wait(0)  # a register operand is read until its `wgmma` completes
+        for x_smem in x_smems:
+            for a in a_operands:
+                plgpu.wgmma(acc_ref, a, x_smem.T)
+                plgpu.wgmma_wait(0)  # a register operand is read until its `wgmma` completes
 
-    zeros = plgpu.layout_cast(jnp.zeros((a_operands[0].shape[0], x_smem.shape[0]), F32), WGMMA)
+    zeros = plgpu.layout_cast(jnp.zeros((a_operands[0].shape[0], x_smems[0].shape[0]), F32), WGMMA)
     return pl.run_state(mma)(plgpu.ACC.init(zeros))
 
 
@@ -75,13 +79,13 @@ def tile_products(s, x_smem, parts: int, *, interpret: bool = False):
     """`S X^T` `[M, N]` in fp32 (WGMMA layout) for the tile `s` in registers (WGMMA),
     split into `parts` bf16 register operands, against the raw bf16 vectors `x_smem
     [N, W]` (K-major, swizzled). `interpret`: the same parts and products as fp32 dots."""
-    return _products(split_bf16(s, parts), x_smem, interpret)
+    return summed_products(split_bf16(s, parts), [x_smem], interpret=interpret)
 
 
 def buffer_products(s_smem, x_smem, *, interpret: bool = False):
     """`S X^T` `[M, N]` in fp32 (WGMMA layout) for a bf16 tile read by the tensor cores
     from its shared-memory buffer `s_smem [M, W]` (swizzled as a `wgmma` operand)."""
-    return _products([s_smem], x_smem, interpret)
+    return summed_products([s_smem], [x_smem], interpret=interpret)
 
 
 def column(products, j: int):

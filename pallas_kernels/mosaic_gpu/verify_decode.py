@@ -22,9 +22,9 @@ The scalars of these sums (the `T x T` products, decays and norms: `window_coeff
 a few small XLA ops on `[B, T, H, d_k]` inputs) arrive packed per (row, value head); the
 kernel applies them to vectors. The key sums `K k_i`, `K q_i` over the ring are computed
 once per key-head group on a fresh tile (`window_keys`) or, with `MosaicReplayParams.key_side
-= "xla"`, before the launch by a kernel of their own (`window_key_values`, `[B, H_k, 2T, L]`,
-copied with each tile in place of the key records, which only a tensor-core fold then
-fetches). `S x` is read out as in `replay_decode` without forming S:
+= "xla"`, before the launch by a kernel of their own on tensor cores (`window_key_values`:
+each tile copies its `[2T, L]` box of them in place of the key records, which only a
+tensor-core fold then fetches). `S x` is read out as in `replay_decode` without forming S:
 `e^G S_c x + U^T (W * (K x))` over the row's `pos` valid cache entries (WGMMA-layout row and
 column reductions, records loaded transposed from swizzled buffers; entries at and past
 `pos` are masked with selects before any product). The checkpoint tile and the records are
@@ -73,11 +73,12 @@ from pallas_kernels.common import L2NORM_EPS, MODE_APPEND, MODE_FLUSH, MODE_PAD
 from pallas_kernels.mosaic_gpu.build import build_kernel
 from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA, bcast_cols, bcast_rows, check_smem,
                                                col_sum, copy_record_rows, copy_replay_tile, load_transposed,
-                                               record_copies, records_buffer, replay_scratch, row_sum, smem_bytes,
+                                               record_copies, replay_scratch, row_sum, smem_bytes,
                                                tiled)
 from pallas_kernels.mosaic_gpu.pipeline import (STAGES, group_shared, kernel_scratch, launch_order_input,
                                                 programs_that_fit, serve_tiles, tile_buffers, tile_grid)
-from pallas_kernels.mosaic_gpu.readout import column, stage_vectors, tile_parts, tile_products, vector_rows
+from pallas_kernels.mosaic_gpu.readout import (column, split_bf16, stage_vectors, summed_products, tile_parts,
+                                               tile_products, vector_rows)
 from pallas_kernels.mosaic_gpu.rebuild import check_rebuild, rebuild_operands
 from pallas_kernels.mosaic_gpu.replay_decode import (MosaicReplayParams, check_fma_readout, check_mma_readout,
                                                      check_own_layout, check_shapes, decay_weights, qk_scales,
@@ -202,44 +203,106 @@ def load_window_keys(shared_smem):
     return lambda row: plgpu.load(shared_smem.at[row], layout=COL, optimized=False)
 
 
-def _key_sums_kernel(slot_ref, length_ref, q_ref, k_ref, kcache_ref, out_ref, k_smem, q_rows, k_rows, out_smem,
-                     barrier, *, width):
-    """CTA (b, hk): `window_keys`' `[2T, L]` sums of row b, key head hk, into `out_ref`."""
-    b, hk = lax.axis_index("b"), lax.axis_index("hk")
-    plgpu.copy_gmem_to_smem(kcache_ref.at[jnp.maximum(slot_ref[b], 0), hk], k_smem, barrier)
-    plgpu.copy_gmem_to_smem(q_ref.at[b, :, hk], q_rows, barrier)
-    plgpu.copy_gmem_to_smem(k_ref.at[b, :, hk], k_rows, barrier)
+def key_block_heads(num_k_heads: int, cache_len: int, vector_rows: int) -> int:
+    """m, the key heads of one block of `window_key_values`: the most that divide H_k
+    whose rings stack into at most 64 rows (a `wgmma`'s M) and whose `vector_rows` rows of
+    window vectors each (`side_vectors`) into at most 256 (the copy's box); 0 where no
+    ring fits."""
+    fits = lambda m: num_k_heads % m == 0 and m * cache_len <= BLOCK_ROWS and m * vector_rows <= 256
+    return max((m for m in range(1, num_k_heads + 1) if fits(m)), default=0)
+
+
+def side_vectors(q: Float[Array, "B T Hk Dk"], k: Float[Array, "B T Hk Dk"],
+                 length: Int[Array, " B"]) -> Float[Array, "B Hk PN Dk"]:
+    """The key sums' B operand per (row, key head): `masked_window`'s rows as P exact bf16
+    parts (`readout.split_bf16`: one for bf16 q and k, which is `window_vectors`; three for
+    fp32), each part padded to `window_rows(T)` rows, the parts one after another."""
+    if q.dtype == jnp.bfloat16:
+        return window_vectors(q, k, length)
+    x = masked_window(q, k, length).astype(F32)
+    return jnp.concatenate([stage_vectors(part) for part in split_bf16(x, tile_parts(q.dtype))], axis=2)
+
+
+def _key_blocks_kernel(slot_ref, keys_ref, x_ref, out_ref, k_smem, x_smem, out_smem, barrier, *, heads, cache_len,
+                       x_parts, key_parts, interpret):
+    """CTA (b, blk): the sums of key heads `blk * m .. blk * m + m - 1` of row b into
+    `out_ref[b, blk]` (`window_key_values`), as `wgmma`s: the m rings stacked as the rows
+    of one `[64, d_k]` register operand (split into exact bf16 parts), times each head's
+    window vectors; row `i L + l` of head i's product holds `K x` of entry l, and the
+    transposed store puts them at column `i L + l` of the block."""
+    b, blk = lax.axis_index("b"), lax.axis_index("blk")
+    ring_rows, head_x_rows = heads * cache_len, x_smem.shape[0] // heads
+    vectors = head_x_rows // x_parts
+    keys_dst = k_smem if ring_rows == BLOCK_ROWS else k_smem.at[pl.ds(0, ring_rows)]
+    plgpu.copy_gmem_to_smem(keys_ref.at[jnp.maximum(slot_ref[b], 0), pl.ds(blk * ring_rows, ring_rows)], keys_dst,
+                            barrier)
+    plgpu.copy_gmem_to_smem(x_ref.at[b, pl.ds(blk * heads * head_x_rows, heads * head_x_rows)], x_smem, barrier)
     plgpu.barrier_wait(barrier)
-    store_window_keys(out_smem, window_keys(k_smem, k_rows, q_rows, width, length_ref[b]))
+    # Rows past the stacked rings (where 64 is not a multiple of L) are never selected.
+    key_parts = split_bf16(plgpu.load(k_smem, layout=WGMMA).astype(F32), key_parts)
+    head_of_row = plgpu.broadcasted_iota(jnp.int32, (BLOCK_ROWS, vectors), 0, layout=WGMMA) // cache_len
+    sums = plgpu.layout_cast(jnp.zeros((BLOCK_ROWS, vectors), F32), WGMMA)
+    for i in range(heads):
+        parts = [x_smem.at[pl.ds((i * x_parts + p) * vectors, vectors)] for p in range(x_parts)]
+        sums = jnp.where(head_of_row == i, summed_products(key_parts, parts, interpret=interpret), sums)
+    out_smem.T[...] = plgpu.layout_cast(sums, plgpu.Layout.WGMMA_TRANSPOSED)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(out_smem, out_ref.at[b, hk])
+    plgpu.copy_smem_to_gmem(out_smem, out_ref.at[b, blk])
     plgpu.wait_smem_to_gmem(0)
 
 
 @functools.lru_cache(maxsize=None)
-def _build_key_sums(batch, width, num_k_heads, head_k_dim, cache_len, cache_dtype, qk_dtype, interpret):
-    scratch = [records_buffer(cache_len, head_k_dim, cache_dtype), plgpu.SMEM((width, head_k_dim), qk_dtype),
-               plgpu.SMEM((width, head_k_dim), qk_dtype), plgpu.SMEM((2 * width, cache_len), F32),
-               plgpu.Barrier(num_arrivals=3)]
-    return build_kernel(functools.partial(_key_sums_kernel, width=width),
-                        jax.ShapeDtypeStruct((batch, num_k_heads, 2 * width, cache_len), F32), scratch,
-                        dict(grid=(batch, num_k_heads), grid_names=("b", "hk")),
+def _build_key_blocks(batch, num_k_heads, head_k_dim, cache_len, cache_dtype, x_rows, x_parts, interpret):
+    heads = key_block_heads(num_k_heads, cache_len, x_rows)
+    vectors = x_rows // x_parts
+    scratch = [plgpu.SMEM((BLOCK_ROWS, head_k_dim), cache_dtype, transforms=tiled(128, cache_dtype)),
+               plgpu.SMEM((heads * x_rows, head_k_dim), jnp.bfloat16, transforms=tiled(128, jnp.bfloat16)),
+               plgpu.SMEM((vectors, BLOCK_ROWS), F32), plgpu.Barrier(num_arrivals=2)]
+    body = functools.partial(_key_blocks_kernel, heads=heads, cache_len=cache_len, x_parts=x_parts,
+                             key_parts=tile_parts(cache_dtype), interpret=interpret)
+    return build_kernel(body, jax.ShapeDtypeStruct((batch, num_k_heads // heads, vectors, BLOCK_ROWS), F32), scratch,
+                        dict(grid=(batch, num_k_heads // heads), grid_names=("b", "blk")),
                         name="replayssm_verify_key_sums_mgpu", interpret=interpret)
 
 
 def window_key_values(q: Float[Array, "B T Hk Dk"], k: Float[Array, "B T Hk Dk"], k_cache: Float[Array, "N Hk L Dk"],
                       slot: Int[Array, " B"], length: Int[Array, " B"], *,
-                      interpret: bool) -> Float[Array, "B Hk 2T L"]:
-    """`window_keys`' sums of every row and key head, before the verify kernel, in its row
-    order: `K k_i` (row 2i) and `K q_i` (row 2i + 1) over each slot's whole ring, of the raw
-    window vectors (zeros at and past a row's length; stale entries included: the verify
-    kernel masks them; a padding row reads slot 0's). A small kernel of its own, one CTA per
-    (row, key head), reading the slot's key records by TMA where XLA would gather them
-    into a copy first."""
+                      interpret: bool) -> Float[Array, "B Hb N 64"]:
+    """`window_keys`' sums of every row and key head before the verify kernel: `K x` over
+    each slot's whole ring for the raw window vectors x (`masked_window`'s: q_0 .. q_{T-1},
+    then k_0 .. k_{T-1}; zeros at and past a row's length; stale entries included: the
+    verify kernel masks them; a padding row reads slot 0's), in blocks of m =
+    `key_block_heads` key heads: `[B, H_k / m, N, 64]` with N = `window_rows(T)`, the sums
+    of key head hk, vector j, ring entry l at `[b, hk // m, j, (hk % m) L + l]`
+    (`side_block`). A small kernel of its own, one CTA per block, on tensor cores: the
+    products of fp32 key records and bf16 vectors are exact in fp32 (the records and, for
+    fp32 q and k, the vectors split into bf16 parts)."""
     batch, width, num_k_heads, head_k_dim = q.shape
-    kernel = _build_key_sums(batch, width, num_k_heads, head_k_dim, k_cache.shape[2], k_cache.dtype, q.dtype,
-                             interpret)
-    return kernel(slot.astype(jnp.int32), length.astype(jnp.int32), q, k, k_cache)
+    num_slots, _, cache_len, _ = k_cache.shape
+    x = side_vectors(q, k, length)
+    x_rows = x.shape[2]
+    if not key_block_heads(num_k_heads, cache_len, x_rows):
+        raise ValueError(f"the verify key sums before the launch need cache_len <= {BLOCK_ROWS} and at most 256 "
+                         f"rows of window vectors per key head, got cache_len = {cache_len}, {x_rows} rows")
+    kernel = _build_key_blocks(batch, num_k_heads, head_k_dim, cache_len, k_cache.dtype, x_rows,
+                               tile_parts(q.dtype), interpret)
+    return kernel(slot.astype(jnp.int32), k_cache.reshape(num_slots, num_k_heads * cache_len, head_k_dim),
+                  x.reshape(batch, num_k_heads * x_rows, head_k_dim))
+
+
+def side_block(side_ref, b, hk, num_k_heads: int, width: int, cache_len: int):
+    """Row b, key head hk's `[2T, L]` sums in `window_key_values`' blocks (a strided box of
+    the `[B, H_k / m, N, 64]` ref), in `masked_window`'s order (`load_side_keys`)."""
+    heads = num_k_heads // side_ref.shape[1]
+    return side_ref.at[b, hk // heads, pl.ds(0, 2 * width), pl.ds(hk % heads * cache_len, cache_len)]
+
+
+def load_side_keys(side_smem, width: int):
+    """`window_keys`' sums as a function of its row (`K k_i` at 2i, `K q_i` at 2i + 1) from
+    `side_smem [2T, L]`, a `side_block` copy, whose rows are `masked_window`'s (`K q_i` at
+    i, `K k_i` at T + i)."""
+    return lambda row: plgpu.load(side_smem.at[row // 2 if row % 2 else width + row // 2], layout=COL,
+                                  optimized=False)
 
 
 def store_zeros(o_smem, y_ref, b, h, rows, width):
@@ -414,7 +477,9 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
         @pl.when(mode_ref[b] != MODE_PAD)
         def _copies():
             copy_replay_tile((ckpt_ref, ucache_ref, kcache_ref, gcache_ref), (t_smem, u_smem, k_smem, g_smem),
-                             slot, h, hk, rows, barrier, keys=side_ref.at[b, hk] if xla_side else None)
+                             slot, h, hk, rows, barrier,
+                             keys=side_block(side_ref, b, hk, q_ref.shape[2], width, u_smem.shape[0]) if xla_side
+                             else None)
             plgpu.copy_gmem_to_smem(coef_ref.at[b, h], c_smem, barrier)
             # The window's vectors: per-position loads then hit shared memory instead of
             # waiting on global memory one position after another.
@@ -451,7 +516,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
                 plgpu.barrier_wait(barrier)
             with jax.named_scope("key_side"):
                 if xla_side:
-                    key_sum = load_window_keys(k_smem)
+                    key_sum = load_side_keys(k_smem, width)
                 else:
                     q_rows, k_rows_w = qk_rows
                     key_sum = group_shared(fresh,
