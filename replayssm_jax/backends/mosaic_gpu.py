@@ -88,7 +88,7 @@ def default_params(cfg, batch: int, token_dtype, *, interpret: bool | None = Non
     key_side = "xla" if tensor_core_readout else "kernel"
     fits = lambda warpgroups: fitting_programs(cfg, batch, token_dtype, rebuild=rebuild, readout=readout,
                                                key_side=key_side, warpgroups=warpgroups)
-    warpgroups = warpgroups_for(cfg, batch, token_dtype) if key_side == "xla" and fits(WARPGROUPS) else 1
+    warpgroups = warpgroups_for(cfg, batch, token_dtype) if fits(WARPGROUPS) else 1  # bf16 GDN only: key_side "xla"
     return MosaicReplayParams(programs=fits(warpgroups), auto_barriers=False, rebuild=rebuild, readout=readout,
                               key_side=key_side, per_tile_addresses=tensor_core_readout and warpgroups == 1,
                               warpgroups=warpgroups)
