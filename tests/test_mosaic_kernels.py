@@ -108,6 +108,8 @@ def _inputs(rng, state_dtype, cache_dtype, per_channel, d_v=D):
     ("gdn", 3, D, "mma", None, dict(key_side="xla", per_tile_addresses=True, warpgroups=3, auto_barriers=False)),
     ("gdn", 0, D, "fma", None, dict(launch_order=True)),
     ("gdn", 3, D, "mma", None, dict(key_side="xla", warpgroups=3, auto_barriers=False, launch_order=True)),
+    ("gdn", 0, D, "mma", None, dict(key_side="mma")),
+    ("gdn", 6, D, "mma", True, dict(key_side="mma", warpgroups=3, auto_barriers=False)),
     ("kda", 0, D, "fma", None, {}), ("kda", 3, D, "fma", None, {}),
     ("kda", 3, 2 * D, "fma", None, {}), ("kda", 7, 2 * D, "fma", None, {}),
     ("kda", 3, 2 * D, "fma", None, dict(chunk=1)), ("kda", 7, 2 * D, "fma", None, dict(launch_order=True))])
@@ -131,7 +133,10 @@ def test_step_matches_the_float64_model(rng, gate, programs, d_v, readout, group
     `wgmma`s run in interpret mode as dots of the same bf16 parts (a bf16 tile from its
     buffer), so the staging, the product's columns and the flush's tile load are tested.
     `launch_order`: the rows served in a random order (`row_order`), by persistent programs
-    (a row's tiles then follow another row's in a chunk) or one CTA per tile."""
+    (a row's tiles then follow another row's in a chunk) or one CTA per tile. The key side on
+    tensor cores (`key_side="mma"`) runs its `wgmma`s as dots of the same bf16 operands and
+    shares its `[2, BV, L]` products through shared memory; with fp32 key records it is
+    refused."""
     per_channel = gate == "kda"
     kernel = functools.partial(replay_decode_kda_mgpu if per_channel else replay_decode_mgpu,
                                params=MosaicReplayParams(programs=programs, readout=readout, group_records=grouped,
@@ -144,13 +149,18 @@ def test_step_matches_the_float64_model(rng, gate, programs, d_v, readout, group
     if raw:
         g = rng.standard_normal(g.shape).astype(np.float32)
         g[MODES == common.MODE_PAD] = np.nan
-    out = kernel(
+    step = lambda: kernel(
         jnp.asarray(ckpt, state_dtype), jnp.asarray(u_c, cache_dtype), jnp.asarray(k_c, cache_dtype),
         jnp.asarray(g_c), jnp.asarray(q, qk_dtype), jnp.asarray(k, qk_dtype), jnp.asarray(v), jnp.asarray(g),
         jnp.asarray(beta), jnp.asarray(SLOTS), jnp.asarray(POS), jnp.asarray(MODES), use_qk_l2norm=l2norm,
         gate_params=(jnp.asarray(a_log), jnp.asarray(dt_bias)) if raw else None,
         row_order=jnp.asarray(rng.permutation(len(SLOTS)), jnp.int32) if more.get("launch_order") else None,
         interpret=True)
+    if more.get("key_side") == "mma" and cache_dtype != jnp.bfloat16:
+        with pytest.raises(ValueError, match="needs bf16 q, k and cache, got q bfloat16 and cache float32"):
+            step()
+        return
+    out = step()
     want = _model_step(ckpt, u_c, k_c, g_c, q, k, v, g, beta, a_log, dt_bias, l2norm=l2norm, raw=raw)
     # fp32: the model's float64 sums vs fp32 FMAs in another order, relative ~1e-6 of the
     # largest entry. bf16 state/caches: the inputs are the rounded values in both, and the
@@ -220,6 +230,12 @@ def test_lowers_for_an_abstract_h200(state_dtype, cache_dtype, cache_len, raw, p
                                           key_side="xla", per_tile_addresses=True, warpgroups=3, launch_order=True)),
     (jnp.bfloat16, 16, MosaicReplayParams(programs=396, auto_barriers=False, rebuild="3xtf32", readout="mma",
                                           key_side="xla", warpgroups=3)),
+    # The key side on tensor cores: register A operands against the key records, its
+    # products shared through shared memory, by one warpgroup per CTA or three.
+    (jnp.bfloat16, 16, MosaicReplayParams(programs=396, auto_barriers=False, rebuild="3xtf32", readout="mma",
+                                          key_side="mma", warpgroups=3)),
+    (jnp.bfloat16, 16, MosaicReplayParams(programs=264, auto_barriers=False, rebuild="3xtf32", readout="mma",
+                                          key_side="mma", per_tile_addresses=True)),
 ])
 def test_the_tensor_core_readout_lowers_for_an_abstract_h200(state_dtype, cache_len, params):
     """GDN's "mma" readout: `wgmma`s from the tile's three bf16 register parts (fp32 state)
@@ -366,7 +382,8 @@ def test_tensor_core_rebuild_refusals(rng):
                        (dict(warpgroups=3, programs=10, auto_barriers=False), "programs must be a positive multiple"),
                        (dict(warpgroups=3, programs=9, key_side="xla"), "auto_barriers must be False"),
                        # Its own key side would share the CTA's one cross-warp reduction scratch.
-                       (dict(warpgroups=3, programs=9, auto_barriers=False), "key_side must be 'xla'")):
+                       (dict(warpgroups=3, programs=9, auto_barriers=False), "key_side must be 'xla' or 'mma'"),
+                       (dict(key_side="tensor"), "key_side must be one of")):
         with pytest.raises(ValueError, match=match):
             MosaicReplayParams(**bad)
     with pytest.raises(ValueError, match="per_tile_addresses must be a bool"):
@@ -378,6 +395,13 @@ def test_tensor_core_rebuild_refusals(rng):
             arrays = [jnp.asarray(x) for x in _inputs(rng, jnp.float32, jnp.float32, per_channel)]
             kernel(*arrays, jnp.asarray(SLOTS), jnp.asarray(POS), jnp.asarray(MODES),
                    params=MosaicReplayParams(readout="mma"), interpret=True)
+    # The key side on tensor cores: bf16 q, k and key records (GDN); the KDA kernel refuses it.
+    for kernel, per_channel, match in ((replay_decode_mgpu, False, "needs bf16 q, k and cache, got q float32"),
+                                       (replay_decode_kda_mgpu, True, "computes its key side itself")):
+        with pytest.raises(ValueError, match=match):
+            arrays = [jnp.asarray(x) for x in _inputs(rng, jnp.float32, jnp.float32, per_channel)]
+            kernel(*arrays, jnp.asarray(SLOTS), jnp.asarray(POS), jnp.asarray(MODES),
+                   params=MosaicReplayParams(key_side="mma"), interpret=True)
 
 
 @pytest.mark.parametrize("kernel,per_channel,cache_len", [

@@ -278,7 +278,8 @@ def test_window_key_values_lower_for_an_abstract_h200(cache_dtype, qk_dtype, cac
 
 def test_verify_kernels_take_only_their_options():
     """The GDN verify kernel takes per-tile addresses, the key side from XLA and several
-    warpgroups per CTA; the one-CTA-per-tile verify kernels (KDA, Mamba-2) refuse them."""
+    warpgroups per CTA; the one-CTA-per-tile verify kernels (KDA, Mamba-2) refuse them, and
+    every verify kernel refuses decode's key side on tensor cores."""
     check_params(MosaicReplayParams(programs=4, per_tile_addresses=True, key_side="xla"), "gdn", pipelined=True)
     with pytest.raises(ValueError, match="per_tile_addresses must be False"):
         check_params(MosaicReplayParams(per_tile_addresses=True), "kda")
@@ -288,6 +289,11 @@ def test_verify_kernels_take_only_their_options():
     check_params(three, "gdn", pipelined=True)
     with pytest.raises(ValueError, match="warpgroups must be 1"):
         check_params(three, "kda")
+    # Decode's key side on tensor cores is not verify's (its window sums are its own).
+    for params in (MosaicReplayParams(key_side="mma"),
+                   MosaicReplayParams(programs=6, auto_barriers=False, warpgroups=3, key_side="mma")):
+        with pytest.raises(ValueError, match="key_side must be 'kernel' or 'xla', got 'mma'"):
+            check_params(params, "gdn", pipelined=True)
 
 
 @pytest.mark.parametrize("state_dtype,cache_len,rebuild,readout", [

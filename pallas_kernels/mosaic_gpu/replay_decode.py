@@ -76,8 +76,8 @@ from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA,
 from pallas_kernels.mosaic_gpu.pipeline import (STAGES, group_shared, grouped_fits_more, kernel_scratch,
                                                 launch_order_input, programs_that_fit, serve_tiles, tile_buffers,
                                                 tile_grid)
-from pallas_kernels.mosaic_gpu.readout import (buffer_products, column, stage_vectors, tile_parts, tile_products,
-                                               vector_rows)
+from pallas_kernels.mosaic_gpu.readout import (buffer_products, column, stage_vectors, summed_products, tile_parts,
+                                               tile_products, vector_rows)
 from pallas_kernels.mosaic_gpu.rebuild import (check_rebuild, rebuild_mma, rebuild_operands,
                                                split_tile_buffer, tile_with_operands)
 
@@ -86,7 +86,7 @@ BLOCK_V = BLOCK_ROWS
 # 250-254 registers per thread at B = 512 on the H200 (fp32 and bf16 states), two CTAs' worth.
 RESIDENT_CTAS = 2
 DECODE_VECTORS = 2  # the "mma" readout's vectors: q, then k
-KEY_SIDES = ("kernel", "xla")
+KEY_SIDES = ("kernel", "xla", "mma")
 MAX_WARPGROUPS = 4  # a CTA of 512 threads, 128 registers each
 
 
@@ -138,7 +138,11 @@ class MosaicReplayParams:
         rows better.
       key_side: where a key head's values (`K k`, `K q` over its ring, the q/k scales and
         `k . q`) are computed: "kernel" (default) on each CTA's fresh tile, a column sum
-        across the warpgroup's warps; "xla" before the launch (`key_side_values`, `[B, H_k,
+        across the warpgroup's warps; "mma" on the fresh tile on tensor cores (`key_side_mma`:
+        `K x` as a `wgmma` of the raw bf16 x, broadcast over the tile's 64 rows, against the
+        key records, so each row of the product holds all of `K x` and no sum crosses warps;
+        bf16 q, k and key records; a `[2, BV, L]` fp32 buffer per program takes the products
+        to read one row back); "xla" before the launch (`key_side_values`, `[B, H_k,
         3, L]` fp32, copied with each tile), so no tile sums across warps and a tile copies
         the key records only to flush (the tensor-core rebuilds' operand; the exact rebuild
         reads its untiled copies). Its records are never grouped. The GDN verify kernel takes
@@ -155,9 +159,9 @@ class MosaicReplayParams:
         (`pipeline.with_program_axis`), so ptxas must fit a thread in 65,536 / (128 w)
         registers (168 at w = 3: what three resident CTAs need, which a 128-thread CTA
         cannot ask for). Needs `programs` a multiple of w, `auto_barriers=False` and
-        `key_side="xla"` (the kernel's own key side sums across warps through the one
-        reduction scratch of the CTA, which the warpgroups would share: wrong results on the
-        GPU); a tensor-core rebuild's operands get a buffer per program instead of the union
+        `key_side` "xla" or "mma" ("kernel" sums across warps through the one reduction
+        scratch of the CTA, which the warpgroups would share: wrong results on the GPU); a
+        tensor-core rebuild's operands get a buffer per program instead of the union
         with the tile (programs cannot share a union).
       launch_order: False (default) serves the rows in their order; True in the caller's
         `row_order` (the backends pass the plan's launch order, the costliest rows first:
@@ -191,12 +195,12 @@ class MosaicReplayParams:
         if self.warpgroups > 1 and (not self.programs or self.programs % self.warpgroups):
             raise ValueError(f"warpgroups={self.warpgroups} runs persistent programs: programs must be a positive "
                              f"multiple of it, got {self.programs}")
-        if self.warpgroups > 1 and self.key_side != "xla":
-            # The kernel's key side sums across a warpgroup's warps through Mosaic's one
+        if self.warpgroups > 1 and self.key_side == "kernel":
+            # The kernel's column sums cross a warpgroup's warps through Mosaic's one
             # reduction scratch per CTA, which several warpgroups would share: measured wrong
             # on the GPU (interpret mode runs the programs one at a time and cannot see it).
             raise ValueError(f"warpgroups={self.warpgroups} shares one cross-warp reduction scratch per CTA: "
-                             f"key_side must be 'xla', got {self.key_side!r}")
+                             f"key_side must be 'xla' or 'mma', got {self.key_side!r}")
         if self.warpgroups > 1 and self.auto_barriers:
             raise ValueError(f"warpgroups={self.warpgroups} keeps each program's own barriers: auto_barriers must "
                              "be False")
@@ -234,6 +238,15 @@ def check_mma_readout(params, qk_dtype, kernel: str) -> None:
     if params.readout == "mma" and jnp.dtype(qk_dtype) != jnp.bfloat16:
         raise ValueError(f"{kernel}: readout='mma' multiplies the tile by the raw q and k on tensor cores: it needs "
                          f"bf16 q and k, got {jnp.dtype(qk_dtype)}")
+
+
+def check_mma_key_side(params, qk_dtype, cache_dtype, kernel: str) -> None:
+    """Raise ValueError if `params` asks for the key side on tensor cores (`key_side="mma"`)
+    without bf16 q, k and key records (the `wgmma` operands, exact only as bf16)."""
+    dtypes = (jnp.dtype(qk_dtype), jnp.dtype(cache_dtype))
+    if params.key_side == "mma" and dtypes != (jnp.dtype(jnp.bfloat16),) * 2:
+        raise ValueError(f"{kernel}: key_side='mma' multiplies the raw q and k by the key records on tensor cores: it "
+                         f"needs bf16 q, k and cache, got q {dtypes[0]} and cache {dtypes[1]}")
 
 
 def check_shapes(head_k_dim: int, head_v_dim: int, cache_len: int, state_itemsize: int,
@@ -332,6 +345,23 @@ def key_side(qk_smem, k_smem, *, use_qk_l2norm, scale):
     return k_x, q_x, q_scale, k_scale, q_scale * k_scale * jnp.sum(k_col * q_col)
 
 
+def key_side_mma(qk_smem, k_smem, products_smem, *, use_qk_l2norm, scale, interpret):
+    """`key_side`'s values with `K k` and `K q` from tensor cores: the raw bf16 x broadcast
+    over BV rows (a register A operand, exact) times the bf16 key records `k_smem [L, d_k]`
+    (K-major, swizzled), fp32 accumulation, gives `[BV, L]` (WGMMA) whose every row is `K x`;
+    one row of it, stored to `products_smem [2, BV, L]` fp32, comes back as the `[L]` (COL)
+    vector. No sum crosses the warpgroup's warps through Mosaic's one reduction scratch per
+    CTA (as `key_side`'s column sums do), so several warpgroups may run it."""
+    q_col, k_col = (plgpu.load(qk_smem.at[i], layout=COL, optimized=False).astype(F32) for i in (0, 1))
+    q_scale, k_scale = qk_scales(q_col, k_col, use_qk_l2norm=use_qk_l2norm, scale=scale)
+    rows = lambda x: bcast_cols(x, (BLOCK_V, x.shape[0])).astype(jnp.bfloat16)
+    for i, x in enumerate((k_col, q_col)):
+        products_smem[i] = summed_products([rows(x)], [k_smem], interpret=interpret)
+    plgpu.commit_smem()
+    k_x, q_x = (plgpu.load(products_smem.at[i, 0], layout=COL, optimized=False) for i in (0, 1))
+    return k_scale * k_x, q_scale * q_x, q_scale, k_scale, q_scale * k_scale * jnp.sum(k_col * q_col)
+
+
 def key_side_values(q: Float[Array, "B Hk Dk"], k: Float[Array, "B Hk Dk"], k_cache: Float[Array, "N Hk L Dk"],
                     slot: Int[Array, " B"], *, use_qk_l2norm: bool, scale: float) -> Float[Array, "B Hk 3 L"]:
     """`key_side`'s values of every row and key head, in XLA, laid out as `store_key_side`
@@ -426,7 +456,7 @@ def copy_token(token_refs, bufs, b, h, hk, rows, barrier) -> None:
 
 def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref, *refs,
             group_size, tiles, use_qk_l2norm, scale, raw_gates, rebuild, num_programs, chunk, readout, parts, grouped,
-            xla_side, program_scratch, per_tile, warpgroups, ordered, interpret):
+            xla_side, mma_side, program_scratch, per_tile, warpgroups, ordered, interpret):
     # Inputs, the row order, the raw q and k staged for the "mma" readout and the key side
     # from XLA first; outputs; scratch.
     order_ref, *refs = refs if ordered else (None, *refs)
@@ -503,6 +533,9 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a
             def fresh_key_side():
                 if grouped:
                     plgpu.barrier_wait(group_barrier[0])
+                if mma_side:
+                    return key_side_mma(qk_smem, k_smem, shared_smem[1], use_qk_l2norm=use_qk_l2norm, scale=scale,
+                                        interpret=interpret)
                 return key_side(qk_smem, k_smem, use_qk_l2norm=use_qk_l2norm, scale=scale)
 
             # The token from shared memory (copied with the tile, so a persistent CTA has
@@ -512,8 +545,8 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a
                     k_x, q_x, q_scale, k_scale, k_dot_q = load_key_side(side_smem[0])
                 else:
                     k_x, q_x, q_scale, k_scale, k_dot_q = group_shared(
-                        fresh, fresh_key_side, functools.partial(store_key_side, shared_smem),
-                        functools.partial(load_key_side, shared_smem))
+                        fresh, fresh_key_side, functools.partial(store_key_side, shared_smem[0]),
+                        functools.partial(load_key_side, shared_smem[0]))
             # The next group's key records may replace these now, unless this row flushes:
             # a flush reads them again (all tiles of a group are one row's, one mode).
             pl.when(mode != MODE_FLUSH)(prefetch)
@@ -582,14 +615,15 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a
 
 
 def _scratch(head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, v_dtype, swizzle, rebuild, stages,
-             readout="fma", grouped=False, xla_side=False, own_operands=False) -> list:
+             readout="fma", grouped=False, xla_side=False, own_operands=False, mma_side=False) -> list:
     """`[stages, group keys, shared, rebuild buffers, barriers, group barrier, rows
     barrier]`: `stages` sets of the replay buffers (the key records among them `[k]` unless
     `grouped`, else `[]`), the token's (`copy_token`) and, for the "mma" readout, `[x]` the
     raw q and k `[8, d_k]` (swizzled: the `wgmma` operand, `stage_vectors`); if `grouped`,
     `[k]` the key records of the CTA's current key head (a pipeline group copy: only fresh
     tiles and flushes read them) and `[barrier]` for their copy (else `[]`, `[]`); the
-    key-head group's shared values (`store_key_side`, `[3, L]` fp32), the exact rebuild's
+    key-head group's shared values (`[values]`, `store_key_side`, `[3, L]` fp32; with
+    `mma_side`, `[values, products]`, `key_side_mma`'s `[2, BV, L]` fp32), the exact rebuild's
     untiled record copies, one barrier per stage and one for the record copies.
     Tensor-core rebuilds keep their `wgmma` operands (K-major: `U^T diag(W)` `[BV, L]` and
     `K^T` `[d_k, L]`, hi and lo parts for "3xtf32") in a union with each stage's
@@ -614,7 +648,8 @@ def _scratch(head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, v_dtype,
                     else rebuild_operands(tile, BLOCK_V, head_k_dim, cache_len, rebuild) if own_operands else [])
     one_keys = grouped or xla_side and rebuild != "exact"  # one buffer per CTA for the key records
     copies = 8 + (not grouped) + (readout == "mma")  # with xla_side: the side in place of the records
-    return [per_stage, [keys] if one_keys else [], plgpu.SMEM((3, cache_len), F32), rebuild_bufs,
+    shared = [plgpu.SMEM((3, cache_len), F32)] + ([plgpu.SMEM((2, BLOCK_V, cache_len), F32)] if mma_side else [])
+    return [per_stage, [keys] if one_keys else [], shared, rebuild_bufs,
             plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
             [plgpu.Barrier(num_arrivals=1)] if one_keys else [], plgpu.Barrier(num_arrivals=2)]
 
@@ -635,7 +670,8 @@ def persistent_programs(batch: int, num_v_heads: int, head_v_dim: int, head_k_di
     args = (head_k_dim, cache_len, state_dtype, cache_dtype, token_dtype, token_dtype, swizzle, rebuild, STAGES)
     xla_side = key_side == "xla"
     scratch = (scratch_of(*args) if scratch_of
-               else _scratch(*args, readout, grouped=not xla_side, xla_side=xla_side, own_operands=warpgroups > 1))
+               else _scratch(*args, readout, grouped=not xla_side, xla_side=xla_side, own_operands=warpgroups > 1,
+                             mma_side=key_side == "mma"))
     cta_scratch, _ = kernel_scratch(scratch, per_tile=False, warpgroups=warpgroups)
     return programs_that_fit(smem_bytes(cta_scratch), sm_count, batch * num_v_heads * (head_v_dim // BLOCK_V),
                              max_ctas, warpgroups)
@@ -644,13 +680,14 @@ def persistent_programs(batch: int, num_v_heads: int, head_v_dim: int, head_k_di
 @functools.lru_cache(maxsize=None)
 def _build(batch, num_v_heads, head_v_dim, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y_dtype,
            group_size, use_qk_l2norm, scale, raw_gates, swizzle, rebuild, programs, auto_barriers, readout,
-           group_records, chunk, xla_side, per_tile_addresses, warpgroups, ordered, interpret):
+           group_records, chunk, key_side, per_tile_addresses, warpgroups, ordered, interpret):
     tiles = head_v_dim // BLOCK_V
     num_tiles = batch * num_v_heads * tiles
     warpgroups = min(warpgroups, num_tiles)  # every program serves at least one tile
+    xla_side = key_side == "xla"
     scratch_of = functools.partial(_scratch, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y_dtype,
                                    swizzle, rebuild, STAGES if programs else 1, readout, xla_side=xla_side,
-                                   own_operands=warpgroups > 1)
+                                   own_operands=warpgroups > 1, mma_side=key_side == "mma")
     grouped = (not xla_side and group_records if group_records is not None
                else not xla_side and bool(programs) and grouped_fits_more(scratch_of))
     program_scratch = scratch_of(grouped)
@@ -661,8 +698,7 @@ def _build(batch, num_v_heads, head_v_dim, head_k_dim, cache_len, state_dtype, c
     body = functools.partial(_kernel, group_size=group_size, tiles=tiles, use_qk_l2norm=use_qk_l2norm,
                              scale=scale, raw_gates=raw_gates, rebuild=rebuild, num_programs=num_programs,
                              chunk=chunk, readout=readout, parts=tile_parts(state_dtype), grouped=grouped,
-                             xla_side=xla_side,
-                             program_scratch=view,
+                             xla_side=xla_side, mma_side=key_side == "mma", program_scratch=view,
                              per_tile=per_tile_addresses, warpgroups=warpgroups, ordered=ordered, interpret=interpret)
     return build_kernel(body, jax.ShapeDtypeStruct((batch, num_v_heads, head_v_dim), y_dtype), scratch,
                         tile_grid(batch, num_v_heads, tiles, num_programs, warpgroups),
@@ -709,13 +745,14 @@ def replay_decode_mgpu(
         interpret = jax.default_backend() != "gpu"
     check_rebuild(params.rebuild, cache_len, interpret)
     check_mma_readout(params, q.dtype, "replay_decode_mgpu")
+    check_mma_key_side(params, q.dtype, k_cache.dtype, "replay_decode_mgpu")
     order = launch_order_input(params, row_order, batch, "replay_decode_mgpu")
     a_log, dt_bias = gate_params if gate_params is not None else (jnp.zeros((1,), F32),) * 2
     kernel = _build(
         batch, num_v_heads, head_v_dim, head_k_dim, cache_len, checkpoint.dtype, u_cache.dtype, q.dtype, v.dtype,
         num_v_heads // q.shape[1], bool(use_qk_l2norm), float(head_k_dim ** -0.5 if scale is None else scale),
         gate_params is not None, params.swizzle, params.rebuild, params.programs, params.auto_barriers,
-        params.readout, params.group_records, params.chunk, params.key_side == "xla", params.per_tile_addresses,
+        params.readout, params.group_records, params.chunk, params.key_side, params.per_tile_addresses,
         params.warpgroups, bool(order), bool(interpret),
     )
     k = k.astype(q.dtype)

@@ -633,13 +633,17 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
 
 
 def check_params(params, kernel: str, *, pipelined: bool = False) -> None:
-    """Raise ValueError on the decode kernels' options a verify kernel does not take: unless
+    """Raise ValueError on the decode kernels' options a verify kernel does not take
+    (`key_side="mma"` in any of them): unless
     `pipelined` (the GDN kernel, which takes them all), it rebuilds folds in exact fp32,
     runs one CTA per tile, keeps Mosaic's barriers and reads out on CUDA cores; its records'
     layout is its own (`group_records` None). `params`: a `MosaicReplayParams` or a
     `MosaicMamba2Params`."""
     check_own_layout(params, kernel, per_tile_addresses=pipelined, key_side=pipelined, warpgroups=pipelined,
                      launch_order=pipelined)
+    if getattr(params, "key_side", "kernel") == "mma":  # decode's: verify's window sums are its own
+        raise ValueError(f"{kernel} sums its window's keys in the kernel or before the launch: key_side must be "
+                         "'kernel' or 'xla', got 'mma'")
     if pipelined:
         return
     if getattr(params, "rebuild", "exact") != "exact":
