@@ -388,20 +388,17 @@ def test_tensor_core_rebuild_refusals(rng):
             MosaicReplayParams(**bad)
     with pytest.raises(ValueError, match="per_tile_addresses must be a bool"):
         MosaicReplayParams(per_tile_addresses=1)
-    # The tensor-core readout: GDN's needs bf16 q and k; the KDA kernel refuses it.
-    for kernel, per_channel, match in ((replay_decode_mgpu, False, "needs bf16 q and k"),
-                                       (replay_decode_kda_mgpu, True, "readout='fma' only")):
+    # The tensor-core readout and key side: GDN's need bf16 q and k (the key side bf16 key
+    # records too); the KDA kernel refuses them.
+    for kernel, per_channel, option, match in (
+            (replay_decode_mgpu, False, dict(readout="mma"), "needs bf16 q and k"),
+            (replay_decode_kda_mgpu, True, dict(readout="mma"), "readout='fma' only"),
+            (replay_decode_mgpu, False, dict(key_side="mma"), "needs bf16 q, k and cache, got q float32"),
+            (replay_decode_kda_mgpu, True, dict(key_side="mma"), "computes its key side itself")):
         with pytest.raises(ValueError, match=match):
             arrays = [jnp.asarray(x) for x in _inputs(rng, jnp.float32, jnp.float32, per_channel)]
             kernel(*arrays, jnp.asarray(SLOTS), jnp.asarray(POS), jnp.asarray(MODES),
-                   params=MosaicReplayParams(readout="mma"), interpret=True)
-    # The key side on tensor cores: bf16 q, k and key records (GDN); the KDA kernel refuses it.
-    for kernel, per_channel, match in ((replay_decode_mgpu, False, "needs bf16 q, k and cache, got q float32"),
-                                       (replay_decode_kda_mgpu, True, "computes its key side itself")):
-        with pytest.raises(ValueError, match=match):
-            arrays = [jnp.asarray(x) for x in _inputs(rng, jnp.float32, jnp.float32, per_channel)]
-            kernel(*arrays, jnp.asarray(SLOTS), jnp.asarray(POS), jnp.asarray(MODES),
-                   params=MosaicReplayParams(key_side="mma"), interpret=True)
+                   params=MosaicReplayParams(**option), interpret=True)
 
 
 @pytest.mark.parametrize("kernel,per_channel,cache_len", [
