@@ -139,10 +139,10 @@ class MosaicReplayParams:
       key_side: where a key head's values (`K k`, `K q` over its ring, the q/k scales and
         `k . q`) are computed: "kernel" (default) on each CTA's fresh tile, a column sum
         across the warpgroup's warps; "mma" on the fresh tile on tensor cores (`key_side_mma`:
-        `K x` as a `wgmma` of the raw bf16 x, broadcast over the tile's 64 rows, against the
-        key records, so each row of the product holds all of `K x` and no sum crosses warps;
-        bf16 q, k and key records; a `[2, BV, L]` fp32 buffer per program takes the products
-        to read one row back); "xla" before the launch (`key_side_values`, `[B, H_k,
+        `K k`, `K q` as one `wgmma` of the raw bf16 k and q, each broadcast over half the
+        tile's 64 rows, against the key records, so each row of the product holds all of one
+        and no sum crosses warps; bf16 q, k and key records; a `[BV, L]` fp32 buffer per
+        program takes the product to read a row of each back); "xla" before the launch (`key_side_values`, `[B, H_k,
         3, L]` fp32, copied with each tile), so no tile sums across warps and a tile copies
         the key records only to flush (the tensor-core rebuilds' operand; the exact rebuild
         reads its untiled copies). Its records are never grouped. The GDN verify kernel takes
@@ -346,19 +346,21 @@ def key_side(qk_smem, k_smem, *, use_qk_l2norm, scale):
 
 
 def key_side_mma(qk_smem, k_smem, products_smem, *, use_qk_l2norm, scale, interpret):
-    """`key_side`'s values with `K k` and `K q` from tensor cores: the raw bf16 x broadcast
-    over BV rows (a register A operand, exact) times the bf16 key records `k_smem [L, d_k]`
-    (K-major, swizzled), fp32 accumulation, gives `[BV, L]` (WGMMA) whose every row is `K x`;
-    one row of it, stored to `products_smem [2, BV, L]` fp32, comes back as the `[L]` (COL)
-    vector. No sum crosses the warpgroup's warps through Mosaic's one reduction scratch per
-    CTA (as `key_side`'s column sums do), so several warpgroups may run it."""
+    """`key_side`'s values with `K k` and `K q` from tensor cores: one `wgmma` of the raw bf16
+    k in the upper BV / 2 rows and q in the lower (a register A operand, exact) times the
+    bf16 key records `k_smem [L, d_k]` (K-major, swizzled), fp32 accumulation, gives `[BV,
+    L]` (WGMMA) whose upper rows are `K k` and lower ones `K q`; stored to `products_smem
+    [BV, L]` fp32, a row of each comes back as an `[L]` (COL) vector. No sum crosses the
+    warpgroup's warps through Mosaic's one reduction scratch per CTA (as `key_side`'s column
+    sums do), so several warpgroups may run it."""
     q_col, k_col = (plgpu.load(qk_smem.at[i], layout=COL, optimized=False).astype(F32) for i in (0, 1))
     q_scale, k_scale = qk_scales(q_col, k_col, use_qk_l2norm=use_qk_l2norm, scale=scale)
-    rows = lambda x: bcast_cols(x, (BLOCK_V, x.shape[0])).astype(jnp.bfloat16)
-    for i, x in enumerate((k_col, q_col)):
-        products_smem[i] = summed_products([rows(x)], [k_smem], interpret=interpret)
+    shape = (BLOCK_V, k_col.shape[0])
+    upper = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=WGMMA) < BLOCK_V // 2
+    a = jnp.where(upper, bcast_cols(k_col, shape), bcast_cols(q_col, shape)).astype(jnp.bfloat16)
+    products_smem[...] = summed_products([a], [k_smem], interpret=interpret)
     plgpu.commit_smem()
-    k_x, q_x = (plgpu.load(products_smem.at[i, 0], layout=COL, optimized=False) for i in (0, 1))
+    k_x, q_x = (plgpu.load(products_smem.at[row], layout=COL, optimized=False) for row in (0, BLOCK_V // 2))
     return k_scale * k_x, q_scale * q_x, q_scale, k_scale, q_scale * k_scale * jnp.sum(k_col * q_col)
 
 
@@ -623,7 +625,7 @@ def _scratch(head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, v_dtype,
     `[k]` the key records of the CTA's current key head (a pipeline group copy: only fresh
     tiles and flushes read them) and `[barrier]` for their copy (else `[]`, `[]`); the
     key-head group's shared values (`[values]`, `store_key_side`, `[3, L]` fp32; with
-    `mma_side`, `[values, products]`, `key_side_mma`'s `[2, BV, L]` fp32), the exact rebuild's
+    `mma_side`, `[values, products]`, `key_side_mma`'s `[BV, L]` fp32), the exact rebuild's
     untiled record copies, one barrier per stage and one for the record copies.
     Tensor-core rebuilds keep their `wgmma` operands (K-major: `U^T diag(W)` `[BV, L]` and
     `K^T` `[d_k, L]`, hi and lo parts for "3xtf32") in a union with each stage's
@@ -648,7 +650,7 @@ def _scratch(head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, v_dtype,
                     else rebuild_operands(tile, BLOCK_V, head_k_dim, cache_len, rebuild) if own_operands else [])
     one_keys = grouped or xla_side and rebuild != "exact"  # one buffer per CTA for the key records
     copies = 8 + (not grouped) + (readout == "mma")  # with xla_side: the side in place of the records
-    shared = [plgpu.SMEM((3, cache_len), F32)] + ([plgpu.SMEM((2, BLOCK_V, cache_len), F32)] if mma_side else [])
+    shared = [plgpu.SMEM((3, cache_len), F32)] + ([plgpu.SMEM((BLOCK_V, cache_len), F32)] if mma_side else [])
     return [per_stage, [keys] if one_keys else [], shared, rebuild_bufs,
             plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
             [plgpu.Barrier(num_arrivals=1)] if one_keys else [], plgpu.Barrier(num_arrivals=2)]
