@@ -144,9 +144,9 @@ class MosaicReplayParams:
         and no sum crosses warps; bf16 q, k and key records; a `[BV, L]` fp32 buffer per
         program takes the product to read a row of each back); "xla" before the launch
         (`key_side_values`, `[B, H_k, 3, L]` fp32, copied with each tile), so no tile sums
-        across warps and a tile copies
-        the key records only to flush (the tensor-core rebuilds' operand; the exact rebuild
-        reads its untiled copies). Its records are never grouped. The GDN verify kernel takes
+        across warps and a tile copies the key records only to flush (the tensor-core
+        rebuilds' operand; the exact rebuild reads its untiled copies). Its records are never
+        grouped. The GDN verify kernel takes
         it too: the window's `K k_i`, `K q_i` before its launch (`verify_decode.
         window_key_values`, a small kernel of their own) in place of its key records and
         group sums.
