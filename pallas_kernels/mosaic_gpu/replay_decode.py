@@ -138,7 +138,7 @@ class MosaicReplayParams:
         rows better.
       key_side: where a key head's values (`K k`, `K q` over its ring, the q/k scales and
         `k . q`) are computed: "kernel" (default) on each CTA's fresh tile, a column sum
-        across the warpgroup's warps; "mma" on the fresh tile on tensor cores (`key_side_mma`:
+        across the warpgroup's warps; "mma" on the fresh tile on tensor cores (`ring_products`:
         `K k`, `K q` as one `wgmma` of the raw bf16 k and q, each broadcast over half the
         tile's 64 rows, against the key records, so each row of the product holds all of one
         and no sum crosses warps; bf16 q, k and key records; a `[BV, L]` fp32 buffer per
@@ -331,38 +331,38 @@ def load_qk(q_ref, k_ref, q_row_ref, k_row_ref, *, use_qk_l2norm, scale):
     return q_col, k_col, q_row, k_row, jnp.sum(k_col * q_col)
 
 
-def key_side(qk_smem, k_smem, *, use_qk_l2norm, scale):
+def key_side(qk_smem, k_smem, *, use_qk_l2norm, scale, products_smem=None, interpret=False):
     """What every tile of a key-head group (one row, one key head) shares: `(K k, K q,
     q_scale, k_scale, k . q)`, `K x` `[L]` (COL) over every ring entry with k normalised and
     q normalised and scaled (stale entries included: each tile masks them), and the
     factors that normalise and scale the raw q and k. `qk_smem [4, d_k]`: the token's q,
-    k, q, k (`copy_token`)."""
-    q_col, k_col = (plgpu.load(qk_smem.at[i], layout=COL, optimized=False).astype(F32) for i in (0, 1))
-    q_row, k_row = (plgpu.load(qk_smem.at[i], layout=ROW, optimized=False).astype(F32) for i in (2, 3))
-    q_scale, k_scale = qk_scales(q_col, k_col, use_qk_l2norm=use_qk_l2norm, scale=scale)
-    keys_t = load_transposed(k_smem)  # [Dk, L]
-    k_x = k_scale * col_sum(keys_t * bcast_rows(k_row, keys_t.shape))
-    q_x = q_scale * col_sum(keys_t * bcast_rows(q_row, keys_t.shape))
-    return k_x, q_x, q_scale, k_scale, q_scale * k_scale * jnp.sum(k_col * q_col)
-
-
-def key_side_mma(qk_smem, k_smem, products_smem, *, use_qk_l2norm, scale, interpret):
-    """`key_side`'s values with `K k` and `K q` from tensor cores: one `wgmma` of the raw bf16
-    k in the upper BV / 2 rows and q in the lower (a register A operand, exact) times the
-    bf16 key records `k_smem [L, d_k]` (K-major, swizzled), fp32 accumulation, gives `[BV,
-    L]` (WGMMA) whose upper rows are `K k` and lower ones `K q`; stored to `products_smem
-    [BV, L]` fp32, a row of each comes back as an `[L]` (COL) vector. No sum crosses the
-    warpgroup's warps through Mosaic's one reduction scratch per CTA (as `key_side`'s column
-    sums do), so several warpgroups may run it."""
+    k, q, k (`copy_token`). `K x` of the raw vectors are column sums across the
+    warpgroup's warps, or with `products_smem` (`key_side="mma"`) `ring_products`."""
     q_col, k_col = (plgpu.load(qk_smem.at[i], layout=COL, optimized=False).astype(F32) for i in (0, 1))
     q_scale, k_scale = qk_scales(q_col, k_col, use_qk_l2norm=use_qk_l2norm, scale=scale)
+    if products_smem is None:
+        q_row, k_row = (plgpu.load(qk_smem.at[i], layout=ROW, optimized=False).astype(F32) for i in (2, 3))
+        keys_t = load_transposed(k_smem)  # [Dk, L]
+        k_x, q_x = (col_sum(keys_t * bcast_rows(x, keys_t.shape)) for x in (k_row, q_row))
+    else:
+        k_x, q_x = ring_products(k_col, q_col, k_smem, products_smem, interpret=interpret)
+    return k_scale * k_x, q_scale * q_x, q_scale, k_scale, q_scale * k_scale * jnp.sum(k_col * q_col)
+
+
+def ring_products(k_col, q_col, k_smem, products_smem, *, interpret):
+    """`K k`, `K q` `[L]` (COL) of the raw k, q `[d_k]` (COL) from tensor cores: one `wgmma`
+    of k broadcast over the upper BV / 2 rows and q over the lower (bf16, a register A
+    operand, exact) times the bf16 key records `k_smem [L, d_k]` (K-major, swizzled), fp32
+    accumulation, gives `[BV, L]` (WGMMA) whose upper rows are `K k` and lower ones `K q`;
+    stored to `products_smem [BV, L]` fp32, a row of each comes back as a vector. No sum
+    crosses the warpgroup's warps through Mosaic's one reduction scratch per CTA (as the
+    column sums do), so several warpgroups may run it."""
     shape = (BLOCK_V, k_col.shape[0])
     upper = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=WGMMA) < BLOCK_V // 2
     a = jnp.where(upper, bcast_cols(k_col, shape), bcast_cols(q_col, shape)).astype(jnp.bfloat16)
     products_smem[...] = summed_products([a], [k_smem], interpret=interpret)
     plgpu.commit_smem()
-    k_x, q_x = (plgpu.load(products_smem.at[row], layout=COL, optimized=False) for row in (0, BLOCK_V // 2))
-    return k_scale * k_x, q_scale * q_x, q_scale, k_scale, q_scale * k_scale * jnp.sum(k_col * q_col)
+    return tuple(plgpu.load(products_smem.at[row], layout=COL, optimized=False) for row in (0, BLOCK_V // 2))
 
 
 def key_side_values(q: Float[Array, "B Hk Dk"], k: Float[Array, "B Hk Dk"], k_cache: Float[Array, "N Hk L Dk"],
@@ -536,10 +536,8 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a
             def fresh_key_side():
                 if grouped:
                     plgpu.barrier_wait(group_barrier[0])
-                if mma_side:
-                    return key_side_mma(qk_smem, k_smem, shared_smem[1], use_qk_l2norm=use_qk_l2norm, scale=scale,
-                                        interpret=interpret)
-                return key_side(qk_smem, k_smem, use_qk_l2norm=use_qk_l2norm, scale=scale)
+                return key_side(qk_smem, k_smem, use_qk_l2norm=use_qk_l2norm, scale=scale,
+                                products_smem=shared_smem[1] if mma_side else None, interpret=interpret)
 
             # The token from shared memory (copied with the tile, so a persistent CTA has
             # it one tile ahead); the key side shared by the key head's tiles.
@@ -626,7 +624,7 @@ def _scratch(head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, v_dtype,
     `[k]` the key records of the CTA's current key head (a pipeline group copy: only fresh
     tiles and flushes read them) and `[barrier]` for their copy (else `[]`, `[]`); the
     key-head group's shared values (`[values]`, `store_key_side`, `[3, L]` fp32; with
-    `mma_side`, `[values, products]`, `key_side_mma`'s `[BV, L]` fp32), the exact rebuild's
+    `mma_side`, `[values, products]`, `ring_products`' `[BV, L]` fp32), the exact rebuild's
     untiled record copies, one barrier per stage and one for the record copies.
     Tensor-core rebuilds keep their `wgmma` operands (K-major: `U^T diag(W)` `[BV, L]` and
     `K^T` `[d_k, L]`, hi and lo parts for "3xtf32") in a union with each stage's

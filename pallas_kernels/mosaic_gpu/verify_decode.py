@@ -634,10 +634,9 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
 
 def check_params(params, kernel: str, *, pipelined: bool = False) -> None:
     """Raise ValueError on the decode kernels' options a verify kernel does not take
-    (`key_side="mma"` in any of them): unless
-    `pipelined` (the GDN kernel, which takes them all), it rebuilds folds in exact fp32,
-    runs one CTA per tile, keeps Mosaic's barriers and reads out on CUDA cores; its records'
-    layout is its own (`group_records` None). `params`: a `MosaicReplayParams` or a
+    (`key_side="mma"` in any of them): unless `pipelined` (the GDN kernel, which takes the
+    others), it rebuilds folds in exact fp32, runs one CTA per tile, keeps Mosaic's barriers
+    and reads out on CUDA cores; its records' layout is its own (`group_records` None). `params`: a `MosaicReplayParams` or a
     `MosaicMamba2Params`."""
     check_own_layout(params, kernel, per_tile_addresses=pipelined, key_side=pipelined, warpgroups=pipelined,
                      launch_order=pipelined)
