@@ -704,9 +704,12 @@ def test_backend_default_params_per_gate(monkeypatch):
         assert (on_gpu.rebuild, on_gpu.programs, on_gpu.warpgroups) == ("3xtf32", 264, 1)
     # From B = 256 at L = 16 (measured faster there) three warpgroups per CTA, each a
     # program with its own buffers: one CTA per SM, three programs; addresses held; the key
-    # side from XLA (their own would share the CTA's reduction scratch).
+    # side on tensor cores (column sums would share the CTA's reduction scratch), from XLA
+    # with fp32 key records.
     wide = mosaic_gpu.default_params(bf16(16), 512, jnp.bfloat16, interpret=False)
-    assert (wide.programs, wide.warpgroups, wide.per_tile_addresses, wide.key_side) == (396, 3, False, "xla")
+    assert (wide.programs, wide.warpgroups, wide.per_tile_addresses, wide.key_side) == (396, 3, False, "mma")
+    fp32_keys = ReplayConfig(16, 32, 128, 128, 16, state_dtype=jnp.bfloat16, cache_dtype=jnp.float32)
+    assert mosaic_gpu.default_params(fp32_keys, 512, jnp.bfloat16, interpret=False).key_side == "xla"
     assert mosaic_gpu.default_params(bf16(16), 256, jnp.bfloat16, interpret=False).warpgroups == 3
     assert mosaic_gpu.default_params(bf16(32), 512, jnp.bfloat16, interpret=False).warpgroups == 1  # not measured
     assert mosaic_gpu.fitting_programs(gdn, 512, jnp.bfloat16, rebuild="3xtf32", warpgroups=3, sm_count=132) == 0

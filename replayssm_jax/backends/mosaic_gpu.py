@@ -74,8 +74,9 @@ def default_params(cfg, batch: int, token_dtype, *, interpret: bool | None = Non
     recomputes its buffers' addresses per tile (`per_tile_addresses`): each faster there
     and slower with an fp32 state (whose tile the readout must split into three parts)
     (`benchmarks/NOTES.md`: "decode tensor-core readout", "per-tile addresses"). Three
-    warpgroups (`warpgroups_for`) cannot sum the key side themselves (`MosaicReplayParams.
-    warpgroups`; NOTES: "three warpgroups' own key side, wrong on the GPU")."""
+    warpgroups (`warpgroups_for`) sum their key side on tensor cores (`key_side="mma"`;
+    their column sums would share the CTA's one reduction scratch: NOTES "three
+    warpgroups' own key side, wrong on the GPU", "key side on tensor cores")."""
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     rebuild = "exact" if interpret else gpu_rebuild(cfg, token_dtype)
@@ -86,9 +87,12 @@ def default_params(cfg, batch: int, token_dtype, *, interpret: bool | None = Non
     tensor_core_readout = two_byte and not cfg.per_channel_gate
     readout = "mma" if tensor_core_readout else "fma"
     key_side = "xla" if tensor_core_readout else "kernel"
-    fits = lambda warpgroups: fitting_programs(cfg, batch, token_dtype, rebuild=rebuild, readout=readout,
-                                               key_side=key_side, warpgroups=warpgroups)
-    warpgroups = warpgroups_for(cfg, batch, token_dtype) if fits(WARPGROUPS) else 1  # bf16 GDN only: key_side "xla"
+    fits = lambda warpgroups, key_side=key_side: fitting_programs(cfg, batch, token_dtype, rebuild=rebuild,
+                                                                  readout=readout, key_side=key_side,
+                                                                  warpgroups=warpgroups)
+    side_of_three = "mma" if jnp.dtype(cfg.cache_dtype) == jnp.bfloat16 else "xla"  # its products need bf16 keys
+    warpgroups = warpgroups_for(cfg, batch, token_dtype) if fits(WARPGROUPS, side_of_three) else 1  # bf16 GDN only
+    key_side = side_of_three if warpgroups > 1 else key_side
     return MosaicReplayParams(programs=fits(warpgroups), auto_barriers=False, rebuild=rebuild, readout=readout,
                               key_side=key_side, per_tile_addresses=tensor_core_readout and warpgroups == 1,
                               warpgroups=warpgroups)
