@@ -20,7 +20,7 @@ import pytest
 
 from pallas_kernels import common
 from pallas_kernels.mosaic_gpu import build
-from pallas_kernels.mosaic_gpu.rebuild import operand_entries, tf32_split
+from pallas_kernels.mosaic_gpu.rebuild import keys_exact, operand_entries, operand_parts, tf32_split
 from pallas_kernels.mosaic_gpu.replay_decode import MosaicReplayParams, check_shapes, replay_decode_mgpu
 from pallas_kernels.mosaic_gpu.replay_decode_kda import check_kda_shapes, replay_decode_kda_mgpu
 
@@ -348,6 +348,26 @@ def test_tensor_core_rebuild_algebra_on_cpu(rng, rebuild):
         assert np.all(np.isnan(rounded(a) @ rounded(k.T).T)), "a stale key reaches every element"
 
 
+@pytest.mark.parametrize("keys_dtype", [jnp.bfloat16, jnp.float16])
+def test_two_byte_keys_take_two_tensor_core_products(rng, keys_dtype):
+    """"3xtf32" with 2-byte key records (`rebuild.keys_exact`): their tf32 split leaves a
+    zero low part, so `rebuild_mma`'s two products (`lo hi + hi hi`, B's one buffer) are
+    bit for bit its three (`lo hi + hi lo + hi hi`), summed in the same order; fp32 keys
+    keep both parts. The smaller operands take a whole ring of 16 in a bf16 tile's bytes."""
+    a = rng.standard_normal((BLOCK, 16)).astype(np.float32)
+    keys = np.asarray(jnp.asarray(rng.standard_normal((128, 16)), keys_dtype).astype(jnp.float32))
+    (a_hi, a_lo), (b_hi, b_lo) = (map(np.asarray, tf32_split(jnp.asarray(x))) for x in (a, keys))
+    assert np.array_equal(b_hi, keys) and not np.any(b_lo)
+    three = (a_lo @ b_hi.T + a_hi @ b_lo.T) + a_hi @ b_hi.T
+    two = a_lo @ keys.T + a_hi @ keys.T
+    np.testing.assert_array_equal(two, three)
+    assert keys_exact("3xtf32", keys_dtype) and not keys_exact("3xtf32", jnp.float32)
+    assert not keys_exact("tf32", keys_dtype)
+    assert operand_parts("3xtf32", keys_dtype) == (2, 1) and operand_parts("3xtf32", jnp.float32) == (2, 2)
+    assert operand_entries(16, 64, 128, "3xtf32", 64 * 128 * 2, keys_dtype) == 16
+    assert operand_entries(16, 64, 128, "3xtf32", 64 * 128 * 2, jnp.float32) == 8
+
+
 def test_tensor_core_rebuild_refusals(rng):
     with pytest.raises(ValueError, match="rebuild must be one of"):
         MosaicReplayParams(rebuild="fp16")
@@ -647,7 +667,7 @@ def test_program_axis_keeps_the_layout(rebuild, xla_side, programs):
     unions = any(isinstance(stage[0], plgpu.RefUnion) for stage in stacked[0])
     assert unions == (rebuild != "exact" and programs == 1)
     if programs > 1 and rebuild != "exact":  # the operands in the rebuild buffers' place
-        assert len(scratch[3]) == 4
+        assert len(scratch[3]) == 3  # A's hi and lo parts, the bf16 keys' one (`rebuild.keys_exact`)
         with pytest.raises(ValueError, match="RefUnion"):
             with_program_axis(_scratch(128, 16, jnp.bfloat16, jnp.bfloat16, jnp.bfloat16, jnp.bfloat16, 128, rebuild,
                                        2, "mma", xla_side=xla_side), programs)

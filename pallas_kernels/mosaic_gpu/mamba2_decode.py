@@ -145,7 +145,7 @@ def _scratch(state_size, cache_len, state_dtype, cache_dtype, bc_dtype, xz_dtype
     def stage():
         tile, x, _, dts, y = replay_scratch(BLOCK_P, state_size, cache_len, state_dtype, cache_dtype, (BLOCK_P,),
                                             y_dtype, swizzle)
-        tile = tile_with_operands(tile, BLOCK_P, state_size, cache_len, rebuild)
+        tile = tile_with_operands(tile, BLOCK_P, state_size, cache_len, rebuild, cache_dtype)
         vectors = ([plgpu.SMEM((vector_rows(1), state_size), bc_dtype, transforms=tiled(128, bc_dtype))]
                    if readout == "mma" else [])
         return [tile, x, dts, y, plgpu.SMEM((3, state_size), bc_dtype), plgpu.SMEM((2, BLOCK_P), xz_dtype),

@@ -8,7 +8,9 @@ K-major shared-memory operands, accumulating in fp32 from `D S_c`:
 
 - "tf32" / "bf16": one `wgmma` with both operands rounded to that type;
 - "3xtf32": three tf32 `wgmma`s over each operand's high and low tf32 parts
-  (`tf32_split`: `lo hi + hi lo + hi hi`, about 2^-21 relative per product).
+  (`tf32_split`: `lo hi + hi lo + hi hi`, about 2^-21 relative per product); where the
+  key-side records are 2-byte floats (`keys_exact`: exact in tf32, their low part 0) two
+  (`lo hi + hi hi`, the same sums) and no buffer for that low part.
 
 The operands live in a `plgpu.RefUnion` with the stage's checkpoint-tile buffer
 (`tile_with_operands`), which is free once `S_c` is in registers; the ring is reduced
@@ -58,36 +60,52 @@ def check_rebuild(rebuild: str, cache_len: int, interpret: bool = False) -> None
                          "mode does not run: use rebuild='exact' off GPU")
 
 
-def tile_with_operands(tile, rows: int, width: int, cache_len: int, rebuild: str):
+def keys_exact(rebuild: str, keys_dtype) -> bool:
+    """Whether "3xtf32" takes the key-side records `keys_dtype` as one exact tf32 part: a
+    2-byte float (bf16: 8 significant bits, fp16: 11, both within tf32's 11 and range)."""
+    return rebuild == "3xtf32" and keys_dtype is not None and jnp.dtype(keys_dtype).itemsize == 2
+
+
+def operand_parts(rebuild: str, keys_dtype=None) -> tuple[int, int]:
+    """`(A parts, B parts)` of the rebuild's operands: two tf32 parts each for "3xtf32" (B
+    one where `keys_exact`), one for the single-`wgmma` modes."""
+    if rebuild != "3xtf32":
+        return 1, 1
+    return 2, 1 if keys_exact(rebuild, keys_dtype) else 2
+
+
+def tile_with_operands(tile, rows: int, width: int, cache_len: int, rebuild: str, keys_dtype=None):
     """A stage's checkpoint-tile buffer `tile` (`plgpu.SMEM`), as a `plgpu.RefUnion` with
     the rebuild's operands (`rebuild_operands`) for a tensor-core rebuild, or alone for
     "exact"."""
     if REBUILD_DTYPES[rebuild] is None:
         return tile
-    return plgpu.RefUnion(tile, rebuild_operands(tile, rows, width, cache_len, rebuild))
+    return plgpu.RefUnion(tile, rebuild_operands(tile, rows, width, cache_len, rebuild, keys_dtype))
 
 
-def rebuild_operands(tile, rows: int, width: int, cache_len: int, rebuild: str) -> list:
+def rebuild_operands(tile, rows: int, width: int, cache_len: int, rebuild: str, keys_dtype=None) -> list:
     """The tensor-core rebuild's K-major operand buffers, `A [rows, n]` and `B^T [width,
-    n]` (hi and lo parts for "3xtf32"), for chunks of n = `operand_entries` ring entries:
-    no more bytes than the checkpoint tile `tile` (`plgpu.SMEM`), whose union they share
-    (`tile_with_operands`) unless a kernel gives them buffers of their own."""
+    n]` (`operand_parts` of each: hi, then lo), for chunks of n = `operand_entries` ring
+    entries: no more bytes than the checkpoint tile `tile` (`plgpu.SMEM`), whose union they
+    share (`tile_with_operands`) unless a kernel gives them buffers of their own.
+    `keys_dtype`: the key-side records' (B's) dtype."""
     operand = REBUILD_DTYPES[rebuild]
-    entries = operand_entries(cache_len, rows, width, rebuild, math.prod(tile.shape) * jnp.dtype(tile.dtype).itemsize)
+    entries = operand_entries(cache_len, rows, width, rebuild, math.prod(tile.shape) * jnp.dtype(tile.dtype).itemsize,
+                              keys_dtype)
     swizzle = min(128, entries * jnp.dtype(operand).itemsize)
-    parts = 2 if rebuild == "3xtf32" else 1
     return [plgpu.SMEM((n, entries), operand, transforms=tiled(swizzle, operand))
-            for n in (rows, width) for _ in range(parts)]
+            for n, parts in zip((rows, width), operand_parts(rebuild, keys_dtype)) for _ in range(parts)]
 
 
-def operand_entries(cache_len: int, rows: int, width: int, rebuild: str, tile_bytes: int) -> int:
+def operand_entries(cache_len: int, rows: int, width: int, rebuild: str, tile_bytes: int, keys_dtype=None) -> int:
     """Ring entries in one chunk of the rebuild's operands `A [rows, n]`, `B^T [width, n]`
     (the K extent of its `wgmma`s): the most, up to `OPERAND_ENTRIES`, that divide the ring
-    and whose operands fit in `tile_bytes` (the checkpoint tile's buffer they share), but
-    at least one 32-byte row of the operand type (`wgmma`'s K step). `cache_len` is a
-    multiple of that row (`check_rebuild`)."""
+    and whose operands (`operand_parts` of each) fit in `tile_bytes` (the checkpoint tile's
+    buffer they share), but at least one 32-byte row of the operand type (`wgmma`'s K
+    step). `cache_len` is a multiple of that row (`check_rebuild`)."""
     operand = jnp.dtype(REBUILD_DTYPES[rebuild])
-    entry_bytes = (rows + width) * operand.itemsize * (2 if rebuild == "3xtf32" else 1)
+    a_parts, b_parts = operand_parts(rebuild, keys_dtype)
+    entry_bytes = (rows * a_parts + width * b_parts) * operand.itemsize
     least = 32 // operand.itemsize
     entries = min(cache_len, OPERAND_ENTRIES)
     while entries > least and (cache_len % entries or entries * entry_bytes > tile_bytes):
@@ -122,8 +140,9 @@ def rebuild_mma(start, a, keys_t, pos, operands):
     with stale entries replaced by 0 here (a NaN there would reach every output through
     the product), both written K-major (L contiguous) into `operands` one chunk of
     `operand_entries` entries at a time: `(a, b)` rounded to their dtype for one `wgmma`,
-    or `(a_hi, a_lo, b_hi, b_lo)` for three (`tf32_split`; the small products first). The
-    caller has synchronised the warpgroup if `operands` alias a buffer it was reading."""
+    `(a_hi, a_lo, b_hi, b_lo)` for three (`tf32_split`; the small products first), or
+    `(a_hi, a_lo, b)` for two where B is exact in tf32 (`keys_exact`). The caller has
+    synchronised the warpgroup if `operands` alias a buffer it was reading."""
     j = plgpu.broadcasted_iota(jnp.int32, keys_t.shape, 1, layout=WGMMA)
     b = jnp.where(j < pos, keys_t, 0.0)
     entries = operands[0].shape[1]
@@ -136,6 +155,13 @@ def rebuild_mma(start, a, keys_t, pos, operands):
             a_smem[...] = a_c.astype(a_smem.dtype)
             b_smem[...] = b_c.astype(b_smem.dtype)
             products = [(a_smem, b_smem)]
+        elif len(operands) == 3:
+            a_hi, a_lo, b_smem = operands
+            hi, lo = tf32_split(a_c)
+            a_hi[...] = hi
+            a_lo[...] = lo
+            b_smem[...] = b_c
+            products = [(a_lo, b_smem), (a_hi, b_smem)]
         else:
             a_hi, a_lo, b_hi, b_lo = operands
             for (hi_smem, lo_smem), x in (((a_hi, a_lo), a_c), ((b_hi, b_lo), b_c)):

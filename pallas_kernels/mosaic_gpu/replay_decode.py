@@ -635,7 +635,7 @@ def _scratch(head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, v_dtype,
     def stage():
         tile, u, keys, g, y = replay_scratch(BLOCK_V, head_k_dim, cache_len, state_dtype, cache_dtype, (BLOCK_V,),
                                              v_dtype, swizzle)
-        tile = tile if own_operands else tile_with_operands(tile, BLOCK_V, head_k_dim, cache_len, rebuild)
+        tile = tile if own_operands else tile_with_operands(tile, BLOCK_V, head_k_dim, cache_len, rebuild, cache_dtype)
         vectors = ([plgpu.SMEM((vector_rows(DECODE_VECTORS), head_k_dim), qk_dtype, transforms=tiled(128, qk_dtype))]
                    if readout == "mma" else [])
         side = [plgpu.SMEM((3, cache_len), F32)] if xla_side else []
@@ -646,7 +646,8 @@ def _scratch(head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, v_dtype,
                                          v_dtype, swizzle)
     per_stage = [stage() for _ in range(stages)]
     rebuild_bufs = (record_copies(BLOCK_V, head_k_dim, cache_len, cache_dtype) if rebuild == "exact"
-                    else rebuild_operands(tile, BLOCK_V, head_k_dim, cache_len, rebuild) if own_operands else [])
+                    else rebuild_operands(tile, BLOCK_V, head_k_dim, cache_len, rebuild, cache_dtype) if own_operands
+                    else [])
     one_keys = grouped or xla_side and rebuild != "exact"  # one buffer per CTA for the key records
     copies = 8 + (not grouped) + (readout == "mma")  # with xla_side: the side in place of the records
     shared = [plgpu.SMEM((3, cache_len), F32)] + ([plgpu.SMEM((BLOCK_V, cache_len), F32)] if mma_side else [])

@@ -424,7 +424,7 @@ def _scratch(width, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y
         tensor-core rebuild's operands (`rebuild_operands`)."""
         if rebuild == "exact":
             return record_copies(BLOCK_ROWS, head_k_dim, cache_len, cache_dtype)
-        return rebuild_operands(tile, BLOCK_ROWS, head_k_dim, cache_len, rebuild)
+        return rebuild_operands(tile, BLOCK_ROWS, head_k_dim, cache_len, rebuild, cache_dtype)
 
     tile, _, keys, _, _ = replay_scratch(BLOCK_ROWS, head_k_dim, cache_len, state_dtype, cache_dtype,
                                          (width, BLOCK_ROWS), y_dtype, swizzle)
