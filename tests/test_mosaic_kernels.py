@@ -20,6 +20,7 @@ import pytest
 
 from pallas_kernels import common
 from pallas_kernels.mosaic_gpu import build
+from pallas_kernels.mosaic_gpu.readout import pair_box, vector_pairs
 from pallas_kernels.mosaic_gpu.rebuild import keys_exact, operand_entries, operand_parts, tf32_split
 from pallas_kernels.mosaic_gpu.replay_decode import MosaicReplayParams, check_shapes, replay_decode_mgpu
 from pallas_kernels.mosaic_gpu.replay_decode_kda import check_kda_shapes, replay_decode_kda_mgpu
@@ -175,6 +176,26 @@ def test_step_matches_the_float64_model(rng, gate, programs, d_v, readout, group
         np.testing.assert_allclose(np.where(stale, 0.0, got) / scale, np.where(stale, 0.0, ref) / scale,
                                    atol=tol, err_msg=name)
     assert not np.any(np.asarray(out[0])[MODES == common.MODE_PAD]), "padding rows must output zeros"
+
+
+def test_each_pair_lies_in_one_aligned_box(rng):
+    """`vector_pairs` and `pair_box`: (b, hk)'s q and k are rows j and j + 1 of the 8-row box
+    at an aligned start, for every row and key head (three key heads: pairs at every even
+    offset of a box, boxes crossing rows), and the rows past the last pair are zeros."""
+    batch, num_k_heads = 5, 3
+    q, k = (rng.standard_normal((batch, num_k_heads, D)).astype(np.float32) for _ in range(2))
+    pairs = np.asarray(vector_pairs(jnp.asarray(q), jnp.asarray(k)))
+    assert pairs.shape == (32, D)  # 30 rows padded to a multiple of 8
+    columns = set()
+    for b in range(batch):
+        for hk in range(num_k_heads):
+            start, j = (int(x) for x in pair_box(b, hk, num_k_heads))
+            assert start % 8 == 0 and 0 <= j < j + 1 < 8
+            np.testing.assert_array_equal(pairs[start + j], q[b, hk])
+            np.testing.assert_array_equal(pairs[start + j + 1], k[b, hk])
+            columns.add(j)
+    assert columns == {0, 2, 4, 6}
+    assert not pairs[30:].any()
 
 
 def _lower_for_h200(kernel, state_dtype, cache_dtype, cache_len, raw, *, per_channel, head_dim=128,

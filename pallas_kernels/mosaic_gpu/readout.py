@@ -37,6 +37,23 @@ def stage_vectors(x: Float[Array, "B V Hk Dk"]) -> Float[Array, "B Hk N Dk"]:
     return jnp.pad(x, ((0, 0), (0, 0), (0, vector_rows(x.shape[2]) - x.shape[2]), (0, 0)))
 
 
+def vector_pairs(q: Float[Array, "B Hk Dk"], k: Float[Array, "B Hk Dk"]) -> Float[Array, "R Dk"]:
+    """q and k of each (row, key head) as adjacent rows of a flat `[2 B H_k, d_k]` (zero
+    rows up to a multiple of 8): the aligned box of 8 rows holding a pair (`pair_box`) holds
+    four, so a tile copies one box (TMA copies a `wgmma` operand in 8-row-aligned boxes) and
+    reads two columns of one `[M, 8]` product, where `stage_vectors` writes 6 zero rows per
+    pair."""
+    pairs = jnp.stack([q, k.astype(q.dtype)], axis=2).reshape(-1, q.shape[-1])
+    return jnp.pad(pairs, ((0, -pairs.shape[0] % 8), (0, 0)))
+
+
+def pair_box(b, hk, num_k_heads: int):
+    """`(first row, column)` of (row b, key head hk)'s pair in `vector_pairs`: the start of
+    its 8-row box (a multiple of 8) and its q's row within the box (its k's is the next)."""
+    row = 2 * (b * num_k_heads + hk)
+    return pl.multiple_of(row // 8 * 8, 8), row % 8
+
+
 def tile_parts(state_dtype) -> int:
     """How many bf16 parts hold a value of `state_dtype` exactly (8 significant bits each)."""
     return -(-(jnp.finfo(state_dtype).nmant + 1) // 8)

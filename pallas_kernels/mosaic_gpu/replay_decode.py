@@ -20,9 +20,11 @@ fresh tile (`pipeline` group copies, started while the tile before it is compute
 exact rebuild fetches a second, untiled copy of the records; everything else is registers.
 
 Readout: `S_c x` for x = q, k is a row reduction per vector ("fma") or, with
-`readout="mma"`, one `wgmma` against the raw bf16 q and k staged by XLA
-(`readout.stage_vectors`, `[B, H_k, 8, d_k]`, copied with the tile): a bf16 tile straight
-from its buffer, an fp32 one in three exact bf16 register parts (`readout.py`).
+`readout="mma"`, one `wgmma` against the raw bf16 q and k as adjacent rows of a flat array
+(`readout.vector_pairs`, `[2 B H_k, d_k]`): each tile copies the aligned 8-row box that
+holds its key head's pair (and three others') and reads the pair's two columns of the
+`[BV, 8]` product; a bf16 tile straight from its buffer, an fp32 one in three exact bf16
+register parts (`readout.py`).
 
 Layouts (Hopper WGMMA family, `m % 64 == 0 == n % 8`):
 - `S_c` in `WGMMA` `[BV, d_k]`; `S_c x` is a row reduction into `ROW = WGMMA.reduce(1)`
@@ -76,8 +78,8 @@ from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA,
 from pallas_kernels.mosaic_gpu.pipeline import (STAGES, group_shared, grouped_fits_more, kernel_scratch,
                                                 launch_order_input, programs_that_fit, serve_tiles, tile_buffers,
                                                 tile_grid)
-from pallas_kernels.mosaic_gpu.readout import (buffer_products, column, stage_vectors, summed_products, tile_parts,
-                                               tile_products, vector_rows)
+from pallas_kernels.mosaic_gpu.readout import (buffer_products, column, pair_box, summed_products, tile_parts,
+                                               tile_products, vector_pairs, vector_rows)
 from pallas_kernels.mosaic_gpu.rebuild import (check_rebuild, rebuild_mma, rebuild_operands,
                                                split_tile_buffer, tile_with_operands)
 
@@ -387,10 +389,10 @@ def xla_side_inputs(q: Float[Array, "B Hk Dk"], k: Float[Array, "B Hk Dk"], k_ca
                     slot: Int[Array, " B"], *, params: MosaicReplayParams, use_qk_l2norm: bool,
                     scale: float | None) -> list[Array]:
     """The inputs XLA computes before the launch, in the kernel's order: for the "mma"
-    readout the raw q and k staged as its operand (`stage_vectors`, `[B, H_k, 8, d_k]`),
+    readout the raw q and k as row pairs (`vector_pairs`, `[2 B H_k, d_k]`, padded to 8 rows),
     for `key_side="xla"` the key side (`key_side_values`, `[B, H_k, 3, L]`); none by
     default. Their kernels are part of a step's time (they read the slots' key records)."""
-    vectors = [stage_vectors(jnp.stack([q, k.astype(q.dtype)], axis=1))] if params.readout == "mma" else []
+    vectors = [vector_pairs(q, k)] if params.readout == "mma" else []
     if params.key_side == "xla":
         scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
         vectors.append(key_side_values(q, k, k_cache, slot, use_qk_l2norm=use_qk_l2norm, scale=scale))
@@ -493,7 +495,8 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a
                 plgpu.copy_gmem_to_smem(kcache_ref.at[slot, h // group_size], stage_keys[0], barrier)
             copy_token((q_ref, k_ref, v_ref), (qk_smem, v_smem), b, h, h // group_size, rows, barrier)
             if readout == "mma":
-                plgpu.copy_gmem_to_smem(xv_ref.at[b, h // group_size], x_smem[0], barrier)
+                start, _ = pair_box(b, h // group_size, q_ref.shape[1])
+                plgpu.copy_gmem_to_smem(xv_ref.at[pl.ds(start, x_smem[0].shape[0])], x_smem[0], barrier)
 
     def issue_group(b, h, tile):
         """Start the copy of the key records, which only a fresh tile (and a flush) reads."""
@@ -566,7 +569,8 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a
                     s_c = None if parts == 1 else load_tile()
                     products = (buffer_products(t_smem, x_smem[0], interpret=interpret) if s_c is None
                                 else tile_products(s_c, x_smem[0], parts, interpret=interpret))
-                    tile_q, tile_k = q_scale * column(products, 0), k_scale * column(products, 1)
+                    _, j = pair_box(b, h // group_size, q_ref.shape[1])
+                    tile_q, tile_k = q_scale * column(products, j), k_scale * column(products, j + 1)
                 else:
                     s_c = load_tile()
                     q_col = plgpu.load(qk_smem.at[0], layout=COL, optimized=False).astype(F32) * q_scale
@@ -620,7 +624,7 @@ def _scratch(head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, v_dtype,
     """`[stages, group keys, shared, rebuild buffers, barriers, group barrier, rows
     barrier]`: `stages` sets of the replay buffers (the key records among them `[k]` unless
     `grouped`, else `[]`), the token's (`copy_token`) and, for the "mma" readout, `[x]` the
-    raw q and k `[8, d_k]` (swizzled: the `wgmma` operand, `stage_vectors`); if `grouped`,
+    box of q, k pairs `[8, d_k]` (swizzled: the `wgmma` operand, `vector_pairs`); if `grouped`,
     `[k]` the key records of the CTA's current key head (a pipeline group copy: only fresh
     tiles and flushes read them) and `[barrier]` for their copy (else `[]`, `[]`); the
     key-head group's shared values (`[values]`, `store_key_side`, `[3, L]` fp32; with
