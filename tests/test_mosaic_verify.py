@@ -395,15 +395,18 @@ def test_persistent_verify_fits_shared_memory():
 def test_backend_verify_defaults():
     """GDN verifies with the tensor-core readout where q and k are bf16 (measured faster at
     fp32 and bf16 states), on persistent CTAs where two fit per SM (fp32 L = 16, T = 4; at
-    L = 32 with the window's key sums from XLA, which make the room), folds rebuilt exactly
+    L = 32 with the window's key sums before the launch, which make the room), folds rebuilt exactly
     off GPU, per-tile addresses with a bf16 state (measured faster); KDA and Mamba-2 one
     CTA per tile on CUDA cores."""
     from replayssm_jax import ReplayConfig
     from replayssm_jax.backends import mosaic_gpu
 
     gdn = lambda L: ReplayConfig(16, 32, 128, 128, L)
+    # An fp32 state takes the window's key sums from their own kernel from B = 128 (measured
+    # faster at L = 16 and 32); below it the kernel sums them itself.
     assert mosaic_gpu.verify_default_params(gdn(16), 512, 4, jnp.bfloat16) == MosaicReplayParams(
-        programs=264, auto_barriers=False, readout="mma")
+        programs=264, auto_barriers=False, readout="mma", key_side="xla")
+    assert mosaic_gpu.verify_default_params(gdn(16), 32, 4, jnp.bfloat16).key_side == "kernel"
     # fp32 L = 32: two persistent CTAs fit per SM only with the key sums from XLA.
     assert mosaic_gpu.verify_default_params(gdn(32), 512, 4, jnp.bfloat16) == MosaicReplayParams(
         programs=264, auto_barriers=False, readout="mma", key_side="xla")
@@ -411,7 +414,7 @@ def test_backend_verify_defaults():
     # On a GPU folds rebuild by 3xTF32 where its operands cost no CTAs per SM (all these),
     # but for an fp32 tile on persistent CTAs (measured slower there).
     on_gpu = lambda cfg: mosaic_gpu.verify_default_params(cfg, 512, 4, jnp.bfloat16, interpret=False)
-    assert on_gpu(gdn(16)) == MosaicReplayParams(programs=264, auto_barriers=False, readout="mma")
+    assert on_gpu(gdn(16)) == MosaicReplayParams(programs=264, auto_barriers=False, readout="mma", key_side="xla")
     assert on_gpu(gdn(32)) == MosaicReplayParams(programs=264, auto_barriers=False, readout="mma", key_side="xla")
     assert on_gpu(ReplayConfig(16, 32, 128, 128, 32, state_dtype=jnp.bfloat16,
                                cache_dtype=jnp.bfloat16)).key_side == "kernel"  # two fit without it

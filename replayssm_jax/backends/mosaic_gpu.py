@@ -31,6 +31,7 @@ from replayssm_jax.tokens import Tokens
 GATES: tuple[str, ...] = ("gdn", "kda", "mamba2")
 H200_SMS = 132  # the SM count assumed off GPU (interpret mode), where the device reports none
 WARPGROUPS, WARPGROUPS_FROM_BATCH = 3, 256  # GDN decode's programs per CTA at large batches (`warpgroups_for`)
+VERIFY_KEY_SUMS_FROM_BATCH = 128  # fp32 GDN verify's key sums before the launch: measured faster from here
 
 
 def device_sm_count() -> int:
@@ -120,10 +121,11 @@ def verify_default_params(cfg, batch: int, width: int, token_dtype, *, interpret
     CTAs without Mosaic's barriers where two or more fit per SM (the next tile's copies then
     hide behind another CTA's work), else one CTA per tile (one persistent CTA per SM
     measured slower); with a 2-byte state and bf16 q, k, addresses recomputed per tile
-    (`per_tile_addresses`); the window's key sums before the launch (`key_side="xla"`: a
-    small kernel of their own, `verify_decode.window_key_values`) only where they make room
-    for two persistent CTAs per SM (fp32, L = 32): where the kernel's own fit two, they
-    cost more than they save. Each choice is a measured line
+    (`per_tile_addresses`); the window's key sums before the launch (`key_side="xla"`:
+    tensor-core sums in a kernel of their own, `verify_decode.window_key_values`) where they make room for
+    two persistent CTAs per SM (fp32, L = 32) and with an fp32 state from
+    `VERIFY_KEY_SUMS_FROM_BATCH` (measured faster at L = 16 too); a bf16 state keeps the
+    kernel's own (not measured against them). Each choice is a measured line
     of `benchmarks/NOTES.md` ("verify defaults", "verify tensor-core readout, measured",
     "verify folds on tensor cores", "GDN verify with per-tile addresses", "verify key sums
     from XLA"). KDA and Mamba-2: one CTA per tile on CUDA cores, exact folds (their verify
@@ -138,8 +140,9 @@ def verify_default_params(cfg, batch: int, width: int, token_dtype, *, interpret
     shape = (width, cfg.head_k_dim, cfg.cache_len, cfg.state_dtype, cfg.cache_dtype, token_dtype)
     cta_bytes = lambda rebuild, side: verify_decode.persistent_smem_bytes(*shape, readout=readout, rebuild=rebuild,
                                                                           key_side=side)
-    key_side = "xla" if ctas_per_sm(cta_bytes("exact", "kernel")) < 2 <= ctas_per_sm(cta_bytes("exact", "xla")) \
-        else "kernel"
+    makes_room = ctas_per_sm(cta_bytes("exact", "kernel")) < 2 <= ctas_per_sm(cta_bytes("exact", "xla"))
+    fp32_measured = cfg.state_dtype.itemsize == 4 and batch >= VERIFY_KEY_SUMS_FROM_BATCH
+    key_side = "xla" if makes_room or fp32_measured else "kernel"
     fits = lambda rebuild: ctas_per_sm(cta_bytes(rebuild, key_side), verify_decode.RESIDENT_CTAS)
     persistent = fits("exact") >= 2
     # "3xtf32" shortened the flush step with one CTA per tile and with a bf16 tile, but on
