@@ -122,13 +122,13 @@ def verify_default_params(cfg, batch: int, width: int, token_dtype, *, interpret
     hide behind another CTA's work), else one CTA per tile (one persistent CTA per SM
     measured slower); with a 2-byte state and bf16 q, k, addresses recomputed per tile
     (`per_tile_addresses`); the window's key sums before the launch (`key_side="xla"`:
-    tensor-core sums in a kernel of their own, `verify_decode.window_key_values`) where they make room for
-    two persistent CTAs per SM (fp32, L = 32) and with an fp32 state from
-    `VERIFY_KEY_SUMS_FROM_BATCH` (measured faster at L = 16 too); a bf16 state keeps the
-    kernel's own (not measured against them). Each choice is a measured line
-    of `benchmarks/NOTES.md` ("verify defaults", "verify tensor-core readout, measured",
+    tensor-core sums in a kernel of their own, `verify_decode.window_key_values`) where
+    they make room for two persistent CTAs per SM (fp32, L = 32) and with an fp32 state
+    from `VERIFY_KEY_SUMS_FROM_BATCH` (measured faster at L = 16 too); a bf16 state keeps
+    the kernel's own (not measured against them). Each choice is a measured line of
+    `benchmarks/NOTES.md` ("verify defaults", "verify tensor-core readout, measured",
     "verify folds on tensor cores", "GDN verify with per-tile addresses", "verify key sums
-    from XLA"). KDA and Mamba-2: one CTA per tile on CUDA cores, exact folds (their verify
+    from XLA", "verify key sums before the launch at L = 16"). KDA and Mamba-2: one CTA per tile on CUDA cores, exact folds (their verify
     kernels have no persistent form)."""
     if cfg.gate == "mamba2":
         return MosaicMamba2Params()
