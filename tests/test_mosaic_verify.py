@@ -395,9 +395,9 @@ def test_persistent_verify_fits_shared_memory():
 def test_backend_verify_defaults():
     """GDN verifies with the tensor-core readout where q and k are bf16 (measured faster at
     fp32 and bf16 states), on persistent CTAs where two fit per SM (fp32 L = 16, T = 4; at
-    L = 32 with the window's key sums before the launch, which make the room), folds rebuilt exactly
-    off GPU, per-tile addresses with a bf16 state (measured faster); KDA and Mamba-2 one
-    CTA per tile on CUDA cores."""
+    L = 32 with the window's key sums before the launch, which make the room), folds
+    rebuilt exactly off GPU, per-tile addresses with a bf16 state (measured faster); KDA
+    and Mamba-2 one CTA per tile on CUDA cores."""
     from replayssm_jax import ReplayConfig
     from replayssm_jax.backends import mosaic_gpu
 

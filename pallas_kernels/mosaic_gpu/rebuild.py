@@ -147,30 +147,21 @@ def rebuild_mma(start, a, keys_t, pos, operands):
     b = jnp.where(j < pos, keys_t, 0.0)
     entries = operands[0].shape[1]
 
+    # A has as many parts as B or more (`operand_parts`): (1, 1), (2, 1) or (2, 2) buffers.
+    a_bufs, b_bufs = operands[:(len(operands) + 1) // 2], operands[(len(operands) + 1) // 2:]
+
     def write(chunk):
-        """The operands of entries `chunk` (a slice) into shared memory; the products."""
-        a_c, b_c = a[:, chunk], b[:, chunk]
-        if len(operands) == 2:
-            a_smem, b_smem = operands
-            a_smem[...] = a_c.astype(a_smem.dtype)
-            b_smem[...] = b_c.astype(b_smem.dtype)
-            products = [(a_smem, b_smem)]
-        elif len(operands) == 3:
-            a_hi, a_lo, b_smem = operands
-            hi, lo = tf32_split(a_c)
-            a_hi[...] = hi
-            a_lo[...] = lo
-            b_smem[...] = b_c
-            products = [(a_lo, b_smem), (a_hi, b_smem)]
-        else:
-            a_hi, a_lo, b_hi, b_lo = operands
-            for (hi_smem, lo_smem), x in (((a_hi, a_lo), a_c), ((b_hi, b_lo), b_c)):
-                hi, lo = tf32_split(x)
-                hi_smem[...] = hi
-                lo_smem[...] = lo
-            products = [(a_lo, b_hi), (a_hi, b_lo), (a_hi, b_hi)]
+        """The operands of entries `chunk` (a slice) into shared memory; the products, the
+        small ones (a low part's) first."""
+        for bufs, x in ((a_bufs, a[:, chunk]), (b_bufs, b[:, chunk])):
+            if len(bufs) == 1:
+                bufs[0][...] = x.astype(bufs[0].dtype)
+            else:
+                for buf, part in zip(bufs, tf32_split(x)):
+                    buf[...] = part
         plgpu.commit_smem()
-        return products
+        (a_hi, *a_lo), (b_hi, *b_lo) = a_bufs, b_bufs
+        return [(lo, b_hi) for lo in a_lo] + [(a_hi, lo) for lo in b_lo] + [(a_hi, b_hi)]
 
     def mma(acc_ref):  # returns nothing: `run_state` gives the accumulator's final value
         for first in range(0, keys_t.shape[1], entries):

@@ -636,8 +636,8 @@ def check_params(params, kernel: str, *, pipelined: bool = False) -> None:
     """Raise ValueError on the decode kernels' options a verify kernel does not take
     (`key_side="mma"` in any of them): unless `pipelined` (the GDN kernel, which takes the
     others), it rebuilds folds in exact fp32, runs one CTA per tile, keeps Mosaic's barriers
-    and reads out on CUDA cores; its records' layout is its own (`group_records` None). `params`: a `MosaicReplayParams` or a
-    `MosaicMamba2Params`."""
+    and reads out on CUDA cores; its records' layout is its own (`group_records` None).
+    `params`: a `MosaicReplayParams` or a `MosaicMamba2Params`."""
     check_own_layout(params, kernel, per_tile_addresses=pipelined, key_side=pipelined, warpgroups=pipelined,
                      launch_order=pipelined)
     if getattr(params, "key_side", "kernel") == "mma":  # decode's: verify's window sums are its own

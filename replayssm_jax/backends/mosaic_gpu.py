@@ -128,8 +128,8 @@ def verify_default_params(cfg, batch: int, width: int, token_dtype, *, interpret
     the kernel's own (not measured against them). Each choice is a measured line of
     `benchmarks/NOTES.md` ("verify defaults", "verify tensor-core readout, measured",
     "verify folds on tensor cores", "GDN verify with per-tile addresses", "verify key sums
-    from XLA", "verify key sums before the launch at L = 16"). KDA and Mamba-2: one CTA per tile on CUDA cores, exact folds (their verify
-    kernels have no persistent form)."""
+    from XLA", "verify key sums before the launch at L = 16"). KDA and Mamba-2: one CTA
+    per tile on CUDA cores, exact folds (their verify kernels have no persistent form)."""
     if cfg.gate == "mamba2":
         return MosaicMamba2Params()
     if cfg.per_channel_gate:
