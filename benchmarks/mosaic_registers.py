@@ -9,7 +9,8 @@ no budget (`nvvm.minctasm = 1`), so ptxas takes up to 255 when it likes (benchma
   and print the registers and spills ptxas gave it:
     python benchmarks/mosaic_registers.py --dump ptx/ gdn:bfloat16:16:512 \\
         gdn:bfloat16:16:512:programs=0 verify:float32:16:512
-  (a variant: `gate:state dtype:L:B[:params]`, gate gdn, kda, mamba2 or verify (GDN, T = 4),
+  (a variant: `gate:state dtype:L:B[:params]`, gate gdn, kda, mamba2 or verify (GDN, T = 4;
+  `verifyT` for a window of T, e.g. verify8),
   params as `mosaic_bench.py --variants`, comma-separated, on top of the backend's defaults).
 
   Anywhere (the `triton` extra's ptxas): read saved PTX and report, for each budget of
@@ -101,9 +102,12 @@ def compile_variant(spec: str) -> None:
 
     gate, dtype, cache_len, batch, *rest = spec.split(":")
     cache_len, batch, state_dtype = int(cache_len), int(batch), jnp.dtype(dtype)
+    verify = re.fullmatch(r"verify(\d*)", gate)
+    width = int(verify.group(1) or 4) if verify else 0
+    gate = "verify" if verify else gate
     configs = {"gdn": mb.gdn_config, "verify": mb.gdn_config, "kda": mb.kda_config, "mamba2": mb.mamba2_config}
     cfg = configs[gate](False, cache_len, state_dtype)
-    defaults = (mosaic_gpu.verify_default_params(cfg, batch, 4, jnp.bfloat16) if gate == "verify"
+    defaults = (mosaic_gpu.verify_default_params(cfg, batch, width, jnp.bfloat16) if verify
                 else mosaic_gpu.default_params(cfg, batch, jnp.bfloat16))
     params = defaults
     if rest:  # the named fields replace the defaults' ("programs=fit" resolved as by mosaic_bench)
@@ -111,8 +115,8 @@ def compile_variant(spec: str) -> None:
         params = dataclasses.replace(defaults, **{item.split("=")[0]: getattr(named, item.split("=")[0])
                                                   for item in rest[0].split(",")})
     state = db.random_pool(cfg, 2 * batch, jax.random.key(0), jnp.zeros((2 * batch,), jnp.int32))
-    if gate == "verify":
-        width, keys = 4, jax.random.split(jax.random.key(1), 5)
+    if verify:
+        keys = jax.random.split(jax.random.key(1), 5)
         shapes = [(cfg.num_k_heads, cfg.head_k_dim)] * 2 + [(cfg.num_v_heads, cfg.head_v_dim), (cfg.num_v_heads,),
                                                              (cfg.num_v_heads,)]
         window = R.Tokens(*(jax.random.normal(k, (batch, width, *s), jnp.bfloat16 if i < 3 else jnp.float32)
