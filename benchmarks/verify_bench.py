@@ -124,7 +124,8 @@ def backend_params(backend: str, cfg: R.ReplayConfig, batch: int, width: int):
     """`(backend name, kernel_params)` of a `--backends` entry: a backend name, or for the GDN
     Mosaic verify kernel `mosaic_gpu:` and `+`-separated `MosaicReplayParams` fields
     (`programs=N` or `programs=fit`: as many persistent CTAs as fit on the device,
-    `auto_barriers=false`, `swizzle=64`, `readout=mma`, `rebuild=3xtf32`, `key_side=xla`); a plain name takes
+    `auto_barriers=false`, `swizzle=64`, `readout=mma`, `rebuild=3xtf32`, `key_side=xla`,
+    `window_side=kernel`); a plain name takes
     the backend's defaults."""
     name, _, spec = backend.partition(":")
     if not spec:

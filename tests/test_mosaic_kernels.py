@@ -409,6 +409,11 @@ def test_tensor_core_rebuild_refusals(rng):
                                params=MosaicReplayParams(group_records=True), interpret=True)
     with pytest.raises(ValueError, match="group_records must be None, True or False"):
         MosaicReplayParams(group_records=1)
+    for kernel, per_channel in ((replay_decode_mgpu, False), (replay_decode_kda_mgpu, True)):
+        with pytest.raises(ValueError, match="no verify window: window_side must be 'xla'"):
+            arrays = [jnp.asarray(x) for x in _inputs(rng, jnp.float32, jnp.float32, per_channel)]
+            kernel(*arrays, jnp.asarray(SLOTS), jnp.asarray(POS), jnp.asarray(MODES),
+                   params=MosaicReplayParams(window_side="kernel"), interpret=True)
     # The GDN decode kernel's own options: the KDA kernel refuses them rather than ignore them.
     for own, match in ((dict(key_side="xla"), "computes its key side itself"),
                        (dict(per_tile_addresses=True), "per_tile_addresses must be False"),

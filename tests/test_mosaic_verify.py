@@ -128,6 +128,9 @@ def _ancestors(parents):
     ("gdn", MosaicReplayParams(programs=3, auto_barriers=False, readout="mma", per_tile_addresses=True,
                                warpgroups=3, key_side="xla")),
     ("gdn", MosaicReplayParams(programs=5, auto_barriers=False, launch_order=True)),
+    # The window's records and staged vectors from their Pallas Triton kernel.
+    ("gdn", MosaicReplayParams(programs=5, auto_barriers=False, readout="mma", key_side="xla",
+                               window_side="kernel")),
 ])
 def test_verify_matches_the_float64_model(rng, gate, params, state_dtype):
     """GDN also as persistent CTAs without Mosaic's barriers: each CTA serves several tiles
@@ -289,6 +292,12 @@ def test_verify_kernels_take_only_their_options():
     check_params(three, "gdn", pipelined=True)
     with pytest.raises(ValueError, match="warpgroups must be 1"):
         check_params(three, "kda")
+    # Only the GDN verify kernel has a window formed by a kernel before its launch.
+    check_params(MosaicReplayParams(window_side="kernel"), "gdn", pipelined=True)
+    with pytest.raises(ValueError, match="window_side must be 'xla'"):
+        check_params(MosaicReplayParams(window_side="kernel"), "kda")
+    with pytest.raises(ValueError, match="window_side must be one of"):
+        MosaicReplayParams(window_side="triton")
     # Decode's key side on tensor cores is not verify's (its window sums are its own).
     for params in (MosaicReplayParams(key_side="mma"),
                    MosaicReplayParams(programs=6, auto_barriers=False, warpgroups=3, key_side="mma")):

@@ -89,6 +89,7 @@ BLOCK_V = BLOCK_ROWS
 RESIDENT_CTAS = 2
 DECODE_VECTORS = 2  # the "mma" readout's vectors: q, then k
 KEY_SIDES = ("kernel", "xla", "mma")
+WINDOW_SIDES = ("xla", "kernel")
 MAX_WARPGROUPS = 4  # a CTA of 512 threads, 128 registers each
 
 
@@ -171,6 +172,11 @@ class MosaicReplayParams:
         flushing rows in decode, folding rows in verify), so that those rows (about twice
         a tile's work) are dealt evenly over the persistent programs instead of where their
         index falls (`pipeline.serve_tiles`). GDN and KDA decode, GDN verify.
+      window_side: where the GDN verify kernel's window scalars (`T x T` products, decays,
+        norms) and staged vectors are formed before its launch: "xla" (default) by XLA, in
+        about eight small kernels; "kernel" by `pallas_kernels.verify_coefficients`, one
+        Pallas Triton launch (one program per row and key head). The decode kernels refuse
+        "kernel".
     """
 
     swizzle: int = 128
@@ -184,9 +190,12 @@ class MosaicReplayParams:
     per_tile_addresses: bool = False
     warpgroups: int = 1
     launch_order: bool = False
+    window_side: str = "xla"
 
     def __post_init__(self) -> None:
         check_shared_params(self)
+        if self.window_side not in WINDOW_SIDES:
+            raise ValueError(f"window_side must be one of {WINDOW_SIDES}, got {self.window_side!r}")
         if self.key_side not in KEY_SIDES:
             raise ValueError(f"key_side must be one of {KEY_SIDES}, got {self.key_side!r}")
         if self.key_side == "xla" and self.group_records:
@@ -210,11 +219,12 @@ class MosaicReplayParams:
 
 
 def check_own_layout(params, kernel: str, *, per_tile_addresses: bool = False, key_side: bool = False,
-                     warpgroups: bool = False, launch_order: bool = False) -> None:
+                     warpgroups: bool = False, launch_order: bool = False, window_side: bool = False) -> None:
     """Raise ValueError if `params` sets `group_records`, an option of the GDN and Mamba-2
     decode kernels that a kernel with its own record layout (KDA decode, verify) ignores,
     or `per_tile_addresses`, `key_side`, `warpgroups` or `launch_order` unless the kernel
-    takes it (the GDN verify kernel takes all four, KDA decode the last)."""
+    takes it (the GDN verify kernel takes all four, KDA decode the last); `window_side`
+    other than "xla" only in the GDN verify kernel."""
     if getattr(params, "group_records", None) is not None:
         raise ValueError(f"{kernel} lays out its records itself: group_records must be None, got "
                          f"{params.group_records!r}")
@@ -226,6 +236,8 @@ def check_own_layout(params, kernel: str, *, per_tile_addresses: bool = False, k
         raise ValueError(f"{kernel} holds its buffers' addresses itself: per_tile_addresses must be False")
     if getattr(params, "launch_order", False) and not launch_order:
         raise ValueError(f"{kernel} serves its rows in their order: launch_order must be False")
+    if getattr(params, "window_side", "xla") != "xla" and not window_side:
+        raise ValueError(f"{kernel} has no verify window: window_side must be 'xla', got {params.window_side!r}")
 
 
 def check_fma_readout(params, kernel: str) -> None:
@@ -752,6 +764,9 @@ def replay_decode_mgpu(
     check_rebuild(params.rebuild, cache_len, interpret)
     check_mma_readout(params, q.dtype, "replay_decode_mgpu")
     check_mma_key_side(params, q.dtype, k_cache.dtype, "replay_decode_mgpu")
+    if params.window_side != "xla":
+        raise ValueError(f"replay_decode_mgpu has no verify window: window_side must be 'xla', got "
+                         f"{params.window_side!r}")
     order = launch_order_input(params, row_order, batch, "replay_decode_mgpu")
     a_log, dt_bias = gate_params if gate_params is not None else (jnp.zeros((1,), F32),) * 2
     kernel = _build(

@@ -19,8 +19,9 @@ ancestors and i, and q_i, k_i after the L2 norm and the scale:
     y_i  = e^{G_i} S q_i + sum_{j in anc(i) + {i}} e^{G_i - G_j} (q_i . k_j) u_j
 
 The scalars of these sums (the `T x T` products, decays and norms: `window_coefficients`,
-a few small XLA ops on `[B, T, H, d_k]` inputs) arrive packed per (row, value head); the
-kernel applies them to vectors. The key sums `K k_i`, `K q_i` over the ring are computed
+a few small XLA ops on `[B, T, H, d_k]` inputs, or with `MosaicReplayParams.window_side =
+"kernel"` one Pallas Triton launch, `pallas_kernels.verify_coefficients`, which also stages
+the vectors) arrive packed per (row, value head); the kernel applies them to vectors. The key sums `K k_i`, `K q_i` over the ring are computed
 once per key-head group on a fresh tile (`window_keys`) or, with `MosaicReplayParams.key_side
 = "xla"`, before the launch by a kernel of their own on tensor cores (`window_key_values`:
 each tile copies its `[2T, L]` box of them in place of the key records, which only a
@@ -70,6 +71,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxtyping import Array, Bool, Float, Int
 
 from pallas_kernels.common import L2NORM_EPS, MODE_APPEND, MODE_FLUSH, MODE_PAD
+from pallas_kernels.verify_coefficients import verify_coefficients
 from pallas_kernels.mosaic_gpu.build import build_kernel
 from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA, bcast_cols, bcast_rows, check_smem,
                                                col_sum, copy_record_rows, copy_replay_tile, load_transposed,
@@ -266,8 +268,8 @@ def _build_key_blocks(batch, num_k_heads, head_k_dim, cache_len, cache_dtype, x_
 
 
 def window_key_values(q: Float[Array, "B T Hk Dk"], k: Float[Array, "B T Hk Dk"], k_cache: Float[Array, "N Hk L Dk"],
-                      slot: Int[Array, " B"], length: Int[Array, " B"], *,
-                      interpret: bool) -> Float[Array, "B Hb N 64"]:
+                      slot: Int[Array, " B"], length: Int[Array, " B"], *, interpret: bool,
+                      staged: Float[Array, "B Hk N Dk"] | None = None) -> Float[Array, "B Hb N 64"]:
     """`window_keys`' sums of every row and key head before the verify kernel: `K x` over
     each slot's whole ring for the raw window vectors x (`masked_window`'s: q_0 .. q_{T-1},
     then k_0 .. k_{T-1}; zeros at and past a row's length; stale entries included: the
@@ -276,10 +278,11 @@ def window_key_values(q: Float[Array, "B T Hk Dk"], k: Float[Array, "B T Hk Dk"]
     of key head hk, vector j, ring entry l at `[b, hk // m, j, (hk % m) L + l]`
     (`side_block`). A small kernel of its own, one CTA per block, on tensor cores: the
     products of fp32 key records and bf16 vectors are exact in fp32 (the records and, for
-    fp32 q and k, the vectors split into bf16 parts)."""
+    fp32 q and k, the vectors split into bf16 parts). `staged`: bf16 q and k's
+    `window_vectors` where the caller has them (the same array: XLA then stages once)."""
     batch, width, num_k_heads, head_k_dim = q.shape
     num_slots, _, cache_len, _ = k_cache.shape
-    x = side_vectors(q, k, length)
+    x = side_vectors(q, k, length) if staged is None else staged
     x_rows = x.shape[2]
     if not key_block_heads(num_k_heads, cache_len, x_rows):
         raise ValueError(f"the verify key sums before the launch need cache_len <= {BLOCK_ROWS} and at most 256 "
@@ -639,7 +642,7 @@ def check_params(params, kernel: str, *, pipelined: bool = False) -> None:
     and reads out on CUDA cores; its records' layout is its own (`group_records` None).
     `params`: a `MosaicReplayParams` or a `MosaicMamba2Params`."""
     check_own_layout(params, kernel, per_tile_addresses=pipelined, key_side=pipelined, warpgroups=pipelined,
-                     launch_order=pipelined)
+                     launch_order=pipelined, window_side=pipelined)
     if getattr(params, "key_side", "kernel") == "mma":  # decode's: verify's window sums are its own
         raise ValueError(f"{kernel} sums its window's keys in the kernel or before the launch: key_side must be "
                          "'kernel' or 'xla', got 'mma'")
@@ -768,18 +771,27 @@ def verify_decode_mgpu(
     check_mma_readout(params, q.dtype, "verify_decode_mgpu")
     order = launch_order_input(params, row_order, batch, "verify_decode_mgpu")
     length = length.astype(jnp.int32)
-    coef = window_coefficients(q, k, g, beta, anc.astype(bool), length, use_qk_l2norm=bool(use_qk_l2norm),
-                               scale=float(head_k_dim ** -0.5 if scale is None else scale))
     if q.dtype != k.dtype:
         raise ValueError(f"q and k must share a dtype, got {q.dtype} and {k.dtype}")
+    scale = float(head_k_dim ** -0.5 if scale is None else scale)
+    if params.window_side == "kernel":
+        coef, staged = verify_coefficients(q, k, g, beta, anc.astype(bool), length,
+                                           record_len=coefficient_count(width), vector_rows=window_rows(width),
+                                           use_qk_l2norm=bool(use_qk_l2norm), scale=scale, interpret=interpret)
+        coef = coef.reshape(batch, num_v_heads, *coefficient_shape(width))
+    else:
+        coef = window_coefficients(q, k, g, beta, anc.astype(bool), length, use_qk_l2norm=bool(use_qk_l2norm),
+                                   scale=scale)
+        staged = window_vectors(q, k, length)
     kernel = _build(batch, width, num_v_heads, head_v_dim, head_k_dim, cache_len, checkpoint.dtype, u_cache.dtype,
                     q.dtype, v.dtype, num_v_heads // q.shape[2], params.swizzle, params.programs,
                     params.auto_barriers, params.readout, params.rebuild, params.chunk, params.per_tile_addresses,
                     params.key_side == "xla", params.warpgroups, bool(order), bool(interpret))
     refs = [jax.new_ref(x) for x in (checkpoint, u_cache, k_cache, g_cache)]
     i32 = lambda x: x.astype(jnp.int32)
-    vectors = [window_vectors(q, k, length)] if params.readout == "mma" else []
+    vectors = [staged] if params.readout == "mma" else []
     if params.key_side == "xla":
-        vectors.append(window_key_values(q, k, k_cache, slot, length, interpret=bool(interpret)))
+        vectors.append(window_key_values(q, k, k_cache, slot, length, interpret=bool(interpret),
+                                         staged=staged if q.dtype == jnp.bfloat16 else None))
     y = kernel(i32(slot), i32(pos), i32(mode), length, q, k, v, coef, *order, *vectors, *refs)
     return (y, *(jax.freeze(r) for r in refs))

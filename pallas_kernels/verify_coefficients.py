@@ -1,0 +1,195 @@
+"""A GDN verify window's scalars and staged vectors in one launch (Pallas Triton).
+
+The Mosaic GPU verify kernel (`mosaic_gpu.verify_decode`) takes, per `(row, value head)`, a
+record of the window's `T x T` products, decays and norms, and per `(row, key head)` the
+window's raw q and k staged as one operand. XLA forms them in about eight small kernels (a
+product, reductions, transposes, a pad, a concatenate), which at small batches take as long
+as the verify kernel itself. This kernel forms both in one launch, grid `(B, H_k)`: one
+program per (row, key head) loads the window's T q and k vectors once and writes the records
+of the key head's `H_v / H_k` value heads.
+
+Record of `(b, h)` (fp32, `record_len` floats, the layout `verify_decode.pack_coefficients`
+defines): `A [T, T]`, `M [T, T]` row-major, then `e^{G} [T]`, `beta [T]`, `g [T]`,
+`q_scale [T]`, `k_scale [T]`, then zeros, where, for i, j below the row's length,
+
+    A_ij = beta_i e^{G_i - G_j} (k_i . k_j) k_scale_i k_scale_j   for j in anc(i), else 0
+    M_ij = e^{G_i - G_j} (q_i . k_j) q_scale_i k_scale_j           for j in anc(i) + {i}, else 0
+    G_i  = sum of g_j over j in anc(i) + {i}
+
+with q_scale = scale / |q| and k_scale = 1 / |k| (`use_qk_l2norm`; else scale and 1), and
+zeros at and past the row's length (the inputs there, NaN included, never reach a product).
+Staged vectors of `(b, hk)` (`[N, d_k]` in q's dtype, `verify_decode.window_vectors`' layout):
+the raw q_0 .. q_{T-1}, k_0 .. k_{T-1} with zero rows at and past the length, then zero rows.
+
+Each program works on `[P, d_k]` and `[P]` blocks, P the next power of two >= T (Triton's
+block shapes): rows and lanes at and past T are masked on every load and store.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+from jaxtyping import Array, Bool, Float, Int
+
+from pallas_kernels import common
+from pallas_kernels.common import L2NORM_EPS
+
+VECTORS = 5  # e^{G}, beta, g, q_scale, k_scale per position, after A and M
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyCoefficientsParams:
+    """Launch parameters of `verify_coefficients`.
+
+    Attributes:
+      num_warps: warps per program (a program's blocks are `[P, d_k]`: one or two warps
+        cover them).
+    """
+
+    num_warps: int = 2
+
+    def __post_init__(self) -> None:
+        if isinstance(self.num_warps, bool) or self.num_warps not in (1, 2, 4, 8):
+            raise ValueError(f"num_warps must be 1, 2, 4 or 8, got {self.num_warps!r}")
+
+
+def _lane_vector(values, lanes):
+    """`[P]` with `values[i]` (scalars) at lane i and zeros elsewhere."""
+    out = jnp.zeros(lanes.shape, jnp.float32)
+    for i, x in enumerate(values):
+        out = jnp.where(lanes == i, x, out)
+    return out
+
+
+def _kernel(length_ref, q_ref, k_ref, g_ref, beta_ref, anc_ref, coef_ref, vec_ref, *, width, group_size,
+            use_qk_l2norm, scale, lanes_len):
+    b, hk = pl.program_id(0), pl.program_id(1)
+    T, P = width, lanes_len
+    length = length_ref[b]
+    lanes = jnp.arange(P, dtype=jnp.int32)
+    valid = lanes < length  # [P]; length <= T, so lanes >= T are never valid
+    f32 = lambda x: x.astype(jnp.float32)
+
+    # The window's vectors, zero at and past the length (a select: NaN there stays out).
+    qs = [jnp.where(t < length, f32(q_ref[b, t, hk, :]), 0.0) for t in range(T)]
+    ks = [jnp.where(t < length, f32(k_ref[b, t, hk, :]), 0.0) for t in range(T)]
+    rows = lanes[:, None]
+    keys = jnp.zeros((P, qs[0].shape[0]), jnp.float32)
+    for t, k_t in enumerate(ks):
+        keys = jnp.where(rows == t, k_t[None, :], keys)  # [P, d_k], row j = k_j
+
+    for t in range(T):
+        vec_ref[b, hk, t, :] = qs[t].astype(vec_ref.dtype)
+        vec_ref[b, hk, T + t, :] = ks[t].astype(vec_ref.dtype)
+    for r in range(2 * T, vec_ref.shape[2]):
+        vec_ref[b, hk, r, :] = jnp.zeros(qs[0].shape, vec_ref.dtype)
+
+    def inv_norm(x):
+        return jax.lax.rsqrt(jnp.sum(x * x) + L2NORM_EPS) if use_qk_l2norm else jnp.float32(1.0)
+
+    q_scale = [jnp.where(t < length, scale * inv_norm(qs[t]), 0.0) for t in range(T)]
+    k_scale = [jnp.where(t < length, inv_norm(ks[t]), 0.0) for t in range(T)]
+    k_scale_vec = _lane_vector(k_scale, lanes)
+    # Row i of k.k and q.k over the window's keys j (lanes), scaled as normalised vectors.
+    kk = [jnp.sum(keys * ks[i][None, :], axis=1) * k_scale[i] * k_scale_vec for i in range(T)]
+    qk = [jnp.sum(keys * qs[i][None, :], axis=1) * q_scale[i] * k_scale_vec for i in range(T)]
+    # i's ancestors (lanes j), within the window on both sides; `strict` without i itself.
+    in_row = lambda i: jnp.logical_and(valid, i < length)
+    anc = [plgpu.load(anc_ref.at[b, jnp.int32(i), pl.ds(0, P)], mask=lanes < T, other=0) != 0 for i in range(T)]
+    strict = [jnp.logical_and(anc[i], in_row(i)) for i in range(T)]
+    seen = [jnp.logical_and(jnp.logical_or(anc[i], lanes == i), in_row(i)) for i in range(T)]
+
+    row_mask = lanes < T
+    # A record's last P-lane stores can reach past its end, where the mask keeps them: their
+    # offsets are given as traced values (a zero the tracer cannot prove), since a static
+    # slice past the end is refused at trace time.
+    zero = jnp.minimum(length, 0)
+    store = lambda h, offset, x, mask=row_mask: plgpu.store(coef_ref.at[b, h, pl.ds(zero + offset, P)], x,
+                                                            mask=mask)
+    for j in range(group_size):
+        h = hk * group_size + j
+        g = [jnp.where(t < length, g_ref[b, t, h].astype(jnp.float32), 0.0) for t in range(T)]
+        beta = [jnp.where(t < length, beta_ref[b, t, h].astype(jnp.float32), 0.0) for t in range(T)]
+        g_vec = _lane_vector(g, lanes)
+        G = [jnp.sum(jnp.where(seen[i], g_vec, 0.0)) for i in range(T)]
+        G_vec = _lane_vector(G, lanes)
+        for i in range(T):
+            # e^{G_i - G_j} only on i's branch (<= 1 there); elsewhere the difference can be
+            # large and positive, so it is zeroed before the exponential.
+            decay = jnp.where(seen[i], jnp.exp(jnp.where(seen[i], G[i] - G_vec, 0.0)), 0.0)
+            store(h, i * T, jnp.where(strict[i], beta[i] * decay * kk[i], 0.0))
+            store(h, T * T + i * T, decay * qk[i])
+        vectors = (jnp.where(valid, jnp.exp(G_vec), 0.0), _lane_vector(beta, lanes), g_vec,
+                   _lane_vector(q_scale, lanes), k_scale_vec)
+        for o, x in enumerate(vectors):
+            store(h, 2 * T * T + o * T, x, jnp.logical_and(row_mask, lanes < coef_ref.shape[2] - 2 * T * T - o * T))
+        tail = 2 * T * T + VECTORS * T
+        for start in range(tail, coef_ref.shape[2], P):
+            store(h, start, jnp.zeros((P,), jnp.float32), lanes < coef_ref.shape[2] - start)
+
+
+def verify_coefficients(
+    q: Float[Array, "B T Hk Dk"],
+    k: Float[Array, "B T Hk Dk"],
+    g: Float[Array, "B T Hv"],
+    beta: Float[Array, "B T Hv"],
+    anc: Bool[Array, "B T T"],
+    length: Int[Array, " B"],
+    *,
+    record_len: int,
+    vector_rows: int,
+    use_qk_l2norm: bool,
+    scale: float,
+    params: VerifyCoefficientsParams = VerifyCoefficientsParams(),
+    interpret: bool | None = None,
+) -> tuple[Float[Array, "B Hv C"], Float[Array, "B Hk N Dk"]]:
+    """The window's coefficient records and staged vectors (module doc), one launch.
+
+    Args:
+      q, k: `[B, T, H_k, d_k]` raw window vectors (d_k a power of two).
+      g, beta: `[B, T, H_v]` per-head log-decay and beta of each position.
+      anc: `[B, T, T]` bool, `anc[b, i, j]` when j is a strict ancestor of i (a chain:
+        j < i).
+      length: `[B]` int32 in [0, T], the valid positions of each row.
+      record_len: C, floats per record (>= 2 T^2 + 5 T).
+      vector_rows: N, rows of each staged `[N, d_k]` block (>= 2 T).
+      use_qk_l2norm, scale: as the verify kernel's.
+      params: warps per program.
+      interpret: run in the Pallas interpreter (default: off GPU).
+
+    Returns:
+      `(records [B, H_v, C] fp32, vectors [B, H_k, N, d_k] in q's dtype)`.
+    """
+    batch, width, num_k_heads, head_k_dim = q.shape
+    num_v_heads = g.shape[2]
+    if record_len < 2 * width * width + VECTORS * width:
+        raise ValueError(f"record_len {record_len} is too short for T = {width} "
+                         f"(needs {2 * width * width + VECTORS * width})")
+    if vector_rows < 2 * width:
+        raise ValueError(f"vector_rows {vector_rows} is fewer than 2 T = {2 * width}")
+    if head_k_dim & (head_k_dim - 1):
+        raise ValueError(f"verify_coefficients needs d_k a power of two (Triton blocks), got {head_k_dim}")
+    if num_v_heads % num_k_heads or g.shape != beta.shape or g.shape[:2] != (batch, width):
+        raise ValueError(f"g and beta must be [B, T, H_v] with H_k | H_v, got {g.shape}, {beta.shape} "
+                         f"for q {q.shape}")
+    kernel = functools.partial(_kernel, width=width, group_size=num_v_heads // num_k_heads,
+                               use_qk_l2norm=bool(use_qk_l2norm), scale=float(scale),
+                               lanes_len=max(2, common.next_power_of_two(width)))
+    spec = common.any_spec()
+    operands = (length.astype(jnp.int32), q, k, g, beta, anc.astype(jnp.int32))
+    return pl.pallas_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct((batch, num_v_heads, record_len), jnp.float32),
+                   jax.ShapeDtypeStruct((batch, num_k_heads, vector_rows, head_k_dim), q.dtype)),
+        grid=(batch, num_k_heads),
+        in_specs=[spec] * len(operands),
+        out_specs=[spec] * 2,
+        compiler_params=plgpu.CompilerParams(num_warps=params.num_warps, num_stages=1),
+        interpret=common.default_interpret() if interpret is None else interpret,
+        name="replayssm_verify_coefficients",
+    )(*operands)

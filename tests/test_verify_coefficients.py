@@ -1,0 +1,171 @@
+"""`pallas_kernels.verify_coefficients` (the GDN verify window's records and staged vectors in
+one Pallas Triton launch) against a float64 NumPy model of the record and against XLA's
+`window_coefficients` / `window_vectors`, which the Mosaic verify kernel takes otherwise.
+
+Interpret mode on CPU: ragged lengths (0 and T included), chain and tree windows, NaN in
+every input past a row's length, group sizes 1 and 2, with and without the q/k L2 norm;
+one case compiled for sm_90a by the `triton` extra's compiler (no GPU needed).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.mosaic_gpu.verify_decode import (coefficient_count, window_coefficients, window_rows,
+                                                     window_vectors)
+from pallas_kernels.verify_coefficients import VerifyCoefficientsParams, verify_coefficients
+
+L2NORM_EPS = 1e-6  # the kernels' (pallas_kernels.common), restated: the model is written independently
+
+
+def random_tree(rng, batch: int, width: int) -> np.ndarray:
+    """`anc [B, T, T]` of random parents (parent of i in [-1, i))."""
+    anc = np.zeros((batch, width, width), bool)
+    for b in range(batch):
+        parents = [rng.integers(-1, i) if i else -1 for i in range(width)]
+        for i in range(width):
+            p = parents[i]
+            while p >= 0:
+                anc[b, i, p] = True
+                p = parents[p]
+    return anc
+
+
+def model_record(q, k, g, beta, anc, length, *, use_qk_l2norm, scale, record_len):
+    """The record of each `(b, h)` in float64: `[A, M, e^G, beta, g, q_scale, k_scale, 0...]`."""
+    batch, width, num_k_heads, _ = q.shape
+    group = g.shape[2] // num_k_heads
+    out = np.zeros((batch, g.shape[2], record_len))
+    for b in range(batch):
+        n = int(length[b])
+        for h in range(g.shape[2]):
+            hk = h // group
+            qs, ks = q[b, :n, hk].astype(np.float64), k[b, :n, hk].astype(np.float64)
+            norm = lambda x: 1 / np.sqrt(np.sum(x * x, axis=-1) + L2NORM_EPS) if use_qk_l2norm else np.ones(len(x))
+            q_scale, k_scale = scale * norm(qs), norm(ks)
+            qn, kn = qs * q_scale[:, None], ks * k_scale[:, None]
+            branch = anc[b, :n, :n] | np.eye(n, dtype=bool)
+            G = np.array([np.sum(g[b, :n, h][branch[i]]) for i in range(n)])
+            decay = np.where(branch, np.exp(np.where(branch, G[:, None] - G[None, :], 0.0)), 0.0)
+            A, M = np.zeros((width, width)), np.zeros((width, width))
+            A[:n, :n] = np.where(anc[b, :n, :n], beta[b, :n, h][:, None] * decay * (kn @ kn.T), 0.0)
+            M[:n, :n] = decay * (qn @ kn.T)
+            vectors = np.zeros((5, width))
+            vectors[:, :n] = [np.exp(G), beta[b, :n, h], g[b, :n, h], q_scale, k_scale]
+            flat = np.concatenate([A.ravel(), M.ravel(), vectors.ravel()])
+            out[b, h, :flat.size] = flat
+    return out
+
+
+def random_window(rng, batch, width, num_k_heads, num_v_heads, head_dim, dtype):
+    q, k = (jnp.asarray(rng.standard_normal((batch, width, num_k_heads, head_dim)), dtype) for _ in range(2))
+    g = jnp.asarray(-np.log1p(np.exp(rng.standard_normal((batch, width, num_v_heads)))), jnp.float32)
+    beta = jnp.asarray(1 / (1 + np.exp(-rng.standard_normal((batch, width, num_v_heads)))), jnp.float32)
+    length = jnp.asarray(rng.integers(0, width + 1, batch).clip(max=width), jnp.int32).at[0].set(width)
+    # Inputs past a row's length are garbage the kernel must drop: NaN everywhere there.
+    past = np.arange(width)[None, :] >= np.asarray(length)[:, None]
+    nan_past = lambda x: jnp.where(past.reshape(*past.shape, *[1] * (x.ndim - 2)), jnp.nan, x).astype(x.dtype)
+    return (*(nan_past(x) for x in (q, k, g, beta)), length)
+
+
+@pytest.mark.parametrize("width,num_k_heads,num_v_heads,dtype,use_qk_l2norm,tree", [
+    (1, 1, 2, jnp.bfloat16, True, False),
+    (3, 2, 4, jnp.bfloat16, True, True),   # P = 4 > T: masked lanes
+    (4, 1, 1, jnp.float32, False, True),
+    (9, 1, 2, jnp.bfloat16, True, False),  # the vector stores pass the record's end (masked)
+])
+def test_records_and_vectors_match_the_model_and_xla(rng, width, num_k_heads, num_v_heads, dtype, use_qk_l2norm,
+                                                     tree):
+    batch, head_dim, scale = 3, 64, 0.7
+    q, k, g, beta, length = random_window(rng, batch, width, num_k_heads, num_v_heads, head_dim, dtype)
+    anc = random_tree(rng, batch, width) if tree else np.tril(np.ones((width, width), bool), -1)[None].repeat(batch, 0)
+    record_len = coefficient_count(width)
+    records, vectors = verify_coefficients(q, k, g, beta, jnp.asarray(anc), length, record_len=record_len,
+                                           vector_rows=window_rows(width), use_qk_l2norm=use_qk_l2norm,
+                                           scale=scale, interpret=True)
+    assert records.shape == (batch, num_v_heads, record_len) and vectors.shape[:3] == (batch, num_k_heads,
+                                                                                       window_rows(width))
+    assert not np.isnan(np.asarray(records)).any()
+    f64 = lambda x: np.asarray(x.astype(jnp.float32), np.float64)
+    want = model_record(f64(q), f64(k), f64(g), f64(beta), anc, np.asarray(length), use_qk_l2norm=use_qk_l2norm,
+                        scale=scale, record_len=record_len)
+    # fp32 sums over d_k = 64 products and one exp: a few ulps of each entry's scale.
+    np.testing.assert_allclose(np.asarray(records), want, rtol=2e-5, atol=2e-6)
+    xla = window_coefficients(q, k, g, beta, jnp.asarray(anc), length, use_qk_l2norm=use_qk_l2norm, scale=scale)
+    np.testing.assert_allclose(np.asarray(records), np.asarray(xla).reshape(records.shape), rtol=2e-5, atol=2e-6)
+    # The staged vectors are the raw rows, bit for bit.
+    np.testing.assert_array_equal(np.asarray(vectors.astype(jnp.float32)),
+                                  np.asarray(window_vectors(q, k, length).astype(jnp.float32)))
+
+
+def test_refuses_what_it_cannot_take():
+    q = jnp.zeros((1, 4, 1, 64), jnp.bfloat16)
+    g = jnp.zeros((1, 4, 2), jnp.float32)
+    anc, length = jnp.zeros((1, 4, 4), bool), jnp.array([4], jnp.int32)
+    call = lambda q=q, g=g, record_len=64, vector_rows=8: verify_coefficients(
+        q, q, g, g, anc, length, record_len=record_len, vector_rows=vector_rows, use_qk_l2norm=True, scale=1.0,
+        interpret=True)
+    with pytest.raises(ValueError, match="record_len 40 is too short"):
+        call(record_len=40)
+    with pytest.raises(ValueError, match="vector_rows 6 is fewer than 2 T"):
+        call(vector_rows=6)
+    with pytest.raises(ValueError, match="d_k a power of two"):
+        call(q=jnp.zeros((1, 4, 1, 192), jnp.bfloat16))
+    with pytest.raises(ValueError, match="H_k \\| H_v"):
+        call(q=jnp.zeros((1, 4, 2, 64), jnp.bfloat16), g=jnp.zeros((1, 4, 3), jnp.float32))
+    with pytest.raises(ValueError, match="num_warps"):
+        VerifyCoefficientsParams(num_warps=3)
+
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import kernel_registers  # noqa: E402
+
+
+def test_compiles_for_sm90a_without_spills():
+    """The benchmark's shapes (H_k = 16, H_v = 32, d_k = 128, T = 4, bf16), lowered for an
+    H200 and compiled by the `triton` extra's compiler and ptxas."""
+    pytest.importorskip("triton")
+    sds = jax.ShapeDtypeStruct
+    batch, width = 8, 4
+    args = (sds((batch, width, 16, 128), jnp.bfloat16), sds((batch, width, 16, 128), jnp.bfloat16),
+            sds((batch, width, 32), jnp.float32), sds((batch, width, 32), jnp.float32),
+            sds((batch, width, width), jnp.bool_), sds((batch,), jnp.int32))
+    step = lambda *a: verify_coefficients(*a, record_len=coefficient_count(width), vector_rows=window_rows(width),
+                                          use_qk_l2norm=True, scale=128 ** -0.5, interpret=False)
+    with kernel_registers.captured_triton_ir() as modules, jax.sharding.use_abstract_mesh(kernel_registers._H200):
+        jax.jit(step).trace(*args).lower(lowering_platforms=("cuda",))
+    (module,) = modules
+    report = kernel_registers.ptxas_report(module, VerifyCoefficientsParams())
+    assert report["spill_store_bytes"] == 0 and report["registers"] <= 128, report
+
+
+def test_mosaic_verify_with_the_kernel_window_lowers_for_an_abstract_h200():
+    """The GDN verify step with `window_side="kernel"` at the benchmark shapes (fp32 state,
+    L = 16, T = 4, persistent CTAs, key sums before the launch): the window kernel's Triton
+    call and the Mosaic verify kernel in one lowered step, XLA's Gram product gone."""
+    from pallas_kernels.mosaic_gpu.replay_decode import MosaicReplayParams
+    from pallas_kernels.mosaic_gpu.verify_decode import verify_decode_mgpu
+
+    S, i32 = jax.ShapeDtypeStruct, jnp.int32
+    n, b, hk, hv, d, cache_len, width = 16, 8, 16, 32, 128, 16, 4
+    args = [S((n, hv, d, d), jnp.float32), S((n, hv, cache_len, d), jnp.float32),
+            S((n, hk, cache_len, d), jnp.float32), S((n, hv, cache_len), jnp.float32),
+            S((b, width, hk, d), jnp.bfloat16), S((b, width, hk, d), jnp.bfloat16), S((b, width, hv, d), jnp.bfloat16),
+            S((b, width, hv), jnp.float32), S((b, width, hv), jnp.float32),
+            S((b,), i32), S((b,), i32), S((b,), i32), S((b,), i32), S((b, width, width), jnp.bool_)]
+    params = MosaicReplayParams(programs=264, auto_barriers=False, readout="mma", key_side="xla",
+                                window_side="kernel")
+    step = lambda *a: verify_decode_mgpu(*a, use_qk_l2norm=True, params=params, interpret=False)
+    with jax.sharding.use_abstract_mesh(kernel_registers._H200):
+        text = jax.jit(step, donate_argnums=(0, 1, 2, 3)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    calls = re.findall(r"custom_call @([\w$.]+)", text)
+    # The window kernel, then the key sums' and the verify kernel's Mosaic calls.
+    assert calls == ["__gpu$xla.gpu.triton", "mosaic_gpu_v2", "mosaic_gpu_v2"], calls
+    assert "dot_general" not in text
