@@ -125,15 +125,20 @@ def backend_params(backend: str, cfg: R.ReplayConfig, batch: int, width: int):
     Mosaic verify kernel `mosaic_gpu:` and `+`-separated `MosaicReplayParams` fields
     (`programs=N` or `programs=fit`: as many persistent CTAs as fit on the device,
     `auto_barriers=false`, `swizzle=64`, `readout=mma`, `rebuild=3xtf32`, `key_side=xla`,
-    `window_side=kernel`); a plain name takes
-    the backend's defaults."""
+    `window_side=kernel`), the others at the class's defaults, or after `default+` at the
+    backend's `verify_default_params` for the row (`mosaic_gpu:default+window_side=kernel`); a
+    plain name takes the backend's defaults."""
     name, _, spec = backend.partition(":")
     if not spec:
         return name, None
     if name != "mosaic_gpu" or cfg.gate != "gdn":
         raise ValueError(f"kernel options are for the GDN mosaic_gpu verify kernel, got {backend!r}")
     parse = lambda v: v == "true" if v in ("true", "false") else int(v) if v.isdigit() else v
-    fields = {key: parse(value) for key, value in (item.split("=") for item in spec.split("+"))}
+    items = spec.split("+")
+    if items[0] == "default":
+        defaults = mosaic_gpu.verify_default_params(cfg, batch, width, jnp.bfloat16)
+        return name, dataclasses.replace(defaults, **{k: parse(v) for k, v in (item.split("=") for item in items[1:])})
+    fields = {key: parse(value) for key, value in (item.split("=") for item in items)}
     if fields.get("programs") == "fit":
         fields["programs"] = verify_decode.persistent_programs(
             batch, width, cfg.num_v_heads, cfg.head_v_dim, cfg.head_k_dim, cfg.cache_len, cfg.state_dtype,

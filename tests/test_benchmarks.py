@@ -5,6 +5,8 @@ PTX dumped on the H200, and the Mosaic profile tool's trace arithmetic."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 import pathlib
@@ -207,7 +209,7 @@ def test_verify_bench_runs_mosaic_kernel_options(tmp_path):
                                                              auto_barriers=False,  # 2 rows x 2 heads x 1 tile
                                                              readout="mma", group_records=None, chunk=0,
                                                              key_side="kernel", per_tile_addresses=False, warpgroups=1,
-                                                             launch_order=True)
+                                                             launch_order=True, window_side="xla")
     assert row["backends"][variant]["nonflush_us"] > 0
     assert all(times["staggered_us"] > 0 and 0 <= times["staggered_fold_fraction"] <= 1
                for times in row["backends"].values())
@@ -215,6 +217,11 @@ def test_verify_bench_runs_mosaic_kernel_options(tmp_path):
     assert errors.pop("write_pos_equal") and max(errors.values()) < 1e-4, errors
     with pytest.raises(ValueError, match="GDN mosaic_gpu verify kernel"):
         verify_bench.backend_params("pallas_triton:programs=2", verify_bench.R.ReplayConfig(1, 2, 64, 64, 8), 2, 2)
+    # `default+...`: the backend's defaults for the row with the named fields replaced.
+    cfg = verify_bench.R.ReplayConfig(1, 2, 64, 64, 8)
+    name, params = verify_bench.backend_params("mosaic_gpu:default+window_side=kernel", cfg, 2, 2)
+    defaults = verify_bench.mosaic_gpu.verify_default_params(cfg, 2, 2, jnp.bfloat16)
+    assert name == "mosaic_gpu" and params == dataclasses.replace(defaults, window_side="kernel")
 
 
 @pytest.mark.parametrize("cache_len,width,accepted,want", [
