@@ -21,9 +21,10 @@ ancestors and i, and q_i, k_i after the L2 norm and the scale:
 The scalars of these sums (the `T x T` products, decays and norms: `window_coefficients`,
 a few small XLA ops on `[B, T, H, d_k]` inputs, or with `MosaicReplayParams.window_side =
 "kernel"` one Pallas Triton launch, `pallas_kernels.verify_coefficients`, which also stages
-the vectors) arrive packed per (row, value head); the kernel applies them to vectors. The key sums `K k_i`, `K q_i` over the ring are computed
-once per key-head group on a fresh tile (`window_keys`) or, with `MosaicReplayParams.key_side
-= "xla"`, before the launch by a kernel of their own on tensor cores (`window_key_values`:
+the vectors) arrive packed per (row, value head); the kernel applies them to vectors. The
+key sums `K k_i`, `K q_i` over the ring are computed once per key-head group on a fresh
+tile (`window_keys`) or, with `MosaicReplayParams.key_side = "xla"`, before the launch by a
+kernel of their own on tensor cores (`window_key_values`:
 each tile copies its `[2T, L]` box of them in place of the key records, which only a
 tensor-core fold then fetches). `S x` is read out as in `replay_decode` without forming S:
 `e^G S_c x + U^T (W * (K x))` over the row's `pos` valid cache entries (WGMMA-layout row and
@@ -71,7 +72,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxtyping import Array, Bool, Float, Int
 
 from pallas_kernels.common import L2NORM_EPS, MODE_APPEND, MODE_FLUSH, MODE_PAD
-from pallas_kernels.verify_coefficients import verify_coefficients
 from pallas_kernels.mosaic_gpu.build import build_kernel
 from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA, bcast_cols, bcast_rows, check_smem,
                                                col_sum, copy_record_rows, copy_replay_tile, load_transposed,
@@ -85,6 +85,7 @@ from pallas_kernels.mosaic_gpu.rebuild import check_rebuild, rebuild_operands
 from pallas_kernels.mosaic_gpu.replay_decode import (MosaicReplayParams, check_fma_readout, check_mma_readout,
                                                      check_own_layout, check_shapes, decay_weights, qk_scales,
                                                      rebuild_exact, rebuild_tensor_cores)
+from pallas_kernels.verify_coefficients import verify_coefficients
 
 MAX_WIDTH = 16  # the window is unrolled in the kernel: code size grows as T^2
 # Persistent CTAs resident per SM at most (`pipeline.ctas_per_sm`): ptxas gives this kernel
