@@ -485,6 +485,7 @@ def test_kda_refuses_shapes_it_cannot_take():
     ("gdn", jnp.float32, True, None), ("gdn", jnp.bfloat16, False, None), ("kda", jnp.float32, True, None),
     ("kda", jnp.bfloat16, False, None),
     ("gdn", jnp.float32, False, MosaicReplayParams(programs=2, auto_barriers=False, launch_order=True)),
+    ("gdn", jnp.bfloat16, True, MosaicReplayParams(programs=2, auto_barriers=False, window_side="kernel")),
 ])
 def test_backend_verify_and_accept_match_xla(rng, gate, state_dtype, raw, params):
     """`verify_step(backend="mosaic_gpu")` against the xla backend through rounds of
