@@ -135,10 +135,10 @@ def backend_params(backend: str, cfg: R.ReplayConfig, batch: int, width: int):
         raise ValueError(f"kernel options are for the GDN mosaic_gpu verify kernel, got {backend!r}")
     parse = lambda v: v == "true" if v in ("true", "false") else int(v) if v.isdigit() else v
     items = spec.split("+")
-    if items[0] == "default":
-        defaults = mosaic_gpu.verify_default_params(cfg, batch, width, jnp.bfloat16)
-        return name, dataclasses.replace(defaults, **{k: parse(v) for k, v in (item.split("=") for item in items[1:])})
-    fields = {key: parse(value) for key, value in (item.split("=") for item in items)}
+    on_defaults = items[0] == "default"
+    fields = {key: parse(value) for key, value in (item.split("=") for item in items[on_defaults:])}
+    if on_defaults:
+        return name, dataclasses.replace(mosaic_gpu.verify_default_params(cfg, batch, width, jnp.bfloat16), **fields)
     if fields.get("programs") == "fit":
         fields["programs"] = verify_decode.persistent_programs(
             batch, width, cfg.num_v_heads, cfg.head_v_dim, cfg.head_k_dim, cfg.cache_len, cfg.state_dtype,

@@ -39,7 +39,7 @@ from jaxtyping import Array, Bool, Float, Int
 from pallas_kernels import common
 from pallas_kernels.common import L2NORM_EPS
 
-VECTORS = 5  # e^{G}, beta, g, q_scale, k_scale per position, after A and M
+VECTORS = 5  # e^{G}, beta, g, q_scale, k_scale per position, after A and M (`verify_decode.GDN_VECTORS`)
 
 
 @dataclasses.dataclass(frozen=True)

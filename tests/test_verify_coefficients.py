@@ -21,21 +21,14 @@ import pytest
 from pallas_kernels.mosaic_gpu.verify_decode import (coefficient_count, window_coefficients, window_rows,
                                                      window_vectors)
 from pallas_kernels.verify_coefficients import VerifyCoefficientsParams, verify_coefficients
+from replayssm_jax.speculative import ancestors
 
 L2NORM_EPS = 1e-6  # the kernels' (pallas_kernels.common), restated: the model is written independently
 
 
-def random_tree(rng, batch: int, width: int) -> np.ndarray:
-    """`anc [B, T, T]` of random parents (parent of i in [-1, i))."""
-    anc = np.zeros((batch, width, width), bool)
-    for b in range(batch):
-        parents = [rng.integers(-1, i) if i else -1 for i in range(width)]
-        for i in range(width):
-            p = parents[i]
-            while p >= 0:
-                anc[b, i, p] = True
-                p = parents[p]
-    return anc
+def random_parents(rng, batch: int, width: int) -> jnp.ndarray:
+    """`[B, T]` random tree parents (parent of i in [-1, i))."""
+    return jnp.asarray([[rng.integers(-1, i) if i else -1 for i in range(width)] for _ in range(batch)], jnp.int32)
 
 
 def model_record(q, k, g, beta, anc, length, *, use_qk_l2norm, scale, record_len):
@@ -85,7 +78,7 @@ def test_records_and_vectors_match_the_model_and_xla(rng, width, num_k_heads, nu
                                                      tree):
     batch, head_dim, scale = 3, 64, 0.7
     q, k, g, beta, length = random_window(rng, batch, width, num_k_heads, num_v_heads, head_dim, dtype)
-    anc = random_tree(rng, batch, width) if tree else np.tril(np.ones((width, width), bool), -1)[None].repeat(batch, 0)
+    anc = np.asarray(ancestors(random_parents(rng, batch, width) if tree else None, batch, width))
     record_len = coefficient_count(width)
     records, vectors = verify_coefficients(q, k, g, beta, jnp.asarray(anc), length, record_len=record_len,
                                            vector_rows=window_rows(width), use_qk_l2norm=use_qk_l2norm,

@@ -85,7 +85,7 @@ from pallas_kernels.mosaic_gpu.rebuild import check_rebuild, rebuild_operands
 from pallas_kernels.mosaic_gpu.replay_decode import (MosaicReplayParams, check_fma_readout, check_mma_readout,
                                                      check_own_layout, check_shapes, decay_weights, qk_scales,
                                                      rebuild_exact, rebuild_tensor_cores)
-from pallas_kernels.verify_coefficients import verify_coefficients
+from pallas_kernels.verify_coefficients import VECTORS, verify_coefficients
 
 MAX_WIDTH = 16  # the window is unrolled in the kernel: code size grows as T^2
 # Persistent CTAs resident per SM at most (`pipeline.ctas_per_sm`): ptxas gives this kernel
@@ -101,7 +101,8 @@ def select_if(flag, x, layout, other=0.0):
     return jnp.where(mask, x, other)
 
 
-GDN_VECTORS = 5  # e^{G}, beta, g, q_scale, k_scale per position
+# e^{G}, beta, g, q_scale, k_scale per position: the record layout both window paths write.
+GDN_VECTORS = VECTORS
 # A record is copied as `[C / COEF_LANES, COEF_LANES]`: a TMA box takes at most 256 elements
 # along each dimension, which a flat record passes from T = 11 on.
 COEF_LANES = 16
@@ -215,13 +216,14 @@ def key_block_heads(num_k_heads: int, cache_len: int, vector_rows: int) -> int:
     return max((m for m in range(1, num_k_heads + 1) if fits(m)), default=0)
 
 
-def side_vectors(q: Float[Array, "B T Hk Dk"], k: Float[Array, "B T Hk Dk"],
-                 length: Int[Array, " B"]) -> Float[Array, "B Hk PN Dk"]:
+def side_vectors(q: Float[Array, "B T Hk Dk"], k: Float[Array, "B T Hk Dk"], length: Int[Array, " B"],
+                 staged: Float[Array, "B Hk N Dk"] | None = None) -> Float[Array, "B Hk PN Dk"]:
     """The key sums' B operand per (row, key head): `masked_window`'s rows as P exact bf16
-    parts (`readout.split_bf16`: one for bf16 q and k, which is `window_vectors`; three for
-    fp32), each part padded to `window_rows(T)` rows, the parts one after another."""
+    parts (`readout.split_bf16`: one for bf16 q and k, which is `window_vectors`, or `staged`
+    where the caller has it; three for fp32), each part padded to `window_rows(T)` rows, the
+    parts one after another."""
     if q.dtype == jnp.bfloat16:
-        return window_vectors(q, k, length)
+        return window_vectors(q, k, length) if staged is None else staged
     x = masked_window(q, k, length).astype(F32)
     return jnp.concatenate([stage_vectors(part) for part in split_bf16(x, tile_parts(q.dtype))], axis=2)
 
@@ -279,11 +281,11 @@ def window_key_values(q: Float[Array, "B T Hk Dk"], k: Float[Array, "B T Hk Dk"]
     of key head hk, vector j, ring entry l at `[b, hk // m, j, (hk % m) L + l]`
     (`side_block`). A small kernel of its own, one CTA per block, on tensor cores: the
     products of fp32 key records and bf16 vectors are exact in fp32 (the records and, for
-    fp32 q and k, the vectors split into bf16 parts). `staged`: bf16 q and k's
-    `window_vectors` where the caller has them (the same array: XLA then stages once)."""
+    fp32 q and k, the vectors split into bf16 parts). `staged`: the caller's
+    `window_vectors` of q and k, if it has them (`side_vectors`)."""
     batch, width, num_k_heads, head_k_dim = q.shape
     num_slots, _, cache_len, _ = k_cache.shape
-    x = side_vectors(q, k, length) if staged is None else staged
+    x = side_vectors(q, k, length, staged)
     x_rows = x.shape[2]
     if not key_block_heads(num_k_heads, cache_len, x_rows):
         raise ValueError(f"the verify key sums before the launch need cache_len <= {BLOCK_ROWS} and at most 256 "
@@ -792,7 +794,6 @@ def verify_decode_mgpu(
     i32 = lambda x: x.astype(jnp.int32)
     vectors = [staged] if params.readout == "mma" else []
     if params.key_side == "xla":
-        vectors.append(window_key_values(q, k, k_cache, slot, length, interpret=bool(interpret),
-                                         staged=staged if q.dtype == jnp.bfloat16 else None))
+        vectors.append(window_key_values(q, k, k_cache, slot, length, interpret=bool(interpret), staged=staged))
     y = kernel(i32(slot), i32(pos), i32(mode), length, q, k, v, coef, *order, *vectors, *refs)
     return (y, *(jax.freeze(r) for r in refs))
