@@ -411,24 +411,34 @@ def test_backend_verify_defaults():
     from replayssm_jax.backends import mosaic_gpu
 
     gdn = lambda L: ReplayConfig(16, 32, 128, 128, L)
+    persistent = lambda **kw: MosaicReplayParams(programs=264, auto_barriers=False, readout="mma", key_side="xla",
+                                                 window_side="kernel", **kw)
     # An fp32 state takes the window's key sums from their own kernel from B = 128 (measured
     # faster at L = 16 and 32); below it the kernel sums them itself.
-    assert mosaic_gpu.verify_default_params(gdn(16), 512, 4, jnp.bfloat16) == MosaicReplayParams(
-        programs=264, auto_barriers=False, readout="mma", key_side="xla")
+    assert mosaic_gpu.verify_default_params(gdn(16), 512, 4, jnp.bfloat16) == persistent()
     assert mosaic_gpu.verify_default_params(gdn(16), 32, 4, jnp.bfloat16).key_side == "kernel"
     # fp32 L = 32: two persistent CTAs fit per SM only with the key sums from XLA.
-    assert mosaic_gpu.verify_default_params(gdn(32), 512, 4, jnp.bfloat16) == MosaicReplayParams(
-        programs=264, auto_barriers=False, readout="mma", key_side="xla")
+    assert mosaic_gpu.verify_default_params(gdn(32), 512, 4, jnp.bfloat16) == persistent()
     assert mosaic_gpu.verify_default_params(gdn(16), 512, 4, jnp.float32).readout == "fma"  # mma needs bf16 q, k
     # On a GPU folds rebuild by 3xTF32 where its operands cost no CTAs per SM (all these),
     # but for an fp32 tile on persistent CTAs (measured slower there).
-    on_gpu = lambda cfg: mosaic_gpu.verify_default_params(cfg, 512, 4, jnp.bfloat16, interpret=False)
-    assert on_gpu(gdn(16)) == MosaicReplayParams(programs=264, auto_barriers=False, readout="mma", key_side="xla")
-    assert on_gpu(gdn(32)) == MosaicReplayParams(programs=264, auto_barriers=False, readout="mma", key_side="xla")
-    assert on_gpu(ReplayConfig(16, 32, 128, 128, 32, state_dtype=jnp.bfloat16,
-                               cache_dtype=jnp.bfloat16)).key_side == "kernel"  # two fit without it
-    bf16 = on_gpu(ReplayConfig(16, 32, 128, 128, 16, state_dtype=jnp.bfloat16, cache_dtype=jnp.bfloat16))
+    on_gpu = lambda cfg, width=4: mosaic_gpu.verify_default_params(cfg, 512, width, jnp.bfloat16, interpret=False)
+    assert on_gpu(gdn(16)) == persistent()
+    assert on_gpu(gdn(32)) == persistent()
+    bf16_cfg = lambda L: ReplayConfig(16, 32, 128, 128, L, state_dtype=jnp.bfloat16, cache_dtype=jnp.bfloat16)
+    assert on_gpu(bf16_cfg(32)).key_side == "kernel"  # two fit without it
+    bf16 = on_gpu(bf16_cfg(16))
     assert (bf16.rebuild, bf16.per_tile_addresses, bf16.programs) == ("3xtf32", True, 264)
+    # T >= 8 on rings of 32: one CTA per tile with the key sums before the launch (measured
+    # faster than persistent CTAs at the register cap), as the measured configurations.
+    assert on_gpu(gdn(32), 8) == MosaicReplayParams(readout="mma", key_side="xla", window_side="kernel")
+    assert on_gpu(bf16_cfg(32), 8) == MosaicReplayParams(readout="mma", rebuild="3xtf32", key_side="xla",
+                                                         per_tile_addresses=True, window_side="kernel")
+    assert on_gpu(gdn(16), 8).programs == 264 and on_gpu(gdn(32), 4).programs == 264
+    # The window kernel's Triton blocks take a power-of-two d_k only; the key sums before
+    # the launch a ring of at most 64.
+    assert on_gpu(ReplayConfig(16, 32, 192, 128, 16)).window_side == "xla"
+    assert on_gpu(ReplayConfig(16, 32, 128, 128, 128)).key_side == "kernel"
     assert mosaic_gpu.verify_default_params(ReplayConfig(32, 32, 128, 128, 16, gate="kda"), 512, 4,
                                             jnp.bfloat16) == MosaicReplayParams()
     assert mosaic_gpu.verify_default_params(ReplayConfig.mamba2(128, 64, 128, 8, 16), 512, 4,

@@ -32,6 +32,7 @@ GATES: tuple[str, ...] = ("gdn", "kda", "mamba2")
 H200_SMS = 132  # the SM count assumed off GPU (interpret mode), where the device reports none
 WARPGROUPS, WARPGROUPS_FROM_BATCH = 3, 256  # GDN decode's programs per CTA at large batches (`warpgroups_for`)
 VERIFY_KEY_SUMS_FROM_BATCH = 128  # fp32 GDN verify's key sums before the launch: measured faster from here
+WIDE_WINDOW, WIDE_WINDOW_RING = 8, 32  # GDN verify from these T and L: one CTA per tile (measured faster)
 
 
 def device_sm_count() -> int:
@@ -125,11 +126,17 @@ def verify_default_params(cfg, batch: int, width: int, token_dtype, *, interpret
     tensor-core sums in a kernel of their own, `verify_decode.window_key_values`) where
     they make room for two persistent CTAs per SM (fp32, L = 32) and with an fp32 state
     from `VERIFY_KEY_SUMS_FROM_BATCH` (measured faster at L = 16 too); a bf16 state keeps
-    the kernel's own (not measured against them). Each choice is a measured line of
-    `benchmarks/NOTES.md` ("verify defaults", "verify tensor-core readout, measured",
-    "verify folds on tensor cores", "GDN verify with per-tile addresses", "verify key sums
-    from XLA", "verify key sums before the launch at L = 16"). KDA and Mamba-2: one CTA
-    per tile on CUDA cores, exact folds (their verify kernels have no persistent form)."""
+    the kernel's own (not measured against them); windows of `WIDE_WINDOW` or more
+    positions on rings of `WIDE_WINDOW_RING` or more: one CTA per tile with the key sums
+    before the launch (the persistent kernel sits at the register cap there and its
+    readouts slow ~3.7x); the window's records and staged vectors from their own kernel
+    (`window_side="kernel"`) where d_k is a power of two (its Triton blocks). Each choice
+    is a measured line of `benchmarks/NOTES.md` ("verify defaults", "verify tensor-core
+    readout, measured", "verify folds on tensor cores", "GDN verify with per-tile
+    addresses", "verify key sums from XLA", "verify key sums before the launch at L = 16",
+    "verify window kernel, measured", "verify T = 8 on rings of 32"). KDA and Mamba-2: one
+    CTA per tile on CUDA cores, exact folds (their verify kernels have no persistent
+    form)."""
     if cfg.gate == "mamba2":
         return MosaicMamba2Params()
     if cfg.per_channel_gate:
@@ -137,12 +144,21 @@ def verify_default_params(cfg, batch: int, width: int, token_dtype, *, interpret
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     readout = "mma" if jnp.dtype(token_dtype) == jnp.bfloat16 else "fma"
+    two_byte = cfg.state_dtype.itemsize == 2
+    window_side = "kernel" if cfg.head_k_dim & (cfg.head_k_dim - 1) == 0 else "xla"
+    side_keys_fit = verify_decode.key_block_heads(cfg.num_k_heads, cfg.cache_len,
+                                                  verify_decode.window_rows(width)) > 0
+    if width >= WIDE_WINDOW and cfg.cache_len >= WIDE_WINDOW_RING and side_keys_fit:
+        # The configurations measured at T = 8, L = 32 (fp32 and bf16 states).
+        return MosaicReplayParams(readout=readout, rebuild="3xtf32" if two_byte and not interpret else "exact",
+                                  key_side="xla", per_tile_addresses=two_byte and readout == "mma",
+                                  window_side=window_side)
     shape = (width, cfg.head_k_dim, cfg.cache_len, cfg.state_dtype, cfg.cache_dtype, token_dtype)
     cta_bytes = lambda rebuild, side: verify_decode.persistent_smem_bytes(*shape, readout=readout, rebuild=rebuild,
                                                                           key_side=side)
     makes_room = ctas_per_sm(cta_bytes("exact", "kernel")) < 2 <= ctas_per_sm(cta_bytes("exact", "xla"))
     fp32_measured = cfg.state_dtype.itemsize == 4 and batch >= VERIFY_KEY_SUMS_FROM_BATCH
-    key_side = "xla" if makes_room or fp32_measured else "kernel"
+    key_side = "xla" if side_keys_fit and (makes_room or fp32_measured) else "kernel"
     fits = lambda rebuild: ctas_per_sm(cta_bytes(rebuild, key_side), verify_decode.RESIDENT_CTAS)
     persistent = fits("exact") >= 2
     # "3xtf32" shortened the flush step with one CTA per tile and with a bf16 tile, but on
@@ -151,14 +167,14 @@ def verify_default_params(cfg, batch: int, width: int, token_dtype, *, interpret
     tensor_cores = not interpret and fits("3xtf32") >= fits("exact") and not fp32_persistent
     rebuild = "3xtf32" if tensor_cores else "exact"
     if not persistent:
-        return MosaicReplayParams(readout=readout, rebuild=rebuild)
+        return MosaicReplayParams(readout=readout, rebuild=rebuild, window_side=window_side)
     programs = verify_decode.persistent_programs(batch, width, cfg.num_v_heads, cfg.head_v_dim, cfg.head_k_dim,
                                                  cfg.cache_len, cfg.state_dtype, cfg.cache_dtype, token_dtype,
                                                  device_sm_count(), readout=readout, rebuild=rebuild,
                                                  key_side=key_side)
     return MosaicReplayParams(programs=programs, auto_barriers=False, readout=readout, rebuild=rebuild,
-                              key_side=key_side,
-                              per_tile_addresses=cfg.state_dtype.itemsize == 2 and readout == "mma")
+                              key_side=key_side, per_tile_addresses=two_byte and readout == "mma",
+                              window_side=window_side)
 
 
 def check_config(cfg) -> None:
