@@ -130,7 +130,7 @@ def _ancestors(parents):
     ("gdn", MosaicReplayParams(programs=5, auto_barriers=False, launch_order=True)),
     # The window's records and staged vectors from their Pallas Triton kernel.
     ("gdn", MosaicReplayParams(programs=5, auto_barriers=False, readout="mma", key_side="xla",
-                               window_side="kernel")),
+                               window_side="kernel", window_warps=1)),
 ])
 def test_verify_matches_the_float64_model(rng, gate, params, state_dtype):
     """GDN also as persistent CTAs without Mosaic's barriers: each CTA serves several tiles
@@ -298,6 +298,10 @@ def test_verify_kernels_take_only_their_options():
         check_params(MosaicReplayParams(window_side="kernel"), "kda")
     with pytest.raises(ValueError, match="window_side must be one of"):
         MosaicReplayParams(window_side="triton")
+    with pytest.raises(ValueError, match="window_warps applies to window_side='kernel'"):
+        MosaicReplayParams(window_warps=1)
+    with pytest.raises(ValueError, match="window_warps must be 1, 2, 4 or 8"):
+        MosaicReplayParams(window_side="kernel", window_warps=3)
     # Decode's key side on tensor cores is not verify's (its window sums are its own).
     for params in (MosaicReplayParams(key_side="mma"),
                    MosaicReplayParams(programs=6, auto_barriers=False, warpgroups=3, key_side="mma")):

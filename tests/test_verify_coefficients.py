@@ -121,22 +121,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import kernel_registers  # noqa: E402
 
 
-def test_compiles_for_sm90a_without_spills():
+@pytest.mark.parametrize("num_warps", [1, 2])
+def test_compiles_for_sm90a_without_spills(num_warps):
     """The benchmark's shapes (H_k = 16, H_v = 32, d_k = 128, T = 4, bf16), lowered for an
-    H200 and compiled by the `triton` extra's compiler and ptxas."""
+    H200 and compiled by the `triton` extra's compiler and ptxas; one warp keeps every
+    reduction inside the warp (fewer barriers than two)."""
     pytest.importorskip("triton")
     sds = jax.ShapeDtypeStruct
     batch, width = 8, 4
     args = (sds((batch, width, 16, 128), jnp.bfloat16), sds((batch, width, 16, 128), jnp.bfloat16),
             sds((batch, width, 32), jnp.float32), sds((batch, width, 32), jnp.float32),
             sds((batch, width, width), jnp.bool_), sds((batch,), jnp.int32))
+    params = VerifyCoefficientsParams(num_warps=num_warps)
     step = lambda *a: verify_coefficients(*a, record_len=coefficient_count(width), vector_rows=window_rows(width),
-                                          use_qk_l2norm=True, scale=128 ** -0.5, interpret=False)
+                                          use_qk_l2norm=True, scale=128 ** -0.5, params=params, interpret=False)
     with kernel_registers.captured_triton_ir() as modules, jax.sharding.use_abstract_mesh(kernel_registers._H200):
         jax.jit(step).trace(*args).lower(lowering_platforms=("cuda",))
     (module,) = modules
-    report = kernel_registers.ptxas_report(module, VerifyCoefficientsParams())
+    report = kernel_registers.ptxas_report(module, params)
     assert report["spill_store_bytes"] == 0 and report["registers"] <= 128, report
+    assert report["barriers"] <= (16 if num_warps == 1 else 80), report
 
 
 def test_mosaic_verify_with_the_kernel_window_lowers_for_an_abstract_h200():

@@ -177,6 +177,9 @@ class MosaicReplayParams:
         about eight small kernels; "kernel" by `pallas_kernels.verify_coefficients`, one
         Pallas Triton launch (one program per row and key head). The decode kernels refuse
         "kernel".
+      window_warps: warps per program of that launch (`VerifyCoefficientsParams.num_warps`;
+        default 2; 1 keeps its reductions inside one warp, without cross-warp barriers);
+        only with `window_side="kernel"`.
     """
 
     swizzle: int = 128
@@ -191,11 +194,17 @@ class MosaicReplayParams:
     warpgroups: int = 1
     launch_order: bool = False
     window_side: str = "xla"
+    window_warps: int = 2
 
     def __post_init__(self) -> None:
         check_shared_params(self)
         if self.window_side not in WINDOW_SIDES:
             raise ValueError(f"window_side must be one of {WINDOW_SIDES}, got {self.window_side!r}")
+        if isinstance(self.window_warps, bool) or self.window_warps not in (1, 2, 4, 8):
+            raise ValueError(f"window_warps must be 1, 2, 4 or 8, got {self.window_warps!r}")
+        if self.window_warps != 2 and self.window_side != "kernel":
+            raise ValueError(f"window_warps applies to window_side='kernel', got window_warps={self.window_warps} "
+                             f"with window_side={self.window_side!r}")
         if self.key_side not in KEY_SIDES:
             raise ValueError(f"key_side must be one of {KEY_SIDES}, got {self.key_side!r}")
         if self.key_side == "xla" and self.group_records:

@@ -85,7 +85,7 @@ from pallas_kernels.mosaic_gpu.rebuild import check_rebuild, rebuild_operands
 from pallas_kernels.mosaic_gpu.replay_decode import (MosaicReplayParams, check_fma_readout, check_mma_readout,
                                                      check_own_layout, check_shapes, decay_weights, qk_scales,
                                                      rebuild_exact, rebuild_tensor_cores)
-from pallas_kernels.verify_coefficients import VECTORS, verify_coefficients
+from pallas_kernels.verify_coefficients import VECTORS, VerifyCoefficientsParams, verify_coefficients
 
 MAX_WIDTH = 16  # the window is unrolled in the kernel: code size grows as T^2
 # Persistent CTAs resident per SM at most (`pipeline.ctas_per_sm`): ptxas gives this kernel
@@ -780,7 +780,9 @@ def verify_decode_mgpu(
     if params.window_side == "kernel":
         coef, staged = verify_coefficients(q, k, g, beta, anc.astype(bool), length,
                                            record_len=coefficient_count(width), vector_rows=window_rows(width),
-                                           use_qk_l2norm=bool(use_qk_l2norm), scale=scale, interpret=interpret)
+                                           use_qk_l2norm=bool(use_qk_l2norm), scale=scale,
+                                           params=VerifyCoefficientsParams(num_warps=params.window_warps),
+                                           interpret=interpret)
         coef = coef.reshape(batch, num_v_heads, *coefficient_shape(width))
     else:
         coef = window_coefficients(q, k, g, beta, anc.astype(bool), length, use_qk_l2norm=bool(use_qk_l2norm),
