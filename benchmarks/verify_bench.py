@@ -153,25 +153,22 @@ def verify_fn(backend: str, interpret: bool, reps: int, heads: int | None = None
     """jit: `reps` rounds of one verify step over each slot set in turn. No accept, and
     every step starts from the given cursors (a folding step's reset cursor is dropped), so
     every step is the same kind. Every step verifies the same window, as the conventional
-    baseline's steps do; its lengths (all T) are derived from the step's slots, a value XLA
-    cannot prove constant, so the window's own work (norms, decays, the T x T products)
-    stays in the loop instead of being hoisted out of it. `heads`: as `verify_options`;
-    `kernel_params`: as `verify_step`'s."""
+    baseline's steps do; its lengths (`lengths [S, B]`, all T) are an input of each step, as
+    a drafter's are, which XLA cannot prove constant, so the window's own work (norms,
+    decays, the T x T products) stays in the loop instead of being hoisted out of it.
+    `heads`: as `verify_options`; `kernel_params`: as `verify_step`'s."""
 
-    def run(state, sets, window):
-        batch, width = jax.tree.leaves(window)[0].shape[:2]
-
-        def one(arrays, slots):
-            # The bench's slots are never negative, so this is T for every row.
-            lengths = jnp.full((batch,), width, jnp.int32) + jnp.minimum(jnp.min(slots), 0)
+    def run(state, sets, lengths, window):
+        def one(arrays, step):
+            slots, step_lengths = step
             st = dataclasses.replace(state, checkpoint=arrays[0], u_cache=arrays[1], k_cache=arrays[2],
                                      g_cache=arrays[3])
-            y, st = R.verify_step(st, window, slots, lengths=lengths, backend=backend, interpret=interpret,
+            y, st = R.verify_step(st, window, slots, lengths=step_lengths, backend=backend, interpret=interpret,
                                   kernel_params=kernel_params, **verify_options(heads))
             return (st.checkpoint, st.u_cache, st.k_cache, st.g_cache), y[0, 0, 0, 0]
 
         arrays = (state.checkpoint, state.u_cache, state.k_cache, state.g_cache)
-        arrays, _ = jax.lax.scan(one, arrays, jnp.tile(sets, (reps, 1)))
+        arrays, _ = jax.lax.scan(one, arrays, (jnp.tile(sets, (reps, 1)), jnp.tile(lengths, (reps, 1))))
         return arrays
 
     return jax.jit(run)
@@ -301,7 +298,7 @@ def backend_times(timer, backend, cfg, num_slots, sets, window, reps, row, itera
     for kind, cursors in kinds:
         state = random_pool(cfg, num_slots, jax.random.key(1), cursors)
         fn = verify_fn(name, smoke, reps, mamba2_heads(cfg), kernel_params)  # the flush step reuses its compile
-        verify_args = (state, jnp.asarray(sets), window)
+        verify_args = (state, jnp.asarray(sets), jnp.full(np.shape(sets), width, jnp.int32), window)
         if smoke:
             out[f"{kind}_us"] = timer.kernel_times(fn, verify_args, "", 1)[0] / steps
             out[f"{kind}_main_kernel_us"] = None
