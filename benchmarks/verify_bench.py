@@ -122,17 +122,18 @@ def random_window(cfg: R.ReplayConfig, batch: int, width: int, key) -> R.Tokens 
 
 def backend_params(backend: str, cfg: R.ReplayConfig, batch: int, width: int):
     """`(backend name, kernel_params)` of a `--backends` entry: a backend name, or for the GDN
-    Mosaic verify kernel `mosaic_gpu:` and `+`-separated `MosaicReplayParams` fields
+    and KDA Mosaic verify kernels `mosaic_gpu:` and `+`-separated `MosaicReplayParams` fields
     (`programs=N` or `programs=fit`: as many persistent CTAs as fit on the device,
     `auto_barriers=false`, `swizzle=64`, `readout=mma`, `rebuild=3xtf32`, `key_side=xla`,
     `window_side=kernel`), the others at the class's defaults, or after `default+` at the
     backend's `verify_default_params` for the row (`mosaic_gpu:default+window_side=kernel`); a
-    plain name takes the backend's defaults."""
+    plain name takes the backend's defaults (KDA's kernel takes `window_side` and
+    `window_warps` only)."""
     name, _, spec = backend.partition(":")
     if not spec:
         return name, None
-    if name != "mosaic_gpu" or cfg.gate != "gdn":
-        raise ValueError(f"kernel options are for the GDN mosaic_gpu verify kernel, got {backend!r}")
+    if name != "mosaic_gpu" or cfg.gate not in ("gdn", "kda"):
+        raise ValueError(f"kernel options are for the GDN and KDA mosaic_gpu verify kernels, got {backend!r}")
     parse = lambda v: v == "true" if v in ("true", "false") else int(v) if v.isdigit() else v
     items = spec.split("+")
     on_defaults = items[0] == "default"

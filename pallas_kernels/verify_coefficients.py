@@ -23,6 +23,10 @@ the raw q_0 .. q_{T-1}, k_0 .. k_{T-1} with zero rows at and past the length, th
 
 Each program works on `[P, d_k]` and `[P]` blocks, P the next power of two >= T (Triton's
 block shapes): rows and lanes at and past T are masked on every load and store.
+
+`kda_verify_coefficients` is the same for a KDA window (per-channel decays): its records
+(`A`, `M`, beta and the norms) and the decays `e^{G}` `[B, T, H_v, d_k]` that the KDA
+verify kernel takes, in place of XLA's channel sums over `[B, T, T, H_v, d_k]`.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from pallas_kernels import common
 from pallas_kernels.common import L2NORM_EPS
 
 VECTORS = 5  # e^{G}, beta, g, q_scale, k_scale per position, after A and M (`verify_decode.GDN_VECTORS`)
+KDA_VECTORS = 3  # beta, q_scale, k_scale per position (`verify_decode_kda.KDA_VECTORS`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,4 +197,128 @@ def verify_coefficients(
         compiler_params=plgpu.CompilerParams(num_warps=params.num_warps, num_stages=1),
         interpret=common.default_interpret() if interpret is None else interpret,
         name="replayssm_verify_coefficients",
+    )(*operands)
+
+
+def _kda_kernel(length_ref, q_ref, k_ref, g_ref, beta_ref, anc_ref, coef_ref, decay_ref, *, width, group_size,
+                use_qk_l2norm, scale, lanes_len):
+    b, hk = pl.program_id(0), pl.program_id(1)
+    T, P = width, lanes_len
+    length = length_ref[b]
+    lanes = jnp.arange(P, dtype=jnp.int32)
+    valid = lanes < length
+    rows = lanes[:, None]
+    f32 = lambda x: x.astype(jnp.float32)
+
+    def inv_norm(x):
+        return jax.lax.rsqrt(jnp.sum(x * x) + L2NORM_EPS) if use_qk_l2norm else jnp.float32(1.0)
+
+    def stack(vectors):
+        """`[P, d_k]` with row t = vectors[t] and zero rows past T."""
+        out = jnp.zeros((P, vectors[0].shape[0]), jnp.float32)
+        for t, x in enumerate(vectors):
+            out = jnp.where(rows == t, x[None, :], out)
+        return out
+
+    qs = [jnp.where(t < length, f32(q_ref[b, t, hk, :]), 0.0) for t in range(T)]
+    ks = [jnp.where(t < length, f32(k_ref[b, t, hk, :]), 0.0) for t in range(T)]
+    q_scale = [jnp.where(t < length, scale * inv_norm(qs[t]), 0.0) for t in range(T)]
+    k_scale = [jnp.where(t < length, inv_norm(ks[t]), 0.0) for t in range(T)]
+    qn = [qs[t] * q_scale[t] for t in range(T)]
+    keys = stack([ks[t] * k_scale[t] for t in range(T)])  # [P, d_k], row j = normalised k_j
+    in_row = lambda i: jnp.logical_and(valid, i < length)
+    anc = [plgpu.load(anc_ref.at[b, jnp.int32(i), pl.ds(0, P)], mask=lanes < T, other=0) != 0 for i in range(T)]
+    strict = [jnp.logical_and(anc[i], in_row(i)) for i in range(T)]
+    seen = [jnp.logical_and(jnp.logical_or(anc[i], lanes == i), in_row(i)) for i in range(T)]
+
+    row_mask = lanes < T
+    zero = jnp.minimum(length, 0)  # a traced zero: masked stores may pass the record's end
+    store = lambda h, offset, x, mask=row_mask: plgpu.store(coef_ref.at[b, h, pl.ds(zero + offset, P)], x,
+                                                            mask=mask)
+    for j in range(group_size):
+        h = hk * group_size + j
+        gs = stack([jnp.where(t < length, f32(g_ref[b, t, h, :]), 0.0) for t in range(T)])  # [P, d_k]
+        beta = [jnp.where(t < length, beta_ref[b, t, h].astype(jnp.float32), 0.0) for t in range(T)]
+        # G_i [d_k]: the sum of g over i's branch, per channel.
+        G = [jnp.sum(jnp.where(seen[i][:, None], gs, 0.0), axis=0) for i in range(T)]
+        G_rows = stack(G)
+        for i in range(T):
+            # e^{G_i - G_j} per channel only on i's branch (<= 1 there); elsewhere the
+            # difference can be large and positive, so it is zeroed before the exponential.
+            branch = seen[i][:, None]
+            decay = jnp.where(branch, jnp.exp(jnp.where(branch, G[i][None, :] - G_rows, 0.0)), 0.0)  # [P, d_k]
+            weighted = decay * keys
+            kk = jnp.sum(weighted * (ks[i] * k_scale[i])[None, :], axis=1)
+            qk = jnp.sum(weighted * qn[i][None, :], axis=1)
+            store(h, i * T, jnp.where(strict[i], beta[i] * kk, 0.0))
+            store(h, T * T + i * T, qk)
+            decay_ref[b, i, h, :] = jnp.where(i < length, jnp.exp(G[i]), 0.0)
+        vectors = (_lane_vector(beta, lanes), _lane_vector(q_scale, lanes), _lane_vector(k_scale, lanes))
+        for o, x in enumerate(vectors):
+            store(h, 2 * T * T + o * T, x, jnp.logical_and(row_mask, lanes < coef_ref.shape[2] - 2 * T * T - o * T))
+        tail = 2 * T * T + KDA_VECTORS * T
+        for start in range(tail, coef_ref.shape[2], P):
+            store(h, start, jnp.zeros((P,), jnp.float32), lanes < coef_ref.shape[2] - start)
+
+
+def kda_verify_coefficients(
+    q: Float[Array, "B T Hk Dk"],
+    k: Float[Array, "B T Hk Dk"],
+    g: Float[Array, "B T Hv Dk"],
+    beta: Float[Array, "B T Hv"],
+    anc: Bool[Array, "B T T"],
+    length: Int[Array, " B"],
+    *,
+    record_len: int,
+    use_qk_l2norm: bool,
+    scale: float,
+    params: VerifyCoefficientsParams = VerifyCoefficientsParams(),
+    interpret: bool | None = None,
+) -> tuple[Float[Array, "B Hv C"], Float[Array, "B T Hv Dk"]]:
+    """A KDA window's coefficient records and per-channel decays (`mosaic_gpu.
+    verify_decode_kda.kda_window_coefficients`' layout), one launch, grid `(B, H_k)`.
+
+    Record of `(b, h)` (fp32, `record_len` floats): `A [T, T]`, `M [T, T]`, then `beta [T]`,
+    `q_scale [T]`, `k_scale [T]`, then zeros, where, below the row's length,
+
+        A_ij = beta_i sum_c k_i[c] e^{G_i[c] - G_j[c]} k_j[c]   for j in anc(i), else 0
+        M_ij = sum_c q_i[c] e^{G_i[c] - G_j[c]} k_j[c]           for j in anc(i) + {i}, else 0
+        G_i  = sum of g_j over j in anc(i) + {i}, per channel
+
+    with q, k normalised (`use_qk_l2norm`) and q scaled. Second result: `e^{G_i}`
+    `[B, T, H_v, d_k]`. Zeros at and past each row's length (inputs there, NaN included,
+    never reach a product).
+
+    Args:
+      q, k: `[B, T, H_k, d_k]` raw window vectors (d_k a power of two).
+      g: `[B, T, H_v, d_k]` activated per-channel log-decays; beta: `[B, T, H_v]`.
+      anc, length, use_qk_l2norm, scale, params, interpret: as `verify_coefficients`.
+      record_len: C, floats per record (>= 2 T^2 + 3 T).
+    """
+    batch, width, num_k_heads, head_k_dim = q.shape
+    num_v_heads = beta.shape[2]
+    if record_len < 2 * width * width + KDA_VECTORS * width:
+        raise ValueError(f"record_len {record_len} is too short for T = {width} "
+                         f"(needs {2 * width * width + KDA_VECTORS * width})")
+    if head_k_dim & (head_k_dim - 1):
+        raise ValueError(f"kda_verify_coefficients needs d_k a power of two (Triton blocks), got {head_k_dim}")
+    if (num_v_heads % num_k_heads or g.shape != (batch, width, num_v_heads, head_k_dim)
+            or beta.shape[:2] != (batch, width)):
+        raise ValueError(f"g must be [B, T, H_v, d_k] and beta [B, T, H_v] with H_k | H_v, got {g.shape}, "
+                         f"{beta.shape} for q {q.shape}")
+    kernel = functools.partial(_kda_kernel, width=width, group_size=num_v_heads // num_k_heads,
+                               use_qk_l2norm=bool(use_qk_l2norm), scale=float(scale),
+                               lanes_len=max(2, common.next_power_of_two(width)))
+    spec = common.any_spec()
+    operands = (length.astype(jnp.int32), q, k, g, beta, anc.astype(jnp.int32))
+    return pl.pallas_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct((batch, num_v_heads, record_len), jnp.float32),
+                   jax.ShapeDtypeStruct((batch, width, num_v_heads, head_k_dim), jnp.float32)),
+        grid=(batch, num_k_heads),
+        in_specs=[spec] * len(operands),
+        out_specs=[spec] * 2,
+        compiler_params=plgpu.CompilerParams(num_warps=params.num_warps, num_stages=1),
+        interpret=common.default_interpret() if interpret is None else interpret,
+        name="replayssm_kda_verify_coefficients",
     )(*operands)

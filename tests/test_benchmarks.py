@@ -215,13 +215,16 @@ def test_verify_bench_runs_mosaic_kernel_options(tmp_path):
                for times in row["backends"].values())
     errors = result["check"]["backends"][variant]
     assert errors.pop("write_pos_equal") and max(errors.values()) < 1e-4, errors
-    with pytest.raises(ValueError, match="GDN mosaic_gpu verify kernel"):
+    with pytest.raises(ValueError, match="GDN and KDA mosaic_gpu verify kernels"):
         verify_bench.backend_params("pallas_triton:programs=2", verify_bench.R.ReplayConfig(1, 2, 64, 64, 8), 2, 2)
     # `default+...`: the backend's defaults for the row with the named fields replaced.
     cfg = verify_bench.R.ReplayConfig(1, 2, 64, 64, 8)
     name, params = verify_bench.backend_params("mosaic_gpu:default+window_side=kernel", cfg, 2, 2)
     defaults = verify_bench.mosaic_gpu.verify_default_params(cfg, 2, 2, jnp.bfloat16)
     assert name == "mosaic_gpu" and params == dataclasses.replace(defaults, window_side="kernel")
+    kda = verify_bench.R.ReplayConfig(2, 2, 64, 64, 8, gate="kda")
+    assert verify_bench.backend_params("mosaic_gpu:window_side=kernel", kda, 2, 2) == (
+        "mosaic_gpu", verify_bench.MosaicReplayParams(window_side="kernel"))
 
 
 @pytest.mark.parametrize("cache_len,width,accepted,want", [

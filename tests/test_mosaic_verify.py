@@ -131,6 +131,7 @@ def _ancestors(parents):
     # The window's records and staged vectors from their Pallas Triton kernel.
     ("gdn", MosaicReplayParams(programs=5, auto_barriers=False, readout="mma", key_side="xla",
                                window_side="kernel", window_warps=1)),
+    ("kda", MosaicReplayParams(window_side="kernel")),
 ])
 def test_verify_matches_the_float64_model(rng, gate, params, state_dtype):
     """GDN also as persistent CTAs without Mosaic's barriers: each CTA serves several tiles
@@ -292,8 +293,9 @@ def test_verify_kernels_take_only_their_options():
     check_params(three, "gdn", pipelined=True)
     with pytest.raises(ValueError, match="warpgroups must be 1"):
         check_params(three, "kda")
-    # Only the GDN verify kernel has a window formed by a kernel before its launch.
+    # Only the GDN and KDA verify kernels have a window formed by a kernel before their launch.
     check_params(MosaicReplayParams(window_side="kernel"), "gdn", pipelined=True)
+    check_params(MosaicReplayParams(window_side="kernel"), "kda", window_side=True)
     with pytest.raises(ValueError, match="window_side must be 'xla'"):
         check_params(MosaicReplayParams(window_side="kernel"), "kda")
     with pytest.raises(ValueError, match="window_side must be one of"):
@@ -500,6 +502,7 @@ def test_kda_refuses_shapes_it_cannot_take():
     ("kda", jnp.bfloat16, False, None),
     ("gdn", jnp.float32, False, MosaicReplayParams(programs=2, auto_barriers=False, launch_order=True)),
     ("gdn", jnp.bfloat16, True, MosaicReplayParams(programs=2, auto_barriers=False, window_side="kernel")),
+    ("kda", jnp.float32, True, MosaicReplayParams(window_side="kernel")),
 ])
 def test_backend_verify_and_accept_match_xla(rng, gate, state_dtype, raw, params):
     """`verify_step(backend="mosaic_gpu")` against the xla backend through rounds of

@@ -20,7 +20,9 @@ import pytest
 
 from pallas_kernels.mosaic_gpu.verify_decode import (coefficient_count, window_coefficients, window_rows,
                                                      window_vectors)
-from pallas_kernels.verify_coefficients import VerifyCoefficientsParams, verify_coefficients
+from pallas_kernels.mosaic_gpu.verify_decode_kda import kda_window_coefficients
+from pallas_kernels.verify_coefficients import (KDA_VECTORS, VerifyCoefficientsParams, kda_verify_coefficients,
+                                                verify_coefficients)
 from replayssm_jax.speculative import ancestors
 
 L2NORM_EPS = 1e-6  # the kernels' (pallas_kernels.common), restated: the model is written independently
@@ -98,6 +100,68 @@ def test_records_and_vectors_match_the_model_and_xla(rng, width, num_k_heads, nu
                                   np.asarray(window_vectors(q, k, length).astype(jnp.float32)))
 
 
+def model_kda_record(q, k, g, beta, anc, length, *, use_qk_l2norm, scale, record_len):
+    """A KDA window in float64: the record of each `(b, h)`, `[A, M, beta, q_scale, k_scale,
+    0...]`, and `e^{G}` `[B, T, H_v, d_k]`."""
+    batch, width, num_k_heads, head_dim = q.shape
+    num_v_heads = g.shape[2]
+    group = num_v_heads // num_k_heads
+    out, decays = np.zeros((batch, num_v_heads, record_len)), np.zeros((batch, width, num_v_heads, head_dim))
+    for b in range(batch):
+        n = int(length[b])
+        for h in range(num_v_heads):
+            qs, ks = q[b, :n, h // group], k[b, :n, h // group]
+            norm = lambda x: 1 / np.sqrt(np.sum(x * x, axis=-1) + L2NORM_EPS) if use_qk_l2norm else np.ones(len(x))
+            q_scale, k_scale = scale * norm(qs), norm(ks)
+            qn, kn = qs * q_scale[:, None], ks * k_scale[:, None]
+            branch = anc[b, :n, :n] | np.eye(n, dtype=bool)
+            G = branch.astype(np.float64) @ g[b, :n, h]  # [n, d_k]
+            A, M = np.zeros((width, width)), np.zeros((width, width))
+            for i in range(n):
+                for j in range(n):
+                    if branch[i, j]:
+                        w = np.exp(G[i] - G[j])
+                        M[i, j] = np.sum(qn[i] * w * kn[j])
+                        A[i, j] = beta[b, i, h] * np.sum(kn[i] * w * kn[j]) if anc[b, i, j] else 0.0
+            vectors = np.zeros((3, width))
+            vectors[:, :n] = [beta[b, :n, h], q_scale, k_scale]
+            flat = np.concatenate([A.ravel(), M.ravel(), vectors.ravel()])
+            out[b, h, :flat.size] = flat
+            decays[b, :n, h] = np.exp(G)
+    return out, decays
+
+
+@pytest.mark.parametrize("width,num_k_heads,num_v_heads,dtype,use_qk_l2norm,tree", [
+    (1, 1, 2, jnp.bfloat16, True, False),
+    (3, 2, 4, jnp.bfloat16, True, True),
+    (4, 1, 1, jnp.float32, False, True),
+])
+def test_kda_records_and_decays_match_the_model_and_xla(rng, width, num_k_heads, num_v_heads, dtype,
+                                                        use_qk_l2norm, tree):
+    batch, head_dim, scale = 3, 64, 0.7
+    q, k, _, beta, length = random_window(rng, batch, width, num_k_heads, num_v_heads, head_dim, dtype)
+    past = np.arange(width)[None, :] >= np.asarray(length)[:, None]
+    g = -np.log1p(np.exp(rng.standard_normal((batch, width, num_v_heads, head_dim))))
+    g = jnp.asarray(np.where(past[:, :, None, None], np.nan, g), jnp.float32)
+    anc = np.asarray(ancestors(random_parents(rng, batch, width) if tree else None, batch, width))
+    record_len = coefficient_count(width, KDA_VECTORS)
+    records, decays = kda_verify_coefficients(q, k, g, beta, jnp.asarray(anc), length, record_len=record_len,
+                                              use_qk_l2norm=use_qk_l2norm, scale=scale, interpret=True)
+    assert records.shape == (batch, num_v_heads, record_len)
+    assert decays.shape == (batch, width, num_v_heads, head_dim)
+    assert not np.isnan(np.asarray(records)).any() and not np.isnan(np.asarray(decays)).any()
+    f64 = lambda x: np.asarray(x.astype(jnp.float32), np.float64)
+    want, want_decays = model_kda_record(f64(q), f64(k), f64(g), f64(beta), anc, np.asarray(length),
+                                         use_qk_l2norm=use_qk_l2norm, scale=scale, record_len=record_len)
+    # fp32 sums over d_k = 64 channel products, each with one exp: a few ulps of the scale.
+    np.testing.assert_allclose(np.asarray(records), want, rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(np.asarray(decays), want_decays, rtol=2e-6, atol=1e-7)
+    xla, xla_decays = kda_window_coefficients(q, k, g, beta, jnp.asarray(anc), length,
+                                              use_qk_l2norm=use_qk_l2norm, scale=scale)
+    np.testing.assert_allclose(np.asarray(records), np.asarray(xla).reshape(records.shape), rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(np.asarray(decays), np.asarray(xla_decays), rtol=2e-6, atol=1e-7)
+
+
 def test_refuses_what_it_cannot_take():
     q = jnp.zeros((1, 4, 1, 64), jnp.bfloat16)
     g = jnp.zeros((1, 4, 2), jnp.float32)
@@ -115,6 +179,13 @@ def test_refuses_what_it_cannot_take():
         call(q=jnp.zeros((1, 4, 2, 64), jnp.bfloat16), g=jnp.zeros((1, 4, 3), jnp.float32))
     with pytest.raises(ValueError, match="num_warps"):
         VerifyCoefficientsParams(num_warps=3)
+    g_kda = jnp.zeros((1, 4, 2, 64), jnp.float32)
+    kda = lambda g=g_kda, record_len=64: kda_verify_coefficients(
+        q, q, g, g_kda[..., 0], anc, length, record_len=record_len, use_qk_l2norm=True, scale=1.0, interpret=True)
+    with pytest.raises(ValueError, match="record_len 40 is too short"):
+        kda(record_len=40)
+    with pytest.raises(ValueError, match="g must be \\[B, T, H_v, d_k\\]"):
+        kda(g=jnp.zeros((1, 4, 2, 32), jnp.float32))
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -166,3 +237,30 @@ def test_mosaic_verify_with_the_kernel_window_lowers_for_an_abstract_h200():
     # The window kernel, then the key sums' and the verify kernel's Mosaic calls.
     assert calls == ["__gpu$xla.gpu.triton", "mosaic_gpu_v2", "mosaic_gpu_v2"], calls
     assert "dot_general" not in text
+
+
+def test_kda_window_kernel_compiles_and_its_verify_step_lowers_for_an_abstract_h200():
+    """The KDA verify step with `window_side="kernel"` at the benchmark shapes (H_k = H_v =
+    32, d = 128, fp32 state, L = 16, T = 4): the window kernel compiles for sm_90a without
+    spills, and the step lowers to its Triton call and the Mosaic verify kernel, with no
+    reduction left in XLA (the channel sums it replaces)."""
+    pytest.importorskip("triton")
+    from pallas_kernels.mosaic_gpu.replay_decode import MosaicReplayParams
+    from pallas_kernels.mosaic_gpu.verify_decode_kda import verify_decode_kda_mgpu
+
+    S, i32 = jax.ShapeDtypeStruct, jnp.int32
+    n, b, hk, hv, d, cache_len, width = 16, 8, 32, 32, 128, 16, 4
+    args = [S((n, hv, d, d), jnp.float32), S((n, hv, cache_len, d), jnp.float32),
+            S((n, hk, cache_len, d), jnp.float32), S((n, hv, cache_len, d), jnp.float32),
+            S((b, width, hk, d), jnp.bfloat16), S((b, width, hk, d), jnp.bfloat16), S((b, width, hv, d), jnp.bfloat16),
+            S((b, width, hv, d), jnp.float32), S((b, width, hv), jnp.float32),
+            S((b,), i32), S((b,), i32), S((b,), i32), S((b,), i32), S((b, width, width), jnp.bool_)]
+    params = MosaicReplayParams(window_side="kernel")
+    step = lambda *a: verify_decode_kda_mgpu(*a, use_qk_l2norm=True, params=params, interpret=False)
+    with kernel_registers.captured_triton_ir() as modules, jax.sharding.use_abstract_mesh(kernel_registers._H200):
+        text = jax.jit(step, donate_argnums=(0, 1, 2, 3)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert re.findall(r"custom_call @([\w$.]+)", text) == ["__gpu$xla.gpu.triton", "mosaic_gpu_v2"]
+    assert "stablehlo.reduce" not in text and "dot_general" not in text
+    (module,) = modules
+    report = kernel_registers.ptxas_report(module, VerifyCoefficientsParams())
+    assert report["spill_store_bytes"] == 0 and report["registers"] <= 128, report

@@ -172,11 +172,11 @@ class MosaicReplayParams:
         flushing rows in decode, folding rows in verify), so that those rows (about twice
         a tile's work) are dealt evenly over the persistent programs instead of where their
         index falls (`pipeline.serve_tiles`). GDN and KDA decode, GDN verify.
-      window_side: where the GDN verify kernel's window scalars (`T x T` products, decays,
-        norms) and staged vectors are formed before its launch: "xla" (default) by XLA, in
-        about eight small kernels; "kernel" by `pallas_kernels.verify_coefficients`, one
-        Pallas Triton launch (one program per row and key head). The decode kernels refuse
-        "kernel".
+      window_side: where the GDN and KDA verify kernels' window scalars (`T x T` products,
+        decays, norms; GDN: staged vectors) are formed before their launch: "xla" (default)
+        by XLA, in about eight small kernels; "kernel" by `pallas_kernels.
+        verify_coefficients`, one Pallas Triton launch (one program per row and key head).
+        The decode kernels refuse "kernel".
       window_warps: warps per program of that launch (`VerifyCoefficientsParams.num_warps`;
         default 2; 1 keeps its reductions inside one warp, without cross-warp barriers);
         only with `window_side="kernel"`.
@@ -233,7 +233,7 @@ def check_own_layout(params, kernel: str, *, per_tile_addresses: bool = False, k
     decode kernels that a kernel with its own record layout (KDA decode, verify) ignores,
     or `per_tile_addresses`, `key_side`, `warpgroups` or `launch_order` unless the kernel
     takes it (the GDN verify kernel takes all four, KDA decode the last); `window_side`
-    other than "xla" only in the GDN verify kernel."""
+    other than "xla" only in the verify kernels that take it."""
     if getattr(params, "group_records", None) is not None:
         raise ValueError(f"{kernel} lays out its records itself: group_records must be None, got "
                          f"{params.group_records!r}")

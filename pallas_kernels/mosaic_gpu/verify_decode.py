@@ -638,14 +638,15 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
                 warpgroups=warpgroups, row_order=order_ref)
 
 
-def check_params(params, kernel: str, *, pipelined: bool = False) -> None:
+def check_params(params, kernel: str, *, pipelined: bool = False, window_side: bool = False) -> None:
     """Raise ValueError on the decode kernels' options a verify kernel does not take
     (`key_side="mma"` in any of them): unless `pipelined` (the GDN kernel, which takes the
     others), it rebuilds folds in exact fp32, runs one CTA per tile, keeps Mosaic's barriers
-    and reads out on CUDA cores; its records' layout is its own (`group_records` None).
+    and reads out on CUDA cores; its records' layout is its own (`group_records` None); a
+    window formed by a kernel (`window_side`) where `pipelined` or `window_side` (KDA).
     `params`: a `MosaicReplayParams` or a `MosaicMamba2Params`."""
     check_own_layout(params, kernel, per_tile_addresses=pipelined, key_side=pipelined, warpgroups=pipelined,
-                     launch_order=pipelined, window_side=pipelined)
+                     launch_order=pipelined, window_side=pipelined or window_side)
     if getattr(params, "key_side", "kernel") == "mma":  # decode's: verify's window sums are its own
         raise ValueError(f"{kernel} sums its window's keys in the kernel or before the launch: key_side must be "
                          "'kernel' or 'xla', got 'mma'")

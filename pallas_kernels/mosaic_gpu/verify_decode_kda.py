@@ -16,7 +16,7 @@ the L2 norm and the scale,
     A_ij = beta_i sum_c k_i[c] e^{G_i[c] - G_j[c]} k_j[c],   M_ij = sum_c q_i[c] e^{G_i[c] - G_j[c]} k_j[c]
 
 The `T x T` scalars A, M (and beta and the q / k norms) come packed per (row, value head)
-from `kda_window_coefficients` in XLA, as in the GDN kernel; the per-channel factors
+from `kda_window_coefficients` in XLA (or its Pallas Triton kernel), as in the GDN kernel; the per-channel factors
 `e^{G_i}` `[B, T, H_v, d_k]` come beside them (zeros at and past a row's length), since
 they scale the vectors that the readout reads out. `S x` is read out without forming S:
 `S_c (e^{G_h} * x) + U^T ((W * K) x)` over the row's `pos` valid cache entries, with
@@ -53,11 +53,10 @@ from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA,
 from pallas_kernels.mosaic_gpu.replay_decode import MosaicReplayParams
 from pallas_kernels.mosaic_gpu.replay_decode_kda import (channel_layout, check_kda_shapes, decay_weights,
                                                          rebuild_exact, weighted_keys)
-from pallas_kernels.mosaic_gpu.verify_decode import (MAX_WIDTH, check_params, coefficient_shape, pack_coefficients,
-                                                     prepare_window, select_if, solve_positions, store_zeros,
-                                                     unpack_coefficients)
-
-KDA_VECTORS = 3  # beta, q_scale, k_scale per position
+from pallas_kernels.mosaic_gpu.verify_decode import (MAX_WIDTH, check_params, coefficient_count, coefficient_shape,
+                                                     pack_coefficients, prepare_window, select_if, solve_positions,
+                                                     store_zeros, unpack_coefficients)
+from pallas_kernels.verify_coefficients import KDA_VECTORS, VerifyCoefficientsParams, kda_verify_coefficients
 
 
 def kda_window_coefficients(
@@ -259,8 +258,9 @@ def verify_decode_kda_mgpu(
     params: MosaicReplayParams = MosaicReplayParams(),
     interpret: bool | None = None,
 ):
-    """Verify one KDA draft window per row on Mosaic GPU: `kda_window_coefficients` in XLA,
-    then one kernel launch.
+    """Verify one KDA draft window per row on Mosaic GPU: `kda_window_coefficients` in XLA
+    (or with `params.window_side="kernel"` `verify_coefficients.kda_verify_coefficients`,
+    one Pallas Triton launch), then one kernel launch.
 
     Args and returns as `verify_decode.verify_decode_mgpu` with a per-channel decay: g
     `[B, T, H_v, d_k]` (activated log-decays) and g records `[N, H_v, L, d_k]` fp32. Returns
@@ -283,13 +283,21 @@ def verify_decode_kda_mgpu(
         raise ValueError(f"q and k must share a dtype, got {q.dtype} and {k.dtype}")
     check_kda_shapes(head_k_dim, head_v_dim, cache_len, checkpoint.dtype.itemsize, u_cache.dtype.itemsize,
                      params.swizzle)
-    check_params(params, "verify_decode_kda_mgpu")
+    check_params(params, "verify_decode_kda_mgpu", window_side=True)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     length = length.astype(jnp.int32)
-    coef, decay = kda_window_coefficients(q, k, g, beta, anc.astype(bool), length,
-                                          use_qk_l2norm=bool(use_qk_l2norm),
-                                          scale=float(head_k_dim ** -0.5 if scale is None else scale))
+    scale = float(head_k_dim ** -0.5 if scale is None else scale)
+    if params.window_side == "kernel":
+        coef, decay = kda_verify_coefficients(q, k, g, beta, anc.astype(bool), length,
+                                              record_len=coefficient_count(width, KDA_VECTORS),
+                                              use_qk_l2norm=bool(use_qk_l2norm), scale=scale,
+                                              params=VerifyCoefficientsParams(num_warps=params.window_warps),
+                                              interpret=interpret)
+        coef = coef.reshape(batch, num_v_heads, *coefficient_shape(width, KDA_VECTORS))
+    else:
+        coef, decay = kda_window_coefficients(q, k, g, beta, anc.astype(bool), length,
+                                              use_qk_l2norm=bool(use_qk_l2norm), scale=scale)
     kernel = _build(batch, width, num_v_heads, head_v_dim, head_k_dim, cache_len, checkpoint.dtype, u_cache.dtype,
                     q.dtype, v.dtype, num_v_heads // q.shape[2], params.swizzle, bool(interpret))
     refs = [jax.new_ref(x) for x in (checkpoint, u_cache, k_cache, g_cache)]
