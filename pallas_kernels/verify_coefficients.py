@@ -225,7 +225,8 @@ def _kda_kernel(length_ref, q_ref, k_ref, g_ref, beta_ref, anc_ref, coef_ref, de
     q_scale = [jnp.where(t < length, scale * inv_norm(qs[t]), 0.0) for t in range(T)]
     k_scale = [jnp.where(t < length, inv_norm(ks[t]), 0.0) for t in range(T)]
     qn = [qs[t] * q_scale[t] for t in range(T)]
-    keys = stack([ks[t] * k_scale[t] for t in range(T)])  # [P, d_k], row j = normalised k_j
+    kn = [ks[t] * k_scale[t] for t in range(T)]
+    keys = stack(kn)  # [P, d_k], row j = normalised k_j
     in_row = lambda i: jnp.logical_and(valid, i < length)
     anc = [plgpu.load(anc_ref.at[b, jnp.int32(i), pl.ds(0, P)], mask=lanes < T, other=0) != 0 for i in range(T)]
     strict = [jnp.logical_and(anc[i], in_row(i)) for i in range(T)]
@@ -248,7 +249,7 @@ def _kda_kernel(length_ref, q_ref, k_ref, g_ref, beta_ref, anc_ref, coef_ref, de
             branch = seen[i][:, None]
             decay = jnp.where(branch, jnp.exp(jnp.where(branch, G[i][None, :] - G_rows, 0.0)), 0.0)  # [P, d_k]
             weighted = decay * keys
-            kk = jnp.sum(weighted * (ks[i] * k_scale[i])[None, :], axis=1)
+            kk = jnp.sum(weighted * kn[i][None, :], axis=1)
             qk = jnp.sum(weighted * qn[i][None, :], axis=1)
             store(h, i * T, jnp.where(strict[i], beta[i] * kk, 0.0))
             store(h, T * T + i * T, qk)

@@ -16,10 +16,10 @@ the L2 norm and the scale,
     A_ij = beta_i sum_c k_i[c] e^{G_i[c] - G_j[c]} k_j[c],   M_ij = sum_c q_i[c] e^{G_i[c] - G_j[c]} k_j[c]
 
 The `T x T` scalars A, M (and beta and the q / k norms) come packed per (row, value head)
-from `kda_window_coefficients` in XLA (or its Pallas Triton kernel), as in the GDN kernel; the per-channel factors
-`e^{G_i}` `[B, T, H_v, d_k]` come beside them (zeros at and past a row's length), since
-they scale the vectors that the readout reads out. `S x` is read out without forming S:
-`S_c (e^{G_h} * x) + U^T ((W * K) x)` over the row's `pos` valid cache entries, with
+from `kda_window_coefficients` in XLA (or its Pallas Triton kernel), as in the GDN kernel;
+the per-channel factors `e^{G_i}` `[B, T, H_v, d_k]` come beside them (zeros at and past a
+row's length), since they scale the vectors that the readout reads out. `S x` is read out
+without forming S: `S_c (e^{G_h} * x) + U^T ((W * K) x)` over the row's `pos` valid cache entries, with
 `G_h = sum_{j<pos} g_j` and `W_j = exp(sum_{j<i<pos} g_i)` per channel (`decay_weights`
 of `replay_decode_kda`); entries at and past `pos` are selected to 0 before any product.
 
