@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -71,51 +72,97 @@ def _lane_vector(values, lanes):
     return out
 
 
-def _kernel(length_ref, q_ref, k_ref, g_ref, beta_ref, anc_ref, coef_ref, vec_ref, *, width, group_size,
-            use_qk_l2norm, scale, lanes_len):
-    b, hk = pl.program_id(0), pl.program_id(1)
-    T, P = width, lanes_len
+def _stacked(vectors, lanes):
+    """`[P, d_k]` with row t = `vectors[t]` (`[d_k]`) and zero rows past them."""
+    out = jnp.zeros((lanes.shape[0], vectors[0].shape[0]), jnp.float32)
+    for t, x in enumerate(vectors):
+        out = jnp.where(lanes[:, None] == t, x[None, :], out)
+    return out
+
+
+class _Window(NamedTuple):
+    """A program's view of its row's window: `length`, `lanes` `[P]`, the raw q, k `[d_k]`
+    per position (fp32, zero at and past the length) and their norm factors (scalars, zero
+    there)."""
+
+    length: jax.Array
+    lanes: jax.Array
+    qs: list
+    ks: list
+    q_scale: list
+    k_scale: list
+
+
+def _load_window(length_ref, q_ref, k_ref, b, hk, *, width, lanes_len, use_qk_l2norm, scale) -> _Window:
+    T = width
     length = length_ref[b]
-    lanes = jnp.arange(P, dtype=jnp.int32)
-    valid = lanes < length  # [P]; length <= T, so lanes >= T are never valid
-    f32 = lambda x: x.astype(jnp.float32)
-
     # The window's vectors, zero at and past the length (a select: NaN there stays out).
-    qs = [jnp.where(t < length, f32(q_ref[b, t, hk, :]), 0.0) for t in range(T)]
-    ks = [jnp.where(t < length, f32(k_ref[b, t, hk, :]), 0.0) for t in range(T)]
-    rows = lanes[:, None]
-    keys = jnp.zeros((P, qs[0].shape[0]), jnp.float32)
-    for t, k_t in enumerate(ks):
-        keys = jnp.where(rows == t, k_t[None, :], keys)  # [P, d_k], row j = k_j
-
-    for t in range(T):
-        vec_ref[b, hk, t, :] = qs[t].astype(vec_ref.dtype)
-        vec_ref[b, hk, T + t, :] = ks[t].astype(vec_ref.dtype)
-    for r in range(2 * T, vec_ref.shape[2]):
-        vec_ref[b, hk, r, :] = jnp.zeros(qs[0].shape, vec_ref.dtype)
+    qs = [jnp.where(t < length, q_ref[b, t, hk, :].astype(jnp.float32), 0.0) for t in range(T)]
+    ks = [jnp.where(t < length, k_ref[b, t, hk, :].astype(jnp.float32), 0.0) for t in range(T)]
 
     def inv_norm(x):
         return jax.lax.rsqrt(jnp.sum(x * x) + L2NORM_EPS) if use_qk_l2norm else jnp.float32(1.0)
 
     q_scale = [jnp.where(t < length, scale * inv_norm(qs[t]), 0.0) for t in range(T)]
     k_scale = [jnp.where(t < length, inv_norm(ks[t]), 0.0) for t in range(T)]
-    k_scale_vec = _lane_vector(k_scale, lanes)
-    # Row i of k.k and q.k over the window's keys j (lanes), scaled as normalised vectors.
-    kk = [jnp.sum(keys * ks[i][None, :], axis=1) * k_scale[i] * k_scale_vec for i in range(T)]
-    qk = [jnp.sum(keys * qs[i][None, :], axis=1) * q_scale[i] * k_scale_vec for i in range(T)]
-    # i's ancestors (lanes j), within the window on both sides; `strict` without i itself.
-    in_row = lambda i: jnp.logical_and(valid, i < length)
-    anc = [plgpu.load(anc_ref.at[b, jnp.int32(i), pl.ds(0, P)], mask=lanes < T, other=0) != 0 for i in range(T)]
-    strict = [jnp.logical_and(anc[i], in_row(i)) for i in range(T)]
-    seen = [jnp.logical_and(jnp.logical_or(anc[i], lanes == i), in_row(i)) for i in range(T)]
+    return _Window(length, jnp.arange(lanes_len, dtype=jnp.int32), qs, ks, q_scale, k_scale)
 
-    row_mask = lanes < T
-    # A record's last P-lane stores can reach past its end, where the mask keeps them: their
-    # offsets are given as traced values (a zero the tracer cannot prove), since a static
-    # slice past the end is refused at trace time.
-    zero = jnp.minimum(length, 0)
-    store = lambda h, offset, x, mask=row_mask: plgpu.store(coef_ref.at[b, h, pl.ds(zero + offset, P)], x,
-                                                            mask=mask)
+
+def _branches(anc_ref, b, window: _Window, width: int):
+    """`(strict, seen)`: per position i the lanes j of its strict ancestors and of its branch
+    with i itself, both within the row's length (`[P]` bool each)."""
+    lanes, length = window.lanes, window.length
+    valid = lanes < length  # length <= T, so lanes >= T are never valid
+    in_row = lambda i: jnp.logical_and(valid, i < length)
+    anc = [plgpu.load(anc_ref.at[b, jnp.int32(i), pl.ds(0, lanes.shape[0])], mask=lanes < width, other=0) != 0
+           for i in range(width)]
+    strict = [jnp.logical_and(anc[i], in_row(i)) for i in range(width)]
+    seen = [jnp.logical_and(jnp.logical_or(anc[i], lanes == i), in_row(i)) for i in range(width)]
+    return strict, seen
+
+
+def _record_stores(coef_ref, b, window: _Window, width: int):
+    """`(store(h, offset, x[P], mask), finish(h, vectors))` for the records of row b:
+    `finish` stores the per-position vectors after the two `T x T` blocks, then zeros to
+    the record's end. A record's last P-lane stores can reach past its end, where the mask
+    keeps them: their offsets are traced values (a zero the tracer cannot prove), since a
+    static slice past the end is refused at trace time."""
+    T, lanes, record_len = width, window.lanes, coef_ref.shape[2]
+    P, row_mask = lanes.shape[0], lanes < width
+    zero = jnp.minimum(window.length, 0)
+
+    def store(h, offset, x, mask=row_mask):
+        plgpu.store(coef_ref.at[b, h, pl.ds(zero + offset, P)], x, mask=mask)
+
+    def finish(h, vectors):
+        for o, x in enumerate(vectors):
+            store(h, 2 * T * T + o * T, x, jnp.logical_and(row_mask, lanes < record_len - 2 * T * T - o * T))
+        for start in range(2 * T * T + len(vectors) * T, record_len, P):
+            store(h, start, jnp.zeros((P,), jnp.float32), lanes < record_len - start)
+
+    return store, finish
+
+
+def _kernel(length_ref, q_ref, k_ref, g_ref, beta_ref, anc_ref, coef_ref, vec_ref, *, width, group_size,
+            use_qk_l2norm, scale, lanes_len):
+    b, hk = pl.program_id(0), pl.program_id(1)
+    T = width
+    w = _load_window(length_ref, q_ref, k_ref, b, hk, width=width, lanes_len=lanes_len,
+                     use_qk_l2norm=use_qk_l2norm, scale=scale)
+    length, lanes = w.length, w.lanes
+    for t in range(T):
+        vec_ref[b, hk, t, :] = w.qs[t].astype(vec_ref.dtype)
+        vec_ref[b, hk, T + t, :] = w.ks[t].astype(vec_ref.dtype)
+    for r in range(2 * T, vec_ref.shape[2]):
+        vec_ref[b, hk, r, :] = jnp.zeros(w.qs[0].shape, vec_ref.dtype)
+
+    keys = _stacked(w.ks, lanes)  # [P, d_k], row j = k_j
+    k_scale_vec = _lane_vector(w.k_scale, lanes)
+    # Row i of k.k and q.k over the window's keys j (lanes), scaled as normalised vectors.
+    kk = [jnp.sum(keys * w.ks[i][None, :], axis=1) * w.k_scale[i] * k_scale_vec for i in range(T)]
+    qk = [jnp.sum(keys * w.qs[i][None, :], axis=1) * w.q_scale[i] * k_scale_vec for i in range(T)]
+    strict, seen = _branches(anc_ref, b, w, width)
+    store, finish = _record_stores(coef_ref, b, w, width)
     for j in range(group_size):
         h = hk * group_size + j
         g = [jnp.where(t < length, g_ref[b, t, h].astype(jnp.float32), 0.0) for t in range(T)]
@@ -129,13 +176,23 @@ def _kernel(length_ref, q_ref, k_ref, g_ref, beta_ref, anc_ref, coef_ref, vec_re
             decay = jnp.where(seen[i], jnp.exp(jnp.where(seen[i], G[i] - G_vec, 0.0)), 0.0)
             store(h, i * T, jnp.where(strict[i], beta[i] * decay * kk[i], 0.0))
             store(h, T * T + i * T, decay * qk[i])
-        vectors = (jnp.where(valid, jnp.exp(G_vec), 0.0), _lane_vector(beta, lanes), g_vec,
-                   _lane_vector(q_scale, lanes), k_scale_vec)
-        for o, x in enumerate(vectors):
-            store(h, 2 * T * T + o * T, x, jnp.logical_and(row_mask, lanes < coef_ref.shape[2] - 2 * T * T - o * T))
-        tail = 2 * T * T + VECTORS * T
-        for start in range(tail, coef_ref.shape[2], P):
-            store(h, start, jnp.zeros((P,), jnp.float32), lanes < coef_ref.shape[2] - start)
+        finish(h, (jnp.where(lanes < length, jnp.exp(G_vec), 0.0), _lane_vector(beta, lanes), g_vec,
+                   _lane_vector(w.q_scale, lanes), k_scale_vec))
+
+
+def _launch(kernel, operands, out_shape, grid, params: VerifyCoefficientsParams, interpret, name):
+    """One `pallas_call` over `grid` with every operand and result in global memory."""
+    spec = common.any_spec()
+    return pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=grid,
+        in_specs=[spec] * len(operands),
+        out_specs=[spec] * len(out_shape),
+        compiler_params=plgpu.CompilerParams(num_warps=params.num_warps, num_stages=1),
+        interpret=common.default_interpret() if interpret is None else interpret,
+        name=name,
+    )(*operands)
 
 
 def verify_coefficients(
@@ -185,64 +242,32 @@ def verify_coefficients(
     kernel = functools.partial(_kernel, width=width, group_size=num_v_heads // num_k_heads,
                                use_qk_l2norm=bool(use_qk_l2norm), scale=float(scale),
                                lanes_len=max(2, common.next_power_of_two(width)))
-    spec = common.any_spec()
     operands = (length.astype(jnp.int32), q, k, g, beta, anc.astype(jnp.int32))
-    return pl.pallas_call(
-        kernel,
-        out_shape=(jax.ShapeDtypeStruct((batch, num_v_heads, record_len), jnp.float32),
-                   jax.ShapeDtypeStruct((batch, num_k_heads, vector_rows, head_k_dim), q.dtype)),
-        grid=(batch, num_k_heads),
-        in_specs=[spec] * len(operands),
-        out_specs=[spec] * 2,
-        compiler_params=plgpu.CompilerParams(num_warps=params.num_warps, num_stages=1),
-        interpret=common.default_interpret() if interpret is None else interpret,
-        name="replayssm_verify_coefficients",
-    )(*operands)
+    out_shape = (jax.ShapeDtypeStruct((batch, num_v_heads, record_len), jnp.float32),
+                 jax.ShapeDtypeStruct((batch, num_k_heads, vector_rows, head_k_dim), q.dtype))
+    return _launch(kernel, operands, out_shape, (batch, num_k_heads), params, interpret,
+                   "replayssm_verify_coefficients")
 
 
 def _kda_kernel(length_ref, q_ref, k_ref, g_ref, beta_ref, anc_ref, coef_ref, decay_ref, *, width, group_size,
                 use_qk_l2norm, scale, lanes_len):
     b, hk = pl.program_id(0), pl.program_id(1)
-    T, P = width, lanes_len
-    length = length_ref[b]
-    lanes = jnp.arange(P, dtype=jnp.int32)
-    valid = lanes < length
-    rows = lanes[:, None]
-    f32 = lambda x: x.astype(jnp.float32)
-
-    def inv_norm(x):
-        return jax.lax.rsqrt(jnp.sum(x * x) + L2NORM_EPS) if use_qk_l2norm else jnp.float32(1.0)
-
-    def stack(vectors):
-        """`[P, d_k]` with row t = vectors[t] and zero rows past T."""
-        out = jnp.zeros((P, vectors[0].shape[0]), jnp.float32)
-        for t, x in enumerate(vectors):
-            out = jnp.where(rows == t, x[None, :], out)
-        return out
-
-    qs = [jnp.where(t < length, f32(q_ref[b, t, hk, :]), 0.0) for t in range(T)]
-    ks = [jnp.where(t < length, f32(k_ref[b, t, hk, :]), 0.0) for t in range(T)]
-    q_scale = [jnp.where(t < length, scale * inv_norm(qs[t]), 0.0) for t in range(T)]
-    k_scale = [jnp.where(t < length, inv_norm(ks[t]), 0.0) for t in range(T)]
-    qn = [qs[t] * q_scale[t] for t in range(T)]
-    kn = [ks[t] * k_scale[t] for t in range(T)]
-    keys = stack(kn)  # [P, d_k], row j = normalised k_j
-    in_row = lambda i: jnp.logical_and(valid, i < length)
-    anc = [plgpu.load(anc_ref.at[b, jnp.int32(i), pl.ds(0, P)], mask=lanes < T, other=0) != 0 for i in range(T)]
-    strict = [jnp.logical_and(anc[i], in_row(i)) for i in range(T)]
-    seen = [jnp.logical_and(jnp.logical_or(anc[i], lanes == i), in_row(i)) for i in range(T)]
-
-    row_mask = lanes < T
-    zero = jnp.minimum(length, 0)  # a traced zero: masked stores may pass the record's end
-    store = lambda h, offset, x, mask=row_mask: plgpu.store(coef_ref.at[b, h, pl.ds(zero + offset, P)], x,
-                                                            mask=mask)
+    T = width
+    w = _load_window(length_ref, q_ref, k_ref, b, hk, width=width, lanes_len=lanes_len,
+                     use_qk_l2norm=use_qk_l2norm, scale=scale)
+    length, lanes = w.length, w.lanes
+    qn = [w.qs[t] * w.q_scale[t] for t in range(T)]
+    kn = [w.ks[t] * w.k_scale[t] for t in range(T)]
+    keys = _stacked(kn, lanes)  # [P, d_k], row j = normalised k_j
+    strict, seen = _branches(anc_ref, b, w, width)
+    store, finish = _record_stores(coef_ref, b, w, width)
     for j in range(group_size):
         h = hk * group_size + j
-        gs = stack([jnp.where(t < length, f32(g_ref[b, t, h, :]), 0.0) for t in range(T)])  # [P, d_k]
+        gs = _stacked([jnp.where(t < length, g_ref[b, t, h, :].astype(jnp.float32), 0.0) for t in range(T)], lanes)
         beta = [jnp.where(t < length, beta_ref[b, t, h].astype(jnp.float32), 0.0) for t in range(T)]
         # G_i [d_k]: the sum of g over i's branch, per channel.
         G = [jnp.sum(jnp.where(seen[i][:, None], gs, 0.0), axis=0) for i in range(T)]
-        G_rows = stack(G)
+        G_rows = _stacked(G, lanes)
         for i in range(T):
             # e^{G_i - G_j} per channel only on i's branch (<= 1 there); elsewhere the
             # difference can be large and positive, so it is zeroed before the exponential.
@@ -254,12 +279,7 @@ def _kda_kernel(length_ref, q_ref, k_ref, g_ref, beta_ref, anc_ref, coef_ref, de
             store(h, i * T, jnp.where(strict[i], beta[i] * kk, 0.0))
             store(h, T * T + i * T, qk)
             decay_ref[b, i, h, :] = jnp.where(i < length, jnp.exp(G[i]), 0.0)
-        vectors = (_lane_vector(beta, lanes), _lane_vector(q_scale, lanes), _lane_vector(k_scale, lanes))
-        for o, x in enumerate(vectors):
-            store(h, 2 * T * T + o * T, x, jnp.logical_and(row_mask, lanes < coef_ref.shape[2] - 2 * T * T - o * T))
-        tail = 2 * T * T + KDA_VECTORS * T
-        for start in range(tail, coef_ref.shape[2], P):
-            store(h, start, jnp.zeros((P,), jnp.float32), lanes < coef_ref.shape[2] - start)
+        finish(h, (_lane_vector(beta, lanes), _lane_vector(w.q_scale, lanes), _lane_vector(w.k_scale, lanes)))
 
 
 def kda_verify_coefficients(
@@ -310,16 +330,8 @@ def kda_verify_coefficients(
     kernel = functools.partial(_kda_kernel, width=width, group_size=num_v_heads // num_k_heads,
                                use_qk_l2norm=bool(use_qk_l2norm), scale=float(scale),
                                lanes_len=max(2, common.next_power_of_two(width)))
-    spec = common.any_spec()
     operands = (length.astype(jnp.int32), q, k, g, beta, anc.astype(jnp.int32))
-    return pl.pallas_call(
-        kernel,
-        out_shape=(jax.ShapeDtypeStruct((batch, num_v_heads, record_len), jnp.float32),
-                   jax.ShapeDtypeStruct((batch, width, num_v_heads, head_k_dim), jnp.float32)),
-        grid=(batch, num_k_heads),
-        in_specs=[spec] * len(operands),
-        out_specs=[spec] * 2,
-        compiler_params=plgpu.CompilerParams(num_warps=params.num_warps, num_stages=1),
-        interpret=common.default_interpret() if interpret is None else interpret,
-        name="replayssm_kda_verify_coefficients",
-    )(*operands)
+    out_shape = (jax.ShapeDtypeStruct((batch, num_v_heads, record_len), jnp.float32),
+                 jax.ShapeDtypeStruct((batch, width, num_v_heads, head_k_dim), jnp.float32))
+    return _launch(kernel, operands, out_shape, (batch, num_k_heads), params, interpret,
+                   "replayssm_kda_verify_coefficients")
