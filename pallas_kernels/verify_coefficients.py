@@ -180,18 +180,33 @@ def _kernel(length_ref, q_ref, k_ref, g_ref, beta_ref, anc_ref, coef_ref, vec_re
                    _lane_vector(w.q_scale, lanes), k_scale_vec))
 
 
-def _launch(kernel, operands, out_shape, grid, params: VerifyCoefficientsParams, interpret, name):
-    """One `pallas_call` over `grid` with every operand and result in global memory."""
+def _launch(body, q, k, g, beta, anc, length, second_out: jax.ShapeDtypeStruct, *, vectors: int, record_len: int,
+            use_qk_l2norm: bool, scale: float, params: VerifyCoefficientsParams, interpret, name: str):
+    """The checks both window kernels share (the record's length for `vectors` per-position
+    scalars, a power-of-two d_k), then one `pallas_call` of `body` over `(B, H_k)` with
+    every operand and result in global memory: `(records [B, H_v, C] fp32, second_out)`.
+    The caller has checked that H_k divides H_v."""
+    batch, width, num_k_heads, head_k_dim = q.shape
+    num_v_heads = beta.shape[2]
+    if record_len < 2 * width * width + vectors * width:
+        raise ValueError(f"record_len {record_len} is too short for T = {width} "
+                         f"(needs {2 * width * width + vectors * width})")
+    if head_k_dim & (head_k_dim - 1):
+        raise ValueError(f"{name} needs d_k a power of two (Triton blocks), got {head_k_dim}")
+    kernel = functools.partial(body, width=width, group_size=num_v_heads // num_k_heads,
+                               use_qk_l2norm=bool(use_qk_l2norm), scale=float(scale),
+                               lanes_len=max(2, common.next_power_of_two(width)))
+    operands = (length.astype(jnp.int32), q, k, g, beta, anc.astype(jnp.int32))
     spec = common.any_spec()
     return pl.pallas_call(
         kernel,
-        out_shape=out_shape,
-        grid=grid,
+        out_shape=(jax.ShapeDtypeStruct((batch, num_v_heads, record_len), jnp.float32), second_out),
+        grid=(batch, num_k_heads),
         in_specs=[spec] * len(operands),
-        out_specs=[spec] * len(out_shape),
+        out_specs=[spec] * 2,
         compiler_params=plgpu.CompilerParams(num_warps=params.num_warps, num_stages=1),
         interpret=common.default_interpret() if interpret is None else interpret,
-        name=name,
+        name=f"replayssm_{name}",
     )(*operands)
 
 
@@ -228,25 +243,15 @@ def verify_coefficients(
       `(records [B, H_v, C] fp32, vectors [B, H_k, N, d_k] in q's dtype)`.
     """
     batch, width, num_k_heads, head_k_dim = q.shape
-    num_v_heads = g.shape[2]
-    if record_len < 2 * width * width + VECTORS * width:
-        raise ValueError(f"record_len {record_len} is too short for T = {width} "
-                         f"(needs {2 * width * width + VECTORS * width})")
     if vector_rows < 2 * width:
         raise ValueError(f"vector_rows {vector_rows} is fewer than 2 T = {2 * width}")
-    if head_k_dim & (head_k_dim - 1):
-        raise ValueError(f"verify_coefficients needs d_k a power of two (Triton blocks), got {head_k_dim}")
-    if num_v_heads % num_k_heads or g.shape != beta.shape or g.shape[:2] != (batch, width):
+    if g.shape[2] % num_k_heads or g.shape != beta.shape or g.shape[:2] != (batch, width):
         raise ValueError(f"g and beta must be [B, T, H_v] with H_k | H_v, got {g.shape}, {beta.shape} "
                          f"for q {q.shape}")
-    kernel = functools.partial(_kernel, width=width, group_size=num_v_heads // num_k_heads,
-                               use_qk_l2norm=bool(use_qk_l2norm), scale=float(scale),
-                               lanes_len=max(2, common.next_power_of_two(width)))
-    operands = (length.astype(jnp.int32), q, k, g, beta, anc.astype(jnp.int32))
-    out_shape = (jax.ShapeDtypeStruct((batch, num_v_heads, record_len), jnp.float32),
-                 jax.ShapeDtypeStruct((batch, num_k_heads, vector_rows, head_k_dim), q.dtype))
-    return _launch(kernel, operands, out_shape, (batch, num_k_heads), params, interpret,
-                   "replayssm_verify_coefficients")
+    vectors_out = jax.ShapeDtypeStruct((batch, num_k_heads, vector_rows, head_k_dim), q.dtype)
+    return _launch(_kernel, q, k, g, beta, anc, length, vectors_out, vectors=VECTORS, record_len=record_len,
+                   use_qk_l2norm=use_qk_l2norm, scale=scale, params=params, interpret=interpret,
+                   name="verify_coefficients")
 
 
 def _kda_kernel(length_ref, q_ref, k_ref, g_ref, beta_ref, anc_ref, coef_ref, decay_ref, *, width, group_size,
@@ -318,20 +323,11 @@ def kda_verify_coefficients(
     """
     batch, width, num_k_heads, head_k_dim = q.shape
     num_v_heads = beta.shape[2]
-    if record_len < 2 * width * width + KDA_VECTORS * width:
-        raise ValueError(f"record_len {record_len} is too short for T = {width} "
-                         f"(needs {2 * width * width + KDA_VECTORS * width})")
-    if head_k_dim & (head_k_dim - 1):
-        raise ValueError(f"kda_verify_coefficients needs d_k a power of two (Triton blocks), got {head_k_dim}")
     if (num_v_heads % num_k_heads or g.shape != (batch, width, num_v_heads, head_k_dim)
             or beta.shape[:2] != (batch, width)):
         raise ValueError(f"g must be [B, T, H_v, d_k] and beta [B, T, H_v] with H_k | H_v, got {g.shape}, "
                          f"{beta.shape} for q {q.shape}")
-    kernel = functools.partial(_kda_kernel, width=width, group_size=num_v_heads // num_k_heads,
-                               use_qk_l2norm=bool(use_qk_l2norm), scale=float(scale),
-                               lanes_len=max(2, common.next_power_of_two(width)))
-    operands = (length.astype(jnp.int32), q, k, g, beta, anc.astype(jnp.int32))
-    out_shape = (jax.ShapeDtypeStruct((batch, num_v_heads, record_len), jnp.float32),
-                 jax.ShapeDtypeStruct((batch, width, num_v_heads, head_k_dim), jnp.float32))
-    return _launch(kernel, operands, out_shape, (batch, num_k_heads), params, interpret,
-                   "replayssm_kda_verify_coefficients")
+    decays_out = jax.ShapeDtypeStruct((batch, width, num_v_heads, head_k_dim), jnp.float32)
+    return _launch(_kda_kernel, q, k, g, beta, anc, length, decays_out, vectors=KDA_VECTORS, record_len=record_len,
+                   use_qk_l2norm=use_qk_l2norm, scale=scale, params=params, interpret=interpret,
+                   name="kda_verify_coefficients")

@@ -245,7 +245,14 @@ def check_own_layout(params, kernel: str, *, per_tile_addresses: bool = False, k
         raise ValueError(f"{kernel} holds its buffers' addresses itself: per_tile_addresses must be False")
     if getattr(params, "launch_order", False) and not launch_order:
         raise ValueError(f"{kernel} serves its rows in their order: launch_order must be False")
-    if getattr(params, "window_side", "xla") != "xla" and not window_side:
+    if not window_side:
+        check_no_window(params, kernel)
+
+
+def check_no_window(params, kernel: str) -> None:
+    """Raise ValueError unless `params` leaves the window to XLA (`window_side` "xla"): a
+    decode kernel has no verify window."""
+    if getattr(params, "window_side", "xla") != "xla":
         raise ValueError(f"{kernel} has no verify window: window_side must be 'xla', got {params.window_side!r}")
 
 
@@ -773,9 +780,7 @@ def replay_decode_mgpu(
     check_rebuild(params.rebuild, cache_len, interpret)
     check_mma_readout(params, q.dtype, "replay_decode_mgpu")
     check_mma_key_side(params, q.dtype, k_cache.dtype, "replay_decode_mgpu")
-    if params.window_side != "xla":
-        raise ValueError(f"replay_decode_mgpu has no verify window: window_side must be 'xla', got "
-                         f"{params.window_side!r}")
+    check_no_window(params, "replay_decode_mgpu")
     order = launch_order_input(params, row_order, batch, "replay_decode_mgpu")
     a_log, dt_bias = gate_params if gate_params is not None else (jnp.zeros((1,), F32),) * 2
     kernel = _build(

@@ -157,13 +157,13 @@ def verify_default_params(cfg, batch: int, width: int, token_dtype, *, interpret
     cta_bytes = lambda rebuild, side: verify_decode.persistent_smem_bytes(*shape, readout=readout, rebuild=rebuild,
                                                                           key_side=side)
     makes_room = ctas_per_sm(cta_bytes("exact", "kernel")) < 2 <= ctas_per_sm(cta_bytes("exact", "xla"))
-    fp32_measured = cfg.state_dtype.itemsize == 4 and batch >= VERIFY_KEY_SUMS_FROM_BATCH
+    fp32_measured = not two_byte and batch >= VERIFY_KEY_SUMS_FROM_BATCH
     key_side = "xla" if side_keys_fit and (makes_room or fp32_measured) else "kernel"
     fits = lambda rebuild: ctas_per_sm(cta_bytes(rebuild, key_side), verify_decode.RESIDENT_CTAS)
     persistent = fits("exact") >= 2
     # "3xtf32" shortened the flush step with one CTA per tile and with a bf16 tile, but on
     # persistent CTAs with an fp32 tile it slowed every step (NOTES: "verify folds on tensor cores").
-    fp32_persistent = persistent and cfg.state_dtype.itemsize == 4
+    fp32_persistent = persistent and not two_byte
     tensor_cores = not interpret and fits("3xtf32") >= fits("exact") and not fp32_persistent
     rebuild = "3xtf32" if tensor_cores else "exact"
     if not persistent:
