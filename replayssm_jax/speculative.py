@@ -443,7 +443,7 @@ def _append_window(state: ReplayState, plan, fold, in_window, checkpoint, pools,
     cfg = state.config
     u_pool, k_pool, g_pool = pools
     u, k, g = records
-    slot_bt, pos_bt = _window_targets(plan, fold, in_window, plan.valid, state.num_slots)
+    slot_bt, pos_bt = _window_targets(plan, fold, in_window, state.num_slots)
     u_cache = u_pool.at[slot_bt, :, pos_bt].set(u.astype(cfg.cache_dtype), mode="drop")
     k_cache = k_pool.at[slot_bt, :, pos_bt].set(k.astype(cfg.cache_dtype), mode="drop")
     g_cache = g_pool.at[slot_bt, :, pos_bt].set(g, mode="drop")
@@ -451,12 +451,12 @@ def _append_window(state: ReplayState, plan, fold, in_window, checkpoint, pools,
                                g_cache=g_cache, write_pos=_fold_cursors(state, plan, fold))
 
 
-def _window_targets(plan, fold, in_window, rows, num_slots) -> tuple[Int[Array, "B T"], Int[Array, "B T"]]:
-    """`(slot, position)` of each window record of `rows` (`[B]` bool) in the ring: from 0 on
-    folding rows, from the cursor on the others; positions past a row's length and rows not
-    in `rows` get slot N (the scatter drops them)."""
+def _window_targets(plan, fold, in_window, num_slots) -> tuple[Int[Array, "B T"], Int[Array, "B T"]]:
+    """`(slot, position)` of each window record of the live rows in the ring: from 0 on
+    folding rows, from the cursor on the others; positions past a row's length and padding
+    rows get slot N (the scatter drops them)."""
     base = jnp.where(fold, 0, plan.pos)
-    slot_bt = jnp.where(in_window & rows[:, None], plan.slot[:, None], num_slots)
+    slot_bt = jnp.where(in_window & plan.valid[:, None], plan.slot[:, None], num_slots)
     return slot_bt, base[:, None] + jnp.arange(in_window.shape[1])[None, :]
 
 
@@ -480,12 +480,6 @@ def _mosaic_verify(state, window: Tokens, plan, fold, in_window, anc, *, use_qk_
         window.q, window.k, window.v, window.g, window.beta,
         plan.slot, plan.pos, common.row_modes(plan.valid, fold), in_window.sum(axis=1), anc,
         use_qk_l2norm=use_qk_l2norm, scale=scale, params=kernel_params, interpret=interpret, **order)
-    # The kernel leaves a folding row's key and gate records to us: its other CTAs may still
-    # read the history these records overwrite. They go to 0 .. length - 1.
-    _, k = gating.prepare_qk(window.q, window.k, use_qk_l2norm=use_qk_l2norm, scale=scale)
-    slot_bt, pos_bt = _window_targets(plan, fold, in_window, fold, state.num_slots)
-    k_cache = k_cache.at[slot_bt, :, pos_bt].set(k.astype(cfg.cache_dtype), mode="drop")
-    g_cache = g_cache.at[slot_bt, :, pos_bt].set(window.g.astype(jnp.float32), mode="drop")
     return y, dataclasses.replace(state, checkpoint=checkpoint, u_cache=u_cache, k_cache=k_cache, g_cache=g_cache,
                                   write_pos=_fold_cursors(state, plan, fold))
 
@@ -493,7 +487,6 @@ def _mosaic_verify(state, window: Tokens, plan, fold, in_window, anc, *, use_qk_
 def _mosaic_mamba2_verify(state, window: Mamba2Tokens, params: Mamba2Params, plan, fold, in_window, anc, *,
                           kernel_params, interpret):
     """`verify_step` for gate "mamba2" on the Mosaic GPU kernel: `(y, new_state)`."""
-    cfg = state.config
     dt = gating.mamba2_dt(window.dt, params.dt_bias, dt_softplus=params.dt_softplus,
                           dt_limit=params.dt_limit)  # [B, T, H], as the xla backend's records
     y, checkpoint, x_cache, b_cache, dt_cache = mamba2_verify_decode_mgpu(
@@ -501,11 +494,6 @@ def _mosaic_mamba2_verify(state, window: Mamba2Tokens, params: Mamba2Params, pla
         window.x, window.B, window.C, dt, params.A, params.D,
         plan.slot, plan.pos, common.row_modes(plan.valid, fold), in_window.sum(axis=1), anc,
         z=window.z, params=kernel_params, interpret=interpret)
-    # As in `_mosaic_verify`: a folding row's B and dt records are ours to write (the
-    # kernel's other CTAs of the slot may still read the history they overwrite).
-    slot_bt, pos_bt = _window_targets(plan, fold, in_window, fold, state.num_slots)
-    b_cache = b_cache.at[slot_bt, :, pos_bt].set(window.B.astype(cfg.cache_dtype), mode="drop")
-    dt_cache = dt_cache.at[slot_bt, :, pos_bt].set(dt, mode="drop")
     return y, dataclasses.replace(state, checkpoint=checkpoint, u_cache=x_cache, k_cache=b_cache, g_cache=dt_cache,
                                   write_pos=_fold_cursors(state, plan, fold))
 

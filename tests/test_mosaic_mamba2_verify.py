@@ -52,9 +52,10 @@ def _round(x, dtype):
 
 
 def _model(ckpt, x_c, b_c, dt_c, x, B, C, dt, z, A, D, parents, *, state_dtype):
-    """Float64 verify: `(y, checkpoint, x_cache, b_cache, dt_cache)` as the kernel leaves them
-    (a folding row's B and dt records are the caller's)."""
+    """Float64 verify: `(y, checkpoint, x_cache, b_cache, dt_cache)` with every live row's
+    records at `base .. base + length - 1` (a folding row's from 0)."""
     ckpt, x_c, b_c, dt_c = (np.array(a, np.float64) for a in (ckpt, x_c, b_c, dt_c))
+    b_in, dt_in = b_c.copy(), dt_c.copy()  # the history every head reads, before any record lands
     y = np.zeros(x.shape)
     group = H // B.shape[2]
     for b, (slot, pos, length) in enumerate(zip(SLOTS, POS, LENGTHS)):
@@ -63,10 +64,10 @@ def _model(ckpt, x_c, b_c, dt_c, x, B, C, dt, z, A, D, parents, *, state_dtype):
         base = 0 if FOLD[b] else pos
         for h in range(H):
             g = h // group
-            live = ckpt[slot, h] * np.exp(A[h] * dt_c[slot, h, :pos].sum())
+            live = ckpt[slot, h] * np.exp(A[h] * dt_in[slot, h, :pos].sum())
             for j in range(pos):
-                w = dt_c[slot, h, j] * np.exp(A[h] * dt_c[slot, h, j + 1:pos].sum())
-                live = live + w * np.outer(x_c[slot, h, j], b_c[slot, g, j])
+                w = dt_in[slot, h, j] * np.exp(A[h] * dt_in[slot, h, j + 1:pos].sum())
+                live = live + w * np.outer(x_c[slot, h, j], b_in[slot, g, j])
             if FOLD[b]:  # the folded checkpoint as stored, and the window read from it
                 live = _round(live, state_dtype)
                 ckpt[slot, h] = live
@@ -80,9 +81,8 @@ def _model(ckpt, x_c, b_c, dt_c, x, B, C, dt, z, A, D, parents, *, state_dtype):
                     out = out * z[b, i, h] / (1.0 + np.exp(-z[b, i, h].astype(np.float64)))
                 y[b, i, h] = out
                 x_c[slot, h, base + i] = x[b, i, h]
-                if not FOLD[b]:
-                    dt_c[slot, h, base + i] = dt[b, i, h]
-                    b_c[slot, g, base + i] = B[b, i, g]
+                dt_c[slot, h, base + i] = dt[b, i, h]
+                b_c[slot, g, base + i] = B[b, i, g]
     return y, ckpt, x_c, b_c, dt_c
 
 

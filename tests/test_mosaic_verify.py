@@ -47,10 +47,12 @@ def _branch(parents, i):
 
 
 def _model(ckpt, u_c, k_c, g_c, q, k, v, g, beta, parents, *, state_dtype):
-    """Float64 verify: `(y, checkpoint, u_cache, k_cache, g_cache)` as the kernel leaves them.
+    """Float64 verify: `(y, checkpoint, u_cache, k_cache, g_cache)` with every live row's
+    records at `base .. base + length - 1` (a folding row's from 0).
     A GDN log-decay (g_c `[N, H_v, L]`, g `[B, T, H_v]`) is the per-channel one with every
     channel equal, so one model serves both gates."""
     ckpt, u_c, k_c, g_c = (np.array(x, np.float64) for x in (ckpt, u_c, k_c, g_c))
+    k_in, g_in = k_c.copy(), g_c.copy()  # the history every head reads, before any record lands
     channels = (lambda x: np.asarray(x)) if g_c.ndim == 4 else (lambda x: np.asarray(x)[..., None])
     y = np.zeros(v.shape)
     group = H_V // H_K
@@ -60,10 +62,10 @@ def _model(ckpt, u_c, k_c, g_c, q, k, v, g, beta, parents, *, state_dtype):
         base = 0 if FOLD[b] else pos
         for h in range(H_V):
             hk = h // group
-            g_rec = channels(g_c[slot, h])  # [L, d_k] or [L, 1]
+            g_rec = channels(g_in[slot, h])  # [L, d_k] or [L, 1]
             live = ckpt[slot, h] * np.exp(g_rec[:pos].sum(0))
             for j in range(pos):
-                live = live + np.outer(u_c[slot, h, j], np.exp(g_rec[j + 1:pos].sum(0)) * k_c[slot, hk, j])
+                live = live + np.outer(u_c[slot, h, j], np.exp(g_rec[j + 1:pos].sum(0)) * k_in[slot, hk, j])
             if FOLD[b]:  # the folded checkpoint as stored, and the window read from it
                 live = np.asarray(jnp.asarray(live, jnp.float32).astype(state_dtype).astype(jnp.float32), np.float64)
                 ckpt[slot, h] = live
@@ -78,9 +80,8 @@ def _model(ckpt, u_c, k_c, g_c, q, k, v, g, beta, parents, *, state_dtype):
                     state = state * alpha + np.outer(u, kt)
                 y[b, i, h] = state @ qt
                 u_c[slot, h, base + i] = u
-                if not FOLD[b]:
-                    g_c[slot, h, base + i] = gt
-                    k_c[slot, hk, base + i] = kt
+                g_c[slot, h, base + i] = gt
+                k_c[slot, hk, base + i] = kt
     return y, ckpt, u_c, k_c, g_c
 
 

@@ -46,7 +46,7 @@ Row modes:
   read out from that stored value (so its records agree with what the next step replays)
   and its u records go to `0 .. length - 1`. The kernel does not write a folding row's key
   and gate records: other CTAs of the same slot may still be reading the history they
-  would overwrite (the caller writes them after the launch).
+  would overwrite (the wrapper writes them after the launch, `append_folding_records`).
 - `MODE_PAD`: y = 0, nothing written.
 Window positions at and past `length` give y = 0 and no records; their inputs are replaced
 by zeros before use, so garbage there (NaN included) reaches nothing.
@@ -317,6 +317,32 @@ def store_zeros(o_smem, y_ref, b, h, rows, width):
         o_smem[i] = plgpu.layout_cast(jnp.zeros((BLOCK_ROWS,), o_smem.dtype), ROW)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(o_smem, y_ref.at[b, :, h, rows])
+
+
+def append_folding_records(key_cache: Float[Array, "N Hk L *Dk"], gate_cache: Float[Array, "N Hv L *C"],
+                           keys: Float[Array, "B T Hk *Dk"], gates: Float[Array, "B T Hv *C"], slot: Int[Array, " B"],
+                           mode: Int[Array, " B"], length: Int[Array, " B"]) -> tuple:
+    """`(key_cache, gate_cache)` with each folding row's key and gate records (Mamba-2: B
+    and dt) at `0 .. length - 1`, rounded to the caches' dtypes: written after the launch,
+    since until it ends the kernel's other CTAs of the slot may read the history they
+    overwrite. Other rows and positions are untouched."""
+    width = keys.shape[1]
+    in_window = jnp.arange(width)[None, :] < length[:, None]
+    rows = jnp.where(in_window & (mode == MODE_FLUSH)[:, None], slot[:, None], key_cache.shape[0])  # N: dropped
+    at = jnp.broadcast_to(jnp.arange(width)[None, :], rows.shape)
+    return (key_cache.at[rows, :, at].set(keys.astype(key_cache.dtype), mode="drop"),
+            gate_cache.at[rows, :, at].set(gates.astype(gate_cache.dtype), mode="drop"))
+
+
+def scaled_keys(k: Float[Array, "B T Hk Dk"], coef: Float[Array, "B Hv R Lanes"], width: int, vectors: int,
+                group_size: int) -> Float[Array, "B T Hk Dk"]:
+    """The window's key records in fp32: k times its norm factor `k_scale` (the records'
+    last vector, `pack_coefficients`, read from each key head's first value head), as the
+    kernel's own appends scale them."""
+    batch, num_v_heads = coef.shape[:2]
+    start = 2 * width * width + (vectors - 1) * width
+    k_scale = jnp.swapaxes(coef.reshape(batch, num_v_heads, -1)[:, ::group_size, start:start + width], 1, 2)
+    return k.astype(F32) * k_scale[..., None]
 
 
 def masked_window(q: Float[Array, "B T Hk Dk"], k: Float[Array, "B T Hk Dk"],
@@ -753,9 +779,10 @@ def verify_decode_mgpu(
       interpret: run in Mosaic GPU interpret mode (default: off GPU).
 
     Returns:
-      `(y [B, T, H_v, d_v] in v's dtype, checkpoint, u_cache, k_cache, g_cache)`, the state
-      arrays updated in place when the caller donates them (see the module doc for which
-      records the kernel writes).
+      `(y [B, T, H_v, d_v] in v's dtype, checkpoint, u_cache, k_cache, g_cache)` with every
+      row's window records appended, the state arrays updated in place when the caller
+      donates them (a folding row's key and gate records by XLA after the launch, see the
+      module doc).
     """
     batch, width, num_v_heads, head_v_dim = v.shape
     head_k_dim = q.shape[-1]
@@ -799,4 +826,6 @@ def verify_decode_mgpu(
     if params.key_side == "xla":
         vectors.append(window_key_values(q, k, k_cache, slot, length, interpret=bool(interpret), staged=staged))
     y = kernel(i32(slot), i32(pos), i32(mode), length, q, k, v, coef, *order, *vectors, *refs)
-    return (y, *(jax.freeze(r) for r in refs))
+    checkpoint, u_cache, k_cache, g_cache = (jax.freeze(r) for r in refs)
+    keys = scaled_keys(k, coef, width, GDN_VECTORS, num_v_heads // q.shape[2])
+    return (y, checkpoint, u_cache, *append_folding_records(k_cache, g_cache, keys, g, slot, mode, length))

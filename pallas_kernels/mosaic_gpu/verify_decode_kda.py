@@ -28,7 +28,7 @@ Row modes as in the GDN kernel: `MODE_APPEND` writes the window's records at
 `S_c diag(e^{G_h}) + sum_j u_j (W_j * k_j)^T` on chip in exact fp32 (`rebuild_exact` of
 `replay_decode_kda`: newest entry first, `W * K` written over the g records' buffer), stores
 it rounded to the checkpoint's dtype in place, reads the window out from that stored value
-and writes its u records at `0 .. length - 1` (the caller writes its key and gate records
+and writes its u records at `0 .. length - 1` (the wrapper writes its key and gate records
 after the launch: other CTAs of the slot may still read the history they overwrite);
 `MODE_PAD` gives y = 0 and writes nothing. Window positions at and past `length` give
 y = 0 and no records; their inputs are replaced by zeros before use.
@@ -53,9 +53,10 @@ from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA,
 from pallas_kernels.mosaic_gpu.replay_decode import MosaicReplayParams
 from pallas_kernels.mosaic_gpu.replay_decode_kda import (channel_layout, check_kda_shapes, decay_weights,
                                                          rebuild_exact, weighted_keys)
-from pallas_kernels.mosaic_gpu.verify_decode import (MAX_WIDTH, check_params, coefficient_count, coefficient_shape,
-                                                     pack_coefficients, prepare_window, select_if, solve_positions,
-                                                     store_zeros, unpack_coefficients)
+from pallas_kernels.mosaic_gpu.verify_decode import (MAX_WIDTH, append_folding_records, check_params,
+                                                     coefficient_count, coefficient_shape,
+                                                     pack_coefficients, prepare_window, scaled_keys, select_if,
+                                                     solve_positions, store_zeros, unpack_coefficients)
 from pallas_kernels.verify_coefficients import KDA_VECTORS, VerifyCoefficientsParams, kda_verify_coefficients
 
 
@@ -266,7 +267,7 @@ def verify_decode_kda_mgpu(
     `[B, T, H_v, d_k]` (activated log-decays) and g records `[N, H_v, L, d_k]` fp32. Returns
     `(y [B, T, H_v, d_v] in v's dtype, checkpoint, u_cache, k_cache, g_cache)`, the state
     arrays updated in place when the caller donates them (a folding row's key and gate
-    records are left to the caller, see the module doc).
+    records by XLA after the launch, see the module doc).
     """
     batch, width, num_v_heads, head_v_dim = v.shape
     head_k_dim = q.shape[-1]
@@ -303,4 +304,6 @@ def verify_decode_kda_mgpu(
     refs = [jax.new_ref(x) for x in (checkpoint, u_cache, k_cache, g_cache)]
     i32 = lambda x: x.astype(jnp.int32)
     y = kernel(i32(slot), i32(pos), i32(mode), length, q, k, v, g, decay, coef, *refs)
-    return (y, *(jax.freeze(r) for r in refs))
+    checkpoint, u_cache, k_cache, g_cache = (jax.freeze(r) for r in refs)
+    keys = scaled_keys(k, coef, width, KDA_VECTORS, num_v_heads // q.shape[2])
+    return (y, checkpoint, u_cache, *append_folding_records(k_cache, g_cache, keys, g, slot, mode, length))

@@ -26,8 +26,9 @@ Row modes as in the GDN kernel:
 - `MODE_FLUSH` (the capacity rule folds the row): the live state is rebuilt on chip in
   exact fp32 (`mamba2_decode.rebuild_exact`), rounded to the checkpoint's dtype and stored
   in place; the window is read out from that stored value and its x records go to
-  `0 .. length - 1`. Its B and dt records are left to the caller: other CTAs of the slot
-  may still be reading the history they would overwrite.
+  `0 .. length - 1`. Its B and dt records are written by the wrapper after the launch
+  (`verify_decode.append_folding_records`): other CTAs of the slot may still be reading
+  the history they would overwrite.
 - `MODE_PAD`: y = 0, nothing written.
 Window positions at and past `length` give y = 0 and no records; their inputs are replaced
 by zeros before use (in XLA for the scalars, by selects for the vectors).
@@ -50,8 +51,9 @@ from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA,
                                                check_smem, copy_record_rows, copy_replay_tile, load_transposed,
                                                record_copies, replay_scratch, row_sum)
 from pallas_kernels.mosaic_gpu.mamba2_decode import MosaicMamba2Params, check_shapes, rebuild_exact, window_weights
-from pallas_kernels.mosaic_gpu.verify_decode import (MAX_WIDTH, check_params, coefficient_shape, pack_coefficients,
-                                                     select_if, store_zeros, unpack_coefficients)
+from pallas_kernels.mosaic_gpu.verify_decode import (MAX_WIDTH, append_folding_records, check_params,
+                                                     coefficient_shape, pack_coefficients, select_if, store_zeros,
+                                                     unpack_coefficients)
 
 MAMBA2_VECTORS = 2  # e^{A Gamma}, dt per position
 MAMBA2_MATRICES = 1  # M
@@ -267,9 +269,10 @@ def mamba2_verify_decode_mgpu(
       interpret: run in Mosaic GPU interpret mode (default: off GPU).
 
     Returns:
-      `(y [B, T, H, P] in x's dtype, checkpoint, x_cache, b_cache, dt_cache)`, the state
-      arrays updated in place when the caller donates them (see the module doc for which
-      records the kernel writes).
+      `(y [B, T, H, P] in x's dtype, checkpoint, x_cache, b_cache, dt_cache)` with every
+      row's window records appended, the state arrays updated in place when the caller
+      donates them (a folding row's B and dt records by XLA after the launch, see the
+      module doc).
 
     Raises:
       ValueError: on shapes the kernel cannot take (`mamba2_decode.check_shapes`, a width
@@ -306,4 +309,5 @@ def mamba2_verify_decode_mgpu(
     refs = [jax.new_ref(a) for a in (checkpoint, x_cache, b_cache, dt_cache)]
     i32 = lambda a: a.astype(jnp.int32)
     y = kernel(i32(slot), i32(pos), i32(mode), length, x, B, C, z, A, coef, *refs)
-    return (y, *(jax.freeze(r) for r in refs))
+    checkpoint, x_cache, b_cache, dt_cache = (jax.freeze(r) for r in refs)
+    return (y, checkpoint, x_cache, *append_folding_records(b_cache, dt_cache, B, dt, slot, mode, length))
