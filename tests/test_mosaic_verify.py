@@ -412,8 +412,9 @@ def test_backend_verify_defaults():
     """GDN verifies with the tensor-core readout where q and k are bf16 (measured faster at
     fp32 and bf16 states), on persistent CTAs where two fit per SM (fp32 L = 16, T = 4; at
     L = 32 with the window's key sums before the launch, which make the room), folds
-    rebuilt exactly off GPU, per-tile addresses with a bf16 state (measured faster); KDA
-    and Mamba-2 one CTA per tile on CUDA cores."""
+    rebuilt exactly off GPU, per-tile addresses with a bf16 state (measured faster), three
+    warpgroups per CTA with a bf16 state at large batches; KDA and Mamba-2 one CTA per tile
+    on CUDA cores."""
     from replayssm_jax import ReplayConfig
     from replayssm_jax.backends import mosaic_gpu
 
@@ -433,9 +434,16 @@ def test_backend_verify_defaults():
     assert on_gpu(gdn(16)) == persistent()
     assert on_gpu(gdn(32)) == persistent()
     bf16_cfg = lambda L: ReplayConfig(16, 32, 128, 128, L, state_dtype=jnp.bfloat16, cache_dtype=jnp.bfloat16)
-    assert on_gpu(bf16_cfg(32)).key_side == "kernel"  # two fit without it
+    assert on_gpu(bf16_cfg(32)).key_side == "kernel"  # two fit without it; not measured with them
+    # A bf16 state on rings of 16 (measured at T = 4): the key sums before the launch from
+    # B = 32 and three warpgroups per CTA, one CTA per SM, from B = 128.
     bf16 = on_gpu(bf16_cfg(16))
-    assert (bf16.rebuild, bf16.per_tile_addresses, bf16.programs) == ("3xtf32", True, 264)
+    assert bf16 == MosaicReplayParams(programs=396, auto_barriers=False, readout="mma", rebuild="3xtf32",
+                                      key_side="xla", per_tile_addresses=True, warpgroups=3, window_side="kernel")
+    at = lambda batch, width=4: mosaic_gpu.verify_default_params(bf16_cfg(16), batch, width, jnp.bfloat16,
+                                                                 interpret=False)
+    assert (at(128).warpgroups, at(64).warpgroups, at(64).key_side, at(64).programs) == (3, 1, "xla", 264)
+    assert (at(8).key_side, at(512, 8).warpgroups) == ("kernel", 1)
     # T >= 8 on rings of 32: one CTA per tile with the key sums before the launch (measured
     # faster than persistent CTAs at the register cap), as the measured configurations.
     assert on_gpu(gdn(32), 8) == MosaicReplayParams(readout="mma", key_side="xla", window_side="kernel")

@@ -32,6 +32,10 @@ GATES: tuple[str, ...] = ("gdn", "kda", "mamba2")
 H200_SMS = 132  # the SM count assumed off GPU (interpret mode), where the device reports none
 WARPGROUPS, WARPGROUPS_FROM_BATCH = 3, 256  # GDN decode's programs per CTA at large batches (`warpgroups_for`)
 VERIFY_KEY_SUMS_FROM_BATCH = 128  # fp32 GDN verify's key sums before the launch: measured faster from here
+# A 2-byte GDN verify state on rings of 16 (measured at T = 4): the key sums before the
+# launch from B = 32, three warpgroups per CTA from B = 128 (both faster at every batch
+# measured from there; three warpgroups slower at B = 32).
+VERIFY_TWO_BYTE_KEY_SUMS_FROM_BATCH, VERIFY_WARPGROUPS_FROM_BATCH = 32, 128
 WIDE_WINDOW, WIDE_WINDOW_RING = 8, 32  # GDN verify from these T and L: one CTA per tile (measured faster)
 
 
@@ -125,8 +129,12 @@ def verify_default_params(cfg, batch: int, width: int, token_dtype, *, interpret
     (`per_tile_addresses`); the window's key sums before the launch (`key_side="xla"`:
     tensor-core sums in a kernel of their own, `verify_decode.window_key_values`) where
     they make room for two persistent CTAs per SM (fp32, L = 32) and with an fp32 state
-    from `VERIFY_KEY_SUMS_FROM_BATCH` (measured faster at L = 16 too); a bf16 state keeps
-    the kernel's own (not measured against them); windows of `WIDE_WINDOW` or more
+    from `VERIFY_KEY_SUMS_FROM_BATCH` (measured faster at L = 16 too), with a 2-byte state
+    on rings of 16 from `VERIFY_TWO_BYTE_KEY_SUMS_FROM_BATCH` (longer rings keep the
+    kernel's own: not measured against them); a 2-byte state on rings of 16 with bf16 q, k
+    and windows of at most 4 positions: from `VERIFY_WARPGROUPS_FROM_BATCH` three
+    warpgroups per CTA (`WARPGROUPS` persistent programs, one CTA per SM; measured at
+    T = 4); windows of `WIDE_WINDOW` or more
     positions on rings of `WIDE_WINDOW_RING` or more: one CTA per tile with the key sums
     before the launch (the persistent kernel sits at the register cap there and its
     readouts slow ~3.7x); the window's records and staged vectors from their own kernel
@@ -134,7 +142,8 @@ def verify_default_params(cfg, batch: int, width: int, token_dtype, *, interpret
     is a measured line of `benchmarks/NOTES.md` ("verify defaults", "verify tensor-core
     readout, measured", "verify folds on tensor cores", "GDN verify with per-tile
     addresses", "verify key sums from XLA", "verify key sums before the launch at L = 16",
-    "verify window kernel, measured", "verify T = 8 on rings of 32"). KDA and Mamba-2: one
+    "verify window kernel, measured", "verify T = 8 on rings of 32", "verify with a bf16
+    state: key sums before the launch, three warpgroups"). KDA and Mamba-2: one
     CTA per tile on CUDA cores, exact folds (their verify kernels have no persistent
     form)."""
     if cfg.gate == "mamba2":
@@ -157,8 +166,17 @@ def verify_default_params(cfg, batch: int, width: int, token_dtype, *, interpret
     cta_bytes = lambda rebuild, side: verify_decode.persistent_smem_bytes(*shape, readout=readout, rebuild=rebuild,
                                                                           key_side=side)
     makes_room = ctas_per_sm(cta_bytes("exact", "kernel")) < 2 <= ctas_per_sm(cta_bytes("exact", "xla"))
-    fp32_measured = not two_byte and batch >= VERIFY_KEY_SUMS_FROM_BATCH
-    key_side = "xla" if side_keys_fit and (makes_room or fp32_measured) else "kernel"
+    short_ring = two_byte and cfg.cache_len <= 16  # where the 2-byte choices were measured
+    sums_from = VERIFY_TWO_BYTE_KEY_SUMS_FROM_BATCH if short_ring else None if two_byte else VERIFY_KEY_SUMS_FROM_BATCH
+    key_side = "xla" if side_keys_fit and (makes_room or (sums_from and batch >= sums_from)) else "kernel"
+    if key_side == "xla" and short_ring and readout == "mma" and width <= 4 and batch >= VERIFY_WARPGROUPS_FROM_BATCH:
+        three = dict(readout=readout, rebuild="exact" if interpret else "3xtf32", key_side=key_side)
+        programs = verify_decode.persistent_programs(batch, width, cfg.num_v_heads, cfg.head_v_dim, cfg.head_k_dim,
+                                                     cfg.cache_len, cfg.state_dtype, cfg.cache_dtype, token_dtype,
+                                                     device_sm_count(), warpgroups=WARPGROUPS, **three)
+        if programs:
+            return MosaicReplayParams(programs=programs, auto_barriers=False, per_tile_addresses=True,
+                                      warpgroups=WARPGROUPS, window_side=window_side, **three)
     fits = lambda rebuild: ctas_per_sm(cta_bytes(rebuild, key_side), verify_decode.RESIDENT_CTAS)
     persistent = fits("exact") >= 2
     # "3xtf32" shortened the flush step with one CTA per tile and with a bf16 tile, but on
