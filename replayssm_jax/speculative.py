@@ -305,13 +305,13 @@ def verify_step(
         kernel_params = kernel_params or mosaic_gpu.verify_default_params(cfg, batch, width, token_dtype,
                                                                           interpret=interpret)
 
-    plan, fold, in_window = _window_plan(state, slots, lengths, batch, width)
+    plan, fold, length, in_window = _window_plan(state, slots, lengths, batch, width)
     anc = ancestors(parents, batch, width)
     if backend == "mosaic_gpu" and cfg.gate_kind.additive:
-        return _mosaic_mamba2_verify(state, window, gate_params, plan, fold, in_window, anc,
+        return _mosaic_mamba2_verify(state, window, gate_params, plan, fold, length, anc,
                                      kernel_params=kernel_params, interpret=interpret)
     if backend == "mosaic_gpu":
-        return _mosaic_verify(state, window, plan, fold, in_window, anc, use_qk_l2norm=use_qk_l2norm, scale=scale,
+        return _mosaic_verify(state, window, plan, fold, length, anc, use_qk_l2norm=use_qk_l2norm, scale=scale,
                               gate_params=gate_params, kernel_params=kernel_params, interpret=interpret)
     if cfg.gate_kind.additive:
         y, records, checkpoint, pools = _mamba2_window(state, window, gate_params, plan, fold, in_window, anc)
@@ -324,15 +324,16 @@ def verify_step(
 
 
 def _window_plan(state: ReplayState, slots, lengths, batch: int, width: int):
-    """`(plan, fold [B], in_window [B, T])`: the rows' plan, the rows the capacity rule
-    folds, and the positions that are not padding (all False on padding rows)."""
+    """`(plan, fold [B], length [B], in_window [B, T])`: the rows' plan, the rows the
+    capacity rule folds, each row's window length (0 on padding rows) and the positions
+    that are not padding."""
     cfg = state.config
     plan = plan_step(state.write_pos, slots, None, cfg.cache_len)
     length = jnp.full((batch,), width, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
     length = jnp.where(plan.valid, length, 0)
     fold = plan.valid & (plan.pos + length > cfg.cache_len)
     in_window = jnp.arange(width)[None, :] < length[:, None]  # [B, T]
-    return plan, fold, in_window
+    return plan, fold, length, in_window
 
 
 def _keeper(in_window: Bool[Array, "B T"]):
@@ -465,7 +466,7 @@ def _fold_cursors(state: ReplayState, plan, fold) -> Int[Array, " N"]:
     return state.write_pos.at[jnp.where(fold, plan.slot, state.num_slots)].set(0, mode="drop")
 
 
-def _mosaic_verify(state, window: Tokens, plan, fold, in_window, anc, *, use_qk_l2norm, scale, gate_params,
+def _mosaic_verify(state, window: Tokens, plan, fold, length, anc, *, use_qk_l2norm, scale, gate_params,
                    kernel_params, interpret):
     """`verify_step` on the Mosaic GPU kernel: `(y, new_state)`."""
     cfg = state.config
@@ -478,13 +479,13 @@ def _mosaic_verify(state, window: Tokens, plan, fold, in_window, anc, *, use_qk_
     y, checkpoint, u_cache, k_cache, g_cache = kernel(
         state.checkpoint, state.u_cache, state.k_cache, state.g_cache,
         window.q, window.k, window.v, window.g, window.beta,
-        plan.slot, plan.pos, common.row_modes(plan.valid, fold), in_window.sum(axis=1), anc,
+        plan.slot, plan.pos, common.row_modes(plan.valid, fold), length, anc,
         use_qk_l2norm=use_qk_l2norm, scale=scale, params=kernel_params, interpret=interpret, **order)
     return y, dataclasses.replace(state, checkpoint=checkpoint, u_cache=u_cache, k_cache=k_cache, g_cache=g_cache,
                                   write_pos=_fold_cursors(state, plan, fold))
 
 
-def _mosaic_mamba2_verify(state, window: Mamba2Tokens, params: Mamba2Params, plan, fold, in_window, anc, *,
+def _mosaic_mamba2_verify(state, window: Mamba2Tokens, params: Mamba2Params, plan, fold, length, anc, *,
                           kernel_params, interpret):
     """`verify_step` for gate "mamba2" on the Mosaic GPU kernel: `(y, new_state)`."""
     dt = gating.mamba2_dt(window.dt, params.dt_bias, dt_softplus=params.dt_softplus,
@@ -492,7 +493,7 @@ def _mosaic_mamba2_verify(state, window: Mamba2Tokens, params: Mamba2Params, pla
     y, checkpoint, x_cache, b_cache, dt_cache = mamba2_verify_decode_mgpu(
         state.checkpoint, state.u_cache, state.k_cache, state.g_cache,
         window.x, window.B, window.C, dt, params.A, params.D,
-        plan.slot, plan.pos, common.row_modes(plan.valid, fold), in_window.sum(axis=1), anc,
+        plan.slot, plan.pos, common.row_modes(plan.valid, fold), length, anc,
         z=window.z, params=kernel_params, interpret=interpret)
     return y, dataclasses.replace(state, checkpoint=checkpoint, u_cache=x_cache, k_cache=b_cache, g_cache=dt_cache,
                                   write_pos=_fold_cursors(state, plan, fold))
