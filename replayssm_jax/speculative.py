@@ -453,11 +453,11 @@ def _append_window(state: ReplayState, plan, fold, in_window, checkpoint, pools,
 
 
 def _window_targets(plan, fold, in_window, num_slots) -> tuple[Int[Array, "B T"], Int[Array, "B T"]]:
-    """`(slot, position)` of each window record of the live rows in the ring: from 0 on
-    folding rows, from the cursor on the others; positions past a row's length and padding
-    rows get slot N (the scatter drops them)."""
+    """`(slot, position)` of each window record in the ring: from 0 on folding rows, from
+    the cursor on the others; positions past a row's length (all of a padding row's) get
+    slot N (the scatter drops them)."""
     base = jnp.where(fold, 0, plan.pos)
-    slot_bt = jnp.where(in_window & plan.valid[:, None], plan.slot[:, None], num_slots)
+    slot_bt = jnp.where(in_window, plan.slot[:, None], num_slots)
     return slot_bt, base[:, None] + jnp.arange(in_window.shape[1])[None, :]
 
 

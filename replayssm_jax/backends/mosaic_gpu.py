@@ -118,34 +118,31 @@ def warpgroups_for(cfg, batch: int, token_dtype) -> int:
 
 def verify_default_params(cfg, batch: int, width: int, token_dtype, *, interpret: bool | None = None
                           ) -> MosaicReplayParams | MosaicMamba2Params:
-    """The verify kernel's parameters when the caller gives none. GDN: the tensor-core
-    readout where q and k are bf16 (`readout="mma"`); on a GPU (`interpret` false; default:
-    off GPU) folds rebuilt by "3xtf32" where its operands fit as many CTAs per SM as the
-    exact rebuild's record copies (as the decode kernel's `gpu_rebuild`) and the tile is
-    not an fp32 one on persistent CTAs (measured slower there), else exactly; persistent
-    CTAs without Mosaic's barriers where two or more fit per SM (the next tile's copies then
-    hide behind another CTA's work), else one CTA per tile (one persistent CTA per SM
-    measured slower); with a 2-byte state and bf16 q, k, addresses recomputed per tile
-    (`per_tile_addresses`); the window's key sums before the launch (`key_side="xla"`:
-    tensor-core sums in a kernel of their own, `verify_decode.window_key_values`) where
-    they make room for two persistent CTAs per SM (fp32, L = 32) and with an fp32 state
-    from `VERIFY_KEY_SUMS_FROM_BATCH` (measured faster at L = 16 too), with a 2-byte state
-    on rings of 16 from `VERIFY_TWO_BYTE_KEY_SUMS_FROM_BATCH` (longer rings keep the
-    kernel's own: not measured against them); a 2-byte state on rings of 16 with bf16 q, k
-    and windows of at most 4 positions: from `VERIFY_WARPGROUPS_FROM_BATCH` three
-    warpgroups per CTA (`WARPGROUPS` persistent programs, one CTA per SM; measured at
-    T = 4); windows of `WIDE_WINDOW` or more
-    positions on rings of `WIDE_WINDOW_RING` or more: one CTA per tile with the key sums
-    before the launch (the persistent kernel sits at the register cap there and its
-    readouts slow ~3.7x); the window's records and staged vectors from their own kernel
-    (`window_side="kernel"`) where d_k is a power of two (its Triton blocks). Each choice
-    is a measured line of `benchmarks/NOTES.md` ("verify defaults", "verify tensor-core
-    readout, measured", "verify folds on tensor cores", "GDN verify with per-tile
-    addresses", "verify key sums from XLA", "verify key sums before the launch at L = 16",
-    "verify window kernel, measured", "verify T = 8 on rings of 32", "verify with a bf16
-    state: key sums before the launch, three warpgroups"). KDA and Mamba-2: one
-    CTA per tile on CUDA cores, exact folds (their verify kernels have no persistent
-    form)."""
+    """The verify kernel's parameters when the caller gives none. GDN: the tensor-core readout
+    where q and k are bf16 (`readout="mma"`); on a GPU (`interpret` false; default: off GPU)
+    folds rebuilt by "3xtf32" where its operands fit as many CTAs per SM as the exact rebuild's
+    record copies (as the decode kernel's `gpu_rebuild`) and the tile is not an fp32 one on
+    persistent CTAs (measured slower there), else exactly; persistent CTAs without Mosaic's
+    barriers where two or more fit per SM (the next tile's copies then hide behind another CTA's
+    work), else one CTA per tile (one persistent CTA per SM measured slower); with a 2-byte
+    state and bf16 q, k, addresses recomputed per tile (`per_tile_addresses`); the window's key
+    sums before the launch (`key_side="xla"`: tensor-core sums in a kernel of their own,
+    `verify_decode.window_key_values`) where they make room for two persistent CTAs per SM
+    (fp32, L = 32) and with an fp32 state from `VERIFY_KEY_SUMS_FROM_BATCH` (measured faster at
+    L = 16 too), with a 2-byte state on rings of 16 from `VERIFY_TWO_BYTE_KEY_SUMS_FROM_BATCH`
+    (longer rings keep the kernel's own: not measured against them); a 2-byte state on rings of
+    16 with bf16 q, k and windows of at most 4 positions: from `VERIFY_WARPGROUPS_FROM_BATCH`
+    three warpgroups per CTA (`WARPGROUPS` persistent programs, one CTA per SM; measured at
+    T = 4); windows of `WIDE_WINDOW` or more positions on rings of `WIDE_WINDOW_RING` or more: one
+    CTA per tile with the key sums before the launch (the persistent kernel sits at the register
+    cap there and its readouts slow ~3.7x); the window's records and staged vectors from their
+    own kernel (`window_side="kernel"`) where d_k is a power of two (its Triton blocks). Each
+    choice is a measured line of `benchmarks/NOTES.md` ("verify defaults", "verify tensor-core
+    readout, measured", "verify folds on tensor cores", "GDN verify with per-tile addresses",
+    "verify key sums from XLA", "verify key sums before the launch at L = 16", "verify window
+    kernel, measured", "verify T = 8 on rings of 32", "one CTA per tile at T = 4, and verify
+    with a bf16 state"). KDA and Mamba-2: one CTA per tile on CUDA cores, exact folds (their
+    verify kernels have no persistent form)."""
     if cfg.gate == "mamba2":
         return MosaicMamba2Params()
     if cfg.per_channel_gate:
