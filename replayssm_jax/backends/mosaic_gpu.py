@@ -159,22 +159,18 @@ def verify_default_params(cfg, batch: int, width: int, token_dtype, *, interpret
         return MosaicReplayParams(readout=readout, rebuild="3xtf32" if two_byte and not interpret else "exact",
                                   key_side="xla", per_tile_addresses=two_byte and readout == "mma",
                                   window_side=window_side)
-    shape = (width, cfg.head_k_dim, cfg.cache_len, cfg.state_dtype, cfg.cache_dtype, token_dtype)
-    cta_bytes = lambda rebuild, side: verify_decode.persistent_smem_bytes(*shape, readout=readout, rebuild=rebuild,
-                                                                          key_side=side)
-    makes_room = ctas_per_sm(cta_bytes("exact", "kernel")) < 2 <= ctas_per_sm(cta_bytes("exact", "xla"))
-    short_ring = two_byte and cfg.cache_len <= 16  # where the 2-byte choices were measured
-    sums_from = VERIFY_TWO_BYTE_KEY_SUMS_FROM_BATCH if short_ring else None if two_byte else VERIFY_KEY_SUMS_FROM_BATCH
-    key_side = "xla" if side_keys_fit and (makes_room or (sums_from and batch >= sums_from)) else "kernel"
-    if key_side == "xla" and short_ring and readout == "mma" and width <= 4 and batch >= VERIFY_WARPGROUPS_FROM_BATCH:
+    key_side = verify_key_side(cfg, batch, width, token_dtype, readout) if side_keys_fit else "kernel"
+    if (key_side == "xla" and two_byte and cfg.cache_len <= 16 and readout == "mma" and width <= 4
+            and batch >= VERIFY_WARPGROUPS_FROM_BATCH):
         three = dict(readout=readout, rebuild="exact" if interpret else "3xtf32", key_side=key_side)
-        programs = verify_decode.persistent_programs(batch, width, cfg.num_v_heads, cfg.head_v_dim, cfg.head_k_dim,
-                                                     cfg.cache_len, cfg.state_dtype, cfg.cache_dtype, token_dtype,
-                                                     device_sm_count(), warpgroups=WARPGROUPS, **three)
+        programs = _verify_programs(cfg, batch, width, token_dtype, warpgroups=WARPGROUPS, **three)
         if programs:
             return MosaicReplayParams(programs=programs, auto_barriers=False, per_tile_addresses=True,
                                       warpgroups=WARPGROUPS, window_side=window_side, **three)
-    fits = lambda rebuild: ctas_per_sm(cta_bytes(rebuild, key_side), verify_decode.RESIDENT_CTAS)
+    shape = (width, cfg.head_k_dim, cfg.cache_len, cfg.state_dtype, cfg.cache_dtype, token_dtype)
+    fits = lambda rebuild: ctas_per_sm(verify_decode.persistent_smem_bytes(*shape, readout=readout, rebuild=rebuild,
+                                                                           key_side=key_side),
+                                       verify_decode.RESIDENT_CTAS)
     persistent = fits("exact") >= 2
     # "3xtf32" shortened the flush step with one CTA per tile and with a bf16 tile, but on
     # persistent CTAs with an fp32 tile it slowed every step (NOTES: "verify folds on tensor cores").
@@ -183,13 +179,33 @@ def verify_default_params(cfg, batch: int, width: int, token_dtype, *, interpret
     rebuild = "3xtf32" if tensor_cores else "exact"
     if not persistent:
         return MosaicReplayParams(readout=readout, rebuild=rebuild, window_side=window_side)
-    programs = verify_decode.persistent_programs(batch, width, cfg.num_v_heads, cfg.head_v_dim, cfg.head_k_dim,
-                                                 cfg.cache_len, cfg.state_dtype, cfg.cache_dtype, token_dtype,
-                                                 device_sm_count(), readout=readout, rebuild=rebuild,
-                                                 key_side=key_side)
-    return MosaicReplayParams(programs=programs, auto_barriers=False, readout=readout, rebuild=rebuild,
-                              key_side=key_side, per_tile_addresses=two_byte and readout == "mma",
-                              window_side=window_side)
+    return MosaicReplayParams(programs=_verify_programs(cfg, batch, width, token_dtype, readout=readout,
+                                                        rebuild=rebuild, key_side=key_side),
+                              auto_barriers=False, readout=readout, rebuild=rebuild, key_side=key_side,
+                              per_tile_addresses=two_byte and readout == "mma", window_side=window_side)
+
+
+def verify_key_side(cfg, batch: int, width: int, token_dtype, readout: str) -> str:
+    """Where the GDN verify kernel takes the window's key sums from (where their blocks take
+    the ring, `verify_decode.key_block_heads`): "xla", their own kernel before the launch,
+    where that makes room for two persistent CTAs per SM or the batch measured faster with
+    them (fp32 states from `VERIFY_KEY_SUMS_FROM_BATCH`, 2-byte states on rings of 16 from
+    `VERIFY_TWO_BYTE_KEY_SUMS_FROM_BATCH`); else "kernel"."""
+    shape = (width, cfg.head_k_dim, cfg.cache_len, cfg.state_dtype, cfg.cache_dtype, token_dtype)
+    cta_bytes = lambda side: verify_decode.persistent_smem_bytes(*shape, readout=readout, key_side=side)
+    makes_room = ctas_per_sm(cta_bytes("kernel")) < 2 <= ctas_per_sm(cta_bytes("xla"))
+    if cfg.state_dtype.itemsize == 2:
+        measured_from = VERIFY_TWO_BYTE_KEY_SUMS_FROM_BATCH if cfg.cache_len <= 16 else None
+    else:
+        measured_from = VERIFY_KEY_SUMS_FROM_BATCH
+    return "xla" if makes_room or (measured_from is not None and batch >= measured_from) else "kernel"
+
+
+def _verify_programs(cfg, batch: int, width: int, token_dtype, **params) -> int:
+    """`verify_decode.persistent_programs` for the layer on this device's SMs."""
+    return verify_decode.persistent_programs(batch, width, cfg.num_v_heads, cfg.head_v_dim, cfg.head_k_dim,
+                                             cfg.cache_len, cfg.state_dtype, cfg.cache_dtype, token_dtype,
+                                             device_sm_count(), **params)
 
 
 def check_config(cfg) -> None:
