@@ -227,14 +227,15 @@ def verify_step(
     slots: Int[Array, " B"],
     *,
     mesh: Mesh,
+    backend: str = "xla",
     lengths: Int[Array, " B"] | None = None,
     parents: Int[Array, "B T"] | None = None,
     use_qk_l2norm: bool = False,
     scale: float | None = None,
 ) -> tuple[Float[Array, "B T Hv Dv"], ReplayState]:
-    """`replayssm_jax.verify_step` sharded over `mesh` (rows and slots as in the module
-    docstring): each device verifies its B/dp rows' windows on its H/tp heads; the window
-    solve is per head, so no device needs another's heads.
+    """`replayssm_jax.verify_step` on `backend` sharded over `mesh` (rows and slots as in the
+    module docstring): each device verifies its B/dp rows' windows on its H/tp heads; the
+    window solve is per head, so no device needs another's heads.
 
     Returns:
       `(y [B, T, H_v, d_v], new_state)`, y split over dp (rows) and tp (heads).
@@ -244,6 +245,7 @@ def verify_step(
     check_slots("slots", slots, batch, state.num_slots)
     check_fits(state.config, state.num_slots, mesh, batch)
     check_row_slots("slots", slots, state.num_slots, axis_sizes(mesh)[1])
+    check_backend(backend)
     tp, _ = axis_sizes(mesh)
     config = state.config
     window_specs = Tokens(q=P(DP, None, TP), k=P(DP, None, TP), v=P(DP, None, TP), g=P(DP, None, TP),
@@ -254,7 +256,7 @@ def verify_step(
 
     def local(state, window, slots, options):
         state = dataclasses.replace(state, config=local_config(config, tp))
-        y, new = speculative.verify_step(state, window, _local_slots(slots, state.num_slots),
+        y, new = speculative.verify_step(state, window, _local_slots(slots, state.num_slots), backend=backend,
                                          use_qk_l2norm=use_qk_l2norm, scale=scale, **options)
         return y, dataclasses.replace(new, config=config)
 
@@ -344,4 +346,81 @@ def model_decode_step(
 
 jitted_model_decode_step = jax.jit(model_decode_step, static_argnames=("mesh", "backend", "policy"),
                                    donate_argnames=("state",))
+
+
+def model_verify_step(
+    params: decoder.DecoderParams,
+    state: ModelState,
+    tokens: Int[Array, "B T"],
+    slots: Int[Array, " B"],
+    *,
+    mesh: Mesh,
+    backend: str = "xla",
+) -> tuple[Float[Array, "B T V"], ModelState, Float[Array, "Y B T C"], Bool[Array, " B"]]:
+    """`model.decoder.verify_window` of a GDN stack sharded over `mesh`: returns `(logits,
+    new_state, conv_inputs, folded)` as it does, for `model_accept_step`.
+
+    As `model_decode_step`: weights replicated, each device verifies its B/dp rows' windows
+    on its own heads and all-gathers the layer outputs over tp for the output projection.
+    """
+    check_model_state(state)
+    decoder.check_token_ids("tokens", tokens, 2)
+    batch, width = jnp.shape(tokens)
+    check_slots("slots", slots, batch, state.num_slots)
+    check_backend(backend)
+    check_fits(state.config, state.num_slots, mesh, batch)
+    check_row_slots("slots", slots, state.num_slots, axis_sizes(mesh)[1])
+    if width > state.config.cache_len:
+        raise ValueError(f"window width T = {width} exceeds cache_len = {state.config.cache_len}")
+
+    def local(params, state, tokens, slots):
+        return decoder.verify_core(params, state, tokens, _local_slots(slots, state.num_slots), backend=backend,
+                                   tp_axis=TP)
+
+    specs = model_state_specs(state.config)
+    # check_vma off: logits, conv inputs, cursors and folded rows are declared replicated
+    # over tp; every tp shard computes them from the same inputs and the all-gathered y.
+    step = jax.shard_map(local, mesh=mesh, in_specs=(P(), specs, P(DP), P(DP)),
+                         out_specs=(P(DP), specs, P(None, DP), P(DP)), check_vma=False)
+    return step(params, state, jnp.asarray(tokens), jnp.asarray(slots, jnp.int32))
+
+
+def model_accept_step(
+    state: ModelState,
+    slots: Int[Array, " B"],
+    num_accepted: Int[Array, " B"],
+    conv_inputs: Float[Array, "Y B T C"],
+    *,
+    mesh: Mesh,
+) -> ModelState:
+    """`model.decoder.accept_window` sharded over `mesh`: each device moves its slots'
+    cursors and rolls their conv states forward by the accepted tokens."""
+    check_model_state(state)
+    check_array("slots", slots, (None,), layout="a 1-D [B] array")
+    batch = jnp.shape(slots)[0]
+    check_slots("slots", slots, batch, state.num_slots)
+    check_fits(state.config, state.num_slots, mesh, batch)
+    check_row_slots("slots", slots, state.num_slots, axis_sizes(mesh)[1])
+    check_array("num_accepted", num_accepted, (batch,), layout="a 1-D [B] array")
+    width = jnp.shape(conv_inputs)[2]
+    counts = concrete_or_none(num_accepted)
+    if counts is not None and np.any((counts < 0) | (counts > width)):
+        raise ValueError(f"num_accepted must lie in [0, {width}] (the window width), got {counts.tolist()}")
+    tp, _ = axis_sizes(mesh)
+    config = state.config
+
+    def local(state, slots, num_accepted, conv_inputs):
+        state = dataclasses.replace(state, config=local_config(config, tp))
+        new = decoder.accept_window(state, _local_slots(slots, state.num_slots), num_accepted, conv_inputs)
+        return dataclasses.replace(new, config=config)
+
+    specs = model_state_specs(config)
+    step = jax.shard_map(local, mesh=mesh, in_specs=(specs, P(DP), P(DP), P(None, DP)), out_specs=specs,
+                         check_vma=False)
+    return step(state, jnp.asarray(slots, jnp.int32), jnp.asarray(num_accepted, jnp.int32), conv_inputs)
+
+
+jitted_model_verify_step = jax.jit(model_verify_step, static_argnames=("mesh", "backend"),
+                                   donate_argnames=("state",))
+jitted_model_accept_step = jax.jit(model_accept_step, static_argnames=("mesh",), donate_argnames=("state",))
 

@@ -163,11 +163,11 @@ def test_decode_equals_single_device_bit_for_bit(rng, gate, policy):
 
 
 @child_only
-@pytest.mark.parametrize("gate", ["gdn", "kda"])
-def test_verify_and_accept_equal_single_device(rng, gate):
+@pytest.mark.parametrize("gate,backend", [("gdn", "xla"), ("kda", "xla"), ("gdn", "pallas_triton")])
+def test_verify_and_accept_equal_single_device(rng, gate, backend):
     """Windows of T = 2 with ragged lengths, then mixed accepts: the sharded verify and accept
     end with the same outputs and state bits as one device (each head's window solve is
-    local to its device)."""
+    local to its device), on the xla backend and on the Triton kernels (interpret mode)."""
     config, mesh = _config(gate, cache_len=4), _mesh()
     state = init_state(config, N, jnp.asarray(random_checkpoint(rng, config, N)))
     sharded = sharding.place_state(state, mesh)
@@ -176,10 +176,10 @@ def test_verify_and_accept_equal_single_device(rng, gate):
         window = to_device(random_tokens(rng, config, (B, width)))
         slots = jnp.asarray(_row_slots(rng))
         lengths = jnp.asarray(rng.integers(0, width + 1, B), jnp.int32)
-        y, state = jax.jit(lambda s, w, sl, n: R.verify_step(s, w, sl, lengths=n, use_qk_l2norm=True))(
-            state, window, slots, lengths)
-        y_s, sharded = jax.jit(lambda s, w, sl, n: sharding.verify_step(s, w, sl, mesh=mesh, lengths=n,
-                                                                        use_qk_l2norm=True))(sharded, window, slots, lengths)
+        y, state = jax.jit(lambda s, w, sl, n: R.verify_step(s, w, sl, backend=backend, lengths=n,
+                                                             use_qk_l2norm=True))(state, window, slots, lengths)
+        y_s, sharded = jax.jit(lambda s, w, sl, n: sharding.verify_step(
+            s, w, sl, mesh=mesh, backend=backend, lengths=n, use_qk_l2norm=True))(sharded, window, slots, lengths)
         chex.assert_trees_all_equal((y_s, sharded), (y, state))
         accepted = jnp.minimum(jnp.asarray(rng.integers(0, width + 1, B), jnp.int32), lengths)
         state = jax.jit(R.accept)(state, slots, accepted)
@@ -255,6 +255,40 @@ def test_model_step_and_slot_ops_match_single_device(rng):
     chex.assert_trees_all_close(sharded, state, **MODEL_TOL)
 
 
+@child_only
+def test_model_verify_and_accept_match_single_device(rng):
+    """Speculative rounds of the model on the mesh (T = 3 windows on rings of 3, so rows
+    fold, and mixed accepts of 0..T tokens, padding rows among them) end with the logits,
+    conv inputs, folded rows and state of one device; the verify step's only collective is
+    the all-gather of the layer outputs."""
+    params, mesh = decoder.init_params(TINY, seed=4), _mesh()
+    state = TINY.init_state(N, 3)
+    sharded = sharding.place_state(state, mesh)
+    width = 3
+    one_verify = jax.jit(lambda s, t, sl: decoder.verify_window(params, s, t, sl))
+    one_accept = jax.jit(decoder.accept_window)
+    many_verify = jax.jit(lambda s, t, sl: sharding.model_verify_step(params, s, t, sl, mesh=mesh))
+    many_accept = jax.jit(lambda s, sl, n, c: sharding.model_accept_step(s, sl, n, c, mesh=mesh))
+    folded_rows = 0
+    for _ in range(5):
+        tokens = jnp.asarray(rng.integers(0, TINY.vocab_size, (B, width)), jnp.int32)
+        slots = jnp.asarray(_row_slots(rng))
+        logits, state, conv_inputs, folded = one_verify(state, tokens, slots)
+        logits_s, sharded, conv_inputs_s, folded_s = many_verify(sharded, tokens, slots)
+        chex.assert_trees_all_close((logits_s, sharded, conv_inputs_s), (logits, state, conv_inputs), **MODEL_TOL)
+        np.testing.assert_array_equal(folded_s, folded)
+        folded_rows += int(np.sum(folded))
+        accepted = jnp.asarray(rng.integers(0, width + 1, B), jnp.int32)
+        state = one_accept(state, slots, accepted, conv_inputs)
+        sharded = many_accept(sharded, slots, accepted, conv_inputs_s)
+        chex.assert_trees_all_close(sharded, state, **MODEL_TOL)
+    assert folded_rows > 0
+    assert sharded.checkpoint.sharding.spec == jax.sharding.PartitionSpec(None, "dp", "tp")
+    hlo = sharding.jitted_model_verify_step.lower(params, sharded, tokens, slots, mesh=mesh).compile().as_text()
+    found = _collectives(hlo)
+    assert found and {(op, dtype) for op, dtype, _ in found} == {("all-gather", "f32")}, found
+
+
 def _collectives(hlo: str) -> list[tuple[str, str, tuple[int, ...]]]:
     """(op, dtype, result shape) of every collective in an HLO module's text."""
     found = re.findall(r"= (\w+)\[([\d,]*)\][^=]*? (all-gather|all-reduce|reduce-scatter|collective-permute|"
@@ -309,3 +343,29 @@ def test_demo_runs_sharded_and_agrees(capsys):
     assert code == 0, out
     assert "mesh {'dp': 2, 'tp': 2} over 4 devices" in out
     assert "greedy tokens equal to plain decode alone: all" in out
+
+
+@child_only
+@pytest.mark.parametrize("drafter", ["self", "ngram"])
+def test_demo_speculates_sharded_and_agrees(capsys, drafter):
+    """The engine's speculative step on a 2 x 2 mesh (the self drafter: every draft of an
+    fp32 state accepted, full windows; n-gram: mixed accepts), rings of 3 so windows fold."""
+    code = demo.main(["--batch", "4", "--steps", "8", "--cache-len", "3", "--track-interval", "4",
+                      "--mesh", "tp=2,dp=2", "--speculate", "3", "--drafter", drafter])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "mesh {'dp': 2, 'tp': 2} over 4 devices" in out
+    assert "greedy tokens equal to non-speculative plain decode: all" in out
+
+
+@child_only
+def test_model_accept_refuses_counts_past_the_window(rng):
+    params, mesh = decoder.init_params(TINY, seed=0), _mesh()
+    state = sharding.place_state(TINY.init_state(N, 3), mesh)
+    slots = jnp.asarray(_row_slots(rng))
+    _, state, conv_inputs, _ = sharding.model_verify_step(params, state, jnp.zeros((B, 2), jnp.int32), slots,
+                                                          mesh=mesh)
+    with pytest.raises(ValueError, match=r"num_accepted must lie in \[0, 2\]"):
+        sharding.model_accept_step(state, slots, jnp.full((B,), 3, jnp.int32), conv_inputs, mesh=mesh)
+    with pytest.raises(ValueError, match="window width T = 4 exceeds"):
+        sharding.model_verify_step(params, state, jnp.zeros((B, 4), jnp.int32), slots, mesh=mesh)

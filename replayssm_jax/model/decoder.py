@@ -502,6 +502,21 @@ def verify_window(
         raise ValueError(f"window width T = {width} exceeds cache_len = {cache_len}")
     if isinstance(state, HybridState):
         return _hybrid_verify(params, state, tokens, slots, backend)
+    return verify_core(params, state, tokens, slots, backend=backend)
+
+
+def verify_core(
+    params: DecoderParams,
+    state: ModelState,
+    tokens: Int[Array, "B T"],
+    slots: Int[Array, " B"],
+    *,
+    backend: str = "xla",
+    tp_axis: str | None = None,
+) -> tuple[Float[Array, "B T V"], ModelState, Float[Array, "Y B T C"], Bool[Array, " B"]]:
+    """`verify_window` of a GDN stack without the argument checks. With `tp_axis` (inside
+    `shard_map`, see `replayssm_jax.sharding`) as `decode_core`: the state's arrays hold this
+    device's heads only and its config stays the global one."""
     dims = _dims(params, state.config)
     view, conv_pool = flat_view(state)
     valid = slots >= 0
@@ -511,7 +526,8 @@ def verify_window(
         block, index = xs
         flat_slots = jnp.where(valid, slots + index * state.num_slots, -1)
         mixed, view, conv_inputs = gdn_verify(
-            block.gdn, dims, rms_norm(x, block.attn_norm), view, conv_pool, flat_slots, backend=backend
+            block.gdn, dims, rms_norm(x, block.attn_norm), view, conv_pool, flat_slots, backend=backend,
+            tp_axis=tp_axis,
         )
         x = x + mixed
         return (x + _mlp(block, x), view), conv_inputs

@@ -198,10 +198,8 @@ def gdn_replay(
     conv_rows = conv_pool[plan.slot]
     q, k, v, g, beta, z, conv_rows = _project(params, dims, x[:, None], conv_rows, None)
     tokens = Tokens(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0])
-    if tp_axis is None:
-        y, state = layer_step(state, tokens, plan, backend=backend, use_qk_l2norm=True)
-    else:
-        y, state = _local_heads_step(state, tokens, plan, backend, tp_axis)
+    step = lambda state, tokens: layer_step(state, tokens, plan, backend=backend, use_qk_l2norm=True)
+    y, state = step(state, tokens) if tp_axis is None else _on_local_heads(state, tokens, step, tp_axis, 1)
     target = jnp.where(plan.valid, plan.slot, conv_pool.shape[0])
     conv_pool = conv_pool.at[target].set(conv_rows.astype(conv_pool.dtype), mode="drop")
     return _output(params, y, z[:, 0]), state, conv_pool
@@ -216,9 +214,12 @@ def gdn_verify(
     slots: Int[Array, " B"],
     *,
     backend: str = "xla",
+    tp_axis: str | None = None,
 ) -> tuple[Float[Array, "B T D"], ReplayState, Float[Array, "B T C"]]:
     """A draft window of T tokens per row through `speculative.verify_step` on `backend`
-    (slots index `state` and `conv_pool`; negative: padding row, output 0).
+    (slots index `state` and `conv_pool`; negative: padding row, output 0). With `tp_axis`
+    (inside `shard_map`) as `gdn_replay`: the window runs on the local heads and y is
+    all-gathered over `tp_axis`.
 
     The conv pool is not written: the conv state after accepting n tokens is the last K-1
     of (conv state, the window's first n conv inputs), so the window's conv inputs are
@@ -229,7 +230,9 @@ def gdn_verify(
     """
     conv_rows = conv_pool[jnp.where(slots >= 0, slots, 0)]
     q, k, v, g, beta, z, _ = _project(params, dims, x, conv_rows, None)
-    y, state = verify_step(state, Tokens(q, k, v, g, beta), slots, backend=backend, use_qk_l2norm=True)
+    step = lambda state, window: verify_step(state, window, slots, backend=backend, use_qk_l2norm=True)
+    window = Tokens(q, k, v, g, beta)
+    y, state = step(state, window) if tp_axis is None else _on_local_heads(state, window, step, tp_axis, 2)
     return _output(params, y, z), state, matmul(x, params.w_qkv)
 
 
@@ -245,16 +248,16 @@ def accept_conv(
     return last(window, num_accepted).astype(conv_rows.dtype)
 
 
-def _local_heads_step(state: ReplayState, tokens: Tokens, plan: StepPlan, backend: str, tp_axis: str):
-    """`layer_step` on this device's heads (the state's); y all-gathered to every head."""
+def _on_local_heads(state: ReplayState, tokens: Tokens, step, tp_axis: str, axis: int):
+    """`step(state, tokens) -> (y, state)` on this device's heads (the state's): the tokens'
+    heads (their `axis`: 1 for a decode step's, 2 for a window's) sliced to the local block,
+    y all-gathered back to every head along the same axis."""
     hk, hv = state.k_cache.shape[1], state.checkpoint.shape[1]
     shard = jax.lax.axis_index(tp_axis)
-    take = lambda x, n: jax.lax.dynamic_slice_in_dim(x, shard * n, n, axis=1)
+    take = lambda x, n: jax.lax.dynamic_slice_in_dim(x, shard * n, n, axis=axis)
     local = Tokens(take(tokens.q, hk), take(tokens.k, hk), take(tokens.v, hv), take(tokens.g, hv),
                    take(tokens.beta, hv))
     config = state.config
-    y, state = layer_step(
-        dataclasses.replace(state, config=dataclasses.replace(config, num_k_heads=hk, num_v_heads=hv)),
-        local, plan, backend=backend, use_qk_l2norm=True,
-    )
-    return jax.lax.all_gather(y, tp_axis, axis=1, tiled=True), dataclasses.replace(state, config=config)
+    y, state = step(dataclasses.replace(state, config=dataclasses.replace(config, num_k_heads=hk, num_v_heads=hv)),
+                    local)
+    return jax.lax.all_gather(y, tp_axis, axis=axis, tiled=True), dataclasses.replace(state, config=config)

@@ -18,7 +18,9 @@ Speculative decoding (`Engine(speculate=T, drafter=...)`, `Engine.speculative_st
 drafter proposes T - 1 tokens per row, the model verifies the window (the row's next input
 and the drafts) in one pass (`decoder.verify_window`), and greedy acceptance keeps the
 longest prefix of drafts equal to the verifier's argmax plus the verifier's next token (the
-bonus): 1..T tokens per step, the same greedy tokens as plain decoding. Drafters:
+bonus): 1..T tokens per step, the same greedy tokens as plain decoding; on a mesh the
+window and the accept run under `shard_map` (`sharding.model_verify_step`,
+`model_accept_step`). Drafters:
 `NgramDrafter` (prompt lookup in the request's own sequence) and `SelfDrafter` (the model
 drafting greedily for itself from a scratch copy of its live state, plain recurrence). The
 speculative step has no forced flushes, so decode steps add no prefix snapshots (prefill
@@ -223,7 +225,7 @@ class Engine:
     decode step is bit-identical to one device; the partitioned prefill is not with tp > 1
     (its output projection sums partial products over tp: another summation order).
 
-    With `speculate = T` (2 <= T <= cache_len; one device, any backend) `step` is
+    With `speculate = T` (2 <= T <= cache_len; any backend, on a mesh too) `step` is
     `speculative_step`: `drafter` (default `NgramDrafter()`) proposes T - 1 tokens per row.
     """
 
@@ -265,8 +267,6 @@ class Engine:
         self._policy = None if policy is None else as_policy(policy)
         if speculate and not 2 <= speculate <= cache_len:
             raise ValueError(f"speculate (the window T) must be 0 or in [2, cache_len = {cache_len}], got {speculate}")
-        if speculate and mesh is not None:
-            raise ValueError("speculative decoding runs on one device (no mesh)")
         self.speculate = speculate
         self.drafter = NgramDrafter() if drafter is None else drafter
 
@@ -352,9 +352,8 @@ class Engine:
         if self.speculate:
             self.drafter.propose(self, zeros, padding, self.speculate - 1)
             window = jnp.zeros((self.max_batch, self.speculate), jnp.int32)
-            _, self.state, conv_inputs, _ = decoder.jitted_verify_window(self.params, self.state, window, padding,
-                                                                        backend=self._backend)
-            self.state = decoder.jitted_accept_window(self.state, padding, zeros, conv_inputs)
+            _, self.state, conv_inputs, _ = self._verify(window, padding)
+            self.state = self._accept(padding, zeros, conv_inputs)
             return
         _, _, self.state, _, _ = _serve_step(
             self.params, self.state, zeros, padding, zeros,
@@ -403,6 +402,19 @@ class Engine:
         return seconds
 
 
+    def _verify(self, window: Int[Array, "B T"], slots: Int[Array, " B"]) -> tuple:
+        """`decoder.verify_window` of the pool (donated), on its mesh when it has one."""
+        if self.mesh is None:
+            return decoder.jitted_verify_window(self.params, self.state, window, slots, backend=self._backend)
+        return sharding.jitted_model_verify_step(self.params, self.state, window, slots, mesh=self.mesh,
+                                                 backend=self._backend)
+
+    def _accept(self, slots: Int[Array, " B"], num_accepted: Int[Array, " B"], conv_inputs) -> ModelState:
+        """`decoder.accept_window` of the pool (donated), on its mesh when it has one."""
+        if self.mesh is None:
+            return decoder.jitted_accept_window(self.state, slots, num_accepted, conv_inputs)
+        return sharding.jitted_model_accept_step(self.state, slots, num_accepted, conv_inputs, mesh=self.mesh)
+
     def speculative_step(self) -> float:
         """Draft T - 1 tokens per active row, verify the windows, keep the greedy prefix;
         returns the wall time (drafting included) in seconds."""
@@ -417,12 +429,10 @@ class Engine:
         tokens_d, slots_d = jnp.asarray(tokens), jnp.asarray(slots)
         drafts = self.drafter.propose(self, tokens_d, slots_d, width - 1)
         window = np.concatenate([tokens[:, None], drafts], axis=1)
-        logits, self.state, conv_inputs, folded = decoder.jitted_verify_window(
-            self.params, self.state, jnp.asarray(window), slots_d, backend=self._backend
-        )
+        logits, self.state, conv_inputs, folded = self._verify(jnp.asarray(window), slots_d)
         argmax = np.asarray(jnp.argmax(logits, axis=-1))
         kept = np.where(slots >= 0, greedy_accept(drafts, argmax), 0).astype(np.int32)
-        self.state = decoder.jitted_accept_window(self.state, slots_d, jnp.asarray(kept), conv_inputs)
+        self.state = self._accept(slots_d, jnp.asarray(kept), conv_inputs)
         logits, folded = jax.device_get((logits, folded))
         seconds = time.perf_counter() - start
         records, checkpoint = width * self.traffic.entry, self.traffic.checkpoint
