@@ -148,6 +148,14 @@ def check_row_slots(name: str, slots: Array, num_slots: int, dp: int) -> None:
                          f"blocks of {per_shard})")
 
 
+def _check_mesh_slots(slots: Array, batch: int, config: ReplayConfig, num_slots: int, mesh: Mesh) -> None:
+    """The slot checks of a sharded call: ids in range, the sizes fit the mesh and each dp
+    block of rows names its own shard's slots."""
+    check_slots("slots", slots, batch, num_slots)
+    check_fits(config, num_slots, mesh, batch)
+    check_row_slots("slots", slots, num_slots, axis_sizes(mesh)[1])
+
+
 def _local_slots(slots: Int[Array, " b"], num_local: int) -> Int[Array, " b"]:
     """Global slot ids -> this dp shard's slot indices; another shard's slot becomes padding."""
     local = slots - jax.lax.axis_index(DP) * num_local
@@ -242,9 +250,7 @@ def verify_step(
     """
     check_state(state)
     batch, _ = speculative.check_window(state.config, window)
-    check_slots("slots", slots, batch, state.num_slots)
-    check_fits(state.config, state.num_slots, mesh, batch)
-    check_row_slots("slots", slots, state.num_slots, axis_sizes(mesh)[1])
+    _check_mesh_slots(slots, batch, state.config, state.num_slots, mesh)
     check_backend(backend)
     tp, _ = axis_sizes(mesh)
     config = state.config
@@ -280,9 +286,7 @@ def accept(
     check_state(state)
     check_array("slots", slots, (None,), layout="a 1-D [B] array")
     batch = jnp.shape(slots)[0]
-    check_slots("slots", slots, batch, state.num_slots)
-    check_fits(state.config, state.num_slots, mesh, batch)
-    check_row_slots("slots", slots, state.num_slots, axis_sizes(mesh)[1])
+    _check_mesh_slots(slots, batch, state.config, state.num_slots, mesh)
     tp, _ = axis_sizes(mesh)
     config = state.config
     num_accepted = jnp.asarray(num_accepted, jnp.int32)
@@ -366,10 +370,8 @@ def model_verify_step(
     check_model_state(state)
     decoder.check_token_ids("tokens", tokens, 2)
     batch, width = jnp.shape(tokens)
-    check_slots("slots", slots, batch, state.num_slots)
+    _check_mesh_slots(slots, batch, state.config, state.num_slots, mesh)
     check_backend(backend)
-    check_fits(state.config, state.num_slots, mesh, batch)
-    check_row_slots("slots", slots, state.num_slots, axis_sizes(mesh)[1])
     if width > state.config.cache_len:
         raise ValueError(f"window width T = {width} exceeds cache_len = {state.config.cache_len}")
 
@@ -398,9 +400,7 @@ def model_accept_step(
     check_model_state(state)
     check_array("slots", slots, (None,), layout="a 1-D [B] array")
     batch = jnp.shape(slots)[0]
-    check_slots("slots", slots, batch, state.num_slots)
-    check_fits(state.config, state.num_slots, mesh, batch)
-    check_row_slots("slots", slots, state.num_slots, axis_sizes(mesh)[1])
+    _check_mesh_slots(slots, batch, state.config, state.num_slots, mesh)
     check_array("num_accepted", num_accepted, (batch,), layout="a 1-D [B] array")
     width = jnp.shape(conv_inputs)[2]
     counts = concrete_or_none(num_accepted)
