@@ -413,18 +413,26 @@ def test_backend_verify_defaults():
     fp32 and bf16 states), on persistent CTAs where two fit per SM (fp32 L = 16, T = 4; at
     L = 32 with the window's key sums before the launch, which make the room), folds
     rebuilt exactly off GPU, per-tile addresses with a bf16 state (measured faster), three
-    warpgroups per CTA with a bf16 state at large batches; KDA and Mamba-2 one CTA per tile
-    on CUDA cores."""
+    warpgroups per CTA with a bf16 state at large batches, one CTA per tile with an fp32 state
+    at B = 32 to 127; KDA and Mamba-2 one CTA per tile on CUDA cores (KDA with the window
+    kernel)."""
     from replayssm_jax import ReplayConfig
     from replayssm_jax.backends import mosaic_gpu
 
     gdn = lambda L: ReplayConfig(16, 32, 128, 128, L)
+    window = dict(window_side="kernel", window_warps=1)
     persistent = lambda **kw: MosaicReplayParams(programs=264, auto_barriers=False, readout="mma", key_side="xla",
-                                                 window_side="kernel", **kw)
+                                                 **window, **kw)
     # An fp32 state takes the window's key sums from their own kernel from B = 128 (measured
-    # faster at L = 16 and 32); below it the kernel sums them itself.
+    # faster at L = 16 and 32); at B = 32 to 127 (L = 16, T <= 4) one CTA per tile with them
+    # (measured faster at 32 and 64); below it the kernel sums them itself.
     assert mosaic_gpu.verify_default_params(gdn(16), 512, 4, jnp.bfloat16) == persistent()
-    assert mosaic_gpu.verify_default_params(gdn(16), 32, 4, jnp.bfloat16).key_side == "kernel"
+    assert mosaic_gpu.verify_default_params(gdn(16), 64, 4, jnp.bfloat16) == MosaicReplayParams(
+        readout="mma", key_side="xla", **window)
+    assert mosaic_gpu.verify_default_params(gdn(16), 64, 4, jnp.bfloat16, interpret=False).rebuild == "3xtf32"
+    assert mosaic_gpu.verify_default_params(gdn(16), 128, 4, jnp.bfloat16).programs == 264
+    assert mosaic_gpu.verify_default_params(gdn(16), 64, 8, jnp.bfloat16).programs == 264  # T = 8 not measured
+    assert mosaic_gpu.verify_default_params(gdn(16), 16, 4, jnp.bfloat16).key_side == "kernel"
     # fp32 L = 32: two persistent CTAs fit per SM only with the key sums from XLA.
     assert mosaic_gpu.verify_default_params(gdn(32), 512, 4, jnp.bfloat16) == persistent()
     assert mosaic_gpu.verify_default_params(gdn(16), 512, 4, jnp.float32).readout == "fma"  # mma needs bf16 q, k
@@ -435,15 +443,15 @@ def test_backend_verify_defaults():
     assert on_gpu(gdn(32)) == persistent()
     bf16_cfg = lambda L: ReplayConfig(16, 32, 128, 128, L, state_dtype=jnp.bfloat16, cache_dtype=jnp.bfloat16)
     assert on_gpu(bf16_cfg(32)).key_side == "kernel"  # two fit without it; not measured with them
-    # A bf16 state on rings of 16 (measured at T = 4): the key sums before the launch from
-    # B = 32 and three warpgroups per CTA, one CTA per SM, from B = 128.
+    # A bf16 state on rings of 16: the key sums before the launch from B = 8 and, at T <= 8,
+    # three warpgroups per CTA, one CTA per SM, from B = 128.
     bf16 = on_gpu(bf16_cfg(16))
     assert bf16 == MosaicReplayParams(programs=396, auto_barriers=False, readout="mma", rebuild="3xtf32",
-                                      key_side="xla", per_tile_addresses=True, warpgroups=3, window_side="kernel")
+                                      key_side="xla", per_tile_addresses=True, warpgroups=3, **window)
     at = lambda batch, width=4: mosaic_gpu.verify_default_params(bf16_cfg(16), batch, width, jnp.bfloat16,
                                                                  interpret=False)
     assert (at(128).warpgroups, at(64).warpgroups, at(64).key_side, at(64).programs) == (3, 1, "xla", 264)
-    assert (at(8).key_side, at(512, 8).warpgroups) == ("kernel", 1)
+    assert (at(8).key_side, at(4).key_side, at(512, 8).warpgroups, at(512, 2).warpgroups) == ("xla", "kernel", 3, 3)
     # T >= 8 on rings of 32: one CTA per tile with the key sums before the launch (measured
     # faster than persistent CTAs at the register cap), as the measured configurations.
     assert on_gpu(gdn(32), 8) == MosaicReplayParams(readout="mma", key_side="xla", window_side="kernel")
@@ -455,7 +463,9 @@ def test_backend_verify_defaults():
     assert on_gpu(ReplayConfig(16, 32, 192, 128, 16)).window_side == "xla"
     assert on_gpu(ReplayConfig(16, 32, 128, 128, 128)).key_side == "kernel"
     assert mosaic_gpu.verify_default_params(ReplayConfig(32, 32, 128, 128, 16, gate="kda"), 512, 4,
-                                            jnp.bfloat16) == MosaicReplayParams()
+                                            jnp.bfloat16) == MosaicReplayParams(window_side="kernel")
+    assert mosaic_gpu.verify_default_params(ReplayConfig(32, 32, 96, 128, 16, gate="kda"), 512, 4,
+                                            jnp.bfloat16).window_side == "xla"
     assert mosaic_gpu.verify_default_params(ReplayConfig.mamba2(128, 64, 128, 8, 16), 512, 4,
                                             jnp.bfloat16) == MosaicMamba2Params()
 

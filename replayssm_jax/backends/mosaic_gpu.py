@@ -32,10 +32,14 @@ GATES: tuple[str, ...] = ("gdn", "kda", "mamba2")
 H200_SMS = 132  # the SM count assumed off GPU (interpret mode), where the device reports none
 WARPGROUPS, WARPGROUPS_FROM_BATCH = 3, 256  # GDN decode's programs per CTA at large batches (`warpgroups_for`)
 VERIFY_KEY_SUMS_FROM_BATCH = 128  # fp32 GDN verify's key sums before the launch: measured faster from here
-# A 2-byte GDN verify state on rings of 16 (measured at T = 4): the key sums before the
-# launch from B = 32, three warpgroups per CTA from B = 128 (both faster at every batch
+# A 2-byte GDN verify state on rings of 16: the key sums before the launch from B = 8,
+# three warpgroups per CTA from B = 128 at T <= 8 (both faster at every batch and width
 # measured from there; three warpgroups slower at B = 32).
-VERIFY_TWO_BYTE_KEY_SUMS_FROM_BATCH, VERIFY_WARPGROUPS_FROM_BATCH = 32, 128
+VERIFY_TWO_BYTE_KEY_SUMS_FROM_BATCH, VERIFY_WARPGROUPS_FROM_BATCH = 8, 128
+VERIFY_WARPGROUPS_MAX_WIDTH = 8
+# An fp32 GDN verify state on rings of 16, T <= 4, at these batches: one CTA per tile with the
+# key sums before the launch and 3xTF32 folds (measured faster at B = 32 and 64, slower at 128).
+VERIFY_FP32_ONE_CTA_BATCHES = range(32, 128)
 WIDE_WINDOW, WIDE_WINDOW_RING = 8, 32  # GDN verify from these T and L: one CTA per tile (measured faster)
 
 
@@ -131,42 +135,52 @@ def verify_default_params(cfg, batch: int, width: int, token_dtype, *, interpret
     (fp32, L = 32) and with an fp32 state from `VERIFY_KEY_SUMS_FROM_BATCH` (measured faster at
     L = 16 too), with a 2-byte state on rings of 16 from `VERIFY_TWO_BYTE_KEY_SUMS_FROM_BATCH`
     (longer rings keep the kernel's own: not measured against them); a 2-byte state on rings of
-    16 with bf16 q, k and windows of at most 4 positions: from `VERIFY_WARPGROUPS_FROM_BATCH`
-    three warpgroups per CTA (`WARPGROUPS` persistent programs, one CTA per SM; measured at
-    T = 4); windows of `WIDE_WINDOW` or more positions on rings of `WIDE_WINDOW_RING` or more: one
-    CTA per tile with the key sums before the launch (the persistent kernel sits at the register
-    cap there and its readouts slow ~3.7x); the window's records and staged vectors from their
-    own kernel (`window_side="kernel"`) where d_k is a power of two (its Triton blocks). Each
-    choice is a measured line of `benchmarks/NOTES.md` ("verify defaults", "verify tensor-core
-    readout, measured", "verify folds on tensor cores", "GDN verify with per-tile addresses",
-    "verify key sums from XLA", "verify key sums before the launch at L = 16", "verify window
-    kernel, measured", "verify T = 8 on rings of 32", "one CTA per tile at T = 4, and verify
-    with a bf16 state"). KDA and Mamba-2: one CTA per tile on CUDA cores, exact folds (their
-    verify kernels have no persistent form)."""
+    16 with bf16 q, k and windows of at most `VERIFY_WARPGROUPS_MAX_WIDTH` positions: from
+    `VERIFY_WARPGROUPS_FROM_BATCH` three warpgroups per CTA (`WARPGROUPS` persistent programs,
+    one CTA per SM; measured at T = 2, 4, 8); an fp32 state on rings of 16, T <= 4, batches in
+    `VERIFY_FP32_ONE_CTA_BATCHES`: one CTA per tile with the key sums before the launch and
+    3xTF32 folds on a GPU; windows of `WIDE_WINDOW` or more positions on rings of
+    `WIDE_WINDOW_RING` or more: one CTA per tile with the key sums before the launch (the
+    persistent kernel sits at the register cap there and its readouts slow ~3.7x); the
+    window's records and staged vectors from their own kernel (`window_side="kernel"`, one
+    warp per program at T <= 4) where d_k is a power of two (its Triton blocks). Each choice is a
+    measured line of `benchmarks/NOTES.md` ("verify defaults", "verify tensor-core readout,
+    measured", "verify folds on tensor cores", "GDN verify with per-tile addresses", "verify
+    key sums from XLA", "verify key sums before the launch at L = 16", "verify window kernel,
+    measured", "verify T = 8 on rings of 32", "one CTA per tile at T = 4, and verify with a
+    bf16 state", "the edges of the verify defaults"). KDA: one CTA per tile on CUDA cores,
+    exact folds (no persistent form), the window's records from their own kernel where d_k
+    is a power of two (measured faster); Mamba-2: one CTA per tile, exact folds."""
     if cfg.gate == "mamba2":
         return MosaicMamba2Params()
+    power_of_two_keys = cfg.head_k_dim & (cfg.head_k_dim - 1) == 0
     if cfg.per_channel_gate:
-        return MosaicReplayParams()
+        return MosaicReplayParams(window_side="kernel" if power_of_two_keys else "xla")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     readout = "mma" if jnp.dtype(token_dtype) == jnp.bfloat16 else "fma"
     two_byte = cfg.state_dtype.itemsize == 2
-    window_side = "kernel" if cfg.head_k_dim & (cfg.head_k_dim - 1) == 0 else "xla"
+    # One warp per window program keeps its reductions inside the warp (measured faster at T = 4).
+    window = dict(window_side="kernel", window_warps=1 if width <= 4 else 2) if power_of_two_keys else dict(
+        window_side="xla")
     side_keys_fit = verify_decode.key_block_heads(cfg.num_k_heads, cfg.cache_len,
                                                   verify_decode.window_rows(width)) > 0
     if width >= WIDE_WINDOW and cfg.cache_len >= WIDE_WINDOW_RING and side_keys_fit:
         # The configurations measured at T = 8, L = 32 (fp32 and bf16 states).
         return MosaicReplayParams(readout=readout, rebuild="3xtf32" if two_byte and not interpret else "exact",
-                                  key_side="xla", per_tile_addresses=two_byte and readout == "mma",
-                                  window_side=window_side)
+                                  key_side="xla", per_tile_addresses=two_byte and readout == "mma", **window)
+    fp32_small_batch = not two_byte and cfg.cache_len <= 16 and width <= 4 and batch in VERIFY_FP32_ONE_CTA_BATCHES
+    if fp32_small_batch and side_keys_fit:
+        return MosaicReplayParams(readout=readout, rebuild="exact" if interpret else "3xtf32", key_side="xla",
+                                  **window)
     key_side = verify_key_side(cfg, batch, width, token_dtype, readout) if side_keys_fit else "kernel"
-    if (key_side == "xla" and two_byte and cfg.cache_len <= 16 and readout == "mma" and width <= 4
-            and batch >= VERIFY_WARPGROUPS_FROM_BATCH):
+    if (key_side == "xla" and two_byte and cfg.cache_len <= 16 and readout == "mma"
+            and width <= VERIFY_WARPGROUPS_MAX_WIDTH and batch >= VERIFY_WARPGROUPS_FROM_BATCH):
         three = dict(readout=readout, rebuild="exact" if interpret else "3xtf32", key_side=key_side)
         programs = _verify_programs(cfg, batch, width, token_dtype, warpgroups=WARPGROUPS, **three)
         if programs:
             return MosaicReplayParams(programs=programs, auto_barriers=False, per_tile_addresses=True,
-                                      warpgroups=WARPGROUPS, window_side=window_side, **three)
+                                      warpgroups=WARPGROUPS, **window, **three)
     shape = (width, cfg.head_k_dim, cfg.cache_len, cfg.state_dtype, cfg.cache_dtype, token_dtype)
     fits = lambda rebuild: ctas_per_sm(verify_decode.persistent_smem_bytes(*shape, readout=readout, rebuild=rebuild,
                                                                            key_side=key_side),
@@ -178,11 +192,11 @@ def verify_default_params(cfg, batch: int, width: int, token_dtype, *, interpret
     tensor_cores = not interpret and fits("3xtf32") >= fits("exact") and not fp32_persistent
     rebuild = "3xtf32" if tensor_cores else "exact"
     if not persistent:
-        return MosaicReplayParams(readout=readout, rebuild=rebuild, window_side=window_side)
+        return MosaicReplayParams(readout=readout, rebuild=rebuild, **window)
     return MosaicReplayParams(programs=_verify_programs(cfg, batch, width, token_dtype, readout=readout,
                                                         rebuild=rebuild, key_side=key_side),
                               auto_barriers=False, readout=readout, rebuild=rebuild, key_side=key_side,
-                              per_tile_addresses=two_byte and readout == "mma", window_side=window_side)
+                              per_tile_addresses=two_byte and readout == "mma", **window)
 
 
 def verify_key_side(cfg, batch: int, width: int, token_dtype, readout: str) -> str:
