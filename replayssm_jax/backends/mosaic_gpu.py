@@ -32,11 +32,12 @@ GATES: tuple[str, ...] = ("gdn", "kda", "mamba2")
 H200_SMS = 132  # the SM count assumed off GPU (interpret mode), where the device reports none
 WARPGROUPS, WARPGROUPS_FROM_BATCH = 3, 256  # GDN decode's programs per CTA at large batches (`warpgroups_for`)
 VERIFY_KEY_SUMS_FROM_BATCH = 128  # fp32 GDN verify's key sums before the launch: measured faster from here
-# A 2-byte GDN verify state on rings of 16: the key sums before the launch from B = 8,
-# three warpgroups per CTA from B = 128 at T <= 8 (both faster at every batch and width
-# measured from there; three warpgroups slower at B = 32).
+# A 2-byte GDN verify state: the key sums before the launch from B = 8 on rings of 16 and
+# from B = 128 on rings of 32; three warpgroups per CTA from B = 128 at T <= 8 on rings of at
+# most 32 (faster at every batch and width measured from there; three warpgroups slower at
+# B = 32; rings of 32 measured at B = 256).
 VERIFY_TWO_BYTE_KEY_SUMS_FROM_BATCH, VERIFY_WARPGROUPS_FROM_BATCH = 8, 128
-VERIFY_WARPGROUPS_MAX_WIDTH = 8
+VERIFY_WARPGROUPS_MAX_WIDTH, VERIFY_WARPGROUPS_MAX_RING = 8, 32
 # An fp32 GDN verify state on rings of 16, T <= 4, at these batches: one CTA per tile with the
 # key sums before the launch and 3xTF32 folds (measured faster at B = 32 and 64, slower at 128).
 VERIFY_FP32_ONE_CTA_BATCHES = range(32, 128)
@@ -134,10 +135,12 @@ def verify_default_params(cfg, batch: int, width: int, token_dtype, *, interpret
     `verify_decode.window_key_values`) where they make room for two persistent CTAs per SM
     (fp32, L = 32) and with an fp32 state from `VERIFY_KEY_SUMS_FROM_BATCH` (measured faster at
     L = 16 too), with a 2-byte state on rings of 16 from `VERIFY_TWO_BYTE_KEY_SUMS_FROM_BATCH`
-    (longer rings keep the kernel's own: not measured against them); a 2-byte state on rings of
-    16 with bf16 q, k and windows of at most `VERIFY_WARPGROUPS_MAX_WIDTH` positions: from
-    `VERIFY_WARPGROUPS_FROM_BATCH` three warpgroups per CTA (`WARPGROUPS` persistent programs,
-    one CTA per SM; measured at T = 2, 4, 8); an fp32 state on rings of 16, T <= 4, batches in
+    and on rings of 32 from `VERIFY_WARPGROUPS_FROM_BATCH` (longer rings keep the kernel's
+    own: not measured against them); a 2-byte state on rings of at most
+    `VERIFY_WARPGROUPS_MAX_RING` with bf16 q, k and windows of at most
+    `VERIFY_WARPGROUPS_MAX_WIDTH` positions: from `VERIFY_WARPGROUPS_FROM_BATCH` three
+    warpgroups per CTA (`WARPGROUPS` persistent programs, one CTA per SM; measured at T = 2,
+    4, 8 on rings of 16, T = 4 on rings of 32); an fp32 state on rings of 16, T <= 4, batches in
     `VERIFY_FP32_ONE_CTA_BATCHES`: one CTA per tile with the key sums before the launch and
     3xTF32 folds on a GPU; windows of `WIDE_WINDOW` or more positions on rings of
     `WIDE_WINDOW_RING` or more: one CTA per tile with the key sums before the launch (the
@@ -148,8 +151,8 @@ def verify_default_params(cfg, batch: int, width: int, token_dtype, *, interpret
     measured", "verify folds on tensor cores", "GDN verify with per-tile addresses", "verify
     key sums from XLA", "verify key sums before the launch at L = 16", "verify window kernel,
     measured", "verify T = 8 on rings of 32", "one CTA per tile at T = 4, and verify with a
-    bf16 state", "the edges of the verify defaults"). KDA: one CTA per tile on CUDA cores,
-    exact folds (no persistent form), the window's records from their own kernel where d_k
+    bf16 state", "the edges of the verify defaults", "bf16 verify on rings of 32"). KDA: one
+    CTA per tile on CUDA cores, exact folds (no persistent form), the window's records from their own kernel where d_k
     is a power of two (measured faster); Mamba-2: one CTA per tile, exact folds."""
     if cfg.gate == "mamba2":
         return MosaicMamba2Params()
@@ -174,7 +177,7 @@ def verify_default_params(cfg, batch: int, width: int, token_dtype, *, interpret
         return MosaicReplayParams(readout=readout, rebuild="exact" if interpret else "3xtf32", key_side="xla",
                                   **window)
     key_side = verify_key_side(cfg, batch, width, token_dtype, readout) if side_keys_fit else "kernel"
-    if (key_side == "xla" and two_byte and cfg.cache_len <= 16 and readout == "mma"
+    if (key_side == "xla" and two_byte and cfg.cache_len <= VERIFY_WARPGROUPS_MAX_RING and readout == "mma"
             and width <= VERIFY_WARPGROUPS_MAX_WIDTH and batch >= VERIFY_WARPGROUPS_FROM_BATCH):
         three = dict(readout=readout, rebuild="exact" if interpret else "3xtf32", key_side=key_side)
         programs = _verify_programs(cfg, batch, width, token_dtype, warpgroups=WARPGROUPS, **three)
@@ -204,12 +207,14 @@ def verify_key_side(cfg, batch: int, width: int, token_dtype, readout: str) -> s
     the ring, `verify_decode.key_block_heads`): "xla", their own kernel before the launch,
     where that makes room for two persistent CTAs per SM or the batch measured faster with
     them (fp32 states from `VERIFY_KEY_SUMS_FROM_BATCH`, 2-byte states on rings of 16 from
-    `VERIFY_TWO_BYTE_KEY_SUMS_FROM_BATCH`); else "kernel"."""
+    `VERIFY_TWO_BYTE_KEY_SUMS_FROM_BATCH`, on rings of 32 from `VERIFY_WARPGROUPS_FROM_BATCH`);
+    else "kernel"."""
     shape = (width, cfg.head_k_dim, cfg.cache_len, cfg.state_dtype, cfg.cache_dtype, token_dtype)
     cta_bytes = lambda side: verify_decode.persistent_smem_bytes(*shape, readout=readout, key_side=side)
     makes_room = ctas_per_sm(cta_bytes("kernel")) < 2 <= ctas_per_sm(cta_bytes("xla"))
     if cfg.state_dtype.itemsize == 2:
-        measured_from = VERIFY_TWO_BYTE_KEY_SUMS_FROM_BATCH if cfg.cache_len <= 16 else None
+        measured_from = (VERIFY_TWO_BYTE_KEY_SUMS_FROM_BATCH if cfg.cache_len <= 16 else VERIFY_WARPGROUPS_FROM_BATCH
+                         if cfg.cache_len <= VERIFY_WARPGROUPS_MAX_RING else None)
     else:
         measured_from = VERIFY_KEY_SUMS_FROM_BATCH
     return "xla" if makes_room or (measured_from is not None and batch >= measured_from) else "kernel"
