@@ -402,10 +402,7 @@ def model_accept_step(
     batch = jnp.shape(slots)[0]
     _check_mesh_slots(slots, batch, state.config, state.num_slots, mesh)
     check_array("num_accepted", num_accepted, (batch,), layout="a 1-D [B] array")
-    width = jnp.shape(conv_inputs)[2]
-    counts = concrete_or_none(num_accepted)
-    if counts is not None and np.any((counts < 0) | (counts > width)):
-        raise ValueError(f"num_accepted must lie in [0, {width}] (the window width), got {counts.tolist()}")
+    decoder.check_window_counts(num_accepted, jnp.shape(conv_inputs)[2])
     tp, _ = axis_sizes(mesh)
     config = state.config
 

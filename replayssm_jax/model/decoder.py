@@ -572,7 +572,14 @@ def accept_window(
     """Keep the first `num_accepted[b]` (0..T) tokens of each row's verified window: the
     cursor moves by that count (`speculative.accept`) and the conv state advances by those
     tokens' conv inputs; padding rows are untouched. A hybrid stack's `conv_inputs` is the
-    tuple `verify_window` returned."""
+    tuple `verify_window` returned.
+
+    Raises:
+      ValueError: if a (concrete) count lies outside [0, T], T the window's width, or moves a
+        cursor past the ring (`speculative.accept`); under `checked` the same as checks.
+    """
+    width = (conv_inputs[0] if isinstance(state, HybridState) else conv_inputs).shape[-2]
+    check_window_counts(num_accepted, width)
     write_pos = speculative.accept(layer_state(state, 0), slots, num_accepted).write_pos
     valid = slots >= 0
     slot = jnp.where(valid, slots, 0)
@@ -589,6 +596,17 @@ def accept_window(
     return dataclasses.replace(
         state, conv_state=state.conv_state.at[:, target].set(conv, mode="drop"), write_pos=write_pos
     )
+
+
+def check_window_counts(num_accepted: Int[Array, " B"], width: int) -> None:
+    """Raise ValueError unless every (concrete) count lies in [0, width]; inside `checked` a
+    checkify check does the same for traced counts (past T the conv state would roll forward
+    by inputs the window never had)."""
+    counts = concrete_or_none(num_accepted)
+    if counts is not None and np.any((counts < 0) | (counts > width)):
+        raise ValueError(f"num_accepted must lie in [0, {width}] (the window width), got {counts.tolist()}")
+    debug_check(jnp.all((num_accepted >= 0) & (num_accepted <= width)),
+                f"num_accepted must lie in [0, {width}] (the window width): {{n}}", n=num_accepted)
 
 
 jitted_verify_window = jax.jit(verify_window, static_argnames=("backend",), donate_argnames=("state",))

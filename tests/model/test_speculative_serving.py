@@ -9,7 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import checkify
 
+from replayssm_jax import checked
 from replayssm_jax.model import decoder, demo, serving
 
 from .conftest import LOGIT_ATOL, TINY
@@ -137,3 +139,20 @@ def test_demo_speculate_exits_zero(capsys):
 def test_engine_refuses_a_window_wider_than_the_ring(params):
     with pytest.raises(ValueError, match="speculate"):
         serving.Engine(params, TINY, max_batch=2, num_slots=2, cache_len=3, track_interval=4, speculate=4)
+
+
+def test_accept_window_refuses_counts_outside_the_window(params):
+    """A count past T would roll a row's conv state forward by inputs its window never had
+    (the ring would still take it: T + 1 <= L here): refused at the boundary, and by a
+    checkify check inside `checked` where the counts are traced."""
+    state = TINY.init_state(num_slots=2, cache_len=CACHE_LEN)
+    slots = jnp.array([0, 1], jnp.int32)
+    _, state, conv_inputs, _ = decoder.verify_window(params, state, jnp.zeros((2, WIDTH), jnp.int32), slots)
+    for counts in ([1, WIDTH + 1], [-1, 0]):
+        with pytest.raises(ValueError, match=rf"num_accepted must lie in \[0, {WIDTH}\]"):
+            decoder.accept_window(state, slots, jnp.array(counts, jnp.int32), conv_inputs)
+    accept = checked(decoder.accept_window)
+    with pytest.raises(checkify.JaxRuntimeError, match="the window width"):
+        accept(state, slots, jnp.array([0, WIDTH + 1], jnp.int32), conv_inputs)
+    moved = accept(state, slots, jnp.array([WIDTH, 0], jnp.int32), conv_inputs)
+    assert np.asarray(moved.write_pos).tolist() == [WIDTH, 0]
