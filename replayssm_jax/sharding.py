@@ -1,15 +1,17 @@
 """Sharding over a `jax.sharding.Mesh`: heads over the `tp` axis, slots and rows over `dp`.
 
-Layout (every array of a `ReplayState` / `ModelState`):
+Layout (every array of a `ReplayState` / `ModelState`, every layer of a `HybridState`):
 
-  checkpoint, u_cache, g_cache   slots over dp, value heads over tp
-  k_cache                        slots over dp, key heads over tp
+  checkpoint, u_cache, g_cache   slots over dp, value heads over tp (Mamba-2: its H heads)
+  k_cache                        slots over dp, key heads over tp (Mamba-2: its G groups)
   conv_state                     slots over dp, replicated over tp (the projections are)
   write_pos                      slots over dp, replicated over tp
 
 Device (dp = i, tp = j) holds slots [i N/dp, (i+1) N/dp), key heads [j H_k/tp, ...) and value
 heads [j H_v/tp, ...): value head h uses key head h // (H_v/H_k), so a GQA group's key head and
-its value heads are on the same device and a step needs no head from another device.
+its value heads are on the same device and a step needs no head from another device (a
+Mamba-2 layer's head h uses group h // (H/G) alike, so tp must divide G, or G = 1: the one
+group of B records is then replicated over tp, each device appending the same records).
 
 Rows: the B rows of a step are split over dp in blocks of B/dp, and row block i may only name
 slots of dp shard i (global slot ids; negative = padding). Eager calls check this
@@ -37,7 +39,13 @@ from replayssm_jax.config import ReplayConfig
 from replayssm_jax.decode import check_backend, layer_step
 from replayssm_jax import speculative
 from replayssm_jax.model import decoder
-from replayssm_jax.model.state import ModelState, check_model_state
+from replayssm_jax.model.state import (
+    HybridLayer,
+    HybridState,
+    ModelState,
+    check_any_model_state,
+    layer_configs,
+)
 from replayssm_jax.plan import (
     FlushPolicy,
     StepPlan,
@@ -81,22 +89,35 @@ def axis_sizes(mesh: Mesh) -> tuple[int, int]:
     return mesh.shape[TP], mesh.shape[DP]
 
 
-def check_fits(config: ReplayConfig, num_slots: int, mesh: Mesh, batch: int | None = None) -> None:
-    """ValueError unless the heads divide over tp and the slots (and rows) over dp."""
+def check_fits(config: ReplayConfig | tuple[ReplayConfig, ...], num_slots: int, mesh: Mesh,
+               batch: int | None = None) -> None:
+    """ValueError unless the heads of `config` (or of every layer's, a tuple) divide over tp
+    and the slots (and rows) over dp."""
     tp, dp = axis_sizes(mesh)
-    if config.num_k_heads % tp:
-        raise ValueError(f"num_k_heads ({config.num_k_heads}) must be a multiple of the tp axis ({tp}): "
-                         "a key head and its value heads stay on one device")
+    for layer in (config,) if isinstance(config, ReplayConfig) else config:
+        if layer.gate == "mamba2" and (layer.num_k_heads % tp and layer.num_k_heads != 1 or layer.num_v_heads % tp):
+            raise ValueError(f"a Mamba-2 layer's heads ({layer.num_v_heads}) must be a multiple of the tp axis "
+                             f"({tp}) and its B / C groups ({layer.num_k_heads}) too, or 1 (replicated)")
+        if layer.gate != "mamba2" and layer.num_k_heads % tp:
+            raise ValueError(f"num_k_heads ({layer.num_k_heads}) must be a multiple of the tp axis ({tp}): "
+                             "a key head and its value heads stay on one device")
     if num_slots % dp:
         raise ValueError(f"num_slots ({num_slots}) must be a multiple of the dp axis ({dp})")
     if batch is not None and batch % dp:
         raise ValueError(f"the batch ({batch}) must be a multiple of the dp axis ({dp}): rows split over dp")
 
 
+def replicated_keys(config: ReplayConfig, tp: int) -> bool:
+    """Whether the layer's key heads stay whole on every tp device (a Mamba-2 layer's single
+    B / C group where tp > 1) instead of split over tp."""
+    return config.num_k_heads % tp != 0
+
+
 def local_config(config: ReplayConfig, tp: int) -> ReplayConfig:
-    """The config of one tp shard: H_k / tp key heads, H_v / tp value heads."""
-    return dataclasses.replace(config, num_k_heads=config.num_k_heads // tp,
-                               num_v_heads=config.num_v_heads // tp)
+    """The config of one tp shard: H_k / tp key heads (all of them where `replicated_keys`),
+    H_v / tp value heads."""
+    key_heads = config.num_k_heads if replicated_keys(config, tp) else config.num_k_heads // tp
+    return dataclasses.replace(config, num_k_heads=key_heads, num_v_heads=config.num_v_heads // tp)
 
 
 def replay_state_specs(config: ReplayConfig) -> ReplayState:
@@ -113,23 +134,47 @@ def model_state_specs(config: ReplayConfig) -> ModelState:
                       conv_state=P(None, DP), write_pos=P(DP), config=config)
 
 
-def _specs(state: ReplayState | ModelState):
+def hybrid_state_specs(configs: tuple[ReplayConfig, ...], tp: int) -> HybridState:
+    """`PartitionSpec`s of a `HybridState` with these layer configs on a mesh of `tp`: each
+    layer's replay arrays as a `ReplayState`'s (key records replicated over tp where
+    `replicated_keys`), its conv state over dp only."""
+    heads = P(DP, TP)
+    layers = tuple(HybridLayer(checkpoint=heads, u_cache=heads, g_cache=heads, conv_state=P(DP), config=config,
+                               k_cache=P(DP) if replicated_keys(config, tp) else heads) for config in configs)
+    return HybridState(layers=layers, write_pos=P(DP))
+
+
+def _specs(state: ReplayState | ModelState | HybridState, mesh: Mesh):
+    if isinstance(state, HybridState):
+        return hybrid_state_specs(layer_configs(state), axis_sizes(mesh)[0])
     return (model_state_specs if isinstance(state, ModelState) else replay_state_specs)(state.config)
 
 
-def state_sharding(state: ReplayState | ModelState, mesh: Mesh):
+def _configs(state: ReplayState | ModelState | HybridState) -> tuple[ReplayConfig, ...]:
+    return layer_configs(state) if isinstance(state, (ModelState, HybridState)) else (state.config,)
+
+
+def _with_configs(state: ModelState | HybridState, configs: tuple[ReplayConfig, ...]) -> ModelState | HybridState:
+    """`state` with its layers' configs replaced (a `ModelState`'s one config: `configs[0]`)."""
+    if isinstance(state, HybridState):
+        return dataclasses.replace(state, layers=tuple(dataclasses.replace(layer, config=config)
+                                                       for layer, config in zip(state.layers, configs)))
+    return dataclasses.replace(state, config=configs[0])
+
+
+def state_sharding(state: ReplayState | ModelState | HybridState, mesh: Mesh):
     """The state's pytree of `NamedSharding`s on `mesh`."""
-    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), _specs(state))
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), _specs(state, mesh))
 
 
-def place_state(state: ReplayState | ModelState, mesh: Mesh):
+def place_state(state: ReplayState | ModelState | HybridState, mesh: Mesh):
     """`state` on `mesh` (a copy, or the same arrays where they are placed so already).
 
     Raises:
-      ValueError: if the heads do not divide over tp or the slots over dp.
+      ValueError: if some layer's heads do not divide over tp or the slots over dp.
     """
-    (check_model_state if isinstance(state, ModelState) else check_state)(state)
-    check_fits(state.config, state.num_slots, mesh)
+    (check_any_model_state if isinstance(state, (ModelState, HybridState)) else check_state)(state)
+    check_fits(_configs(state), state.num_slots, mesh)
     return jax.device_put(state, state_sharding(state, mesh))
 
 
@@ -148,7 +193,8 @@ def check_row_slots(name: str, slots: Array, num_slots: int, dp: int) -> None:
                          f"blocks of {per_shard})")
 
 
-def _check_mesh_slots(slots: Array, batch: int, config: ReplayConfig, num_slots: int, mesh: Mesh) -> None:
+def _check_mesh_slots(slots: Array, batch: int, config: ReplayConfig | tuple[ReplayConfig, ...], num_slots: int,
+                      mesh: Mesh) -> None:
     """The slot checks of a sharded call: ids in range, the sizes fit the mesh and each dp
     block of rows names its own shard's slots."""
     check_slots("slots", slots, batch, num_slots)
@@ -306,7 +352,7 @@ def accept(
 
 def model_decode_step(
     params: decoder.DecoderParams,
-    state: ModelState,
+    state: ModelState | HybridState,
     tokens: Int[Array, " B"],
     slots: Int[Array, " B"],
     force_flush: Bool[Array, " B"] | None = None,
@@ -314,20 +360,22 @@ def model_decode_step(
     mesh: Mesh,
     backend: str = "xla",
     policy: FlushPolicy | str | None = None,
-) -> tuple[Float[Array, "B V"], ModelState, StepPlan]:
+) -> tuple[Float[Array, "B V"], ModelState | HybridState, StepPlan]:
     """`model.decoder.decode_step` sharded over `mesh`: returns `(logits, new_state, plan)`.
 
     Weights are replicated; each device projects its rows for every head, steps its own
-    heads' state, and all-gathers the layer outputs y over tp for the output projection.
-    The plan holds global rows and slot ids.
+    heads' state, and all-gathers the layer outputs y over tp for the output projection
+    (a hybrid stack: every layer, GDN or Mamba-2, so). The plan holds global rows and slot
+    ids; the default policy is `decoder.model_flush_policy` of the per-device batch.
     """
-    check_model_state(state)
+    check_any_model_state(state)
     decoder.check_token_ids("tokens", tokens, 1)
     batch = jnp.shape(tokens)[0]
-    check_slots("slots", slots, batch, state.num_slots)
+    _check_mesh_slots(slots, batch, layer_configs(state), state.num_slots, mesh)
     check_flags("force_flush", force_flush, batch)
     check_backend(backend)
-    policy = _sharded_policy(state.config, state.num_slots, mesh, batch, slots, policy, backend)
+    dp = axis_sizes(mesh)[1]
+    policy = decoder.model_flush_policy(state, batch // dp, backend) if policy is None else as_policy(policy)
     force = jnp.zeros((batch,), bool) if force_flush is None else force_flush
 
     def local(params, state, tokens, slots, force):
@@ -338,7 +386,7 @@ def model_decode_step(
         )
         return logits, state, _global_plan(plan, num_local)
 
-    specs = model_state_specs(state.config)
+    specs = _specs(state, mesh)
     # check_vma off: logits, conv state, cursors and plan are declared replicated over tp;
     # every tp shard computes them from the same inputs and the all-gathered y.
     step = jax.shard_map(
@@ -354,67 +402,79 @@ jitted_model_decode_step = jax.jit(model_decode_step, static_argnames=("mesh", "
 
 def model_verify_step(
     params: decoder.DecoderParams,
-    state: ModelState,
+    state: ModelState | HybridState,
     tokens: Int[Array, "B T"],
     slots: Int[Array, " B"],
     *,
     mesh: Mesh,
     backend: str = "xla",
-) -> tuple[Float[Array, "B T V"], ModelState, Float[Array, "Y B T C"], Bool[Array, " B"]]:
-    """`model.decoder.verify_window` of a GDN stack sharded over `mesh`: returns `(logits,
-    new_state, conv_inputs, folded)` as it does, for `model_accept_step`.
+) -> tuple[Float[Array, "B T V"], ModelState | HybridState, Float[Array, "Y B T C"] | tuple, Bool[Array, " B"]]:
+    """`model.decoder.verify_window` sharded over `mesh`: returns `(logits, new_state,
+    conv_inputs, folded)` as it does (a hybrid stack's conv inputs: one `[B, T, C]` per
+    layer), for `model_accept_step`.
 
     As `model_decode_step`: weights replicated, each device verifies its B/dp rows' windows
     on its own heads and all-gathers the layer outputs over tp for the output projection.
     """
-    check_model_state(state)
+    check_any_model_state(state)
     decoder.check_token_ids("tokens", tokens, 2)
     batch, width = jnp.shape(tokens)
-    _check_mesh_slots(slots, batch, state.config, state.num_slots, mesh)
+    configs = layer_configs(state)
+    _check_mesh_slots(slots, batch, configs, state.num_slots, mesh)
     check_backend(backend)
-    if width > state.config.cache_len:
-        raise ValueError(f"window width T = {width} exceeds cache_len = {state.config.cache_len}")
+    if width > configs[0].cache_len:
+        raise ValueError(f"window width T = {width} exceeds cache_len = {configs[0].cache_len}")
 
     def local(params, state, tokens, slots):
         return decoder.verify_core(params, state, tokens, _local_slots(slots, state.num_slots), backend=backend,
                                    tp_axis=TP)
 
-    specs = model_state_specs(state.config)
+    specs = _specs(state, mesh)
     # check_vma off: logits, conv inputs, cursors and folded rows are declared replicated
     # over tp; every tp shard computes them from the same inputs and the all-gathered y.
     step = jax.shard_map(local, mesh=mesh, in_specs=(P(), specs, P(DP), P(DP)),
-                         out_specs=(P(DP), specs, P(None, DP), P(DP)), check_vma=False)
+                         out_specs=(P(DP), specs, _conv_input_specs(state), P(DP)), check_vma=False)
     return step(params, state, jnp.asarray(tokens), jnp.asarray(slots, jnp.int32))
 
 
 def model_accept_step(
-    state: ModelState,
+    state: ModelState | HybridState,
     slots: Int[Array, " B"],
     num_accepted: Int[Array, " B"],
-    conv_inputs: Float[Array, "Y B T C"],
+    conv_inputs: Float[Array, "Y B T C"] | tuple,
     *,
     mesh: Mesh,
-) -> ModelState:
+) -> ModelState | HybridState:
     """`model.decoder.accept_window` sharded over `mesh`: each device moves its slots'
     cursors and rolls their conv states forward by the accepted tokens."""
-    check_model_state(state)
+    check_any_model_state(state)
     check_array("slots", slots, (None,), layout="a 1-D [B] array")
     batch = jnp.shape(slots)[0]
-    _check_mesh_slots(slots, batch, state.config, state.num_slots, mesh)
+    configs = layer_configs(state)
+    _check_mesh_slots(slots, batch, configs, state.num_slots, mesh)
     check_array("num_accepted", num_accepted, (batch,), layout="a 1-D [B] array")
-    decoder.check_window_counts(num_accepted, jnp.shape(conv_inputs)[2])
+    hybrid = isinstance(state, HybridState)
+    decoder.check_window_counts(num_accepted, jnp.shape(conv_inputs[0] if hybrid else conv_inputs)[-2])
     tp, _ = axis_sizes(mesh)
-    config = state.config
+    local_configs = tuple(local_config(config, tp) for config in configs)
 
     def local(state, slots, num_accepted, conv_inputs):
-        state = dataclasses.replace(state, config=local_config(config, tp))
+        state = _with_configs(state, local_configs)
         new = decoder.accept_window(state, _local_slots(slots, state.num_slots), num_accepted, conv_inputs)
-        return dataclasses.replace(new, config=config)
+        return _with_configs(new, configs)
 
-    specs = model_state_specs(config)
-    step = jax.shard_map(local, mesh=mesh, in_specs=(specs, P(DP), P(DP), P(None, DP)), out_specs=specs,
-                         check_vma=False)
+    specs = _specs(state, mesh)
+    step = jax.shard_map(local, mesh=mesh, in_specs=(specs, P(DP), P(DP), _conv_input_specs(state)),
+                         out_specs=specs, check_vma=False)
     return step(state, jnp.asarray(slots, jnp.int32), jnp.asarray(num_accepted, jnp.int32), conv_inputs)
+
+
+def _conv_input_specs(state: ModelState | HybridState):
+    """Specs of a verify window's conv inputs: `[Y, B, T, C]` rows over dp, or a hybrid
+    stack's one `[B, T, C]` per layer."""
+    if isinstance(state, HybridState):
+        return tuple(P(DP) for _ in state.layers)
+    return P(None, DP)
 
 
 jitted_model_verify_step = jax.jit(model_verify_step, static_argnames=("mesh", "backend"),

@@ -17,6 +17,7 @@ the model test allows `MODEL_TOL`.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -122,6 +123,8 @@ def test_sizes_that_do_not_divide_the_mesh_raise(rng):
     mesh = _mesh()
     with pytest.raises(ValueError, match="num_k_heads"):
         sharding.place_state(init_state(ReplayConfig(1, 2, 16, 16, 3), N), mesh)
+    with pytest.raises(ValueError, match=r"B / C groups \(3\) too, or 1"):
+        sharding.check_fits(ReplayConfig.mamba2(6, 8, 8, 3, 3), N, mesh)
     with pytest.raises(ValueError, match="num_slots"):
         sharding.place_state(init_state(_config(), 6), mesh)
     with pytest.raises(ValueError, match="batch"):
@@ -297,6 +300,52 @@ def _collectives(hlo: str) -> list[tuple[str, str, tuple[int, ...]]]:
 
 
 @child_only
+@pytest.mark.parametrize("groups", [1, 2])
+def test_hybrid_stack_matches_single_device(rng, groups):
+    """A Mamba-2 + GDN stack on the mesh: decode steps with forced flushes, then verify and
+    accept rounds on rings of 3 (rows fold, mixed accepts, padding rows) end with the
+    logits, plans, conv inputs and state of one device. The Mamba-2 layer's B / C groups
+    split over tp (G = 2) or, a single group, are replicated on both tp devices (G = 1);
+    the verify step's only collective is the all-gather of the layer outputs."""
+    config = dataclasses.replace(TINY, layers=("mamba2", "gdn"), mamba2_heads=4, mamba2_head_dim=8,
+                                 mamba2_state_size=8, mamba2_groups=groups)
+    params, mesh = decoder.init_params(config, seed=5), _mesh()
+    state = config.init_state(N, 3)
+    sharded = sharding.place_state(state, mesh)
+    keys = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("dp", "tp" if groups % TP == 0 else None))
+    assert sharded.layers[0].k_cache.sharding.is_equivalent_to(keys, 4)
+    one = jax.jit(lambda s, t, sl, f: decoder.decode_step(params, s, t, sl, f, policy="natural"))
+    many = jax.jit(lambda s, t, sl, f: sharding.model_decode_step(params, s, t, sl, f, mesh=mesh, policy="natural"))
+    for tokens, slots, force in zip(*_model_inputs(rng, 4)):
+        args = jnp.asarray(tokens), jnp.asarray(slots), jnp.asarray(force)
+        logits, state, plan = one(state, *args)
+        logits_sharded, sharded, plan_sharded = many(sharded, *args)
+        chex.assert_trees_all_close((logits_sharded, sharded), (logits, state), **MODEL_TOL)
+        np.testing.assert_array_equal(plan_sharded.flush, plan.flush)
+    one_verify = jax.jit(lambda s, t, sl: decoder.verify_window(params, s, t, sl))
+    many_verify = jax.jit(lambda s, t, sl: sharding.model_verify_step(params, s, t, sl, mesh=mesh))
+    many_accept = jax.jit(lambda s, sl, n, c: sharding.model_accept_step(s, sl, n, c, mesh=mesh))
+    folded_rows = 0
+    for _ in range(3):
+        tokens = jnp.asarray(rng.integers(0, config.vocab_size, (B, 3)), jnp.int32)
+        slots = jnp.asarray(_row_slots(rng))
+        logits, state, conv_inputs, folded = one_verify(state, tokens, slots)
+        logits_s, sharded, conv_inputs_s, folded_s = many_verify(sharded, tokens, slots)
+        chex.assert_trees_all_close((logits_s, sharded, conv_inputs_s), (logits, state, conv_inputs), **MODEL_TOL)
+        np.testing.assert_array_equal(folded_s, folded)
+        folded_rows += int(np.sum(folded))
+        accepted = jnp.asarray(rng.integers(0, 4, B), jnp.int32)
+        state = jax.jit(decoder.accept_window)(state, slots, accepted, conv_inputs)
+        sharded = many_accept(sharded, slots, accepted, conv_inputs_s)
+        chex.assert_trees_all_close(sharded, state, **MODEL_TOL)
+    assert folded_rows > 0
+    assert sharded.layers[0].k_cache.sharding.is_equivalent_to(keys, 4)
+    hlo = sharding.jitted_model_verify_step.lower(params, sharded, tokens, slots, mesh=mesh).compile().as_text()
+    found = _collectives(hlo)
+    assert found and {(op, dtype) for op, dtype, _ in found} == {("all-gather", "f32")}, found
+
+
+@child_only
 def test_the_model_step_gathers_only_the_layer_outputs():
     params, mesh = decoder.init_params(TINY, seed=0), _mesh()
     state = sharding.place_state(TINY.init_state(N, 3), mesh)
@@ -347,10 +396,10 @@ def test_demo_runs_sharded_and_agrees(capsys):
 
 @child_only
 def test_demo_speculates_sharded_and_agrees(capsys):
-    """The engine's speculative step on a 2 x 2 mesh (the self drafter: every draft of an
-    fp32 state accepted, full windows), rings of 3 so windows fold."""
+    """The engine's speculative step on a 2 x 2 mesh with a hybrid stack (the self drafter:
+    every draft of an fp32 state accepted, full windows), rings of 3 so windows fold."""
     code = demo.main(["--batch", "4", "--steps", "8", "--cache-len", "3", "--track-interval", "4",
-                      "--mesh", "tp=2,dp=2", "--speculate", "3", "--drafter", "self"])
+                      "--mesh", "tp=2,dp=2", "--speculate", "3", "--drafter", "self", "--layers", "gdn,mamba2"])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "mesh {'dp': 2, 'tp': 2} over 4 devices" in out

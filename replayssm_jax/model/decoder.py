@@ -376,7 +376,7 @@ def _debug_check_token_ids(name: str, tokens: Array, live: Array, vocab_size: in
 
 def decode_step(
     params: DecoderParams,
-    state: ModelState,
+    state: ModelState | HybridState,
     tokens: Int[Array, " B"],
     slots: Int[Array, " B"],
     force_flush: Bool[Array, " B"] | None = None,
@@ -405,22 +405,26 @@ def decode_step(
     check_slots("slots", slots, jnp.shape(tokens)[0], state.num_slots)
     check_backend(backend)
     _debug_check_token_ids("tokens", tokens, slots >= 0, params.embed.shape[0])
-    if isinstance(state, HybridState):
-        return _hybrid_decode(params, state, tokens, slots, force_flush, backend=backend, policy=policy)
     return decode_core(params, state, tokens, slots, force_flush, backend=backend, policy=policy)
 
 
-def _hybrid_decode(params, state: HybridState, tokens, slots, force_flush, *, backend, policy):
+def _ssm_shape(config: ReplayConfig) -> tuple[int, int, int]:
+    """A layer's trailing state shape `[H_v, d_v, d_k]` by its (global) config: inside
+    `shard_map` its arrays hold only this device's heads."""
+    return config.num_v_heads, config.head_v_dim, config.head_k_dim
+
+
+def _hybrid_decode(params, state: HybridState, tokens, slots, force_flush, *, backend, policy, tp_axis=None):
     """`decode_core` for a hybrid stack: the layers one after the other under one plan."""
     policy = model_flush_policy(state, jnp.shape(tokens)[0], backend) if policy is None else as_policy(policy)
     plan = plan_step(state.write_pos, slots, force_flush, state.cache_len, policy)
     x = _embed(params, tokens)
     for index, block in enumerate(params.blocks):
         replay = layer_state(state, index)
-        dims = _hybrid_dims(block, x.shape[-1], replay.checkpoint.shape)
+        dims = _hybrid_dims(block, x.shape[-1], _ssm_shape(replay.config))
         mixed, replay, conv = _MIXERS[type(block.mixer)].replay(
             block.mixer, dims, rms_norm(x, block.attn_norm), replay, state.layers[index].conv_state, plan,
-            backend=backend)
+            backend=backend, tp_axis=tp_axis)
         state = with_layer(state, index, replay, conv)
         x = x + mixed
         x = x + _mlp(block, x)
@@ -430,7 +434,7 @@ def _hybrid_decode(params, state: HybridState, tokens, slots, force_flush, *, ba
 
 def decode_core(
     params: DecoderParams,
-    state: ModelState,
+    state: ModelState | HybridState,
     tokens: Int[Array, " B"],
     slots: Int[Array, " B"],
     force_flush: Bool[Array, " B"] | None = None,
@@ -442,6 +446,9 @@ def decode_core(
     """`decode_step` without the argument checks. With `tp_axis` (inside `shard_map`, see
     `replayssm_jax.sharding`) the state's arrays hold this device's heads only and its
     config stays the global one."""
+    if isinstance(state, HybridState):
+        return _hybrid_decode(params, state, tokens, slots, force_flush, backend=backend, policy=policy,
+                              tp_axis=tp_axis)
     batch = jnp.shape(tokens)[0]
     policy = default_flush_policy(state.config, batch, backend) if policy is None else as_policy(policy)
     plan = plan_step(state.write_pos, slots, force_flush, state.config.cache_len, policy)
@@ -471,7 +478,7 @@ jitted_decode_step = jax.jit(decode_step, static_argnames=("backend", "policy"),
 
 def verify_window(
     params: DecoderParams,
-    state: ModelState,
+    state: ModelState | HybridState,
     tokens: Int[Array, "B T"],
     slots: Int[Array, " B"],
     *,
@@ -500,23 +507,23 @@ def verify_window(
     cache_len = layer_configs(state)[0].cache_len
     if width > cache_len:
         raise ValueError(f"window width T = {width} exceeds cache_len = {cache_len}")
-    if isinstance(state, HybridState):
-        return _hybrid_verify(params, state, tokens, slots, backend)
     return verify_core(params, state, tokens, slots, backend=backend)
 
 
 def verify_core(
     params: DecoderParams,
-    state: ModelState,
+    state: ModelState | HybridState,
     tokens: Int[Array, "B T"],
     slots: Int[Array, " B"],
     *,
     backend: str = "xla",
     tp_axis: str | None = None,
 ) -> tuple[Float[Array, "B T V"], ModelState, Float[Array, "Y B T C"], Bool[Array, " B"]]:
-    """`verify_window` of a GDN stack without the argument checks. With `tp_axis` (inside
-    `shard_map`, see `replayssm_jax.sharding`) as `decode_core`: the state's arrays hold this
-    device's heads only and its config stays the global one."""
+    """`verify_window` without the argument checks. With `tp_axis` (inside `shard_map`, see
+    `replayssm_jax.sharding`) as `decode_core`: the state's arrays hold this device's heads
+    only and its config stays the global one."""
+    if isinstance(state, HybridState):
+        return _hybrid_verify(params, state, tokens, slots, backend, tp_axis)
     dims = _dims(params, state.config)
     view, conv_pool = flat_view(state)
     valid = slots >= 0
@@ -542,16 +549,16 @@ def verify_core(
     return _logits(params, x), state, conv_inputs, folded
 
 
-def _hybrid_verify(params, state: HybridState, tokens, slots, backend):
+def _hybrid_verify(params, state: HybridState, tokens, slots, backend, tp_axis=None):
     """`verify_window` for a hybrid stack: each layer verifies the window from the cursor
     before the step (every layer folds the same rows)."""
     x, conv_inputs, write_pos = _embed(params, tokens), [], None
     for index, block in enumerate(params.blocks):
         replay = layer_state(state, index)
-        dims = _hybrid_dims(block, x.shape[-1], replay.checkpoint.shape)
+        dims = _hybrid_dims(block, x.shape[-1], _ssm_shape(replay.config))
         mixed, replay, inputs = _MIXERS[type(block.mixer)].verify(
             block.mixer, dims, rms_norm(x, block.attn_norm), replay, state.layers[index].conv_state, slots,
-            backend=backend)
+            backend=backend, tp_axis=tp_axis)
         write_pos = replay.write_pos if write_pos is None else write_pos
         state = with_layer(state, index, replay, state.layers[index].conv_state)
         conv_inputs.append(inputs)

@@ -82,8 +82,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be positive")
     if args.speculate and not 2 <= args.speculate <= args.cache_len:
         parser.error("--speculate must be 0 or in [2, --cache-len]")
-    if args.layers is not None and args.mesh is not None:
-        parser.error("--mesh shards GDN stacks only; leave out --layers")
     return args
 
 

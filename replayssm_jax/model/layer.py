@@ -31,7 +31,7 @@ from replayssm_jax.plan import StepPlan
 from replayssm_jax.reference import recurrent_reference
 from replayssm_jax.speculative import verify_step
 from replayssm_jax.state import ReplayState
-from replayssm_jax.tokens import Tokens
+from replayssm_jax.tokens import Mamba2Tokens, Tokens
 
 RMS_EPS = 1e-6
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -199,7 +199,7 @@ def gdn_replay(
     q, k, v, g, beta, z, conv_rows = _project(params, dims, x[:, None], conv_rows, None)
     tokens = Tokens(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0])
     step = lambda state, tokens: layer_step(state, tokens, plan, backend=backend, use_qk_l2norm=True)
-    y, state = step(state, tokens) if tp_axis is None else _on_local_heads(state, tokens, step, tp_axis, 1)
+    y, state = step(state, tokens) if tp_axis is None else on_local_heads(state, tokens, step, tp_axis, 1)
     target = jnp.where(plan.valid, plan.slot, conv_pool.shape[0])
     conv_pool = conv_pool.at[target].set(conv_rows.astype(conv_pool.dtype), mode="drop")
     return _output(params, y, z[:, 0]), state, conv_pool
@@ -232,7 +232,7 @@ def gdn_verify(
     q, k, v, g, beta, z, _ = _project(params, dims, x, conv_rows, None)
     step = lambda state, window: verify_step(state, window, slots, backend=backend, use_qk_l2norm=True)
     window = Tokens(q, k, v, g, beta)
-    y, state = step(state, window) if tp_axis is None else _on_local_heads(state, window, step, tp_axis, 2)
+    y, state = step(state, window) if tp_axis is None else on_local_heads(state, window, step, tp_axis, 2)
     return _output(params, y, z), state, matmul(x, params.w_qkv)
 
 
@@ -248,15 +248,24 @@ def accept_conv(
     return last(window, num_accepted).astype(conv_rows.dtype)
 
 
-def _on_local_heads(state: ReplayState, tokens: Tokens, step, tp_axis: str, axis: int):
+def local_heads(x: Array, count: int, tp_axis: str, axis: int) -> Array:
+    """This device's contiguous block of `count` heads of `x` along `axis` (inside `shard_map`)."""
+    return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(tp_axis) * count, count, axis=axis)
+
+
+def on_local_heads(state: ReplayState, tokens: Tokens | Mamba2Tokens, step, tp_axis: str, axis: int):
     """`step(state, tokens) -> (y, state)` on this device's heads (the state's): the tokens'
     heads (their `axis`: 1 for a decode step's, 2 for a window's) sliced to the local block,
-    y all-gathered back to every head along the same axis."""
+    y all-gathered back to every head along the same axis. Key heads (GDN's q, k; Mamba-2's
+    B, C groups) by the state's H_k (all of them where the state holds them all: a single
+    Mamba-2 group, replicated), value heads (v, g, beta; x, dt) by its H_v."""
     hk, hv = state.k_cache.shape[1], state.checkpoint.shape[1]
-    shard = jax.lax.axis_index(tp_axis)
-    take = lambda x, n: jax.lax.dynamic_slice_in_dim(x, shard * n, n, axis=axis)
-    local = Tokens(take(tokens.q, hk), take(tokens.k, hk), take(tokens.v, hv), take(tokens.g, hv),
-                   take(tokens.beta, hv))
+    keys = (lambda x: x) if hk == state.config.num_k_heads else (lambda x: local_heads(x, hk, tp_axis, axis))
+    values = lambda x: local_heads(x, hv, tp_axis, axis)
+    if isinstance(tokens, Mamba2Tokens):
+        local = tokens.replace(x=values(tokens.x), B=keys(tokens.B), C=keys(tokens.C), dt=values(tokens.dt))
+    else:
+        local = Tokens(keys(tokens.q), keys(tokens.k), values(tokens.v), values(tokens.g), values(tokens.beta))
     config = state.config
     y, state = step(dataclasses.replace(state, config=dataclasses.replace(config, num_k_heads=hk, num_v_heads=hv)),
                     local)

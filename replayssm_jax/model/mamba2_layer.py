@@ -26,7 +26,7 @@ from jaxtyping import Array, Float, Int
 from replayssm_jax import gating
 from replayssm_jax.config import ReplayConfig
 from replayssm_jax.decode import layer_step
-from replayssm_jax.model.layer import causal_conv, matmul, rms_norm
+from replayssm_jax.model.layer import causal_conv, local_heads, matmul, on_local_heads, rms_norm
 from replayssm_jax.plan import StepPlan
 from replayssm_jax.reference import mamba2_reference
 from replayssm_jax.speculative import verify_step
@@ -144,6 +144,14 @@ def mamba2_plain(
     return _output(params, y, z), ssm, conv_state
 
 
+def _local_ssm_params(params: Mamba2LayerParams, state: ReplayState, tp_axis: str | None) -> Mamba2Params:
+    """`ssm_params` of the state's heads: all of them, or with `tp_axis` this device's block."""
+    step_params = ssm_params(params)
+    if tp_axis is None:
+        return step_params
+    return jax.tree.map(lambda a: local_heads(a, state.checkpoint.shape[1], tp_axis, 0), step_params)
+
+
 def mamba2_replay(
     params: Mamba2LayerParams,
     dims: Mamba2Dims,
@@ -153,14 +161,20 @@ def mamba2_replay(
     plan: StepPlan,
     *,
     backend: str = "xla",
+    tp_axis: str | None = None,
 ) -> tuple[Float[Array, "B D"], ReplayState, Float[Array, "N Km1 C"]]:
     """One token per row through the ReplaySSM state under `plan` (cursor left to the caller).
 
-    `state` and `conv_pool` are indexed by `plan.slot`; padding rows write nothing.
+    `state` and `conv_pool` are indexed by `plan.slot`; padding rows write nothing. With
+    `tp_axis` (inside `shard_map`) as `layer.gdn_replay`: the state holds this device's block
+    of heads (and of their B / C groups); the projections and the conv run for every head,
+    the SSM step on the local ones, and y is all-gathered over `tp_axis`.
     """
     tokens, z, conv_rows = _project(params, dims, u[:, None], conv_pool[plan.slot], None)
-    y, state = layer_step(state, jax.tree.map(lambda a: a[:, 0], tokens), plan, backend=backend,
-                          gate_params=ssm_params(params))
+    step_params = _local_ssm_params(params, state, tp_axis)
+    step = lambda state, tokens: layer_step(state, tokens, plan, backend=backend, gate_params=step_params)
+    tokens = jax.tree.map(lambda a: a[:, 0], tokens)
+    y, state = step(state, tokens) if tp_axis is None else on_local_heads(state, tokens, step, tp_axis, 1)
     target = jnp.where(plan.valid, plan.slot, conv_pool.shape[0])
     conv_pool = conv_pool.at[target].set(conv_rows.astype(conv_pool.dtype), mode="drop")
     return _output(params, y, z[:, 0]), state, conv_pool
@@ -175,14 +189,18 @@ def mamba2_verify(
     slots: Int[Array, " B"],
     *,
     backend: str = "xla",
+    tp_axis: str | None = None,
 ) -> tuple[Float[Array, "B T D"], ReplayState, Float[Array, "B T C"]]:
     """A draft window of T tokens per row through `speculative.verify_step` on `backend`
     (slots index `state` and `conv_pool`; negative: padding row, output 0). As `layer.gdn_verify`: the
-    conv pool is not written, the window's conv inputs are returned for `accept_conv`.
+    conv pool is not written, the window's conv inputs are returned for `accept_conv`; with
+    `tp_axis` the window runs on the local heads and y is all-gathered over `tp_axis`.
 
     Returns:
       `(out [B, T, D], state with the window's records appended, conv inputs [B, T, C])`.
     """
     tokens, z, _ = _project(params, dims, u, conv_pool[jnp.where(slots >= 0, slots, 0)], None)
-    y, state = verify_step(state, tokens, slots, backend=backend, gate_params=ssm_params(params))
+    step_params = _local_ssm_params(params, state, tp_axis)
+    step = lambda state, window: verify_step(state, window, slots, backend=backend, gate_params=step_params)
+    y, state = step(state, tokens) if tp_axis is None else on_local_heads(state, tokens, step, tp_axis, 2)
     return _output(params, y, z), state, _split_in(params, dims, u)[1]

@@ -253,11 +253,9 @@ class Engine:
         self.max_batch, self.track_interval = max_batch, track_interval
         self.mesh = mesh
         self.cache_len = cache_len
-        if mesh is not None and config.hybrid:
-            raise ValueError("a mesh shards GDN stacks only; a hybrid stack serves on one device")
         state = config.init_state(num_slots, cache_len, state_dtype)
         if mesh is not None:
-            sharding.check_fits(state.config, num_slots, mesh, max_batch)
+            sharding.check_fits(layer_configs(state), num_slots, mesh, max_batch)
         self.state = self._placed(state)
         self.traffic = StateTraffic.of(self.state)
         self.rows: list[Request | None] = [None] * max_batch
