@@ -55,7 +55,7 @@ from replayssm_jax.plan import (
     plan_step,
 )
 from replayssm_jax.state import ReplayState, check_state
-from replayssm_jax.tokens import Tokens, check_tokens
+from replayssm_jax.tokens import Mamba2Params, Mamba2Tokens, Tokens, check_gate_params, check_tokens
 from replayssm_jax.validation import check_array, check_flags, check_positive_int, check_slots, concrete_or_none
 
 TP, DP = "tp", "dp"
@@ -120,11 +120,12 @@ def local_config(config: ReplayConfig, tp: int) -> ReplayConfig:
     return dataclasses.replace(config, num_k_heads=key_heads, num_v_heads=config.num_v_heads // tp)
 
 
-def replay_state_specs(config: ReplayConfig) -> ReplayState:
-    """`PartitionSpec`s of a `ReplayState` (a ReplayState whose leaves are specs)."""
+def replay_state_specs(config: ReplayConfig, tp: int = 1) -> ReplayState:
+    """`PartitionSpec`s of a `ReplayState` (a ReplayState whose leaves are specs) on a mesh of
+    `tp` (the key records over dp only where `replicated_keys`)."""
     heads = P(DP, TP)
-    return ReplayState(checkpoint=heads, u_cache=heads, k_cache=heads, g_cache=heads,
-                       write_pos=P(DP), config=config)
+    return ReplayState(checkpoint=heads, u_cache=heads, g_cache=heads, write_pos=P(DP), config=config,
+                       k_cache=P(DP) if replicated_keys(config, tp) else heads)
 
 
 def model_state_specs(config: ReplayConfig) -> ModelState:
@@ -147,7 +148,9 @@ def hybrid_state_specs(configs: tuple[ReplayConfig, ...], tp: int) -> HybridStat
 def _specs(state: ReplayState | ModelState | HybridState, mesh: Mesh):
     if isinstance(state, HybridState):
         return hybrid_state_specs(layer_configs(state), axis_sizes(mesh)[0])
-    return (model_state_specs if isinstance(state, ModelState) else replay_state_specs)(state.config)
+    if isinstance(state, ModelState):
+        return model_state_specs(state.config)
+    return replay_state_specs(state.config, axis_sizes(mesh)[0])
 
 
 def _configs(state: ReplayState | ModelState | HybridState) -> tuple[ReplayConfig, ...]:
@@ -229,9 +232,25 @@ def _sharded_policy(state_config, num_slots: int, mesh: Mesh, batch: int, slots,
     return default_flush_policy(state_config, batch // dp, backend) if policy is None else as_policy(policy)
 
 
+def _token_specs(config: ReplayConfig, tokens: Tokens | Mamba2Tokens, tp: int, window: bool):
+    """Specs of a step's (`[B, ...]`) or a window's (`[B, T, ...]`) tokens: rows over dp,
+    heads over tp (a Mamba-2 layer's replicated single group of B, C: over dp only)."""
+    heads = P(DP, None, TP) if window else P(DP, TP)
+    specs = jax.tree.map(lambda _: heads, tokens)
+    if isinstance(tokens, Mamba2Tokens) and replicated_keys(config, tp):
+        specs = specs.replace(B=P(DP), C=P(DP))
+    return specs
+
+
+def _gate_param_specs(gate_params):
+    """Every gate parameter (GDN / KDA `(A_log, dt_bias)`, a `Mamba2Params`) is per value head
+    on its leading axis: split over tp."""
+    return jax.tree.map(lambda _: P(TP), gate_params)
+
+
 def decode_step(
     state: ReplayState,
-    tokens: Tokens,
+    tokens: Tokens | Mamba2Tokens,
     slots: Int[Array, " B"],
     force_flush: Bool[Array, " B"] | None = None,
     *,
@@ -240,44 +259,48 @@ def decode_step(
     policy: FlushPolicy | str | None = None,
     use_qk_l2norm: bool = False,
     scale: float | None = None,
+    gate_params: tuple[Array, Array] | Mamba2Params | None = None,
 ) -> tuple[Float[Array, "B Hv Dv"], ReplayState]:
     """`replayssm_jax.decode_step` sharded over `mesh` (rows and slots as in the module docstring).
 
-    Each device runs the single-device step on its B/dp rows, N/dp slots and H/tp heads;
-    the default policy is `default_flush_policy` of the per-device batch B/dp, and the
-    pallas_triton backend's launch table is looked up with the per-device shapes.
+    Each device runs the single-device step on its B/dp rows, N/dp slots and H/tp heads
+    (with its heads' `gate_params`); the default policy is `default_flush_policy` of the
+    per-device batch B/dp, and the pallas_triton backend's launch table is looked up with
+    the per-device shapes. Any gate: GDN / KDA `Tokens` or a Mamba-2 layer's `Mamba2Tokens`.
 
     Returns:
       `(y [B, H_v, d_v], new_state)`, y split over dp (rows) and tp (heads).
     """
     check_state(state)
     batch = check_tokens(state.config, tokens)
+    check_gate_params(state.config, gate_params)
     check_slots("slots", slots, batch, state.num_slots)
     check_flags("force_flush", force_flush, batch)
     check_backend(backend)
     policy = _sharded_policy(state.config, state.num_slots, mesh, batch, slots, policy, backend)
     tp, _ = axis_sizes(mesh)
     config = state.config
-    token_specs = Tokens(q=P(DP, TP), k=P(DP, TP), v=P(DP, TP), g=P(DP, TP), beta=P(DP, TP))
     force = jnp.zeros((batch,), bool) if force_flush is None else force_flush
 
-    def local(state, tokens, slots, force):
+    def local(state, tokens, slots, force, gate_params):
         state = dataclasses.replace(state, config=local_config(config, tp))
         plan = plan_step(state.write_pos, _local_slots(slots, state.num_slots), force, config.cache_len, policy)
-        y, new = layer_step(state, tokens, plan, backend=backend, use_qk_l2norm=use_qk_l2norm, scale=scale)
+        y, new = layer_step(state, tokens, plan, backend=backend, use_qk_l2norm=use_qk_l2norm, scale=scale,
+                            gate_params=gate_params)
         return y, dataclasses.replace(new, write_pos=advance_write_pos(state.write_pos, plan), config=config)
 
-    specs = replay_state_specs(config)
+    specs = _specs(state, mesh)
     # check_vma off: write_pos is declared replicated over tp, and every tp shard computes
     # it from the same (replicated) cursors and slots.
-    step = jax.shard_map(local, mesh=mesh, in_specs=(specs, token_specs, P(DP), P(DP)),
+    step = jax.shard_map(local, mesh=mesh, in_specs=(specs, _token_specs(config, tokens, tp, False), P(DP), P(DP),
+                                                     _gate_param_specs(gate_params)),
                          out_specs=(P(DP, TP), specs), check_vma=False)
-    return step(state, tokens, jnp.asarray(slots, jnp.int32), force)
+    return step(state, tokens, jnp.asarray(slots, jnp.int32), force, gate_params)
 
 
 def verify_step(
     state: ReplayState,
-    window: Tokens,
+    window: Tokens | Mamba2Tokens,
     slots: Int[Array, " B"],
     *,
     mesh: Mesh,
@@ -286,37 +309,41 @@ def verify_step(
     parents: Int[Array, "B T"] | None = None,
     use_qk_l2norm: bool = False,
     scale: float | None = None,
+    gate_params: tuple[Array, Array] | Mamba2Params | None = None,
 ) -> tuple[Float[Array, "B T Hv Dv"], ReplayState]:
     """`replayssm_jax.verify_step` on `backend` sharded over `mesh` (rows and slots as in the
-    module docstring): each device verifies its B/dp rows' windows on its H/tp heads; the
-    window solve is per head, so no device needs another's heads.
+    module docstring): each device verifies its B/dp rows' windows on its H/tp heads (with
+    its heads' `gate_params`); the window solve is per head, so no device needs another's
+    heads. Any gate, as `decode_step`.
 
     Returns:
       `(y [B, T, H_v, d_v], new_state)`, y split over dp (rows) and tp (heads).
     """
     check_state(state)
     batch, _ = speculative.check_window(state.config, window)
+    check_gate_params(state.config, gate_params)
     _check_mesh_slots(slots, batch, state.config, state.num_slots, mesh)
     check_backend(backend)
     tp, _ = axis_sizes(mesh)
     config = state.config
-    window_specs = Tokens(q=P(DP, None, TP), k=P(DP, None, TP), v=P(DP, None, TP), g=P(DP, None, TP),
-                          beta=P(DP, None, TP))
     # optional per-row arguments travel only when given, so the local call is the caller's
     options = {name: (jnp.asarray(value, jnp.int32), spec) for name, value, spec in
                (("lengths", lengths, P(DP)), ("parents", parents, P(DP, None))) if value is not None}
 
-    def local(state, window, slots, options):
+    def local(state, window, slots, options, gate_params):
         state = dataclasses.replace(state, config=local_config(config, tp))
         y, new = speculative.verify_step(state, window, _local_slots(slots, state.num_slots), backend=backend,
-                                         use_qk_l2norm=use_qk_l2norm, scale=scale, **options)
+                                         use_qk_l2norm=use_qk_l2norm, scale=scale, gate_params=gate_params,
+                                         **options)
         return y, dataclasses.replace(new, config=config)
 
-    specs = replay_state_specs(config)
+    specs = _specs(state, mesh)
     option_specs = {name: spec for name, (_, spec) in options.items()}
-    step = jax.shard_map(local, mesh=mesh, in_specs=(specs, window_specs, P(DP), option_specs),
+    step = jax.shard_map(local, mesh=mesh, in_specs=(specs, _token_specs(config, window, tp, True), P(DP),
+                                                     option_specs, _gate_param_specs(gate_params)),
                          out_specs=(P(DP, None, TP), specs), check_vma=False)
-    return step(state, window, jnp.asarray(slots, jnp.int32), {name: v for name, (v, _) in options.items()})
+    return step(state, window, jnp.asarray(slots, jnp.int32), {name: v for name, (v, _) in options.items()},
+                gate_params)
 
 
 def accept(
@@ -343,7 +370,7 @@ def accept(
                                  path=path[0] if path else None)
         return dataclasses.replace(new, config=config)
 
-    specs = replay_state_specs(config)
+    specs = _specs(state, mesh)
     extra = () if path is None else (jnp.asarray(path, jnp.int32),)
     step = jax.shard_map(local, mesh=mesh, in_specs=(specs, P(DP), P(DP)) + (P(DP, None),) * len(extra),
                          out_specs=specs, check_vma=False)

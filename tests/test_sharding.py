@@ -191,6 +191,53 @@ def test_verify_and_accept_equal_single_device(rng, gate, backend):
     assert sharded.checkpoint.sharding.spec == jax.sharding.PartitionSpec("dp", "tp")
 
 
+def _mamba2_inputs(rng, config: ReplayConfig, lead: tuple[int, ...]) -> R.Mamba2Tokens:
+    normal = lambda *shape: jnp.asarray(rng.normal(size=(*lead, *shape)), jnp.float32)
+    heads, groups, size = config.num_v_heads, config.num_k_heads, config.head_k_dim
+    return R.Mamba2Tokens(x=normal(heads, config.head_v_dim), B=normal(groups, size), C=normal(groups, size),
+                          dt=normal(heads), z=normal(heads, config.head_v_dim))
+
+
+@child_only
+@pytest.mark.parametrize("groups", [1, 4])
+def test_mamba2_layer_equals_single_device_bit_for_bit(rng, groups):
+    """A Mamba-2 layer (its per-head A, D, dt_bias split over tp with the heads) through
+    decode steps with forced flushes, then T = 2 windows with ragged lengths and mixed
+    accepts: the sharded calls end with one device's outputs and state bits, its B records
+    split over tp with their groups (G = 4) or replicated (G = 1)."""
+    config, mesh = ReplayConfig.mamba2(8, 16, 32, groups, 4), _mesh()
+    params = R.Mamba2Params(A=jnp.asarray(-rng.uniform(0.5, 8.0, 8), jnp.float32),
+                            D=jnp.asarray(rng.normal(size=8), jnp.float32),
+                            dt_bias=jnp.asarray(rng.uniform(-4.5, -2.0, 8), jnp.float32))
+    state = init_state(config, N, jnp.asarray(random_checkpoint(rng, config, N)))
+    sharded = sharding.place_state(state, mesh)
+    keys = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("dp", "tp" if groups % TP == 0 else None))
+    assert sharded.k_cache.sharding.is_equivalent_to(keys, 4)
+    one = jax.jit(lambda s, t, sl, f: decode_step(s, t, sl, f, policy="natural", gate_params=params))
+    many = jax.jit(lambda s, t, sl, f: sharding.decode_step(s, t, sl, f, mesh=mesh, policy="natural",
+                                                            gate_params=params))
+    for _ in range(5):
+        tokens, slots = _mamba2_inputs(rng, config, (B,)), jnp.asarray(_row_slots(rng))
+        force = jnp.asarray(rng.random(B) < 0.2)
+        y, state = one(state, tokens, slots, force)
+        y_sharded, sharded = many(sharded, tokens, slots, force)
+        chex.assert_trees_all_equal((y_sharded, sharded), (y, state))
+    width = 2
+    for _ in range(3):
+        window, slots = _mamba2_inputs(rng, config, (B, width)), jnp.asarray(_row_slots(rng))
+        lengths = jnp.asarray(rng.integers(0, width + 1, B), jnp.int32)
+        y, state = jax.jit(lambda s, w, sl, n: R.verify_step(s, w, sl, lengths=n, gate_params=params))(
+            state, window, slots, lengths)
+        y_s, sharded = jax.jit(lambda s, w, sl, n: sharding.verify_step(
+            s, w, sl, mesh=mesh, lengths=n, gate_params=params))(sharded, window, slots, lengths)
+        chex.assert_trees_all_equal((y_s, sharded), (y, state))
+        accepted = jnp.minimum(jnp.asarray(rng.integers(0, width + 1, B), jnp.int32), lengths)
+        state = jax.jit(R.accept)(state, slots, accepted)
+        sharded = jax.jit(lambda s, sl, n: sharding.accept(s, sl, n, mesh=mesh))(sharded, slots, accepted)
+        chex.assert_trees_all_equal(sharded, state)
+    assert sharded.k_cache.sharding.is_equivalent_to(keys, 4)
+
+
 @child_only
 def test_under_jit_a_row_naming_another_shards_slot_is_padding(rng):
     config, mesh = _config(), _mesh()
