@@ -3,8 +3,9 @@
 `GDNDecodeLayer` is the package's Qwen3-Next-style GDN layer (`model.layer`) with its replay
 state (`ReplayState`) and causal-conv state held in `ReplayCache` variables, so a model
 built of them carries its decode state the NNX way and `nnx.jit(..., donate_argnums=...)`
-updates it in place. `Decoder` stacks them into the package's small decoder (same weights
-and numerics as `model.decoder`): `prefill` continues slots by a prompt chunk (chunked
+updates it in place; `Mamba2DecodeLayer` the same for the Mamba-2 layer
+(`model.mamba2_layer`). `Decoder` stacks them into the package's small decoder, GDN or
+hybrid (same weights and numerics as `model.decoder`): `prefill` continues slots by a prompt chunk (chunked
 recurrence, leaves a flushed checkpoint), `decode_step` runs one token per row with one
 flush plan for every layer.
 
@@ -15,6 +16,7 @@ The cache variables are not parameters: filter them out of optimizers and gradie
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +28,8 @@ from replayssm_jax.config import ReplayConfig
 from replayssm_jax.decode import check_backend
 from replayssm_jax.model import decoder as decoder_lib
 from replayssm_jax.model.layer import GDNDims, GDNParams, gdn_plain, gdn_replay, rms_norm
-from replayssm_jax.plan import FlushPolicy, StepPlan, advance_write_pos, as_policy, default_flush_policy, plan_step
+from replayssm_jax.model.mamba2_layer import Mamba2Dims, Mamba2LayerParams, mamba2_plain, mamba2_replay, ssm_params
+from replayssm_jax.plan import FlushPolicy, StepPlan, advance_write_pos, as_policy, plan_step
 from replayssm_jax.state import init_state
 from replayssm_jax.validation import check_slots
 
@@ -35,7 +38,44 @@ class ReplayCache(nnx.Variable):
     """Decode state of a layer (replay state, conv state): carried, not trained."""
 
 
-class GDNDecodeLayer(nnx.Module):
+class _DecodeLayer(nnx.Module):
+    """What a layer kind's NNX module shares: weights in one `nnx.Param`, the replay state
+    and conv state `[N, K - 1, C]` in `ReplayCache`s, `decode` and `prefill` through the
+    kind's model-package functions (`_replay`, `_plain`, `_live`)."""
+
+    def __init__(self, params, dims, config: ReplayConfig, num_slots: int, backend: str):
+        check_backend(backend)
+        self.weights = nnx.Param(params)
+        self.replay = ReplayCache(init_state(config, num_slots))
+        self.conv = ReplayCache(jnp.zeros((num_slots, dims.conv_kernel - 1, dims.conv_channels), jnp.float32))
+        self.dims, self.backend = dims, backend
+
+    def decode(self, x: Float[Array, "B D"], plan: StepPlan) -> Float[Array, "B D"]:
+        """One token per row under `plan` (from `plan_step` on this layer's cursors); the
+        layer's cursors advance with the plan."""
+        out, state, conv = self._replay(self.weights.get_value(), self.dims, x, self.replay.get_value(),
+                                        self.conv.get_value(), plan, backend=self.backend)
+        self.replay.set_value(dataclasses.replace(state, write_pos=advance_write_pos(state.write_pos, plan)))
+        self.conv.set_value(conv)
+        return out
+
+    def prefill(self, x: Float[Array, "B T D"], lengths: Int[Array, " B"], slots: Int[Array, " B"]
+                ) -> Float[Array, "B T D"]:
+        """Continue each row's slot by `lengths[b]` tokens from its live state; the slot then
+        holds the result as a flushed checkpoint (cursor 0). Negative slots write nothing."""
+        state, conv_pool, weights = self.replay.get_value(), self.conv.get_value(), self.weights.get_value()
+        plan = plan_step(state.write_pos, slots, None, state.config.cache_len)
+        out, ssm, conv = self._plain(weights, self.dims, x, self._live(weights, state, plan), conv_pool[plan.slot],
+                                     lengths)
+        target = jnp.where(plan.valid, plan.slot, state.num_slots)
+        self.replay.set_value(dataclasses.replace(
+            state, checkpoint=state.checkpoint.at[target].set(ssm.astype(state.checkpoint.dtype), mode="drop"),
+            write_pos=state.write_pos.at[target].set(0, mode="drop")))
+        self.conv.set_value(conv_pool.at[target].set(conv, mode="drop"))
+        return out
+
+
+class GDNDecodeLayer(_DecodeLayer):
     """One GDN layer over `num_slots` slots with its decode state in NNX variables.
 
     Args:
@@ -48,45 +88,48 @@ class GDNDecodeLayer(nnx.Module):
 
     def __init__(self, params: GDNParams, dims: GDNDims, config: ReplayConfig, num_slots: int, *,
                  backend: str = "xla"):
-        check_backend(backend)
         heads = (dims.num_k_heads, dims.num_v_heads, dims.head_k_dim, dims.head_v_dim)
         if heads != (config.num_k_heads, config.num_v_heads, config.head_k_dim, config.head_v_dim):
             raise ValueError(f"config heads {config} do not match the layer's dims {dims}")
-        self.weights = nnx.Param(params)
-        self.replay = ReplayCache(init_state(config, num_slots))
-        self.conv = ReplayCache(jnp.zeros((num_slots, dims.conv_kernel - 1, dims.conv_channels), jnp.float32))
-        self.dims, self.backend = dims, backend
+        super().__init__(params, dims, config, num_slots, backend)
 
-    def decode(self, x: Float[Array, "B D"], plan: StepPlan) -> Float[Array, "B D"]:
-        """One token per row under `plan` (from `plan_step` on this layer's cursors); the
-        layer's cursors advance with the plan."""
-        out, state, conv = gdn_replay(self.weights.get_value(), self.dims, x, self.replay.get_value(),
-                                      self.conv.get_value(), plan, backend=self.backend)
-        self.replay.set_value(dataclasses.replace(state, write_pos=advance_write_pos(state.write_pos, plan)))
-        self.conv.set_value(conv)
-        return out
+    _replay = staticmethod(gdn_replay)
+    # the prefill's chunked recurrence (UT transform, chunks of 64), as `model.decoder.prefill`
+    _plain = staticmethod(functools.partial(gdn_plain, chunked=True))
 
-    def prefill(self, x: Float[Array, "B T D"], lengths: Int[Array, " B"], slots: Int[Array, " B"]
-                ) -> Float[Array, "B T D"]:
-        """Continue each row's slot by `lengths[b]` tokens from its live state; the slot then
-        holds the result as a flushed checkpoint (cursor 0). Negative slots write nothing."""
-        state, conv_pool = self.replay.get_value(), self.conv.get_value()
-        plan = plan_step(state.write_pos, slots, None, state.config.cache_len)
-        out, ssm, conv = gdn_plain(self.weights.get_value(), self.dims, x, xla.replay_state(state, plan),
-                                   conv_pool[plan.slot], lengths, chunked=True)
-        target = jnp.where(plan.valid, plan.slot, state.num_slots)
-        self.replay.set_value(dataclasses.replace(
-            state, checkpoint=state.checkpoint.at[target].set(ssm.astype(state.checkpoint.dtype), mode="drop"),
-            write_pos=state.write_pos.at[target].set(0, mode="drop")))
-        self.conv.set_value(conv_pool.at[target].set(conv, mode="drop"))
-        return out
+    @staticmethod
+    def _live(weights, state, plan):
+        return xla.replay_state(state, plan)
+
+
+class Mamba2DecodeLayer(_DecodeLayer):
+    """One Mamba-2 layer (`model.mamba2_layer`) over `num_slots` slots with its decode state
+    in NNX variables; arguments as `GDNDecodeLayer`'s (`Mamba2LayerParams`, `Mamba2Dims`, a
+    "mamba2" `ReplayConfig` of H heads of dim P, state size N, G groups)."""
+
+    def __init__(self, params: Mamba2LayerParams, dims: Mamba2Dims, config: ReplayConfig, num_slots: int, *,
+                 backend: str = "xla"):
+        sizes = (dims.num_groups, dims.num_heads, dims.state_size, dims.head_dim)
+        if config.gate != "mamba2" or sizes != (config.num_k_heads, config.num_v_heads, config.head_k_dim,
+                                                config.head_v_dim):
+            raise ValueError(f"config {config} is not a Mamba-2 config of the layer's dims {dims}")
+        super().__init__(params, dims, config, num_slots, backend)
+
+    _replay = staticmethod(mamba2_replay)
+    _plain = staticmethod(mamba2_plain)
+
+    @staticmethod
+    def _live(weights, state, plan):
+        return xla.mamba2_replay_state(state, plan, ssm_params(weights).A)
 
 
 class Decoder(nnx.Module):
-    """The package's small decoder (`model.decoder`) with `GDNDecodeLayer`s.
+    """The package's small decoder (`model.decoder`) with `GDNDecodeLayer`s, or for a hybrid
+    stack (`config.layers`) a `GDNDecodeLayer` or `Mamba2DecodeLayer` per layer.
 
     Args:
-      params: `model.decoder.DecoderParams` (blocks stacked over layers).
+      params: `model.decoder.DecoderParams` (blocks stacked over layers; a hybrid stack's
+        tuple of `HybridBlock`s).
       config: `model.decoder.DecoderConfig`.
       num_slots, cache_len, state_dtype: the decode state of every layer.
       backend: the layers' decode backend.
@@ -95,12 +138,17 @@ class Decoder(nnx.Module):
     def __init__(self, params: decoder_lib.DecoderParams, config: decoder_lib.DecoderConfig, *,
                  num_slots: int, cache_len: int, state_dtype=jnp.float32, backend: str = "xla"):
         if config.hybrid:
-            raise ValueError("the Flax Decoder holds GDN stacks only; serve a hybrid stack with model.decoder")
-        replay_config = config.replay_config(cache_len, state_dtype)
-        blocks = [jax.tree.map(lambda a, i=i: a[i], params.blocks) for i in range(config.num_layers)]
-        self.layers = nnx.List([GDNDecodeLayer(b.gdn, config.gdn, replay_config, num_slots, backend=backend)
-                                for b in blocks])
-        self.blocks = nnx.Param([dataclasses.replace(b, gdn=None) for b in blocks])
+            blocks, mixers = list(params.blocks), [block.mixer for block in params.blocks]
+            self.blocks = nnx.Param([dataclasses.replace(b, mixer=None) for b in blocks])
+        else:
+            blocks = [jax.tree.map(lambda a, i=i: a[i], params.blocks) for i in range(config.num_layers)]
+            mixers = [block.gdn for block in blocks]
+            self.blocks = nnx.Param([dataclasses.replace(b, gdn=None) for b in blocks])
+        self.layers = nnx.List([
+            (GDNDecodeLayer if kind == "gdn" else Mamba2DecodeLayer)(
+                mixer, config.gdn if kind == "gdn" else config.mamba2,
+                config.layer_replay_config(kind, cache_len, state_dtype), num_slots, backend=backend)
+            for kind, mixer in zip(config.kinds, mixers)])
         self.head = nnx.Param(dataclasses.replace(params, blocks=None))
 
     def _blocks(self, x, run_layer):
@@ -126,7 +174,8 @@ class Decoder(nnx.Module):
         state = self.layers[0].replay.get_value()
         check_slots("slots", slots, jnp.shape(tokens)[0], state.num_slots)
         batch, backend = jnp.shape(tokens)[0], self.layers[0].backend
-        policy = default_flush_policy(state.config, batch, backend) if policy is None else as_policy(policy)
+        configs = tuple(layer.replay.get_value().config for layer in self.layers)
+        policy = decoder_lib.layers_flush_policy(configs, batch, backend) if policy is None else as_policy(policy)
         plan = plan_step(state.write_pos, slots, force_flush, state.config.cache_len, policy)
         head = self.head.get_value()
         x = self._blocks(decoder_lib._embed(head, tokens), lambda layer, h: layer.decode(h, plan))

@@ -22,8 +22,12 @@ def _err(got, want) -> float:
     return float(np.linalg.norm(got - want) / np.linalg.norm(want))
 
 
-def test_two_layer_nnx_model_prefills_and_decodes_like_the_decoder(rng):
-    config = decoder.DecoderConfig(num_layers=2)
+@pytest.mark.parametrize("layers", [None, ("mamba2", "gdn")])
+def test_two_layer_nnx_model_prefills_and_decodes_like_the_decoder(rng, layers):
+    """Prefill, decode steps through two natural flushes, then a second prefill that
+    continues the slots from their live state (checkpoint and cache): a GDN stack and a
+    hybrid one (`Mamba2DecodeLayer`)."""
+    config = decoder.DecoderConfig(num_layers=2, layers=layers)
     params = decoder.init_params(config, int(rng.integers(1 << 30)))
     num_slots, cache_len = 5, 3
     # the NNX model owns copies: its jitted step donates them
@@ -51,6 +55,11 @@ def test_two_layer_nnx_model_prefills_and_decodes_like_the_decoder(rng):
         assert _err(np.asarray(got)[live], np.asarray(want)[live]) < LOGIT_BOUND, t
         np.testing.assert_array_equal(model.layers[1].replay.get_value().write_pos, state.write_pos)
     assert len(traces) == 1, "one compilation for every step"
+    assert np.any(np.asarray(state.write_pos) > 0)  # the second prefill starts from cached entries
+    prompt = jnp.asarray(rng.integers(0, config.vocab_size, (3, 4)), jnp.int32)
+    got = model.prefill(prompt, jnp.asarray([4, 1, 3]), slots)
+    want, state = decoder.prefill(params, state, prompt, jnp.asarray([4, 1, 3]), slots)
+    assert _err(np.asarray(got)[live], np.asarray(want)[live]) < LOGIT_BOUND
 
 
 def test_decode_state_is_not_a_parameter():
@@ -70,3 +79,7 @@ def test_layer_checks_its_config():
     wrong = decoder.DecoderConfig(head_v_dim=16).replay_config(4)
     with pytest.raises(ValueError, match="do not match"):
         rflax.GDNDecodeLayer(gdn, config.gdn, wrong, 2)
+    hybrid = decoder.DecoderConfig(num_layers=2, layers=("mamba2", "gdn"))
+    mamba2 = decoder.init_params(hybrid, 0).blocks[0].mixer
+    with pytest.raises(ValueError, match="not a Mamba-2 config"):
+        rflax.Mamba2DecodeLayer(mamba2, hybrid.mamba2, hybrid.replay_config(4), 2)

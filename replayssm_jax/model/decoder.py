@@ -341,10 +341,14 @@ def layer_gate_params(params: DecoderParams) -> tuple | None:
 
 
 def model_flush_policy(state: ModelState | HybridState, batch: int, backend: str | None = None) -> FlushPolicy:
-    """The default policy of a model step on `backend`: `default_flush_policy` of its
-    layers. One cursor serves every layer, so a hybrid stack folds every step only where
-    every layer's default does."""
-    policies = {default_flush_policy(config, batch, backend) for config in layer_configs(state)}
+    """The default policy of a model step on `backend`: `layers_flush_policy` of its layers."""
+    return layers_flush_policy(layer_configs(state), batch, backend)
+
+
+def layers_flush_policy(configs: tuple[ReplayConfig, ...], batch: int, backend: str | None = None) -> FlushPolicy:
+    """`default_flush_policy` of layers with these configs under one cursor: a hybrid stack
+    folds every step only where every layer's default does."""
+    policies = {default_flush_policy(config, batch, backend) for config in configs}
     return FlushPolicy.EVERY_STEP if policies == {FlushPolicy.EVERY_STEP} else FlushPolicy.NATURAL
 
 
