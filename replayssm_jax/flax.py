@@ -5,9 +5,10 @@ state (`ReplayState`) and causal-conv state held in `ReplayCache` variables, so 
 built of them carries its decode state the NNX way and `nnx.jit(..., donate_argnums=...)`
 updates it in place; `Mamba2DecodeLayer` the same for the Mamba-2 layer
 (`model.mamba2_layer`). `Decoder` stacks them into the package's small decoder, GDN or
-hybrid (same weights and numerics as `model.decoder`): `prefill` continues slots by a prompt chunk (chunked
-recurrence, leaves a flushed checkpoint), `decode_step` runs one token per row with one
-flush plan for every layer.
+hybrid (same weights and numerics as `model.decoder`): `prefill` continues slots by a
+prompt chunk (chunked recurrence, leaves a flushed checkpoint), `decode_step` runs one token
+per row with one flush plan for every layer, `verify_window` / `accept_window` score a
+speculative window and keep its accepted prefix.
 
 The cache variables are not parameters: filter them out of optimizers and gradients with
 `nnx.Param` (e.g. `nnx.state(model, nnx.Param)`).
@@ -21,14 +22,22 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from replayssm_jax.backends import xla
 from replayssm_jax.config import ReplayConfig
 from replayssm_jax.decode import check_backend
 from replayssm_jax.model import decoder as decoder_lib
-from replayssm_jax.model.layer import GDNDims, GDNParams, gdn_plain, gdn_replay, rms_norm
-from replayssm_jax.model.mamba2_layer import Mamba2Dims, Mamba2LayerParams, mamba2_plain, mamba2_replay, ssm_params
+from replayssm_jax import speculative
+from replayssm_jax.model.layer import GDNDims, GDNParams, gdn_plain, gdn_replay, gdn_verify, rms_norm
+from replayssm_jax.model.mamba2_layer import (
+    Mamba2Dims,
+    Mamba2LayerParams,
+    mamba2_plain,
+    mamba2_replay,
+    mamba2_verify,
+    ssm_params,
+)
 from replayssm_jax.plan import FlushPolicy, StepPlan, advance_write_pos, as_policy, plan_step
 from replayssm_jax.state import init_state
 from replayssm_jax.validation import check_slots
@@ -74,6 +83,21 @@ class _DecodeLayer(nnx.Module):
         self.conv.set_value(conv_pool.at[target].set(conv, mode="drop"))
         return out
 
+    def verify(self, x: Float[Array, "B T D"], slots: Int[Array, " B"]) -> tuple[Float[Array, "B T D"],
+                                                                                 Float[Array, "B T C"]]:
+        """A draft window of T tokens per row (`speculative.verify_step`): the window's records
+        appended, a row whose ring cannot hold them folded first; cursors and conv state
+        untouched until `accept`. Returns `(out, the window's conv inputs)`."""
+        out, state, conv_inputs = self._verify(self.weights.get_value(), self.dims, x, self.replay.get_value(),
+                                               self.conv.get_value(), slots, backend=self.backend)
+        self.replay.set_value(state)
+        return out, conv_inputs
+
+    def accept(self, slots: Int[Array, " B"], num_accepted: Int[Array, " B"], conv_inputs: Float[Array, "B T C"]):
+        """Keep the first `num_accepted[b]` window tokens of each row (cursor and conv state)."""
+        self.replay.set_value(speculative.accept(self.replay.get_value(), slots, num_accepted))
+        self.conv.set_value(decoder_lib.accept_conv_pool(self.conv.get_value(), slots, num_accepted, conv_inputs))
+
 
 class GDNDecodeLayer(_DecodeLayer):
     """One GDN layer over `num_slots` slots with its decode state in NNX variables.
@@ -93,7 +117,7 @@ class GDNDecodeLayer(_DecodeLayer):
             raise ValueError(f"config heads {config} do not match the layer's dims {dims}")
         super().__init__(params, dims, config, num_slots, backend)
 
-    _replay = staticmethod(gdn_replay)
+    _replay, _verify = staticmethod(gdn_replay), staticmethod(gdn_verify)
     # the prefill's chunked recurrence (UT transform, chunks of 64), as `model.decoder.prefill`
     _plain = staticmethod(functools.partial(gdn_plain, chunked=True))
 
@@ -115,7 +139,7 @@ class Mamba2DecodeLayer(_DecodeLayer):
             raise ValueError(f"config {config} is not a Mamba-2 config of the layer's dims {dims}")
         super().__init__(params, dims, config, num_slots, backend)
 
-    _replay = staticmethod(mamba2_replay)
+    _replay, _verify = staticmethod(mamba2_replay), staticmethod(mamba2_verify)
     _plain = staticmethod(mamba2_plain)
 
     @staticmethod
@@ -180,3 +204,33 @@ class Decoder(nnx.Module):
         head = self.head.get_value()
         x = self._blocks(decoder_lib._embed(head, tokens), lambda layer, h: layer.decode(h, plan))
         return decoder_lib._logits(head, x)
+
+    def verify_window(self, tokens: Int[Array, "B T"], slots: Int[Array, " B"]
+                      ) -> tuple[Float[Array, "B T V"], tuple, Bool[Array, " B"]]:
+        """`model.decoder.verify_window` on the NNX state: logits `[B, T, V]` after each window
+        token, the window's conv inputs (one `[B, T, C]` per layer) for `accept_window`, and
+        the rows the capacity rule folded. Cursors do not move."""
+        decoder_lib.check_token_ids("tokens", tokens, 2)
+        before = self.layers[0].replay.get_value()
+        batch, width = jnp.shape(tokens)
+        check_slots("slots", slots, batch, before.num_slots)
+        if width > before.config.cache_len:
+            raise ValueError(f"window width T = {width} exceeds cache_len = {before.config.cache_len}")
+        head, conv_inputs = self.head.get_value(), []
+
+        def run_layer(layer, h):
+            out, inputs = layer.verify(h, slots)
+            conv_inputs.append(inputs)
+            return out
+
+        logits = decoder_lib._logits(head, self._blocks(decoder_lib._embed(head, tokens), run_layer))
+        slot = jnp.where(slots >= 0, slots, 0)
+        after = self.layers[0].replay.get_value().write_pos
+        return logits, tuple(conv_inputs), (slots >= 0) & (after[slot] != before.write_pos[slot])
+
+    def accept_window(self, slots: Int[Array, " B"], num_accepted: Int[Array, " B"], conv_inputs: tuple) -> None:
+        """Keep the first `num_accepted[b]` (0..T) tokens of each row's verified window in every
+        layer (`model.decoder.accept_window`)."""
+        decoder_lib.check_window_counts(num_accepted, jnp.shape(conv_inputs[0])[-2])
+        for layer, inputs in zip(self.layers, conv_inputs):
+            layer.accept(slots, num_accepted, inputs)

@@ -62,6 +62,42 @@ def test_two_layer_nnx_model_prefills_and_decodes_like_the_decoder(rng, layers):
     assert _err(np.asarray(got)[live], np.asarray(want)[live]) < LOGIT_BOUND
 
 
+@pytest.mark.parametrize("layers", [None, ("gdn", "mamba2")])
+def test_nnx_speculative_rounds_match_the_decoder(rng, layers):
+    """Verify-and-accept rounds (T = 3 on rings of 4, so rows fold; 0..T kept per row, a
+    padding row) give the logits, folded rows, cursors and conv states of
+    `model.decoder.verify_window` / `accept_window`, then a decode step agrees."""
+    config = decoder.DecoderConfig(num_layers=2, layers=layers)
+    params = decoder.init_params(config, int(rng.integers(1 << 30)))
+    num_slots, cache_len, width = 5, 4, 3
+    model = rflax.Decoder(jax.tree.map(jnp.copy, params), config, num_slots=num_slots, cache_len=cache_len)
+    state = config.init_state(num_slots, cache_len)
+    slots = jnp.asarray(rng.permutation(num_slots)[:3], jnp.int32).at[2].set(-1)
+    live = np.asarray(slots) >= 0
+    folds = 0
+    for _ in range(4):
+        window = jnp.asarray(rng.integers(0, config.vocab_size, (3, width)), jnp.int32)
+        got, conv_got, folded_got = model.verify_window(window, slots)
+        want, state, conv_want, folded = decoder.verify_window(params, state, window, slots)
+        assert _err(np.asarray(got)[live], np.asarray(want)[live]) < LOGIT_BOUND
+        np.testing.assert_array_equal(folded_got, folded)
+        folds += int(np.sum(folded))
+        kept = jnp.asarray(rng.integers(0, width + 1, 3), jnp.int32)
+        model.accept_window(slots, kept, conv_got)
+        state = decoder.accept_window(state, slots, kept, conv_want)
+        for index, layer in enumerate(model.layers):
+            np.testing.assert_array_equal(layer.replay.get_value().write_pos, state.write_pos)
+            conv = state.layers[index].conv_state if config.hybrid else state.conv_state[index]
+            np.testing.assert_allclose(layer.conv.get_value(), conv, rtol=1e-5, atol=1e-6)
+    assert folds > 0
+    tokens = jnp.asarray(rng.integers(0, config.vocab_size, 3), jnp.int32)
+    got = model.decode_step(tokens, slots, policy="natural")
+    want, _, _ = decoder.decode_step(params, state, tokens, slots, policy="natural")
+    assert _err(np.asarray(got)[live], np.asarray(want)[live]) < LOGIT_BOUND
+    with pytest.raises(ValueError, match=r"num_accepted must lie in \[0, 3\]"):
+        model.accept_window(slots, jnp.full((3,), 4, jnp.int32), conv_got)
+
+
 def test_decode_state_is_not_a_parameter():
     config = decoder.DecoderConfig(num_layers=2)
     model = rflax.Decoder(decoder.init_params(config, 0), config, num_slots=2, cache_len=4)

@@ -592,21 +592,27 @@ def accept_window(
     width = (conv_inputs[0] if isinstance(state, HybridState) else conv_inputs).shape[-2]
     check_window_counts(num_accepted, width)
     write_pos = speculative.accept(layer_state(state, 0), slots, num_accepted).write_pos
-    valid = slots >= 0
-    slot = jnp.where(valid, slots, 0)
-    n = jnp.where(valid, num_accepted, 0).astype(jnp.int32)
     if isinstance(state, HybridState):
-        target = jnp.where(valid, slots, state.num_slots)
         layers = tuple(
-            dataclasses.replace(layer, conv_state=layer.conv_state.at[target].set(
-                accept_conv(layer.conv_state[slot], inputs, n), mode="drop"))
+            dataclasses.replace(layer, conv_state=accept_conv_pool(layer.conv_state, slots, num_accepted, inputs))
             for layer, inputs in zip(state.layers, conv_inputs))
         return HybridState(layers=layers, write_pos=write_pos)
-    conv = jax.vmap(accept_conv, in_axes=(0, 0, None))(state.conv_state[:, slot], conv_inputs, n)
-    target = jnp.where(valid, slots, state.num_slots)
-    return dataclasses.replace(
-        state, conv_state=state.conv_state.at[:, target].set(conv, mode="drop"), write_pos=write_pos
-    )
+    conv = jax.vmap(accept_conv_pool, in_axes=(0, None, None, 0))(state.conv_state, slots, num_accepted, conv_inputs)
+    return dataclasses.replace(state, conv_state=conv, write_pos=write_pos)
+
+
+def accept_conv_pool(
+    conv_pool: Float[Array, "N Km1 C"],
+    slots: Int[Array, " B"],
+    num_accepted: Int[Array, " B"],
+    conv_inputs: Float[Array, "B T C"],
+) -> Float[Array, "N Km1 C"]:
+    """One layer's conv pool with each row's slot rolled forward by its first
+    `num_accepted[b]` window conv inputs (`layer.accept_conv`); padding rows write nothing."""
+    valid = slots >= 0
+    n = jnp.where(valid, num_accepted, 0).astype(jnp.int32)
+    rolled = accept_conv(conv_pool[jnp.where(valid, slots, 0)], conv_inputs, n)
+    return conv_pool.at[jnp.where(valid, slots, conv_pool.shape[0])].set(rolled, mode="drop")
 
 
 def check_window_counts(num_accepted: Int[Array, " B"], width: int) -> None:
