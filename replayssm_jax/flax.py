@@ -83,20 +83,24 @@ class _DecodeLayer(nnx.Module):
         self.conv.set_value(conv_pool.at[target].set(conv, mode="drop"))
         return out
 
-    def verify(self, x: Float[Array, "B T D"], slots: Int[Array, " B"]) -> tuple[Float[Array, "B T D"],
-                                                                                 Float[Array, "B T C"]]:
-        """A draft window of T tokens per row (`speculative.verify_step`): the window's records
-        appended, a row whose ring cannot hold them folded first; cursors and conv state
-        untouched until `accept`. Returns `(out, the window's conv inputs)`."""
+    def verify(self, x: Float[Array, "B T D"], slots: Int[Array, " B"], parents: Int[Array, "B T"] | None = None
+               ) -> tuple[Float[Array, "B T D"], Float[Array, "B T C"]]:
+        """A draft window of T tokens per row (`speculative.verify_step`; a tree by `parents`):
+        the window's records appended, a row whose ring cannot hold them folded first;
+        cursors and conv state untouched until `accept`. Returns `(out, the window's conv
+        inputs)`."""
         out, state, conv_inputs = self._verify(self.weights.get_value(), self.dims, x, self.replay.get_value(),
-                                               self.conv.get_value(), slots, backend=self.backend)
+                                               self.conv.get_value(), slots, backend=self.backend, parents=parents)
         self.replay.set_value(state)
         return out, conv_inputs
 
-    def accept(self, slots: Int[Array, " B"], num_accepted: Int[Array, " B"], conv_inputs: Float[Array, "B T C"]):
-        """Keep the first `num_accepted[b]` window tokens of each row (cursor and conv state)."""
-        self.replay.set_value(speculative.accept(self.replay.get_value(), slots, num_accepted))
-        self.conv.set_value(decoder_lib.accept_conv_pool(self.conv.get_value(), slots, num_accepted, conv_inputs))
+    def accept(self, slots: Int[Array, " B"], num_accepted: Int[Array, " B"], conv_inputs: Float[Array, "B T C"],
+               path: Int[Array, "B P"] | None = None):
+        """Keep the first `num_accepted[b]` window tokens of each row (a tree's: along `path`):
+        cursor, records and conv state."""
+        self.replay.set_value(speculative.accept(self.replay.get_value(), slots, num_accepted, path=path))
+        self.conv.set_value(decoder_lib.accept_conv_pool(self.conv.get_value(), slots, num_accepted, conv_inputs,
+                                                         path))
 
 
 class GDNDecodeLayer(_DecodeLayer):
@@ -205,21 +209,25 @@ class Decoder(nnx.Module):
         x = self._blocks(decoder_lib._embed(head, tokens), lambda layer, h: layer.decode(h, plan))
         return decoder_lib._logits(head, x)
 
-    def verify_window(self, tokens: Int[Array, "B T"], slots: Int[Array, " B"]
+    def verify_window(self, tokens: Int[Array, "B T"], slots: Int[Array, " B"],
+                      parents: Int[Array, "B T"] | None = None
                       ) -> tuple[Float[Array, "B T V"], tuple, Bool[Array, " B"]]:
-        """`model.decoder.verify_window` on the NNX state: logits `[B, T, V]` after each window
-        token, the window's conv inputs (one `[B, T, C]` per layer) for `accept_window`, and
-        the rows the capacity rule folded. Cursors do not move."""
+        """`model.decoder.verify_window` on the NNX state (a chain, or a tree by `parents`):
+        logits `[B, T, V]` after each window token, the window's conv inputs (one `[B, T, C]`
+        per layer) for `accept_window`, and the rows the capacity rule folded. Cursors do not
+        move."""
         decoder_lib.check_token_ids("tokens", tokens, 2)
         before = self.layers[0].replay.get_value()
         batch, width = jnp.shape(tokens)
         check_slots("slots", slots, batch, before.num_slots)
         if width > before.config.cache_len:
             raise ValueError(f"window width T = {width} exceeds cache_len = {before.config.cache_len}")
+        speculative.check_parents(parents, batch, width)
+        parents = None if parents is None else jnp.asarray(parents, jnp.int32)
         head, conv_inputs = self.head.get_value(), []
 
         def run_layer(layer, h):
-            out, inputs = layer.verify(h, slots)
+            out, inputs = layer.verify(h, slots, parents)
             conv_inputs.append(inputs)
             return out
 
@@ -228,9 +236,11 @@ class Decoder(nnx.Module):
         after = self.layers[0].replay.get_value().write_pos
         return logits, tuple(conv_inputs), (slots >= 0) & (after[slot] != before.write_pos[slot])
 
-    def accept_window(self, slots: Int[Array, " B"], num_accepted: Int[Array, " B"], conv_inputs: tuple) -> None:
+    def accept_window(self, slots: Int[Array, " B"], num_accepted: Int[Array, " B"], conv_inputs: tuple,
+                      path: Int[Array, "B P"] | None = None) -> None:
         """Keep the first `num_accepted[b]` (0..T) tokens of each row's verified window in every
-        layer (`model.decoder.accept_window`)."""
+        layer (a tree's along its accepted `path`; `model.decoder.accept_window`)."""
         decoder_lib.check_window_counts(num_accepted, jnp.shape(conv_inputs[0])[-2])
+        path = None if path is None else jnp.asarray(path, jnp.int32)
         for layer, inputs in zip(self.layers, conv_inputs):
-            layer.accept(slots, num_accepted, inputs)
+            layer.accept(slots, num_accepted, inputs, path)

@@ -435,10 +435,11 @@ def model_verify_step(
     *,
     mesh: Mesh,
     backend: str = "xla",
+    parents: Int[Array, "B T"] | None = None,
 ) -> tuple[Float[Array, "B T V"], ModelState | HybridState, Float[Array, "Y B T C"] | tuple, Bool[Array, " B"]]:
-    """`model.decoder.verify_window` sharded over `mesh`: returns `(logits, new_state,
-    conv_inputs, folded)` as it does (a hybrid stack's conv inputs: one `[B, T, C]` per
-    layer), for `model_accept_step`.
+    """`model.decoder.verify_window` sharded over `mesh` (a chain, or a tree by `parents`):
+    returns `(logits, new_state, conv_inputs, folded)` as it does (a hybrid stack's conv
+    inputs: one `[B, T, C]` per layer), for `model_accept_step`.
 
     As `model_decode_step`: weights replicated, each device verifies its B/dp rows' windows
     on its own heads and all-gathers the layer outputs over tp for the output projection.
@@ -451,17 +452,19 @@ def model_verify_step(
     check_backend(backend)
     if width > configs[0].cache_len:
         raise ValueError(f"window width T = {width} exceeds cache_len = {configs[0].cache_len}")
+    speculative.check_parents(parents, batch, width)
+    tree = () if parents is None else (jnp.asarray(parents, jnp.int32),)
 
-    def local(params, state, tokens, slots):
+    def local(params, state, tokens, slots, *tree):
         return decoder.verify_core(params, state, tokens, _local_slots(slots, state.num_slots), backend=backend,
-                                   tp_axis=TP)
+                                   tp_axis=TP, parents=tree[0] if tree else None)
 
     specs = _specs(state, mesh)
     # check_vma off: logits, conv inputs, cursors and folded rows are declared replicated
     # over tp; every tp shard computes them from the same inputs and the all-gathered y.
-    step = jax.shard_map(local, mesh=mesh, in_specs=(P(), specs, P(DP), P(DP)),
+    step = jax.shard_map(local, mesh=mesh, in_specs=(P(), specs, P(DP), P(DP)) + (P(DP, None),) * len(tree),
                          out_specs=(P(DP), specs, _conv_input_specs(state), P(DP)), check_vma=False)
-    return step(params, state, jnp.asarray(tokens), jnp.asarray(slots, jnp.int32))
+    return step(params, state, jnp.asarray(tokens), jnp.asarray(slots, jnp.int32), *tree)
 
 
 def model_accept_step(
@@ -471,9 +474,11 @@ def model_accept_step(
     conv_inputs: Float[Array, "Y B T C"] | tuple,
     *,
     mesh: Mesh,
+    path: Int[Array, "B P"] | None = None,
 ) -> ModelState | HybridState:
     """`model.decoder.accept_window` sharded over `mesh`: each device moves its slots'
-    cursors and rolls their conv states forward by the accepted tokens."""
+    cursors (a tree's accepted `path`: and its heads' records of the path) and rolls their
+    conv states forward by the accepted tokens."""
     check_any_model_state(state)
     check_array("slots", slots, (None,), layout="a 1-D [B] array")
     batch = jnp.shape(slots)[0]
@@ -485,15 +490,20 @@ def model_accept_step(
     tp, _ = axis_sizes(mesh)
     local_configs = tuple(local_config(config, tp) for config in configs)
 
-    def local(state, slots, num_accepted, conv_inputs):
+    if path is not None:
+        check_array("path", path, (batch, None), int, layout="a [B, P] int array")
+    extra = () if path is None else (jnp.asarray(path, jnp.int32),)
+
+    def local(state, slots, num_accepted, conv_inputs, *path):
         state = _with_configs(state, local_configs)
-        new = decoder.accept_window(state, _local_slots(slots, state.num_slots), num_accepted, conv_inputs)
+        new = decoder.accept_window(state, _local_slots(slots, state.num_slots), num_accepted, conv_inputs,
+                                    path=path[0] if path else None)
         return _with_configs(new, configs)
 
     specs = _specs(state, mesh)
-    step = jax.shard_map(local, mesh=mesh, in_specs=(specs, P(DP), P(DP), _conv_input_specs(state)),
-                         out_specs=specs, check_vma=False)
-    return step(state, jnp.asarray(slots, jnp.int32), jnp.asarray(num_accepted, jnp.int32), conv_inputs)
+    step = jax.shard_map(local, mesh=mesh, in_specs=(specs, P(DP), P(DP), _conv_input_specs(state))
+                         + (P(DP, None),) * len(extra), out_specs=specs, check_vma=False)
+    return step(state, jnp.asarray(slots, jnp.int32), jnp.asarray(num_accepted, jnp.int32), conv_inputs, *extra)
 
 
 def _conv_input_specs(state: ModelState | HybridState):

@@ -65,8 +65,9 @@ def test_two_layer_nnx_model_prefills_and_decodes_like_the_decoder(rng, layers):
 @pytest.mark.parametrize("layers", [None, ("gdn", "mamba2")])
 def test_nnx_speculative_rounds_match_the_decoder(rng, layers):
     """Verify-and-accept rounds (T = 3 on rings of 4, so rows fold; 0..T kept per row, a
-    padding row) give the logits, folded rows, cursors and conv states of
-    `model.decoder.verify_window` / `accept_window`, then a decode step agrees."""
+    padding row; odd rounds a draft tree and a path in it) give the logits, folded rows,
+    cursors and conv states of `model.decoder.verify_window` / `accept_window`, then a
+    decode step agrees."""
     config = decoder.DecoderConfig(num_layers=2, layers=layers)
     params = decoder.init_params(config, int(rng.integers(1 << 30)))
     num_slots, cache_len, width = 5, 4, 3
@@ -75,16 +76,18 @@ def test_nnx_speculative_rounds_match_the_decoder(rng, layers):
     slots = jnp.asarray(rng.permutation(num_slots)[:3], jnp.int32).at[2].set(-1)
     live = np.asarray(slots) >= 0
     folds = 0
-    for _ in range(4):
+    for round_ in range(4):
         window = jnp.asarray(rng.integers(0, config.vocab_size, (3, width)), jnp.int32)
-        got, conv_got, folded_got = model.verify_window(window, slots)
-        want, state, conv_want, folded = decoder.verify_window(params, state, window, slots)
+        # a tree whose positions 1 and 2 are both children of 0; the path 0 -> 2
+        parents, path = (jnp.asarray([[-1, 0, 0]] * 3), jnp.asarray([[0, 2, 0]] * 3)) if round_ % 2 else (None, None)
+        got, conv_got, folded_got = model.verify_window(window, slots, parents)
+        want, state, conv_want, folded = decoder.verify_window(params, state, window, slots, parents=parents)
         assert _err(np.asarray(got)[live], np.asarray(want)[live]) < LOGIT_BOUND
         np.testing.assert_array_equal(folded_got, folded)
         folds += int(np.sum(folded))
-        kept = jnp.asarray(rng.integers(0, width + 1, 3), jnp.int32)
-        model.accept_window(slots, kept, conv_got)
-        state = decoder.accept_window(state, slots, kept, conv_want)
+        kept = jnp.asarray(rng.integers(0, width + 1 if path is None else 3, 3), jnp.int32)
+        model.accept_window(slots, kept, conv_got, path)
+        state = decoder.accept_window(state, slots, kept, conv_want, path=path)
         for index, layer in enumerate(model.layers):
             np.testing.assert_array_equal(layer.replay.get_value().write_pos, state.write_pos)
             conv = state.layers[index].conv_state if config.hybrid else state.conv_state[index]

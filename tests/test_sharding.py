@@ -308,35 +308,52 @@ def test_model_step_and_slot_ops_match_single_device(rng):
 @child_only
 def test_model_verify_and_accept_match_single_device(rng):
     """Speculative rounds of the model on the mesh (T = 3 windows on rings of 3, so rows
-    fold, and mixed accepts of 0..T tokens, padding rows among them) end with the logits,
+    fold, and mixed accepts of 0..T tokens, padding rows among them; chains and draft
+    trees with an accepted path, alternately) end with the logits,
     conv inputs, folded rows and state of one device; the verify step's only collective is
     the all-gather of the layer outputs."""
     params, mesh = decoder.init_params(TINY, seed=4), _mesh()
     state = TINY.init_state(N, 3)
     sharded = sharding.place_state(state, mesh)
     width = 3
-    one_verify = jax.jit(lambda s, t, sl: decoder.verify_window(params, s, t, sl))
-    one_accept = jax.jit(decoder.accept_window)
-    many_verify = jax.jit(lambda s, t, sl: sharding.model_verify_step(params, s, t, sl, mesh=mesh))
-    many_accept = jax.jit(lambda s, sl, n, c: sharding.model_accept_step(s, sl, n, c, mesh=mesh))
+    one_verify = jax.jit(lambda s, t, sl, p: decoder.verify_window(params, s, t, sl, parents=p))
+    one_accept = jax.jit(lambda s, sl, n, c, p: decoder.accept_window(s, sl, n, c, path=p))
+    many_verify = jax.jit(lambda s, t, sl, p: sharding.model_verify_step(params, s, t, sl, mesh=mesh, parents=p))
+    many_accept = jax.jit(lambda s, sl, n, c, p: sharding.model_accept_step(s, sl, n, c, mesh=mesh, path=p))
     folded_rows = 0
-    for _ in range(5):
+    for round_ in range(5):  # odd rounds: a draft tree and an accepted path in it
         tokens = jnp.asarray(rng.integers(0, TINY.vocab_size, (B, width)), jnp.int32)
         slots = jnp.asarray(_row_slots(rng))
-        logits, state, conv_inputs, folded = one_verify(state, tokens, slots)
-        logits_s, sharded, conv_inputs_s, folded_s = many_verify(sharded, tokens, slots)
+        parents, path, accepted = _tree_round(rng, width)
+        if round_ % 2 == 0:
+            parents = path = None
+            accepted = jnp.asarray(rng.integers(0, width + 1, B), jnp.int32)
+        logits, state, conv_inputs, folded = one_verify(state, tokens, slots, parents)
+        logits_s, sharded, conv_inputs_s, folded_s = many_verify(sharded, tokens, slots, parents)
         chex.assert_trees_all_close((logits_s, sharded, conv_inputs_s), (logits, state, conv_inputs), **MODEL_TOL)
         np.testing.assert_array_equal(folded_s, folded)
         folded_rows += int(np.sum(folded))
-        accepted = jnp.asarray(rng.integers(0, width + 1, B), jnp.int32)
-        state = one_accept(state, slots, accepted, conv_inputs)
-        sharded = many_accept(sharded, slots, accepted, conv_inputs_s)
+        state = one_accept(state, slots, accepted, conv_inputs, path)
+        sharded = many_accept(sharded, slots, accepted, conv_inputs_s, path)
         chex.assert_trees_all_close(sharded, state, **MODEL_TOL)
     assert folded_rows > 0
     assert sharded.checkpoint.sharding.spec == jax.sharding.PartitionSpec(None, "dp", "tp")
     hlo = sharding.jitted_model_verify_step.lower(params, sharded, tokens, slots, mesh=mesh).compile().as_text()
     found = _collectives(hlo)
     assert found and {(op, dtype) for op, dtype, _ in found} == {("all-gather", "f32")}, found
+
+
+def _tree_round(rng, width: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A random draft tree `parents [B, T]`, a root-to-leaf `path [B, T]` in it (zero padded)
+    and a count per row of at most its length."""
+    parents = np.stack([[-1] + [int(rng.integers(-1, i)) for i in range(1, width)] for _ in range(B)])
+    path, kept = np.zeros((B, width), np.int32), np.zeros(B, np.int32)
+    for row in range(B):
+        chain = [int(rng.integers(0, width))]
+        while parents[row, chain[0]] >= 0:
+            chain.insert(0, int(parents[row, chain[0]]))
+        path[row, :len(chain)], kept[row] = chain, rng.integers(0, len(chain) + 1)
+    return jnp.asarray(parents, jnp.int32), jnp.asarray(path), jnp.asarray(kept)
 
 
 def _collectives(hlo: str) -> list[tuple[str, str, tuple[int, ...]]]:
@@ -350,7 +367,8 @@ def _collectives(hlo: str) -> list[tuple[str, str, tuple[int, ...]]]:
 @pytest.mark.parametrize("groups", [1, 2])
 def test_hybrid_stack_matches_single_device(rng, groups):
     """A Mamba-2 + GDN stack on the mesh: decode steps with forced flushes, then verify and
-    accept rounds on rings of 3 (rows fold, mixed accepts, padding rows) end with the
+    accept rounds of draft trees on rings of 3 (rows fold, accepted paths of mixed
+    lengths, padding rows) end with the
     logits, plans, conv inputs and state of one device. The Mamba-2 layer's B / C groups
     split over tp (G = 2) or, a single group, are replicated on both tp devices (G = 1);
     the verify step's only collective is the all-gather of the layer outputs."""
@@ -369,21 +387,22 @@ def test_hybrid_stack_matches_single_device(rng, groups):
         logits_sharded, sharded, plan_sharded = many(sharded, *args)
         chex.assert_trees_all_close((logits_sharded, sharded), (logits, state), **MODEL_TOL)
         np.testing.assert_array_equal(plan_sharded.flush, plan.flush)
-    one_verify = jax.jit(lambda s, t, sl: decoder.verify_window(params, s, t, sl))
-    many_verify = jax.jit(lambda s, t, sl: sharding.model_verify_step(params, s, t, sl, mesh=mesh))
-    many_accept = jax.jit(lambda s, sl, n, c: sharding.model_accept_step(s, sl, n, c, mesh=mesh))
+    one_verify = jax.jit(lambda s, t, sl, p: decoder.verify_window(params, s, t, sl, parents=p))
+    many_verify = jax.jit(lambda s, t, sl, p: sharding.model_verify_step(params, s, t, sl, mesh=mesh, parents=p))
+    many_accept = jax.jit(lambda s, sl, n, c, p: sharding.model_accept_step(s, sl, n, c, mesh=mesh, path=p))
     folded_rows = 0
-    for _ in range(3):
+    for _ in range(3):  # draft trees, an accepted path in each
         tokens = jnp.asarray(rng.integers(0, config.vocab_size, (B, 3)), jnp.int32)
         slots = jnp.asarray(_row_slots(rng))
-        logits, state, conv_inputs, folded = one_verify(state, tokens, slots)
-        logits_s, sharded, conv_inputs_s, folded_s = many_verify(sharded, tokens, slots)
+        parents, path, accepted = _tree_round(rng, 3)
+        logits, state, conv_inputs, folded = one_verify(state, tokens, slots, parents)
+        logits_s, sharded, conv_inputs_s, folded_s = many_verify(sharded, tokens, slots, parents)
         chex.assert_trees_all_close((logits_s, sharded, conv_inputs_s), (logits, state, conv_inputs), **MODEL_TOL)
         np.testing.assert_array_equal(folded_s, folded)
         folded_rows += int(np.sum(folded))
-        accepted = jnp.asarray(rng.integers(0, 4, B), jnp.int32)
-        state = jax.jit(decoder.accept_window)(state, slots, accepted, conv_inputs)
-        sharded = many_accept(sharded, slots, accepted, conv_inputs_s)
+        state = jax.jit(lambda s, sl, n, c, p: decoder.accept_window(s, sl, n, c, path=p))(
+            state, slots, accepted, conv_inputs, path)
+        sharded = many_accept(sharded, slots, accepted, conv_inputs_s, path)
         chex.assert_trees_all_close(sharded, state, **MODEL_TOL)
     assert folded_rows > 0
     assert sharded.layers[0].k_cache.sharding.is_equivalent_to(keys, 4)

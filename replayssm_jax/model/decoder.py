@@ -487,12 +487,17 @@ def verify_window(
     slots: Int[Array, " B"],
     *,
     backend: str = "xla",
+    parents: Int[Array, "B T"] | None = None,
 ) -> tuple[Float[Array, "B T V"], ModelState, Float[Array, "Y B T C"], Bool[Array, " B"]]:
     """Score a window of T tokens per row (the row's next input, then T - 1 drafts), each
     layer through `speculative.verify_step` on `backend`.
 
     logits[b, i] are the logits after window tokens 0..i, as T decode steps over them would
     give. The cursor does not move and the conv state is not written: call `accept_window`.
+    A tree of drafts: `parents [B, T]` (`parents[b, i]` in [-1, i), -1 for the root's
+    position 0 and any other child of the current state); logits[b, i] are then those after
+    the path from the root to i (its conv and state see its ancestors only), and
+    `accept_window(..., path=...)` keeps an accepted root-to-leaf path.
 
     Returns:
       `(logits [B, T, V], state, conv inputs [Y, B, T, C] for accept_window (a hybrid stack:
@@ -511,7 +516,9 @@ def verify_window(
     cache_len = layer_configs(state)[0].cache_len
     if width > cache_len:
         raise ValueError(f"window width T = {width} exceeds cache_len = {cache_len}")
-    return verify_core(params, state, tokens, slots, backend=backend)
+    speculative.check_parents(parents, batch, width)
+    return verify_core(params, state, tokens, slots, backend=backend,
+                       parents=None if parents is None else jnp.asarray(parents, jnp.int32))
 
 
 def verify_core(
@@ -522,12 +529,13 @@ def verify_core(
     *,
     backend: str = "xla",
     tp_axis: str | None = None,
+    parents: Int[Array, "B T"] | None = None,
 ) -> tuple[Float[Array, "B T V"], ModelState, Float[Array, "Y B T C"], Bool[Array, " B"]]:
     """`verify_window` without the argument checks. With `tp_axis` (inside `shard_map`, see
     `replayssm_jax.sharding`) as `decode_core`: the state's arrays hold this device's heads
     only and its config stays the global one."""
     if isinstance(state, HybridState):
-        return _hybrid_verify(params, state, tokens, slots, backend, tp_axis)
+        return _hybrid_verify(params, state, tokens, slots, backend, tp_axis, parents)
     dims = _dims(params, state.config)
     view, conv_pool = flat_view(state)
     valid = slots >= 0
@@ -538,7 +546,7 @@ def verify_core(
         flat_slots = jnp.where(valid, slots + index * state.num_slots, -1)
         mixed, view, conv_inputs = gdn_verify(
             block.gdn, dims, rms_norm(x, block.attn_norm), view, conv_pool, flat_slots, backend=backend,
-            tp_axis=tp_axis,
+            tp_axis=tp_axis, parents=parents,
         )
         x = x + mixed
         return (x + _mlp(block, x), view), conv_inputs
@@ -553,7 +561,7 @@ def verify_core(
     return _logits(params, x), state, conv_inputs, folded
 
 
-def _hybrid_verify(params, state: HybridState, tokens, slots, backend, tp_axis=None):
+def _hybrid_verify(params, state: HybridState, tokens, slots, backend, tp_axis=None, parents=None):
     """`verify_window` for a hybrid stack: each layer verifies the window from the cursor
     before the step (every layer folds the same rows)."""
     x, conv_inputs, write_pos = _embed(params, tokens), [], None
@@ -562,7 +570,7 @@ def _hybrid_verify(params, state: HybridState, tokens, slots, backend, tp_axis=N
         dims = _hybrid_dims(block, x.shape[-1], _ssm_shape(replay.config))
         mixed, replay, inputs = _MIXERS[type(block.mixer)].verify(
             block.mixer, dims, rms_norm(x, block.attn_norm), replay, state.layers[index].conv_state, slots,
-            backend=backend, tp_axis=tp_axis)
+            backend=backend, tp_axis=tp_axis, parents=parents)
         write_pos = replay.write_pos if write_pos is None else write_pos
         state = with_layer(state, index, replay, state.layers[index].conv_state)
         conv_inputs.append(inputs)
@@ -579,25 +587,44 @@ def accept_window(
     slots: Int[Array, " B"],
     num_accepted: Int[Array, " B"],
     conv_inputs: Float[Array, "Y B T C"] | tuple,
+    *,
+    path: Int[Array, "B P"] | None = None,
 ) -> ModelState | HybridState:
     """Keep the first `num_accepted[b]` (0..T) tokens of each row's verified window: the
     cursor moves by that count (`speculative.accept`) and the conv state advances by those
     tokens' conv inputs; padding rows are untouched. A hybrid stack's `conv_inputs` is the
-    tuple `verify_window` returned.
+    tuple `verify_window` returned. A tree window's accepted tokens are `path[b, :n]` (window
+    positions from the root down, as `speculative.accept`'s): every layer's records of the
+    path move to the ring's next entries and the conv state advances by the path's inputs.
 
     Raises:
       ValueError: if a (concrete) count lies outside [0, T], T the window's width, or moves a
-        cursor past the ring (`speculative.accept`); under `checked` the same as checks.
+        cursor past the ring, or a path is not increasing (`speculative.accept`); under
+        `checked` the same as checks.
     """
-    width = (conv_inputs[0] if isinstance(state, HybridState) else conv_inputs).shape[-2]
+    hybrid = isinstance(state, HybridState)
+    width = (conv_inputs[0] if hybrid else conv_inputs).shape[-2]
     check_window_counts(num_accepted, width)
-    write_pos = speculative.accept(layer_state(state, 0), slots, num_accepted).write_pos
-    if isinstance(state, HybridState):
-        layers = tuple(
-            dataclasses.replace(layer, conv_state=accept_conv_pool(layer.conv_state, slots, num_accepted, inputs))
-            for layer, inputs in zip(state.layers, conv_inputs))
-        return HybridState(layers=layers, write_pos=write_pos)
-    conv = jax.vmap(accept_conv_pool, in_axes=(0, None, None, 0))(state.conv_state, slots, num_accepted, conv_inputs)
+    if path is not None:
+        check_array("path", path, (jnp.shape(slots)[0], None), int, layout="a [B, P] int array")
+        path = jnp.asarray(path, jnp.int32)
+    roll = lambda pool, inputs: accept_conv_pool(pool, slots, num_accepted, inputs, path)
+    if hybrid:
+        for index, inputs in enumerate(conv_inputs):
+            replay = speculative.accept(layer_state(state, index), slots, num_accepted, path=path)
+            state = with_layer(state, index, replay, roll(state.layers[index].conv_state, inputs))
+        return dataclasses.replace(state, write_pos=replay.write_pos)
+    if path is None:
+        write_pos = speculative.accept(layer_state(state, 0), slots, num_accepted).write_pos
+    else:  # every layer's path records compacted: one accept on the flat view of all layers
+        view, conv_pool = flat_view(state)
+        tile = lambda a: jnp.concatenate([a] * state.num_layers)
+        flat_slots = jnp.concatenate([jnp.where(slots >= 0, slots + i * state.num_slots, -1)
+                                      for i in range(state.num_layers)])
+        view = speculative.accept(view, flat_slots, tile(num_accepted), path=tile(path))
+        write_pos = view.write_pos[: state.num_slots]
+        state = from_flat_view(state, view, conv_pool, write_pos)
+    conv = jax.vmap(roll, in_axes=(0, 0))(state.conv_state, conv_inputs)
     return dataclasses.replace(state, conv_state=conv, write_pos=write_pos)
 
 
@@ -606,11 +633,16 @@ def accept_conv_pool(
     slots: Int[Array, " B"],
     num_accepted: Int[Array, " B"],
     conv_inputs: Float[Array, "B T C"],
+    path: Int[Array, "B P"] | None = None,
 ) -> Float[Array, "N Km1 C"]:
     """One layer's conv pool with each row's slot rolled forward by its first
-    `num_accepted[b]` window conv inputs (`layer.accept_conv`); padding rows write nothing."""
+    `num_accepted[b]` window conv inputs (`layer.accept_conv`), a tree's along `path[b]`;
+    padding rows write nothing."""
     valid = slots >= 0
     n = jnp.where(valid, num_accepted, 0).astype(jnp.int32)
+    if path is not None:
+        conv_inputs = jnp.take_along_axis(conv_inputs, jnp.clip(path, 0, conv_inputs.shape[1] - 1)[..., None],
+                                          axis=1)
     rolled = accept_conv(conv_pool[jnp.where(valid, slots, 0)], conv_inputs, n)
     return conv_pool.at[jnp.where(valid, slots, conv_pool.shape[0])].set(rolled, mode="drop")
 

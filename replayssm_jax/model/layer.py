@@ -125,10 +125,37 @@ def causal_conv(
     return out, last(window, lengths)
 
 
-def _project(params: GDNParams, dims: GDNDims, x: Float[Array, "B T D"], conv_state, lengths):
-    """Layer inputs of T tokens: q, k `[B,T,Hk,Dk]`, v, z `[B,T,Hv,Dv]`, g, beta `[B,T,Hv]`."""
+def tree_conv(
+    conv_state: Float[Array, "B Km1 C"],
+    x: Float[Array, "B T C"],
+    weight: Float[Array, "K C"],
+    parents: Int[Array, "B T"],
+) -> Float[Array, "B T C"]:
+    """`causal_conv`'s output over a draft tree (`parents[b, i]` in [-1, i)): position i's taps
+    are its own input, then its ancestors' in the window, then the conv state's newest
+    first; a chain (`parents[b, i] = i - 1`) gives `causal_conv`'s output."""
+    taps, steps = weight.shape[0], x.shape[1]
+    history = jnp.concatenate([conv_state.astype(jnp.float32), x], axis=1)  # window position a at K-1+a
+    index = jnp.broadcast_to(taps - 1 + jnp.arange(steps), parents.shape)
+    out = weight[taps - 1] * x
+    for tap in range(taps - 2, -1, -1):
+        position = index - (taps - 1)
+        parent = jnp.take_along_axis(parents, jnp.maximum(position, 0), axis=1)
+        # in the window: the parent's input (a root's: the newest conv input); else one older
+        index = jnp.where(position >= 0, jnp.where(parent >= 0, taps - 1 + parent, taps - 2), index - 1)
+        out = out + weight[tap] * jnp.take_along_axis(history, index[..., None], axis=1)
+    return out
+
+
+def _project(params: GDNParams, dims: GDNDims, x: Float[Array, "B T D"], conv_state, lengths, parents=None):
+    """Layer inputs of T tokens: q, k `[B,T,Hk,Dk]`, v, z `[B,T,Hv,Dv]`, g, beta `[B,T,Hv]`
+    (a draft tree's with `parents`: its conv over each position's ancestors; the conv state
+    is then returned as given)."""
     batch, steps = x.shape[:2]
-    mixed, conv_state = causal_conv(conv_state, matmul(x, params.w_qkv), params.conv_weight, lengths)
+    if parents is None:
+        mixed, conv_state = causal_conv(conv_state, matmul(x, params.w_qkv), params.conv_weight, lengths)
+    else:
+        mixed = tree_conv(conv_state, matmul(x, params.w_qkv), params.conv_weight, parents)
     mixed = jax.nn.silu(mixed)
     q, k, v = jnp.split(mixed, [dims.key_dim, 2 * dims.key_dim], axis=-1)
     heads_k = (batch, steps, dims.num_k_heads, dims.head_k_dim)
@@ -215,11 +242,13 @@ def gdn_verify(
     *,
     backend: str = "xla",
     tp_axis: str | None = None,
+    parents: Int[Array, "B T"] | None = None,
 ) -> tuple[Float[Array, "B T D"], ReplayState, Float[Array, "B T C"]]:
     """A draft window of T tokens per row through `speculative.verify_step` on `backend`
-    (slots index `state` and `conv_pool`; negative: padding row, output 0). With `tp_axis`
-    (inside `shard_map`) as `gdn_replay`: the window runs on the local heads and y is
-    all-gathered over `tp_axis`.
+    (slots index `state` and `conv_pool`; negative: padding row, output 0), a chain or a
+    tree (`parents`, as `verify_step`'s; the conv runs over each position's ancestors). With
+    `tp_axis` (inside `shard_map`) as `gdn_replay`: the window runs on the local heads and y
+    is all-gathered over `tp_axis`.
 
     The conv pool is not written: the conv state after accepting n tokens is the last K-1
     of (conv state, the window's first n conv inputs), so the window's conv inputs are
@@ -229,8 +258,9 @@ def gdn_verify(
       `(out [B, T, D], state with the window's records appended, conv inputs [B, T, C])`.
     """
     conv_rows = conv_pool[jnp.where(slots >= 0, slots, 0)]
-    q, k, v, g, beta, z, _ = _project(params, dims, x, conv_rows, None)
-    step = lambda state, window: verify_step(state, window, slots, backend=backend, use_qk_l2norm=True)
+    q, k, v, g, beta, z, _ = _project(params, dims, x, conv_rows, None, parents)
+    step = lambda state, window: verify_step(state, window, slots, backend=backend, use_qk_l2norm=True,
+                                             parents=parents)
     window = Tokens(q, k, v, g, beta)
     y, state = step(state, window) if tp_axis is None else on_local_heads(state, window, step, tp_axis, 2)
     return _output(params, y, z), state, matmul(x, params.w_qkv)

@@ -26,7 +26,7 @@ from jaxtyping import Array, Float, Int
 from replayssm_jax import gating
 from replayssm_jax.config import ReplayConfig
 from replayssm_jax.decode import layer_step
-from replayssm_jax.model.layer import causal_conv, local_heads, matmul, on_local_heads, rms_norm
+from replayssm_jax.model.layer import causal_conv, local_heads, matmul, on_local_heads, rms_norm, tree_conv
 from replayssm_jax.plan import StepPlan
 from replayssm_jax.reference import mamba2_reference
 from replayssm_jax.speculative import verify_step
@@ -99,11 +99,16 @@ def _split_in(params: Mamba2LayerParams, dims: Mamba2Dims, u: Float[Array, "B T 
     return jnp.split(matmul(u, params.w_in), [dims.d_inner, dims.d_inner + dims.conv_channels], axis=-1)
 
 
-def _project(params: Mamba2LayerParams, dims: Mamba2Dims, u: Float[Array, "B T D"], conv_state, lengths):
-    """Layer inputs of T tokens: `Mamba2Tokens` (raw dt) `[B, T, ...]`, z `[B,T,H,P]`, conv state."""
+def _project(params: Mamba2LayerParams, dims: Mamba2Dims, u: Float[Array, "B T D"], conv_state, lengths,
+             parents=None):
+    """Layer inputs of T tokens: `Mamba2Tokens` (raw dt) `[B, T, ...]`, z `[B,T,H,P]`, conv state
+    (a draft tree's with `parents`, as `layer._project`)."""
     batch, steps = u.shape[:2]
     z, xbc, dt = _split_in(params, dims, u)
-    xbc, conv_state = causal_conv(conv_state, xbc, params.conv_weight, lengths)
+    if parents is None:
+        xbc, conv_state = causal_conv(conv_state, xbc, params.conv_weight, lengths)
+    else:
+        xbc = tree_conv(conv_state, xbc, params.conv_weight, parents)
     x, b, c = jnp.split(jax.nn.silu(xbc), [dims.d_inner, dims.d_inner + dims.num_groups * dims.state_size],
                         axis=-1)
     groups = (batch, steps, dims.num_groups, dims.state_size)
@@ -190,17 +195,20 @@ def mamba2_verify(
     *,
     backend: str = "xla",
     tp_axis: str | None = None,
+    parents: Int[Array, "B T"] | None = None,
 ) -> tuple[Float[Array, "B T D"], ReplayState, Float[Array, "B T C"]]:
     """A draft window of T tokens per row through `speculative.verify_step` on `backend`
-    (slots index `state` and `conv_pool`; negative: padding row, output 0). As `layer.gdn_verify`: the
-    conv pool is not written, the window's conv inputs are returned for `accept_conv`; with
-    `tp_axis` the window runs on the local heads and y is all-gathered over `tp_axis`.
+    (slots index `state` and `conv_pool`; negative: padding row, output 0), a chain or a
+    tree (`parents`). As `layer.gdn_verify`: the conv pool is not written, the window's conv
+    inputs are returned for `accept_conv`; with `tp_axis` the window runs on the local heads
+    and y is all-gathered over `tp_axis`.
 
     Returns:
       `(out [B, T, D], state with the window's records appended, conv inputs [B, T, C])`.
     """
-    tokens, z, _ = _project(params, dims, u, conv_pool[jnp.where(slots >= 0, slots, 0)], None)
+    tokens, z, _ = _project(params, dims, u, conv_pool[jnp.where(slots >= 0, slots, 0)], None, parents)
     step_params = _local_ssm_params(params, state, tp_axis)
-    step = lambda state, window: verify_step(state, window, slots, backend=backend, gate_params=step_params)
+    step = lambda state, window: verify_step(state, window, slots, backend=backend, gate_params=step_params,
+                                             parents=parents)
     y, state = step(state, tokens) if tp_axis is None else on_local_heads(state, tokens, step, tp_axis, 2)
     return _output(params, y, z), state, _split_in(params, dims, u)[1]

@@ -156,3 +156,63 @@ def test_accept_window_refuses_counts_outside_the_window(params):
         accept(state, slots, jnp.array([0, WIDTH + 1], jnp.int32), conv_inputs)
     moved = accept(state, slots, jnp.array([WIDTH, 0], jnp.int32), conv_inputs)
     assert np.asarray(moved.write_pos).tolist() == [WIDTH, 0]
+
+
+def _ancestry(parents: np.ndarray, row: int, position: int) -> list[int]:
+    """Window positions from the root down to `position` (its ancestors, then itself)."""
+    path = [position]
+    while parents[row, path[0]] >= 0:
+        path.insert(0, int(parents[row, path[0]]))
+    return path
+
+
+@pytest.mark.parametrize("layers", [None, ("mamba2", "gdn")])
+def test_tree_window_matches_every_path_and_keeps_the_accepted_one(rng, layers):
+    """Two rounds of a random draft tree (T = 4) per row on rings of 6 (the second round
+    folds rows), from slots with cached entries: the logits at every position equal the
+    plain recurrence over its root-to-position path; after keeping a prefix of a random
+    root-to-leaf path (0..depth tokens), a decode step equals the plain recurrence over the
+    kept tokens and its own token; a padding row stays untouched."""
+    config = TINY if layers is None else dataclasses.replace(TINY, layers=layers, num_layers=len(layers))
+    params = decoder.init_params(config, int(rng.integers(1 << 30)))
+    width, batch = 4, 4
+    slots = np.array([2, -1, 0, 3], np.int32)
+    live = slots >= 0
+    state = config.init_state(num_slots=4, cache_len=6)
+    plain = decoder.init_plain_state(config, batch)
+    warm = jnp.asarray(rng.integers(0, config.vocab_size, (batch, 2)), jnp.int32)
+    for step in range(2):
+        _, state, _ = decoder.decode_step(params, state, warm[:, step], jnp.asarray(slots), policy="natural")
+    _, plain = plain_kept(params, warm, plain, jnp.full((batch,), 2, jnp.int32))
+    folds = 0
+    for _ in range(2):
+        parents = np.stack([[-1] + [int(rng.integers(-1, i)) for i in range(1, width)] for _ in range(batch)])
+        window = rng.integers(0, config.vocab_size, (batch, width)).astype(np.int32)
+        logits, state, conv_inputs, folded = decoder.verify_window(params, state, jnp.asarray(window),
+                                                                   jnp.asarray(slots), parents=jnp.asarray(parents))
+        folds += int(np.sum(folded))
+        for position in range(width):
+            paths = [_ancestry(parents, row, position) for row in range(batch)]
+            tokens = np.zeros((batch, width), np.int32)
+            for row, path in enumerate(paths):
+                tokens[row, :len(path)] = window[row, path]
+            depth = np.array([len(path) for path in paths])
+            ref, _ = plain_kept(params, jnp.asarray(tokens), plain, jnp.asarray(depth, jnp.int32))
+            want = np.asarray(ref)[np.arange(batch), depth - 1]
+            np.testing.assert_allclose(np.asarray(logits)[live, position], want[live], atol=LOGIT_ATOL, rtol=0)
+        leaves = [_ancestry(parents, row, int(rng.integers(0, width))) for row in range(batch)]
+        kept = np.array([int(rng.integers(0, len(path) + 1)) for path in leaves], np.int32)
+        path = np.zeros((batch, width), np.int32)
+        for row, leaf in enumerate(leaves):
+            path[row, :len(leaf)] = leaf
+        state = decoder.accept_window(state, jnp.asarray(slots), jnp.asarray(kept), conv_inputs,
+                                      path=jnp.asarray(path))
+        token = rng.integers(0, config.vocab_size, batch).astype(np.int32)
+        after, state, _ = decoder.decode_step(params, state, jnp.asarray(token), jnp.asarray(slots), policy="natural")
+        sequence = np.zeros((batch, width + 1), np.int32)
+        for row in range(batch):
+            sequence[row, :kept[row] + 1] = [*window[row, path[row, :kept[row]]], token[row]]
+        ref, plain = plain_kept(params, jnp.asarray(sequence), plain, jnp.asarray(kept + 1))
+        np.testing.assert_allclose(np.asarray(after)[live], np.asarray(ref)[np.arange(batch), kept][live],
+                                   atol=LOGIT_ATOL, rtol=0)
+    assert folds > 0
