@@ -11,9 +11,10 @@ plain recurrence (fp32) and compared: greedy tokens, largest logit difference, f
 traffic per token and step time.
 
 With `--speculate T` every step is a speculative one instead: a drafter (`--drafter
-ngram`: prompt lookup in the request's own sequence; `self`: the model drafting greedily
-for itself) proposes T - 1 tokens, the model verifies the window in one pass, and greedy
-acceptance keeps 1..T tokens. The report then gives, per request, the acceptance rate, tokens
+ngram`: prompt lookup in the request's own sequence; `ngram-tree`: the two latest
+continuations as sibling chains of a draft tree; `self`: the model drafting greedily for
+itself) proposes T - 1 tokens, the model verifies the window in one pass, and greedy
+acceptance keeps 1..T tokens (a tree: along the path the verifier agrees with). The report then gives, per request, the acceptance rate, tokens
 per verify step, and the state bytes written per accepted token by ReplaySSM verify (T small
 records, a checkpoint only when the ring is full) against conventional speculation (T full
 states per verify step).

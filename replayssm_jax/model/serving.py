@@ -12,7 +12,7 @@
 
 Each request records its tokens, logits, flushes and replay state traffic; `reference_decode`
 decodes requests on their own plain-recurrence states for comparison. The model may be a
-hybrid stack (`DecoderConfig(layers=...)`: GDN and Mamba-2 layers, one device).
+hybrid stack (`DecoderConfig(layers=...)`: GDN and Mamba-2 layers).
 
 Speculative decoding (`Engine(speculate=T, drafter=...)`, `Engine.speculative_step`): a
 drafter proposes T - 1 tokens per row, the model verifies the window (the row's next input
@@ -20,9 +20,12 @@ and the drafts) in one pass (`decoder.verify_window`), and greedy acceptance kee
 longest prefix of drafts equal to the verifier's argmax plus the verifier's next token (the
 bonus): 1..T tokens per step, the same greedy tokens as plain decoding; on a mesh the
 window and the accept run under `shard_map` (`sharding.model_verify_step`,
-`model_accept_step`). Drafters:
-`NgramDrafter` (prompt lookup in the request's own sequence) and `SelfDrafter` (the model
-drafting greedily for itself from a scratch copy of its live state, plain recurrence). The
+`model_accept_step`). A drafter may propose a tree (drafts and each one's parent window
+position): the window is verified as a tree and acceptance follows the path the verifier
+agrees with (`greedy_accept_tree`), its records moved next to each other by the accept.
+Drafters: `NgramDrafter` (prompt lookup in the request's own sequence), `NgramTreeDrafter`
+(its two latest continuations as sibling chains) and `SelfDrafter` (the model drafting
+greedily for itself from a scratch copy of its live state, plain recurrence). The
 speculative step has no forced flushes, so decode steps add no prefix snapshots (prefill
 chunks still do).
 """
@@ -146,12 +149,34 @@ def greedy_accept(drafts: Int[np.ndarray, "B Tm1"], argmax: Int[np.ndarray, "B T
     return 1 + np.cumprod(agree, axis=1).sum(axis=1)
 
 
+def greedy_accept_tree(window: Int[np.ndarray, "B T"], parents: Int[np.ndarray, "B T"],
+                       argmax: Int[np.ndarray, "B T"]) -> tuple[Int[np.ndarray, " B"], Int[np.ndarray, "B T"]]:
+    """A draft tree's greedy acceptance per row: from the root (window position 0, the
+    row's next input) follow the child whose token is the verifier's choice after its
+    parent, while one is. Returns `(kept [B]: the path's length, path [B, T]: its window
+    positions from the root down, zero padded)`; the tokens generated are `argmax` along it."""
+    batch, width = window.shape
+    kept, path = np.ones(batch, np.int32), np.zeros((batch, width), np.int32)
+    for row in range(batch):
+        node = 0
+        while True:
+            child = next((c for c in range(node + 1, width)
+                          if parents[row, c] == node and window[row, c] == argmax[row, node]), None)
+            if child is None:
+                break
+            path[row, kept[row]], node = child, child
+            kept[row] += 1
+    return kept, path
+
+
 class Drafter(Protocol):
-    """Proposes draft tokens for every row of the engine's batch."""
+    """Proposes draft tokens for every row of the engine's batch: a chain `[B, count]`, or a
+    tree `(drafts [B, count], parents [B, count])` where the draft at window position i + 1
+    hangs under window position `parents[b, i]` in [0, i] (0: the row's next input)."""
 
     def propose(
         self, engine: Engine, tokens: Int[Array, " B"], slots: Int[Array, " B"], count: int
-    ) -> Int[np.ndarray, "B count"]:
+    ) -> Int[np.ndarray, "B count"] | tuple[Int[np.ndarray, "B count"], Int[np.ndarray, "B count"]]:
         """`count` drafts to follow each row's next input `tokens` (rows with slot -1: any)."""
         ...
 
@@ -165,14 +190,15 @@ class NgramDrafter:
             raise ValueError(f"n must be positive, got {n}")
         self.n = n
 
-    def propose_one(self, sequence: list[int], count: int) -> list[int]:
-        """`count` draft tokens to follow `sequence`."""
+    def propose_one(self, sequence: list[int], count: int, occurrence: int = 0) -> list[int]:
+        """`count` draft tokens to follow `sequence`: what followed the `occurrence`-th latest
+        earlier occurrence (0: the latest) of its longest final n-gram that has one."""
         for n in range(min(self.n, len(sequence) - 1), 0, -1):
             suffix = sequence[-n:]
-            for start in range(len(sequence) - n - 1, -1, -1):  # latest earlier occurrence
-                if sequence[start : start + n] == suffix:
-                    follow = sequence[start + n : start + n + count]
-                    return follow + [follow[-1]] * (count - len(follow))
+            starts = [start for start in range(len(sequence) - n - 1, -1, -1) if sequence[start:start + n] == suffix]
+            if len(starts) > occurrence:
+                follow = sequence[starts[occurrence] + n : starts[occurrence] + n + count]
+                return follow + [follow[-1]] * (count - len(follow))
         return [sequence[-1]] * count
 
     def propose(self, engine: Engine, tokens, slots, count: int) -> np.ndarray:
@@ -181,6 +207,25 @@ class NgramDrafter:
             if request is not None:
                 drafts[row] = self.propose_one(request.sequence, count)
         return drafts
+
+
+class NgramTreeDrafter(NgramDrafter):
+    """Prompt lookup as a tree of two chains under the row's next input: what followed the
+    latest earlier occurrence of the final n-gram (the first `count - count // 2` drafts)
+    and what followed the one before it (the rest), so a row whose latest continuation is
+    wrong may keep the other."""
+
+    def propose(self, engine: Engine, tokens, slots, count: int) -> tuple[np.ndarray, np.ndarray]:
+        first = count - count // 2
+        parents = np.arange(count, dtype=np.int32)  # the draft at window position i + 1 under i ...
+        if count > first:
+            parents[first] = 0  # ... but the second chain's first draft under the row's next input
+        drafts = np.zeros((len(engine.rows), count), np.int32)
+        for row, request in enumerate(engine.rows):
+            if request is not None:
+                drafts[row] = (self.propose_one(request.sequence, first)
+                               + self.propose_one(request.sequence, count - first, occurrence=1))
+        return drafts, np.broadcast_to(parents, drafts.shape).copy()
 
 
 @functools.partial(jax.jit, static_argnames=("count",))
@@ -207,7 +252,7 @@ class SelfDrafter:
         return np.asarray(_self_draft(engine.params, engine.state, tokens, slots, count=count))
 
 
-DRAFTERS = {"ngram": NgramDrafter, "self": SelfDrafter}
+DRAFTERS = {"ngram": NgramDrafter, "ngram-tree": NgramTreeDrafter, "self": SelfDrafter}
 
 
 _reset = jax.jit(slot_ops.reset_slots, donate_argnums=0)
@@ -400,18 +445,22 @@ class Engine:
         return seconds
 
 
-    def _verify(self, window: Int[Array, "B T"], slots: Int[Array, " B"]) -> tuple:
-        """`decoder.verify_window` of the pool (donated), on its mesh when it has one."""
+    def _verify(self, window: Int[Array, "B T"], slots: Int[Array, " B"], parents=None) -> tuple:
+        """`decoder.verify_window` of the pool (donated; a tree by `parents`), on its mesh when
+        it has one."""
         if self.mesh is None:
-            return decoder.jitted_verify_window(self.params, self.state, window, slots, backend=self._backend)
+            return decoder.jitted_verify_window(self.params, self.state, window, slots, backend=self._backend,
+                                                parents=parents)
         return sharding.jitted_model_verify_step(self.params, self.state, window, slots, mesh=self.mesh,
-                                                 backend=self._backend)
+                                                 backend=self._backend, parents=parents)
 
-    def _accept(self, slots: Int[Array, " B"], num_accepted: Int[Array, " B"], conv_inputs) -> ModelState:
-        """`decoder.accept_window` of the pool (donated), on its mesh when it has one."""
+    def _accept(self, slots: Int[Array, " B"], num_accepted: Int[Array, " B"], conv_inputs, path=None) -> ModelState:
+        """`decoder.accept_window` of the pool (donated; a tree's accepted `path`), on its mesh
+        when it has one."""
         if self.mesh is None:
-            return decoder.jitted_accept_window(self.state, slots, num_accepted, conv_inputs)
-        return sharding.jitted_model_accept_step(self.state, slots, num_accepted, conv_inputs, mesh=self.mesh)
+            return decoder.jitted_accept_window(self.state, slots, num_accepted, conv_inputs, path=path)
+        return sharding.jitted_model_accept_step(self.state, slots, num_accepted, conv_inputs, mesh=self.mesh,
+                                                 path=path)
 
     def speculative_step(self) -> float:
         """Draft T - 1 tokens per active row, verify the windows, keep the greedy prefix;
@@ -426,11 +475,20 @@ class Engine:
         start = time.perf_counter()
         tokens_d, slots_d = jnp.asarray(tokens), jnp.asarray(slots)
         drafts = self.drafter.propose(self, tokens_d, slots_d, width - 1)
+        drafts, parents = drafts if isinstance(drafts, tuple) else (drafts, None)
         window = np.concatenate([tokens[:, None], drafts], axis=1)
-        logits, self.state, conv_inputs, folded = self._verify(jnp.asarray(window), slots_d)
+        if parents is not None:  # window positions: -1 for the root, then the drafts' parents
+            parents = np.concatenate([np.full((len(window), 1), -1, np.int32), parents], axis=1)
+        logits, self.state, conv_inputs, folded = self._verify(
+            jnp.asarray(window), slots_d, None if parents is None else jnp.asarray(parents))
         argmax = np.asarray(jnp.argmax(logits, axis=-1))
-        kept = np.where(slots >= 0, greedy_accept(drafts, argmax), 0).astype(np.int32)
-        self.state = self._accept(slots_d, jnp.asarray(kept), conv_inputs)
+        if parents is None:
+            kept, path, chosen = greedy_accept(drafts, argmax), None, argmax
+        else:
+            kept, path = greedy_accept_tree(window, parents, argmax)
+            chosen = np.take_along_axis(argmax, path, axis=1)  # the verifier's token after each kept node
+        kept = np.where(slots >= 0, kept, 0).astype(np.int32)
+        self.state = self._accept(slots_d, jnp.asarray(kept), conv_inputs, None if path is None else jnp.asarray(path))
         logits, folded = jax.device_get((logits, folded))
         seconds = time.perf_counter() - start
         records, checkpoint = width * self.traffic.entry, self.traffic.checkpoint
@@ -445,8 +503,8 @@ class Engine:
             request.conventional_written += width * checkpoint
             request.natural_flushes += bool(folded[row])  # a verify step folds only when the ring is full
             request.step_seconds.append(seconds)
-            request.generated.extend(int(t) for t in argmax[row, :n])
-            request.logits.extend(logits[row, :n])
+            request.generated.extend(int(t) for t in chosen[row, :n])
+            request.logits.extend(logits[row, :n] if path is None else logits[row, path[row, :n]])
             self._retire(row)
         return seconds
 

@@ -4,6 +4,7 @@ prefix per row, and get exactly the greedy tokens of non-speculative decoding.""
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +29,12 @@ def test_ngram_drafter_proposes_what_followed_the_last_occurrence():
     assert drafter.propose_one([5, 7, 4, 6, 7], 3) == [4, 6, 7]
     # Nothing recurs: the last token repeated.
     assert drafter.propose_one([5, 6, 7], 2) == [7, 7]
+    # The occurrence before the latest: (1, 2, 3) at 0..2, followed by 9, 1, 2.
+    assert drafter.propose_one([1, 2, 3, 9, 1, 2, 3, 8, 1, 2, 3], 3, occurrence=1) == [9, 1, 2]
+    # The tree drafter: the two continuations as sibling chains under the row's next input.
+    engine = types.SimpleNamespace(rows=[types.SimpleNamespace(sequence=[1, 2, 3, 9, 1, 2, 3, 8, 1, 2, 3]), None])
+    drafts, parents = serving.NgramTreeDrafter(n=3).propose(engine, None, None, 4)
+    assert drafts[0].tolist() == [8, 1, 9, 1] and parents.tolist() == [[0, 1, 0, 3]] * 2
 
 
 def test_greedy_accept_keeps_the_agreeing_prefix_and_the_bonus():
@@ -87,6 +94,23 @@ class NoisySelfDrafter(serving.SelfDrafter):
         return np.where(wrong, (drafts + 1) % TINY.vocab_size, drafts)
 
 
+class SiblingTreeDrafter(serving.SelfDrafter):
+    """A tree of two sibling drafts under each row's next input: the model's own greedy token
+    on a random one of them, a wrong token on the other, so rows keep a path through
+    either branch (the second: its record moves next to the root's)."""
+
+    def __init__(self, rng: np.random.Generator):
+        self.rng = rng
+
+    def propose(self, engine, tokens, slots, count):
+        assert count == 2, "two siblings: a window of T = 3"
+        right = super().propose(engine, tokens, slots, 1)[:, 0]
+        wrong = (right + 1) % TINY.vocab_size
+        second = self.rng.random(right.shape) < 0.5
+        drafts = np.stack([np.where(second, wrong, right), np.where(second, right, wrong)], axis=1)
+        return drafts, np.zeros_like(drafts)  # both under window position 0
+
+
 def _serve(params, drafter, rng, steps=10, config=TINY, backend="xla"):
     engine = serving.Engine(params, config, max_batch=3, num_slots=6, cache_len=CACHE_LEN,
                             track_interval=4, speculate=WIDTH, drafter=drafter, backend=backend)
@@ -96,12 +120,14 @@ def _serve(params, drafter, rng, steps=10, config=TINY, backend="xla"):
     return [r for r in workload.issued if r.generated]
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "self", "noisy"])
+@pytest.mark.parametrize("drafter", ["ngram", "ngram-tree", "self", "noisy", "sibling-tree"])
 def test_speculative_serving_gives_the_tokens_of_plain_decoding(params, rng, drafter):
     """Continuous batching with speculative steps: every request's greedy tokens equal its
     plain-recurrence decode alone, logits within LOGIT_ATOL; the self drafter (fp32) has
-    every draft accepted, the noisy one some but not all."""
-    made = NoisySelfDrafter(rng) if drafter == "noisy" else serving.DRAFTERS[drafter]()
+    every draft accepted, the noisy one some but not all, the sibling tree one of its two
+    drafts per step."""
+    made = {"noisy": NoisySelfDrafter, "sibling-tree": SiblingTreeDrafter}.get(drafter)
+    made = made(rng) if made else serving.DRAFTERS[drafter]()
     requests = _serve(params, made, rng)
     ref_tokens, ref_logits = serving.reference_decode(params, TINY, requests)
     for request, tokens, logits in zip(requests, ref_tokens, ref_logits):
@@ -114,6 +140,8 @@ def test_speculative_serving_gives_the_tokens_of_plain_decoding(params, rng, dra
         assert accepted == drafted
     if drafter == "noisy":
         assert 0 < accepted < drafted
+    if drafter == "sibling-tree":
+        assert 2 * accepted == drafted
 
 
 def test_speculative_serving_on_the_kernel_backend(rng):
