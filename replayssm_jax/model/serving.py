@@ -393,10 +393,12 @@ class Engine:
         padding = jnp.full((self.max_batch,), -1, jnp.int32)
         zeros = jnp.zeros((self.max_batch,), jnp.int32)
         if self.speculate:
-            self.drafter.propose(self, zeros, padding, self.speculate - 1)
+            drafts = self.drafter.propose(self, zeros, padding, self.speculate - 1)
             window = jnp.zeros((self.max_batch, self.speculate), jnp.int32)
-            _, self.state, conv_inputs, _ = self._verify(window, padding)
-            self.state = self._accept(padding, zeros, conv_inputs)
+            tree = isinstance(drafts, tuple)  # a tree drafter's windows compile with parents and a path
+            parents = jnp.full(window.shape, -1, jnp.int32) if tree else None
+            _, self.state, conv_inputs, _ = self._verify(window, padding, parents)
+            self.state = self._accept(padding, zeros, conv_inputs, jnp.zeros_like(window) if tree else None)
             return
         _, _, self.state, _, _ = _serve_step(
             self.params, self.state, zeros, padding, zeros,
