@@ -232,9 +232,8 @@ class Decoder(nnx.Module):
             return out
 
         logits = decoder_lib._logits(head, self._blocks(decoder_lib._embed(head, tokens), run_layer))
-        slot = jnp.where(slots >= 0, slots, 0)
         after = self.layers[0].replay.get_value().write_pos
-        return logits, tuple(conv_inputs), (slots >= 0) & (after[slot] != before.write_pos[slot])
+        return logits, tuple(conv_inputs), decoder_lib.folded_rows(slots, before.write_pos, after)
 
     def accept_window(self, slots: Int[Array, " B"], num_accepted: Int[Array, " B"], conv_inputs: tuple,
                       path: Int[Array, "B P"] | None = None) -> None:

@@ -51,7 +51,6 @@ from replayssm_jax.plan import (
     StepPlan,
     advance_write_pos,
     as_policy,
-    default_flush_policy,
     plan_step,
 )
 from replayssm_jax.state import ReplayState, check_state
@@ -224,12 +223,13 @@ def _plan_specs(policy: FlushPolicy) -> StepPlan:
     return StepPlan(slot=rows, valid=rows, pos=rows, flush=rows, launch_order=rows, policy=policy)
 
 
-def _sharded_policy(state_config, num_slots: int, mesh: Mesh, batch: int, slots, policy, backend) -> FlushPolicy:
-    """The mesh checks of a sharded step; its policy (default: that of the per-device batch)."""
-    _, dp = axis_sizes(mesh)
-    check_fits(state_config, num_slots, mesh, batch)
-    check_row_slots("slots", slots, num_slots, dp)
-    return default_flush_policy(state_config, batch // dp, backend) if policy is None else as_policy(policy)
+def _sharded_policy(state: ReplayState | ModelState | HybridState, mesh: Mesh, batch: int, policy,
+                    backend) -> FlushPolicy:
+    """A sharded step's policy: `policy`, by default that of its layers at the per-device
+    batch B/dp (`decoder.layers_flush_policy`)."""
+    if policy is not None:
+        return as_policy(policy)
+    return decoder.layers_flush_policy(_configs(state), batch // axis_sizes(mesh)[1], backend)
 
 
 def _token_specs(config: ReplayConfig, tokens: Tokens | Mamba2Tokens, tp: int, window: bool):
@@ -274,10 +274,10 @@ def decode_step(
     check_state(state)
     batch = check_tokens(state.config, tokens)
     check_gate_params(state.config, gate_params)
-    check_slots("slots", slots, batch, state.num_slots)
+    _check_mesh_slots(slots, batch, state.config, state.num_slots, mesh)
     check_flags("force_flush", force_flush, batch)
     check_backend(backend)
-    policy = _sharded_policy(state.config, state.num_slots, mesh, batch, slots, policy, backend)
+    policy = _sharded_policy(state, mesh, batch, policy, backend)
     tp, _ = axis_sizes(mesh)
     config = state.config
     force = jnp.zeros((batch,), bool) if force_flush is None else force_flush
@@ -401,8 +401,7 @@ def model_decode_step(
     _check_mesh_slots(slots, batch, layer_configs(state), state.num_slots, mesh)
     check_flags("force_flush", force_flush, batch)
     check_backend(backend)
-    dp = axis_sizes(mesh)[1]
-    policy = decoder.model_flush_policy(state, batch // dp, backend) if policy is None else as_policy(policy)
+    policy = _sharded_policy(state, mesh, batch, policy, backend)
     force = jnp.zeros((batch,), bool) if force_flush is None else force_flush
 
     def local(params, state, tokens, slots, force):
@@ -425,6 +424,14 @@ def model_decode_step(
 
 jitted_model_decode_step = jax.jit(model_decode_step, static_argnames=("mesh", "backend", "policy"),
                                    donate_argnames=("state",))
+
+
+def _conv_input_specs(state: ModelState | HybridState):
+    """Specs of a verify window's conv inputs: `[Y, B, T, C]` rows over dp, or a hybrid
+    stack's one `[B, T, C]` per layer."""
+    if isinstance(state, HybridState):
+        return tuple(P(DP) for _ in state.layers)
+    return P(None, DP)
 
 
 def model_verify_step(
@@ -489,7 +496,6 @@ def model_accept_step(
     decoder.check_window_counts(num_accepted, jnp.shape(conv_inputs[0] if hybrid else conv_inputs)[-2])
     tp, _ = axis_sizes(mesh)
     local_configs = tuple(local_config(config, tp) for config in configs)
-
     if path is not None:
         check_array("path", path, (batch, None), int, layout="a [B, P] int array")
     extra = () if path is None else (jnp.asarray(path, jnp.int32),)
@@ -504,14 +510,6 @@ def model_accept_step(
     step = jax.shard_map(local, mesh=mesh, in_specs=(specs, P(DP), P(DP), _conv_input_specs(state))
                          + (P(DP, None),) * len(extra), out_specs=specs, check_vma=False)
     return step(state, jnp.asarray(slots, jnp.int32), jnp.asarray(num_accepted, jnp.int32), conv_inputs, *extra)
-
-
-def _conv_input_specs(state: ModelState | HybridState):
-    """Specs of a verify window's conv inputs: `[Y, B, T, C]` rows over dp, or a hybrid
-    stack's one `[B, T, C]` per layer."""
-    if isinstance(state, HybridState):
-        return tuple(P(DP) for _ in state.layers)
-    return P(None, DP)
 
 
 jitted_model_verify_step = jax.jit(model_verify_step, static_argnames=("mesh", "backend"),

@@ -146,14 +146,15 @@ def verify_default_params(cfg, batch: int, width: int, token_dtype, *, interpret
     `WIDE_WINDOW_RING` or more: one CTA per tile with the key sums before the launch (the
     persistent kernel sits at the register cap there and its readouts slow ~3.7x); the
     window's records and staged vectors from their own kernel (`window_side="kernel"`, one
-    warp per program at T <= 4) where d_k is a power of two (its Triton blocks). Each choice is a
-    measured line of `benchmarks/NOTES.md` ("verify defaults", "verify tensor-core readout,
-    measured", "verify folds on tensor cores", "GDN verify with per-tile addresses", "verify
-    key sums from XLA", "verify key sums before the launch at L = 16", "verify window kernel,
-    measured", "verify T = 8 on rings of 32", "one CTA per tile at T = 4, and verify with a
-    bf16 state", "the edges of the verify defaults", "bf16 verify on rings of 32"). KDA: one
-    CTA per tile on CUDA cores, exact folds (no persistent form), the window's records from their own kernel where d_k
-    is a power of two (measured faster); Mamba-2: one CTA per tile, exact folds."""
+    warp per program at T <= 4) where d_k is a power of two (its Triton blocks). Each choice
+    is a measured line of `benchmarks/NOTES.md` ("verify defaults", "verify tensor-core
+    readout, measured", "verify folds on tensor cores", "GDN verify with per-tile
+    addresses", "verify key sums from XLA", "verify key sums before the launch at L = 16",
+    "verify window kernel, measured", "verify T = 8 on rings of 32", "one CTA per tile at
+    T = 4, and verify with a bf16 state", "the edges of the verify defaults", "bf16 verify on
+    rings of 32"). KDA: one CTA per tile on CUDA cores, exact folds (no persistent form), the
+    window's records from their own kernel where d_k is a power of two (measured faster);
+    Mamba-2: one CTA per tile, exact folds."""
     if cfg.gate == "mamba2":
         return MosaicMamba2Params()
     power_of_two_keys = cfg.head_k_dim & (cfg.head_k_dim - 1) == 0
@@ -163,9 +164,9 @@ def verify_default_params(cfg, batch: int, width: int, token_dtype, *, interpret
         interpret = jax.default_backend() != "gpu"
     readout = "mma" if jnp.dtype(token_dtype) == jnp.bfloat16 else "fma"
     two_byte = cfg.state_dtype.itemsize == 2
-    # One warp per window program keeps its reductions inside the warp (measured faster at T = 4).
-    window = dict(window_side="kernel", window_warps=1 if width <= 4 else 2) if power_of_two_keys else dict(
-        window_side="xla")
+    window = dict(window_side="xla")
+    if power_of_two_keys:  # one warp per program keeps its reductions in the warp (measured faster at T = 4)
+        window = dict(window_side="kernel", window_warps=1 if width <= 4 else 2)
     side_keys_fit = verify_decode.key_block_heads(cfg.num_k_heads, cfg.cache_len,
                                                   verify_decode.window_rows(width)) > 0
     if width >= WIDE_WINDOW and cfg.cache_len >= WIDE_WINDOW_RING and side_keys_fit:

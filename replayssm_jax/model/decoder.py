@@ -555,10 +555,16 @@ def verify_core(
         layer, (_embed(params, tokens), view), (params.blocks, jnp.arange(state.num_layers))
     )
     write_pos = view.write_pos[: state.num_slots]  # layer 0's flat slots: the shared cursor
-    slot = jnp.where(valid, slots, 0)
-    folded = valid & (write_pos[slot] != state.write_pos[slot])
+    folded = folded_rows(slots, state.write_pos, write_pos)
     state = from_flat_view(state, view, conv_pool, write_pos)
     return _logits(params, x), state, conv_inputs, folded
+
+
+def folded_rows(slots: Int[Array, " B"], before: Int[Array, " N"], after: Int[Array, " N"]) -> Bool[Array, " B"]:
+    """The rows whose verify step folded (their slot's cursor moved from `before` to
+    `after`: to 0); padding rows never."""
+    slot = jnp.where(slots >= 0, slots, 0)
+    return (slots >= 0) & (after[slot] != before[slot])
 
 
 def _hybrid_verify(params, state: HybridState, tokens, slots, backend, tp_axis=None, parents=None):
@@ -576,9 +582,7 @@ def _hybrid_verify(params, state: HybridState, tokens, slots, backend, tp_axis=N
         conv_inputs.append(inputs)
         x = x + mixed
         x = x + _mlp(block, x)
-    valid = slots >= 0
-    slot = jnp.where(valid, slots, 0)
-    folded = valid & (write_pos[slot] != state.write_pos[slot])
+    folded = folded_rows(slots, state.write_pos, write_pos)
     return _logits(params, x), dataclasses.replace(state, write_pos=write_pos), tuple(conv_inputs), folded
 
 

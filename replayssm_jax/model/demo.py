@@ -14,10 +14,10 @@ With `--speculate T` every step is a speculative one instead: a drafter (`--draf
 ngram`: prompt lookup in the request's own sequence; `ngram-tree`: the two latest
 continuations as sibling chains of a draft tree; `self`: the model drafting greedily for
 itself) proposes T - 1 tokens, the model verifies the window in one pass, and greedy
-acceptance keeps 1..T tokens (a tree: along the path the verifier agrees with). The report then gives, per request, the acceptance rate, tokens
-per verify step, and the state bytes written per accepted token by ReplaySSM verify (T small
-records, a checkpoint only when the ring is full) against conventional speculation (T full
-states per verify step).
+acceptance keeps 1..T tokens (a tree: along the path the verifier agrees with). The report
+then gives, per request, the acceptance rate, tokens per verify step, and the state bytes
+written per accepted token by ReplaySSM verify (T small records, a checkpoint only when the
+ring is full) against conventional speculation (T full states per verify step).
 
 CPU defaults finish in well under a minute; on a GPU pass larger ones, e.g.
 `--batch 64 --steps 400 --cache-len 16`.

@@ -110,12 +110,17 @@ def causal_conv(
     x: Float[Array, "B T C"],
     weight: Float[Array, "K C"],
     lengths: Int[Array, " B"] | None = None,
+    parents: Int[Array, "B T"] | None = None,
 ) -> tuple[Float[Array, "B T C"], Float[Array, "B Km1 C"]]:
     """Causal depthwise conv1d continuing from `conv_state` (the previous K-1 inputs).
 
     Returns the conv output (before SiLU) and the new conv state: the last K-1 inputs up
-    to each row's `lengths` (default T; later positions are padding).
+    to each row's `lengths` (default T; later positions are padding). Over a draft tree
+    (`parents`, see `tree_conv`) the conv state is returned as given: which inputs follow
+    it is known only once a path is accepted (`accept_conv`).
     """
+    if parents is not None:
+        return tree_conv(conv_state, x, weight, parents), conv_state
     taps, steps = weight.shape[0], x.shape[1]
     window = jnp.concatenate([conv_state.astype(jnp.float32), x], axis=1)  # [B, K-1+T, C]
     out = sum(weight[j] * window[:, j : j + steps] for j in range(taps))
@@ -152,10 +157,7 @@ def _project(params: GDNParams, dims: GDNDims, x: Float[Array, "B T D"], conv_st
     (a draft tree's with `parents`: its conv over each position's ancestors; the conv state
     is then returned as given)."""
     batch, steps = x.shape[:2]
-    if parents is None:
-        mixed, conv_state = causal_conv(conv_state, matmul(x, params.w_qkv), params.conv_weight, lengths)
-    else:
-        mixed = tree_conv(conv_state, matmul(x, params.w_qkv), params.conv_weight, parents)
+    mixed, conv_state = causal_conv(conv_state, matmul(x, params.w_qkv), params.conv_weight, lengths, parents)
     mixed = jax.nn.silu(mixed)
     q, k, v = jnp.split(mixed, [dims.key_dim, 2 * dims.key_dim], axis=-1)
     heads_k = (batch, steps, dims.num_k_heads, dims.head_k_dim)

@@ -26,7 +26,7 @@ from jaxtyping import Array, Float, Int
 from replayssm_jax import gating
 from replayssm_jax.config import ReplayConfig
 from replayssm_jax.decode import layer_step
-from replayssm_jax.model.layer import causal_conv, local_heads, matmul, on_local_heads, rms_norm, tree_conv
+from replayssm_jax.model.layer import causal_conv, local_heads, matmul, on_local_heads, rms_norm
 from replayssm_jax.plan import StepPlan
 from replayssm_jax.reference import mamba2_reference
 from replayssm_jax.speculative import verify_step
@@ -105,10 +105,7 @@ def _project(params: Mamba2LayerParams, dims: Mamba2Dims, u: Float[Array, "B T D
     (a draft tree's with `parents`, as `layer._project`)."""
     batch, steps = u.shape[:2]
     z, xbc, dt = _split_in(params, dims, u)
-    if parents is None:
-        xbc, conv_state = causal_conv(conv_state, xbc, params.conv_weight, lengths)
-    else:
-        xbc = tree_conv(conv_state, xbc, params.conv_weight, parents)
+    xbc, conv_state = causal_conv(conv_state, xbc, params.conv_weight, lengths, parents)
     x, b, c = jnp.split(jax.nn.silu(xbc), [dims.d_inner, dims.d_inner + dims.num_groups * dims.state_size],
                         axis=-1)
     groups = (batch, steps, dims.num_groups, dims.state_size)
