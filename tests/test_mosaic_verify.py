@@ -329,20 +329,21 @@ def test_xla_key_side_lowers_for_an_abstract_h200(state_dtype, cache_len, rebuil
     assert "mosaic_gpu" in _lower_for_h200("gdn", state_dtype, cache_len, 4, params=params)
 
 
-def test_three_warpgroups_lower_for_an_abstract_h200():
-    """bf16 state, L = 16, T = 4: one CTA of three programs per SM (their buffers fit, the
-    fold's operands in buffers of their own; the exact fold's record copies run in the
-    float64-model test), as `persistent_programs` counts them; an fp32 tile's three
-    programs do not fit."""
+@pytest.mark.parametrize("cache_len,width", [(16, 4), (32, 4), (16, 8)])  # the defaults' three-warpgroup rows
+def test_three_warpgroups_lower_for_an_abstract_h200(cache_len, width):
+    """bf16 state: one CTA of three programs per SM (their buffers fit, the fold's operands
+    in buffers of their own; the exact fold's record copies run in the float64-model test),
+    as `persistent_programs` counts them; an fp32 tile's three programs do not fit."""
     rebuild, per_tile_addresses = "3xtf32", True
-    programs = persistent_programs(512, 4, 32, 128, 128, 16, jnp.bfloat16, jnp.bfloat16, jnp.bfloat16, 132,
+    shape = (512, width, 32, 128, 128, cache_len)
+    programs = persistent_programs(*shape, jnp.bfloat16, jnp.bfloat16, jnp.bfloat16, 132,
                                    readout="mma", rebuild=rebuild, key_side="xla", warpgroups=3)
     assert programs == 396
-    assert persistent_programs(512, 4, 32, 128, 128, 16, jnp.float32, jnp.float32, jnp.bfloat16, 132,
+    assert persistent_programs(*shape, jnp.float32, jnp.float32, jnp.bfloat16, 132,
                                readout="mma", rebuild=rebuild, key_side="xla", warpgroups=3) == 0
     params = MosaicReplayParams(programs=programs, auto_barriers=False, readout="mma", rebuild=rebuild,
                                 per_tile_addresses=per_tile_addresses, key_side="xla", warpgroups=3)
-    assert "mosaic_gpu" in _lower_for_h200("gdn", jnp.bfloat16, 16, 4, params=params)
+    assert "mosaic_gpu" in _lower_for_h200("gdn", jnp.bfloat16, cache_len, width, params=params)
 
 
 def test_tensor_core_fold_needs_a_gpu():
