@@ -443,13 +443,14 @@ def test_backend_verify_defaults():
     assert on_gpu(gdn(16)) == persistent()
     assert on_gpu(gdn(32)) == persistent()
     bf16_cfg = lambda L: ReplayConfig(16, 32, 128, 128, L, state_dtype=jnp.bfloat16, cache_dtype=jnp.bfloat16)
-    # Rings of 32: the key sums before the launch and three warpgroups from B = 128 (measured
-    # at B = 256); below it the kernel's own key sums (two CTAs fit without them).
+    # Rings of 32: the key sums before the launch from B = 8 (measured faster at 8 and 32) and
+    # three warpgroups from B = 128 (measured at 128 and 256); below B = 8 the kernel's own.
     assert on_gpu(bf16_cfg(32)) == MosaicReplayParams(programs=396, auto_barriers=False, readout="mma",
                                                       rebuild="3xtf32", key_side="xla", per_tile_addresses=True,
                                                       warpgroups=3, **window)
     bf16_32 = lambda batch: mosaic_gpu.verify_default_params(bf16_cfg(32), batch, 4, jnp.bfloat16, interpret=False)
-    assert (bf16_32(128).warpgroups, bf16_32(64).key_side, bf16_32(64).warpgroups) == (3, "kernel", 1)
+    assert (bf16_32(128).warpgroups, bf16_32(64).key_side, bf16_32(64).warpgroups) == (3, "xla", 1)
+    assert (bf16_32(8).key_side, bf16_32(4).key_side) == ("xla", "kernel")
     assert on_gpu(bf16_cfg(64)).warpgroups == 1  # rings of 64 not measured with three
     # A bf16 state on rings of 16: the key sums before the launch from B = 8 and, at T <= 8,
     # three warpgroups per CTA, one CTA per SM, from B = 128.

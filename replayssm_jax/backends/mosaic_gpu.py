@@ -32,10 +32,9 @@ GATES: tuple[str, ...] = ("gdn", "kda", "mamba2")
 H200_SMS = 132  # the SM count assumed off GPU (interpret mode), where the device reports none
 WARPGROUPS, WARPGROUPS_FROM_BATCH = 3, 256  # GDN decode's programs per CTA at large batches (`warpgroups_for`)
 VERIFY_KEY_SUMS_FROM_BATCH = 128  # fp32 GDN verify's key sums before the launch: measured faster from here
-# A 2-byte GDN verify state: the key sums before the launch from B = 8 on rings of 16 and
-# from B = 128 on rings of 32; three warpgroups per CTA from B = 128 at T <= 8 on rings of at
-# most 32 (faster at every batch and width measured from there; three warpgroups slower at
-# B = 32; rings of 32 measured at B = 256).
+# A 2-byte GDN verify state: the key sums before the launch from B = 8 on rings of at most
+# 32; three warpgroups per CTA from B = 128 at T <= 8 on rings of at most 32 (faster at every
+# batch and width measured from there; three warpgroups slower at B = 32).
 VERIFY_TWO_BYTE_KEY_SUMS_FROM_BATCH, VERIFY_WARPGROUPS_FROM_BATCH = 8, 128
 VERIFY_WARPGROUPS_MAX_WIDTH, VERIFY_WARPGROUPS_MAX_RING = 8, 32
 # An fp32 GDN verify state on rings of 16, T <= 4, at these batches: one CTA per tile with the
@@ -207,15 +206,13 @@ def verify_key_side(cfg, batch: int, width: int, token_dtype, readout: str) -> s
     """Where the GDN verify kernel takes the window's key sums from (where their blocks take
     the ring, `verify_decode.key_block_heads`): "xla", their own kernel before the launch,
     where that makes room for two persistent CTAs per SM or the batch measured faster with
-    them (fp32 states from `VERIFY_KEY_SUMS_FROM_BATCH`, 2-byte states on rings of 16 from
-    `VERIFY_TWO_BYTE_KEY_SUMS_FROM_BATCH`, on rings of 32 from `VERIFY_WARPGROUPS_FROM_BATCH`);
-    else "kernel"."""
+    them (fp32 states from `VERIFY_KEY_SUMS_FROM_BATCH`, 2-byte states on rings of at most
+    `VERIFY_WARPGROUPS_MAX_RING` from `VERIFY_TWO_BYTE_KEY_SUMS_FROM_BATCH`); else "kernel"."""
     shape = (width, cfg.head_k_dim, cfg.cache_len, cfg.state_dtype, cfg.cache_dtype, token_dtype)
     cta_bytes = lambda side: verify_decode.persistent_smem_bytes(*shape, readout=readout, key_side=side)
     makes_room = ctas_per_sm(cta_bytes("kernel")) < 2 <= ctas_per_sm(cta_bytes("xla"))
     if cfg.state_dtype.itemsize == 2:
-        measured_from = (VERIFY_TWO_BYTE_KEY_SUMS_FROM_BATCH if cfg.cache_len <= 16 else VERIFY_WARPGROUPS_FROM_BATCH
-                         if cfg.cache_len <= VERIFY_WARPGROUPS_MAX_RING else None)
+        measured_from = VERIFY_TWO_BYTE_KEY_SUMS_FROM_BATCH if cfg.cache_len <= VERIFY_WARPGROUPS_MAX_RING else None
     else:
         measured_from = VERIFY_KEY_SUMS_FROM_BATCH
     return "xla" if makes_room or (measured_from is not None and batch >= measured_from) else "kernel"
