@@ -415,7 +415,7 @@ def test_backend_verify_defaults():
     L = 32 with the window's key sums before the launch, which make the room), folds
     rebuilt exactly off GPU, per-tile addresses with a bf16 state (measured faster), three
     warpgroups per CTA with a bf16 state at large batches, one CTA per tile with an fp32 state
-    at B = 32 to 127; KDA and Mamba-2 one CTA per tile on CUDA cores (KDA with the window
+    at B = 16 (8 at T = 4) to 127; KDA and Mamba-2 one CTA per tile on CUDA cores (KDA with the window
     kernel)."""
     from replayssm_jax import ReplayConfig
     from replayssm_jax.backends import mosaic_gpu
@@ -425,15 +425,21 @@ def test_backend_verify_defaults():
     persistent = lambda **kw: MosaicReplayParams(programs=264, auto_barriers=False, readout="mma", key_side="xla",
                                                  **window, **kw)
     # An fp32 state takes the window's key sums from their own kernel from B = 128 (measured
-    # faster at L = 16 and 32); at B = 32 to 127 (L = 16, T <= 4) one CTA per tile with them
-    # (measured faster at 32 and 64); below it the kernel sums them itself.
+    # faster at L = 16 and 32); at B = 16 to 127 (L = 16, T <= 4; from B = 8 at T = 4) one CTA
+    # per tile with them (measured faster at 16, 32 and 64); below it the kernel sums them itself.
     assert mosaic_gpu.verify_default_params(gdn(16), 512, 4, jnp.bfloat16) == persistent()
     assert mosaic_gpu.verify_default_params(gdn(16), 64, 4, jnp.bfloat16) == MosaicReplayParams(
         readout="mma", key_side="xla", **window)
     assert mosaic_gpu.verify_default_params(gdn(16), 64, 4, jnp.bfloat16, interpret=False).rebuild == "3xtf32"
     assert mosaic_gpu.verify_default_params(gdn(16), 128, 4, jnp.bfloat16).programs == 264
     assert mosaic_gpu.verify_default_params(gdn(16), 64, 8, jnp.bfloat16).programs == 264  # T = 8 not measured
-    assert mosaic_gpu.verify_default_params(gdn(16), 16, 4, jnp.bfloat16).key_side == "kernel"
+    one_cta = MosaicReplayParams(readout="mma", key_side="xla", **window)
+    assert mosaic_gpu.verify_default_params(gdn(16), 16, 2, jnp.bfloat16) == one_cta
+    assert mosaic_gpu.verify_default_params(gdn(16), 8, 4, jnp.bfloat16) == one_cta
+    assert mosaic_gpu.verify_default_params(gdn(16), 8, 2, jnp.bfloat16).key_side == "kernel"
+    assert mosaic_gpu.verify_default_params(gdn(16), 4, 4, jnp.bfloat16).key_side == "kernel"
+    assert mosaic_gpu.verify_default_params(gdn(16), 64, 8, jnp.bfloat16).window_warps == 1  # two from T = 9
+    assert mosaic_gpu.verify_default_params(gdn(16), 64, 9, jnp.bfloat16).window_warps == 2
     # fp32 L = 32: two persistent CTAs fit per SM only with the key sums from XLA.
     assert mosaic_gpu.verify_default_params(gdn(32), 512, 4, jnp.bfloat16) == persistent()
     assert mosaic_gpu.verify_default_params(gdn(16), 512, 4, jnp.float32).readout == "fma"  # mma needs bf16 q, k
@@ -463,9 +469,9 @@ def test_backend_verify_defaults():
     assert (at(8).key_side, at(4).key_side, at(512, 8).warpgroups, at(512, 2).warpgroups) == ("xla", "kernel", 3, 3)
     # T >= 8 on rings of 32: one CTA per tile with the key sums before the launch (measured
     # faster than persistent CTAs at the register cap), as the measured configurations.
-    assert on_gpu(gdn(32), 8) == MosaicReplayParams(readout="mma", key_side="xla", window_side="kernel")
+    assert on_gpu(gdn(32), 8) == MosaicReplayParams(readout="mma", key_side="xla", **window)
     assert on_gpu(bf16_cfg(32), 8) == MosaicReplayParams(readout="mma", rebuild="3xtf32", key_side="xla",
-                                                         per_tile_addresses=True, window_side="kernel")
+                                                         per_tile_addresses=True, **window)
     assert on_gpu(gdn(16), 8).programs == 264 and on_gpu(gdn(32), 4).programs == 264
     # The window kernel's Triton blocks take a power-of-two d_k only; the key sums before
     # the launch a ring of at most 64.

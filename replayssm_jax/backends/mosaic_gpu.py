@@ -37,9 +37,11 @@ VERIFY_KEY_SUMS_FROM_BATCH = 128  # fp32 GDN verify's key sums before the launch
 # batch and width measured from there; three warpgroups slower at B = 32).
 VERIFY_TWO_BYTE_KEY_SUMS_FROM_BATCH, VERIFY_WARPGROUPS_FROM_BATCH = 8, 128
 VERIFY_WARPGROUPS_MAX_WIDTH, VERIFY_WARPGROUPS_MAX_RING = 8, 32
-# An fp32 GDN verify state on rings of 16, T <= 4, at these batches: one CTA per tile with the
-# key sums before the launch and 3xTF32 folds (measured faster at B = 32 and 64, slower at 128).
-VERIFY_FP32_ONE_CTA_BATCHES = range(32, 128)
+# An fp32 GDN verify state on rings of 16, T <= 4, below B = 128: one CTA per tile with the key
+# sums before the launch and 3xTF32 folds from B = 16 (measured faster at B = 16, 32 and 64,
+# slower at 128), and from B = 8 for windows of 3 or 4 (faster at T = 4; 3.5% slower at T = 2).
+VERIFY_FP32_ONE_CTA_BELOW, VERIFY_FP32_ONE_CTA_FROM = 128, {1: 16, 2: 16, 3: 8, 4: 8}
+VERIFY_ONE_WARP_MAX_WIDTH = 8  # window kernel programs of one warp up to this T (measured faster at 4 and 8)
 WIDE_WINDOW, WIDE_WINDOW_RING = 8, 32  # GDN verify from these T and L: one CTA per tile (measured faster)
 
 
@@ -139,13 +141,13 @@ def verify_default_params(cfg, batch: int, width: int, token_dtype, *, interpret
     `VERIFY_WARPGROUPS_MAX_RING` with bf16 q, k and windows of at most
     `VERIFY_WARPGROUPS_MAX_WIDTH` positions: from `VERIFY_WARPGROUPS_FROM_BATCH` three
     warpgroups per CTA (`WARPGROUPS` persistent programs, one CTA per SM; measured at T = 2,
-    4, 8 on rings of 16, T = 4 on rings of 32); an fp32 state on rings of 16, T <= 4, batches in
-    `VERIFY_FP32_ONE_CTA_BATCHES`: one CTA per tile with the key sums before the launch and
+    4, 8 on rings of 16, T = 4 on rings of 32); an fp32 state on rings of 16, T <= 4, from
+    `VERIFY_FP32_ONE_CTA_FROM[T]` to `VERIFY_FP32_ONE_CTA_BELOW`: one CTA per tile with the key sums before the launch and
     3xTF32 folds on a GPU; windows of `WIDE_WINDOW` or more positions on rings of
     `WIDE_WINDOW_RING` or more: one CTA per tile with the key sums before the launch (the
     persistent kernel sits at the register cap there and its readouts slow ~3.7x); the
     window's records and staged vectors from their own kernel (`window_side="kernel"`, one
-    warp per program at T <= 4) where d_k is a power of two (its Triton blocks). Each choice
+    warp per program up to `VERIFY_ONE_WARP_MAX_WIDTH` positions) where d_k is a power of two (its Triton blocks). Each choice
     is a measured line of `benchmarks/NOTES.md` ("verify defaults", "verify tensor-core
     readout, measured", "verify folds on tensor cores", "GDN verify with per-tile
     addresses", "verify key sums from XLA", "verify key sums before the launch at L = 16",
@@ -165,14 +167,15 @@ def verify_default_params(cfg, batch: int, width: int, token_dtype, *, interpret
     two_byte = cfg.state_dtype.itemsize == 2
     window = dict(window_side="xla")
     if power_of_two_keys:  # one warp per program keeps its reductions in the warp (measured faster at T = 4)
-        window = dict(window_side="kernel", window_warps=1 if width <= 4 else 2)
+        window = dict(window_side="kernel", window_warps=1 if width <= VERIFY_ONE_WARP_MAX_WIDTH else 2)
     side_keys_fit = verify_decode.key_block_heads(cfg.num_k_heads, cfg.cache_len,
                                                   verify_decode.window_rows(width)) > 0
     if width >= WIDE_WINDOW and cfg.cache_len >= WIDE_WINDOW_RING and side_keys_fit:
         # The configurations measured at T = 8, L = 32 (fp32 and bf16 states).
         return MosaicReplayParams(readout=readout, rebuild="3xtf32" if two_byte and not interpret else "exact",
                                   key_side="xla", per_tile_addresses=two_byte and readout == "mma", **window)
-    fp32_small_batch = not two_byte and cfg.cache_len <= 16 and width <= 4 and batch in VERIFY_FP32_ONE_CTA_BATCHES
+    fp32_small_batch = (not two_byte and cfg.cache_len <= 16 and width in VERIFY_FP32_ONE_CTA_FROM
+                        and VERIFY_FP32_ONE_CTA_FROM[width] <= batch < VERIFY_FP32_ONE_CTA_BELOW)
     if fp32_small_batch and side_keys_fit:
         return MosaicReplayParams(readout=readout, rebuild="exact" if interpret else "3xtf32", key_side="xla",
                                   **window)
