@@ -414,6 +414,9 @@ def test_tensor_core_rebuild_refusals(rng):
             arrays = [jnp.asarray(x) for x in _inputs(rng, jnp.float32, jnp.float32, per_channel)]
             kernel(*arrays, jnp.asarray(SLOTS), jnp.asarray(POS), jnp.asarray(MODES),
                    params=MosaicReplayParams(window_side="kernel"), interpret=True)
+        with pytest.raises(ValueError, match="no verify folds: prefetch_folds must be False"):
+            kernel(*arrays, jnp.asarray(SLOTS), jnp.asarray(POS), jnp.asarray(MODES),
+                   params=MosaicReplayParams(programs=4, prefetch_folds=True), interpret=True)
     # The GDN decode kernel's own options: the KDA kernel refuses them rather than ignore them.
     for own, match in ((dict(key_side="xla"), "computes its key side itself"),
                        (dict(per_tile_addresses=True), "per_tile_addresses must be False"),

@@ -23,9 +23,10 @@ from pallas_kernels import common
 from pallas_kernels.mosaic_gpu.mamba2_decode import MosaicMamba2Params
 from pallas_kernels.mosaic_gpu.readout import split_bf16, tile_parts
 from pallas_kernels.mosaic_gpu.replay_decode import MosaicReplayParams
+from pallas_kernels.mosaic_gpu.pipeline import ctas_per_sm
 from pallas_kernels.mosaic_gpu.verify_decode import (check_params, key_block_heads, persistent_programs,
-                                                     verify_decode_mgpu, window_key_values, window_rows,
-                                                     window_vectors)
+                                                     persistent_smem_bytes, verify_decode_mgpu, window_key_values,
+                                                     window_rows, window_vectors)
 from pallas_kernels.mosaic_gpu.verify_decode_kda import verify_decode_kda_mgpu
 
 NUM_SLOTS, H_K, H_V, D, L, T = 6, 1, 2, 64, 8, 3
@@ -129,6 +130,8 @@ def _ancestors(parents):
     ("gdn", MosaicReplayParams(programs=3, auto_barriers=False, readout="mma", per_tile_addresses=True,
                                warpgroups=3, key_side="xla")),
     ("gdn", MosaicReplayParams(programs=5, auto_barriers=False, launch_order=True)),
+    # Folding rows' record copies started with their tile, into buffers of each stage's own.
+    ("gdn", MosaicReplayParams(programs=5, auto_barriers=False, readout="mma", key_side="xla", prefetch_folds=True)),
     # The window's records and staged vectors from their Pallas Triton kernel.
     ("gdn", MosaicReplayParams(programs=5, auto_barriers=False, readout="mma", key_side="xla",
                                window_side="kernel", window_warps=1)),
@@ -305,6 +308,12 @@ def test_verify_kernels_take_only_their_options():
         MosaicReplayParams(window_warps=1)
     with pytest.raises(ValueError, match="window_warps must be 1, 2, 4 or 8"):
         MosaicReplayParams(window_side="kernel", window_warps=3)
+    # Prefetched folds: the GDN verify kernel's persistent programs only.
+    check_params(MosaicReplayParams(programs=4, prefetch_folds=True), "gdn", pipelined=True)
+    with pytest.raises(ValueError, match="prefetch_folds must be False"):
+        check_params(MosaicReplayParams(prefetch_folds=True), "kda", window_side=True)
+    with pytest.raises(ValueError, match="prefetch_folds must be a bool"):
+        MosaicReplayParams(prefetch_folds=1)
     # Decode's key side on tensor cores is not verify's (its window sums are its own).
     for params in (MosaicReplayParams(key_side="mma"),
                    MosaicReplayParams(programs=6, auto_barriers=False, warpgroups=3, key_side="mma")):
@@ -327,6 +336,16 @@ def test_xla_key_side_lowers_for_an_abstract_h200(state_dtype, cache_len, rebuil
     params = MosaicReplayParams(programs=fits("xla"), auto_barriers=False, readout=readout, rebuild=rebuild,
                                 key_side="xla", per_tile_addresses=state_dtype == jnp.bfloat16)
     assert "mosaic_gpu" in _lower_for_h200("gdn", state_dtype, cache_len, 4, params=params)
+
+
+def test_prefetched_folds_lower_for_an_abstract_h200():
+    """fp32 L = 16, T = 4 with the key sums before the launch (the defaults from B = 128):
+    record copies of each stage's own still fit two persistent CTAs per SM."""
+    fits = lambda prefetch: persistent_smem_bytes(4, 128, 16, jnp.float32, jnp.float32, jnp.bfloat16, readout="mma",
+                                                  key_side="xla", prefetch_folds=prefetch)
+    assert ctas_per_sm(fits(False)) == ctas_per_sm(fits(True)) == 2
+    params = MosaicReplayParams(programs=264, auto_barriers=False, readout="mma", key_side="xla", prefetch_folds=True)
+    assert "mosaic_gpu" in _lower_for_h200("gdn", jnp.float32, 16, 4, params=params)
 
 
 @pytest.mark.parametrize("cache_len,width", [(16, 4), (32, 4), (16, 8)])  # the defaults' three-warpgroup rows
@@ -427,7 +446,8 @@ def test_backend_verify_defaults():
     # An fp32 state takes the window's key sums from their own kernel from B = 128 (measured
     # faster at L = 16 and 32); at B = 16 to 127 (L = 16, T <= 4; from B = 8 at T = 4) one CTA
     # per tile with them (measured faster at 16, 32 and 64); below it the kernel sums them itself.
-    assert mosaic_gpu.verify_default_params(gdn(16), 512, 4, jnp.bfloat16) == persistent()
+    # Their exact folds take the records with the tile where that fits two CTAs per SM (L = 16).
+    assert mosaic_gpu.verify_default_params(gdn(16), 512, 4, jnp.bfloat16) == persistent(prefetch_folds=True)
     assert mosaic_gpu.verify_default_params(gdn(16), 64, 4, jnp.bfloat16) == MosaicReplayParams(
         readout="mma", key_side="xla", **window)
     assert mosaic_gpu.verify_default_params(gdn(16), 64, 4, jnp.bfloat16, interpret=False).rebuild == "3xtf32"
@@ -446,7 +466,7 @@ def test_backend_verify_defaults():
     # On a GPU folds rebuild by 3xTF32 where its operands cost no CTAs per SM (all these),
     # but for an fp32 tile on persistent CTAs (measured slower there).
     on_gpu = lambda cfg, width=4: mosaic_gpu.verify_default_params(cfg, 512, width, jnp.bfloat16, interpret=False)
-    assert on_gpu(gdn(16)) == persistent()
+    assert on_gpu(gdn(16)) == persistent(prefetch_folds=True)
     assert on_gpu(gdn(32)) == persistent()
     bf16_cfg = lambda L: ReplayConfig(16, 32, 128, 128, L, state_dtype=jnp.bfloat16, cache_dtype=jnp.bfloat16)
     # Rings of 32: the key sums before the launch from B = 8 (measured faster at 8 and 32) and
@@ -501,6 +521,12 @@ def test_refuses_shapes_it_cannot_take():
                            params=MosaicReplayParams(readout="mma"), interpret=True)
     with pytest.raises(ValueError, match="readout must be one of"):
         MosaicReplayParams(readout="wgmma")
+    for params in (MosaicReplayParams(prefetch_folds=True),  # one CTA per tile
+                   MosaicReplayParams(programs=2, rebuild="3xtf32", prefetch_folds=True),
+                   MosaicReplayParams(programs=3, auto_barriers=False, warpgroups=3, key_side="xla",
+                                      prefetch_folds=True)):
+        with pytest.raises(ValueError, match="prefetch_folds copies the exact rebuild's records"):
+            verify_decode_mgpu(*args, *window(2), *rows, jnp.zeros((1, 2, 2), bool), params=params)
 
 
 def test_kda_refuses_shapes_it_cannot_take():

@@ -180,6 +180,11 @@ class MosaicReplayParams:
       window_warps: warps per program of that launch (`VerifyCoefficientsParams.num_warps`;
         default 2; 1 keeps its reductions inside one warp, without cross-warp barriers);
         only with `window_side="kernel"`.
+      prefetch_folds: the GDN verify kernel's persistent programs with the exact rebuild
+        only: False (default) a folding row fetches its untiled record copies into the
+        stage's tile buffer once `S_c` is in registers and waits for them; True gives each
+        stage record copies of their own, copied with a folding row's tile one tile ahead
+        (more shared memory per CTA; the decode kernels refuse it).
     """
 
     swizzle: int = 128
@@ -195,9 +200,12 @@ class MosaicReplayParams:
     launch_order: bool = False
     window_side: str = "xla"
     window_warps: int = 2
+    prefetch_folds: bool = False
 
     def __post_init__(self) -> None:
         check_shared_params(self)
+        if not isinstance(self.prefetch_folds, bool):
+            raise ValueError(f"prefetch_folds must be a bool, got {self.prefetch_folds!r}")
         if self.window_side not in WINDOW_SIDES:
             raise ValueError(f"window_side must be one of {WINDOW_SIDES}, got {self.window_side!r}")
         if isinstance(self.window_warps, bool) or self.window_warps not in (1, 2, 4, 8):
@@ -250,10 +258,12 @@ def check_own_layout(params, kernel: str, *, per_tile_addresses: bool = False, k
 
 
 def check_no_window(params, kernel: str) -> None:
-    """Raise ValueError unless `params` leaves the window to XLA (`window_side` "xla"): a
-    decode kernel has no verify window."""
+    """Raise ValueError unless `params` leaves the window to XLA (`window_side` "xla") and
+    prefetches no folds: a decode kernel has no verify window."""
     if getattr(params, "window_side", "xla") != "xla":
         raise ValueError(f"{kernel} has no verify window: window_side must be 'xla', got {params.window_side!r}")
+    if getattr(params, "prefetch_folds", False):
+        raise ValueError(f"{kernel} has no verify folds: prefetch_folds must be False")
 
 
 def check_fma_readout(params, kernel: str) -> None:

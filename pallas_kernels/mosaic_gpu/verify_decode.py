@@ -40,7 +40,9 @@ Row modes:
   not written.
 - `MODE_FLUSH` (the capacity rule folds the row): the live state S is rebuilt on chip
   from the checkpoint tile in registers, in exact fp32 (`MosaicReplayParams.rebuild =
-  "exact"`: newest entry first, running decay, as `replay_decode`) or on tensor cores
+  "exact"`: newest entry first, running decay, as `replay_decode`, from untiled record
+  copies fetched once `S_c` is in registers or, with `prefetch_folds`, copied with the
+  tile into buffers of each stage's own) or on tensor cores
   (`rebuild.rebuild_mma`: "3xtf32" within ~1e-7 normwise of it, or the opt-in "tf32" /
   "bf16"), rounded to the checkpoint's dtype and stored in place; the window is
   read out from that stored value (so its records agree with what the next step replays)
@@ -423,7 +425,7 @@ def window_coefficients(
 
 
 def _scratch(width, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y_dtype, swizzle, stages,
-             readout="fma", rebuild="exact", xla_side=False, own_fold_buffers=False) -> list:
+             readout="fma", rebuild="exact", xla_side=False, own_fold_buffers=False, prefetch_folds=False) -> list:
     """`[stages, shared, fold keys, fold buffers, barriers, rows barrier, fold keys barrier]`: `stages` sets
     of a tile's replay buffers (y `[T, BV]`), its window coefficients, the window's vectors
     for ROW loads (`[q, k]` `[T, d_k]` for `window_keys`; `[]` with the key side computed before the launch;
@@ -438,12 +440,16 @@ def _scratch(width, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y
     stores the folded tile there: the exact rebuild's untiled record copies (fetched once
     `S_c` is in registers) or a tensor-core rebuild's operands (`rebuild_operands`), or,
     with `own_fold_buffers` (several warpgroups, which cannot share a union), those in
-    `fold buffers`, one set per program (else `[]`); two
-    stages of fp32 L = 16 buffers fit twice per SM."""
+    `fold buffers`, one set per program (else `[]`); with `prefetch_folds` each stage's
+    tile buffer is `[tile, record copies]` instead of their union, and the rows barrier one
+    per stage (the copies go with a folding row's tile). Two stages of fp32 L = 16 buffers
+    fit twice per SM (with `prefetch_folds` too, at T <= 4 and the key sums before the launch)."""
     def stage():
         bufs = replay_scratch(BLOCK_ROWS, head_k_dim, cache_len, state_dtype, cache_dtype, (width, BLOCK_ROWS),
                               y_dtype, swizzle)
-        if not own_fold_buffers:
+        if prefetch_folds:
+            bufs[0] = [bufs[0], fold_buffers(bufs[0])]
+        elif not own_fold_buffers:
             bufs[0] = plgpu.RefUnion(bufs[0], fold_buffers(bufs[0]))
         if xla_side:
             bufs[2] = plgpu.SMEM((2 * width, cache_len), F32)
@@ -464,8 +470,8 @@ def _scratch(width, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y
     return [[stage() for _ in range(stages)], [] if xla_side else [plgpu.SMEM((2 * width, cache_len), F32)],
             [keys] if fold_keys else [], fold_buffers(tile) if own_fold_buffers else [],
             plgpu.Barrier(num_arrivals=stage_copies(readout, xla_side), num_barriers=stages),
-            [plgpu.Barrier(num_arrivals=2)] if rebuild == "exact" else [],
-            [plgpu.Barrier(num_arrivals=1)] if fold_keys else []]
+            [plgpu.Barrier(num_arrivals=2, num_barriers=stages if prefetch_folds else ())] if rebuild == "exact"
+            else [], [plgpu.Barrier(num_arrivals=1)] if fold_keys else []]
 
 
 def readout_scratch(width: int, head_k_dim: int, qk_dtype, readout: str) -> list:
@@ -486,7 +492,7 @@ def stage_copies(readout: str, xla_side: bool = False) -> int:
 
 def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_ref, *refs,
             width, group_size, tiles, num_programs, chunk, readout, parts, rebuild, xla_side, program_scratch, per_tile,
-            warpgroups, ordered, interpret):
+            warpgroups, ordered, prefetch_folds, interpret):
     # Inputs, the row order, the window's raw vectors with the "mma" readout and the key
     # sums computed before the launch first; outputs; scratch.
     order_ref, *refs = refs if ordered else (None, *refs)
@@ -500,8 +506,9 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
     buffers = lambda b: tile_buffers(all_scratch, program_scratch, b, batch, per_tile=per_tile, warpgroups=warpgroups)
 
     def issue(b, h, tile, stage):
-        """Start the tile's copies into `stages[stage]` (none for padding rows)."""
-        stages, _, _, _, barriers, _, _ = buffers(b)
+        """Start the tile's copies into `stages[stage]` (none for padding rows; with
+        `prefetch_folds` a folding row's record copies too)."""
+        stages, _, _, _, barriers, rows_barrier, _ = buffers(b)
         tile_buf, u_smem, k_smem, g_smem, _, c_smem, qk_rows, *window_smem = stages[stage]
         t_smem = tile_buf if own_fold_buffers else tuple(tile_buf)[0]
         barrier, slot, hk, rows = barriers.at[stage], slot_ref[b], h // group_size, pl.ds(tile * BLOCK_ROWS, BLOCK_ROWS)
@@ -521,10 +528,17 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
             for src, dst in zip(sources, [*qk_rows, *window_smem]):
                 plgpu.copy_gmem_to_smem(src, dst, barrier)
 
+        if prefetch_folds:
+            @pl.when(mode_ref[b] == MODE_FLUSH)
+            def _fold_records():
+                copy_record_rows((ucache_ref, kcache_ref), tuple(tile_buf)[1], slot, h, hk, rows,
+                                 rows_barrier[0].at[stage])
+
     def compute(b, h, tile, stage, fresh):
         stages, shared_smem, fold_keys, own_fold_bufs, barriers, rows_barrier, fold_barrier = buffers(b)
+        fold_rows_barrier = (rows_barrier[0].at[stage] if prefetch_folds else rows_barrier[0]) if rows_barrier else None
         _tile(b, h, tile, stages[stage], shared_smem, fold_keys, own_fold_bufs, barriers.at[stage],
-              rows_barrier[0] if rows_barrier else None, fold_barrier, fresh)
+              fold_rows_barrier, fold_barrier, fresh)
 
     def _tile(b, h, tile, bufs, shared_smem, fold_keys, own_fold_bufs, barrier, rows_barrier, fold_barrier, fresh):
         # k_smem: the key records, or with the key side computed before the launch the window's key sums.
@@ -569,10 +583,14 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
                     def _fetch_rows():
                         # The rebuild reads single records at a dynamic index, which the swizzled
                         # buffers cannot serve: folding rows fetch an untiled copy (L2-resident)
-                        # into the tile's buffer, once every thread holds S_c.
-                        plgpu.commit_smem()
-                        copy_record_rows((ucache_ref, kcache_ref), (u_rows, k_rows), slot, h, hk, rows, rows_barrier)
-                        plgpu.barrier_wait(rows_barrier)
+                        # into the tile's buffer, once every thread holds S_c, or (prefetched)
+                        # wait for the copy their tile's issue started.
+                        with jax.named_scope("fold_fetch"):
+                            if not prefetch_folds:
+                                plgpu.commit_smem()
+                                copy_record_rows((ucache_ref, kcache_ref), (u_rows, k_rows), slot, h, hk, rows,
+                                                 rows_barrier)
+                            plgpu.barrier_wait(rows_barrier)
 
                     # Other rows run the loop zero times.
                     rebuilt = rebuild_exact(s_c, jnp.where(fold, decay_total, 1.0), u_rows, k_rows, g_smem,
@@ -583,8 +601,9 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
                         keys = k_smem
                         if xla_side:  # the key records, which only a fold reads, into the CTA's buffer
                             keys = fold_keys[0]
-                            plgpu.copy_gmem_to_smem(kcache_ref.at[slot, hk], keys, fold_barrier[0])
-                            plgpu.barrier_wait(fold_barrier[0])
+                            with jax.named_scope("fold_fetch"):
+                                plgpu.copy_gmem_to_smem(kcache_ref.at[slot, hk], keys, fold_barrier[0])
+                                plgpu.barrier_wait(fold_barrier[0])
                         return rebuild_tensor_cores(s_c, decay_total, u_all, weights, keys, pos, fold_bufs)
 
                     # A branch, not a select: the other rows skip the products.
@@ -678,6 +697,8 @@ def check_params(params, kernel: str, *, pipelined: bool = False, window_side: b
                          "'kernel' or 'xla', got 'mma'")
     if pipelined:
         return
+    if getattr(params, "prefetch_folds", False):
+        raise ValueError(f"{kernel} runs one CTA per tile: prefetch_folds must be False")
     if getattr(params, "rebuild", "exact") != "exact":
         raise ValueError(f"{kernel} rebuilds in exact fp32 only, got rebuild={params.rebuild!r}")
     check_fma_readout(params, kernel)
@@ -691,11 +712,11 @@ def check_params(params, kernel: str, *, pipelined: bool = False, window_side: b
 
 def persistent_smem_bytes(width: int, head_k_dim: int, cache_len: int, state_dtype, cache_dtype, token_dtype, *,
                           swizzle: int = 128, readout: str = "fma", rebuild: str = "exact",
-                          key_side: str = "kernel", warpgroups: int = 1) -> int:
+                          key_side: str = "kernel", warpgroups: int = 1, prefetch_folds: bool = False) -> int:
     """Shared memory of one persistent verify CTA (two stages per program, `warpgroups`
     programs; `token_dtype`: q, k, v and y's)."""
     scratch = _scratch(width, head_k_dim, cache_len, state_dtype, cache_dtype, token_dtype, token_dtype, swizzle,
-                       STAGES, readout, rebuild, key_side == "xla", warpgroups > 1)
+                       STAGES, readout, rebuild, key_side == "xla", warpgroups > 1, prefetch_folds)
     return smem_bytes(kernel_scratch(scratch, per_tile=False, warpgroups=warpgroups)[0])
 
 
@@ -718,12 +739,12 @@ def persistent_programs(batch: int, width: int, num_v_heads: int, head_v_dim: in
 @functools.lru_cache(maxsize=None)
 def _build(batch, width, num_v_heads, head_v_dim, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y_dtype,
            group_size, swizzle, programs, auto_barriers, readout, rebuild, chunk, per_tile_addresses, xla_side,
-           warpgroups, ordered, interpret):
+           warpgroups, ordered, prefetch_folds, interpret):
     tiles = head_v_dim // BLOCK_ROWS
     num_tiles = batch * num_v_heads * tiles
     warpgroups = min(warpgroups, num_tiles)  # every program serves at least one tile
     program_scratch = _scratch(width, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y_dtype, swizzle,
-                               STAGES if programs else 1, readout, rebuild, xla_side, warpgroups > 1)
+                               STAGES if programs else 1, readout, rebuild, xla_side, warpgroups > 1, prefetch_folds)
     scratch, view = kernel_scratch(program_scratch, per_tile=per_tile_addresses, warpgroups=warpgroups)
     check_smem(scratch, f"verify_decode_mgpu at T = {width}, cache_len = {cache_len}, d_k = {head_k_dim}"
                + (f", {warpgroups} warpgroups" if warpgroups > 1 else ""))
@@ -731,7 +752,8 @@ def _build(batch, width, num_v_heads, head_v_dim, head_k_dim, cache_len, state_d
     body = functools.partial(_kernel, width=width, group_size=group_size, tiles=tiles, num_programs=num_programs,
                              chunk=chunk, readout=readout, parts=tile_parts(state_dtype), rebuild=rebuild,
                              xla_side=xla_side, program_scratch=view,
-                             per_tile=per_tile_addresses, warpgroups=warpgroups, ordered=ordered, interpret=interpret)
+                             per_tile=per_tile_addresses, warpgroups=warpgroups, ordered=ordered,
+                             prefetch_folds=prefetch_folds, interpret=interpret)
     return build_kernel(body, jax.ShapeDtypeStruct((batch, width, num_v_heads, head_v_dim), y_dtype), scratch,
                         tile_grid(batch, num_v_heads, tiles, num_programs, warpgroups),
                         name="replayssm_verify_decode_mgpu", interpret=interpret, auto_barriers=auto_barriers)
@@ -796,6 +818,10 @@ def verify_decode_mgpu(
         raise ValueError(f"anc must have shape {(batch, width, width)}, got {anc.shape}")
     check_shapes(head_k_dim, head_v_dim, cache_len, checkpoint.dtype.itemsize, params.swizzle)
     check_params(params, "verify_decode_mgpu", pipelined=True)
+    if params.prefetch_folds and (not params.programs or params.rebuild != "exact" or params.warpgroups != 1):
+        raise ValueError("prefetch_folds copies the exact rebuild's records one tile ahead on persistent programs: "
+                         f"it needs programs > 0, rebuild='exact' and warpgroups=1, got programs={params.programs}, "
+                         f"rebuild={params.rebuild!r}, warpgroups={params.warpgroups}")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     check_rebuild(params.rebuild, cache_len, interpret)
@@ -819,7 +845,7 @@ def verify_decode_mgpu(
     kernel = _build(batch, width, num_v_heads, head_v_dim, head_k_dim, cache_len, checkpoint.dtype, u_cache.dtype,
                     q.dtype, v.dtype, num_v_heads // q.shape[2], params.swizzle, params.programs,
                     params.auto_barriers, params.readout, params.rebuild, params.chunk, params.per_tile_addresses,
-                    params.key_side == "xla", params.warpgroups, bool(order), bool(interpret))
+                    params.key_side == "xla", params.warpgroups, bool(order), params.prefetch_folds, bool(interpret))
     refs = [jax.new_ref(x) for x in (checkpoint, u_cache, k_cache, g_cache)]
     i32 = lambda x: x.astype(jnp.int32)
     vectors = [staged] if params.readout == "mma" else []

@@ -199,10 +199,15 @@ def verify_default_params(cfg, batch: int, width: int, token_dtype, *, interpret
     rebuild = "3xtf32" if tensor_cores else "exact"
     if not persistent:
         return MosaicReplayParams(readout=readout, rebuild=rebuild, **window)
+    # An fp32 tile's exact folds take their record copies with the tile where those fit the
+    # same CTAs per SM (NOTES: "verify folds' records with the tile").
+    prefetch = not two_byte and rebuild == "exact" and ctas_per_sm(
+        verify_decode.persistent_smem_bytes(*shape, readout=readout, key_side=key_side, prefetch_folds=True),
+        verify_decode.RESIDENT_CTAS) >= fits("exact")
     return MosaicReplayParams(programs=_verify_programs(cfg, batch, width, token_dtype, readout=readout,
                                                         rebuild=rebuild, key_side=key_side),
                               auto_barriers=False, readout=readout, rebuild=rebuild, key_side=key_side,
-                              per_tile_addresses=two_byte and readout == "mma", **window)
+                              per_tile_addresses=two_byte and readout == "mma", prefetch_folds=prefetch, **window)
 
 
 def verify_key_side(cfg, batch: int, width: int, token_dtype, readout: str) -> str:
