@@ -209,7 +209,8 @@ def test_verify_bench_runs_mosaic_kernel_options(tmp_path):
                                                              auto_barriers=False,  # 2 rows x 2 heads x 1 tile
                                                              readout="mma", group_records=None, chunk=0,
                                                              key_side="kernel", per_tile_addresses=False, warpgroups=1,
-                                                             launch_order=True, window_side="xla", window_warps=2)
+                                                             launch_order=True, window_side="xla", window_warps=2,
+                                                             prefetch_folds=False)
     assert row["backends"][variant]["nonflush_us"] > 0
     assert all(times["staggered_us"] > 0 and 0 <= times["staggered_fold_fraction"] <= 1
                for times in row["backends"].values())

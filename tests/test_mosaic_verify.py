@@ -348,6 +348,17 @@ def test_prefetched_folds_lower_for_an_abstract_h200():
     assert "mosaic_gpu" in _lower_for_h200("gdn", jnp.float32, 16, 4, params=params)
 
 
+@pytest.mark.parametrize("warpgroups", [1, 3])
+def test_prefetched_key_records_lower_for_an_abstract_h200(warpgroups):
+    """A bf16 state's tensor-core folds with the key sums before the launch (the defaults)
+    take the key records with the tile, one buffer per stage (and per program), which
+    interpret mode cannot run (the folds' `wgmma`s): the GPU check of `verify_bench.py`
+    compares them with xla."""
+    params = MosaicReplayParams(programs=132 * warpgroups, auto_barriers=False, readout="mma", rebuild="3xtf32",
+                                key_side="xla", per_tile_addresses=True, warpgroups=warpgroups, prefetch_folds=True)
+    assert "mosaic_gpu" in _lower_for_h200("gdn", jnp.bfloat16, 16, 4, params=params)
+
+
 @pytest.mark.parametrize("cache_len,width", [(16, 4), (32, 4), (16, 8)])  # the defaults' three-warpgroup rows
 def test_three_warpgroups_lower_for_an_abstract_h200(cache_len, width):
     """bf16 state: one CTA of three programs per SM (their buffers fit, the fold's operands
@@ -522,10 +533,10 @@ def test_refuses_shapes_it_cannot_take():
     with pytest.raises(ValueError, match="readout must be one of"):
         MosaicReplayParams(readout="wgmma")
     for params in (MosaicReplayParams(prefetch_folds=True),  # one CTA per tile
-                   MosaicReplayParams(programs=2, rebuild="3xtf32", prefetch_folds=True),
+                   MosaicReplayParams(programs=2, rebuild="3xtf32", prefetch_folds=True),  # fetches no keys
                    MosaicReplayParams(programs=3, auto_barriers=False, warpgroups=3, key_side="xla",
-                                      prefetch_folds=True)):
-        with pytest.raises(ValueError, match="prefetch_folds copies the exact rebuild's records"):
+                                      prefetch_folds=True)):  # the exact rebuild on three warpgroups
+        with pytest.raises(ValueError, match="prefetch_folds copies a fold's records one tile ahead"):
             verify_decode_mgpu(*args, *window(2), *rows, jnp.zeros((1, 2, 2), bool), params=params)
 
 

@@ -180,11 +180,13 @@ class MosaicReplayParams:
       window_warps: warps per program of that launch (`VerifyCoefficientsParams.num_warps`;
         default 2; 1 keeps its reductions inside one warp, without cross-warp barriers);
         only with `window_side="kernel"`.
-      prefetch_folds: the GDN verify kernel's persistent programs with the exact rebuild
-        only: False (default) a folding row fetches its untiled record copies into the
-        stage's tile buffer once `S_c` is in registers and waits for them; True gives each
-        stage record copies of their own, copied with a folding row's tile one tile ahead
-        (more shared memory per CTA; the decode kernels refuse it).
+      prefetch_folds: the GDN verify kernel's persistent programs only: False (default) a
+        folding row fetches what its fold reads besides the tile once `S_c` is in registers
+        and waits for it (the exact rebuild's untiled record copies, into the stage's tile
+        buffer; with `key_side="xla"` a tensor-core fold's key records, into one buffer per
+        program); True gives each stage buffers of their own for them, copied with a
+        folding row's tile one tile ahead (more shared memory per CTA; the exact rebuild on
+        one warpgroup per CTA; the decode kernels refuse it).
     """
 
     swizzle: int = 128

@@ -41,10 +41,12 @@ Row modes:
 - `MODE_FLUSH` (the capacity rule folds the row): the live state S is rebuilt on chip
   from the checkpoint tile in registers, in exact fp32 (`MosaicReplayParams.rebuild =
   "exact"`: newest entry first, running decay, as `replay_decode`, from untiled record
-  copies fetched once `S_c` is in registers or, with `prefetch_folds`, copied with the
-  tile into buffers of each stage's own) or on tensor cores
+  copies) or on tensor cores
   (`rebuild.rebuild_mma`: "3xtf32" within ~1e-7 normwise of it, or the opt-in "tf32" /
-  "bf16"), rounded to the checkpoint's dtype and stored in place; the window is
+  "bf16"; with the key sums before the launch, from the key records it copies), rounded to
+  the checkpoint's dtype and stored in place (what the fold reads besides the tile is
+  fetched once `S_c` is in registers or, with `MosaicReplayParams.prefetch_folds`, copied
+  with the tile into buffers of each stage's own); the window is
   read out from that stored value (so its records agree with what the next step replays)
   and its u records go to `0 .. length - 1`. The kernel does not write a folding row's key
   and gate records: other CTAs of the same slot may still be reading the history they
@@ -440,14 +442,16 @@ def _scratch(width, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y
     stores the folded tile there: the exact rebuild's untiled record copies (fetched once
     `S_c` is in registers) or a tensor-core rebuild's operands (`rebuild_operands`), or,
     with `own_fold_buffers` (several warpgroups, which cannot share a union), those in
-    `fold buffers`, one set per program (else `[]`); with `prefetch_folds` each stage's
-    tile buffer is `[tile, record copies]` instead of their union, and the rows barrier one
-    per stage (the copies go with a folding row's tile). Two stages of fp32 L = 16 buffers
-    fit twice per SM (with `prefetch_folds` too, at T <= 4 and the key sums before the launch)."""
+    `fold buffers`, one set per program (else `[]`); with `prefetch_folds` the copies go
+    with a folding row's tile: the exact rebuild's into each stage's own (its tile buffer
+    `[tile, record copies]` instead of their union, the rows barrier one per stage), a
+    tensor-core fold's key records into `[fold keys]` one per stage, each with its
+    barrier. Two stages of fp32 L = 16 buffers fit twice per SM (with `prefetch_folds` too,
+    at T <= 4 and the key sums before the launch)."""
     def stage():
         bufs = replay_scratch(BLOCK_ROWS, head_k_dim, cache_len, state_dtype, cache_dtype, (width, BLOCK_ROWS),
                               y_dtype, swizzle)
-        if prefetch_folds:
+        if prefetch_folds and rebuild == "exact":
             bufs[0] = [bufs[0], fold_buffers(bufs[0])]
         elif not own_fold_buffers:
             bufs[0] = plgpu.RefUnion(bufs[0], fold_buffers(bufs[0]))
@@ -467,11 +471,12 @@ def _scratch(width, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y
     tile, _, keys, _, _ = replay_scratch(BLOCK_ROWS, head_k_dim, cache_len, state_dtype, cache_dtype,
                                          (width, BLOCK_ROWS), y_dtype, swizzle)
     fold_keys = xla_side and rebuild != "exact"
+    fold_key_buffers = stages if prefetch_folds else 1
     return [[stage() for _ in range(stages)], [] if xla_side else [plgpu.SMEM((2 * width, cache_len), F32)],
-            [keys] if fold_keys else [], fold_buffers(tile) if own_fold_buffers else [],
+            [keys] * fold_key_buffers if fold_keys else [], fold_buffers(tile) if own_fold_buffers else [],
             plgpu.Barrier(num_arrivals=stage_copies(readout, xla_side), num_barriers=stages),
             [plgpu.Barrier(num_arrivals=2, num_barriers=stages if prefetch_folds else ())] if rebuild == "exact"
-            else [], [plgpu.Barrier(num_arrivals=1)] if fold_keys else []]
+            else [], [plgpu.Barrier(num_arrivals=1)] * fold_key_buffers if fold_keys else []]
 
 
 def readout_scratch(width: int, head_k_dim: int, qk_dtype, readout: str) -> list:
@@ -508,7 +513,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
     def issue(b, h, tile, stage):
         """Start the tile's copies into `stages[stage]` (none for padding rows; with
         `prefetch_folds` a folding row's record copies too)."""
-        stages, _, _, _, barriers, rows_barrier, _ = buffers(b)
+        stages, _, fold_keys, _, barriers, rows_barrier, fold_barrier = buffers(b)
         tile_buf, u_smem, k_smem, g_smem, _, c_smem, qk_rows, *window_smem = stages[stage]
         t_smem = tile_buf if own_fold_buffers else tuple(tile_buf)[0]
         barrier, slot, hk, rows = barriers.at[stage], slot_ref[b], h // group_size, pl.ds(tile * BLOCK_ROWS, BLOCK_ROWS)
@@ -531,14 +536,18 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
         if prefetch_folds:
             @pl.when(mode_ref[b] == MODE_FLUSH)
             def _fold_records():
-                copy_record_rows((ucache_ref, kcache_ref), tuple(tile_buf)[1], slot, h, hk, rows,
-                                 rows_barrier[0].at[stage])
+                if rebuild == "exact":
+                    copy_record_rows((ucache_ref, kcache_ref), tuple(tile_buf)[1], slot, h, hk, rows,
+                                     rows_barrier[0].at[stage])
+                else:
+                    plgpu.copy_gmem_to_smem(kcache_ref.at[slot, hk], fold_keys[stage], fold_barrier[stage])
 
     def compute(b, h, tile, stage, fresh):
         stages, shared_smem, fold_keys, own_fold_bufs, barriers, rows_barrier, fold_barrier = buffers(b)
         fold_rows_barrier = (rows_barrier[0].at[stage] if prefetch_folds else rows_barrier[0]) if rows_barrier else None
-        _tile(b, h, tile, stages[stage], shared_smem, fold_keys, own_fold_bufs, barriers.at[stage],
-              fold_rows_barrier, fold_barrier, fresh)
+        fold_buffer = stage if prefetch_folds else 0  # the tensor-core fold's key records and their barrier
+        _tile(b, h, tile, stages[stage], shared_smem, fold_keys[fold_buffer] if fold_keys else None, own_fold_bufs,
+              barriers.at[stage], fold_rows_barrier, fold_barrier[fold_buffer] if fold_barrier else None, fresh)
 
     def _tile(b, h, tile, bufs, shared_smem, fold_keys, own_fold_bufs, barrier, rows_barrier, fold_barrier, fresh):
         # k_smem: the key records, or with the key side computed before the launch the window's key sums.
@@ -600,10 +609,11 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
                         u_all = jnp.where(j_tile < pos, load_transposed(u_smem), 0.0)  # [BV, L], stale entries 0
                         keys = k_smem
                         if xla_side:  # the key records, which only a fold reads, into the CTA's buffer
-                            keys = fold_keys[0]
+                            keys = fold_keys
                             with jax.named_scope("fold_fetch"):
-                                plgpu.copy_gmem_to_smem(kcache_ref.at[slot, hk], keys, fold_barrier[0])
-                                plgpu.barrier_wait(fold_barrier[0])
+                                if not prefetch_folds:
+                                    plgpu.copy_gmem_to_smem(kcache_ref.at[slot, hk], keys, fold_barrier)
+                                plgpu.barrier_wait(fold_barrier)
                         return rebuild_tensor_cores(s_c, decay_total, u_all, weights, keys, pos, fold_bufs)
 
                     # A branch, not a select: the other rows skip the products.
@@ -818,10 +828,13 @@ def verify_decode_mgpu(
         raise ValueError(f"anc must have shape {(batch, width, width)}, got {anc.shape}")
     check_shapes(head_k_dim, head_v_dim, cache_len, checkpoint.dtype.itemsize, params.swizzle)
     check_params(params, "verify_decode_mgpu", pipelined=True)
-    if params.prefetch_folds and (not params.programs or params.rebuild != "exact" or params.warpgroups != 1):
-        raise ValueError("prefetch_folds copies the exact rebuild's records one tile ahead on persistent programs: "
-                         f"it needs programs > 0, rebuild='exact' and warpgroups=1, got programs={params.programs}, "
-                         f"rebuild={params.rebuild!r}, warpgroups={params.warpgroups}")
+    exact_fold = params.rebuild == "exact"
+    if params.prefetch_folds and (not params.programs or (params.warpgroups != 1 if exact_fold
+                                                          else params.key_side != "xla")):
+        raise ValueError("prefetch_folds copies a fold's records one tile ahead on persistent programs: it needs "
+                         "programs > 0 and, for the exact rebuild, warpgroups=1, for a tensor-core one key_side='xla' "
+                         f"(the only fold that fetches its key records), got programs={params.programs}, "
+                         f"rebuild={params.rebuild!r}, warpgroups={params.warpgroups}, key_side={params.key_side!r}")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     check_rebuild(params.rebuild, cache_len, interpret)

@@ -142,20 +142,23 @@ def verify_default_params(cfg, batch: int, width: int, token_dtype, *, interpret
     `VERIFY_WARPGROUPS_MAX_WIDTH` positions: from `VERIFY_WARPGROUPS_FROM_BATCH` three
     warpgroups per CTA (`WARPGROUPS` persistent programs, one CTA per SM; measured at T = 2,
     4, 8 on rings of 16, T = 4 on rings of 32); an fp32 state on rings of 16, T <= 4, from
-    `VERIFY_FP32_ONE_CTA_FROM[T]` to `VERIFY_FP32_ONE_CTA_BELOW`: one CTA per tile with the key sums before the launch and
-    3xTF32 folds on a GPU; windows of `WIDE_WINDOW` or more positions on rings of
+    `VERIFY_FP32_ONE_CTA_FROM[T]` to `VERIFY_FP32_ONE_CTA_BELOW`: one CTA per tile with the
+    key sums before the launch and 3xTF32 folds on a GPU; an fp32 state on persistent CTAs:
+    exact folds, their record copies taken with the tile (`prefetch_folds`) where that fits
+    as many CTAs per SM; windows of `WIDE_WINDOW` or more positions on rings of
     `WIDE_WINDOW_RING` or more: one CTA per tile with the key sums before the launch (the
     persistent kernel sits at the register cap there and its readouts slow ~3.7x); the
     window's records and staged vectors from their own kernel (`window_side="kernel"`, one
-    warp per program up to `VERIFY_ONE_WARP_MAX_WIDTH` positions) where d_k is a power of two (its Triton blocks). Each choice
-    is a measured line of `benchmarks/NOTES.md` ("verify defaults", "verify tensor-core
-    readout, measured", "verify folds on tensor cores", "GDN verify with per-tile
-    addresses", "verify key sums from XLA", "verify key sums before the launch at L = 16",
-    "verify window kernel, measured", "verify T = 8 on rings of 32", "one CTA per tile at
-    T = 4, and verify with a bf16 state", "the edges of the verify defaults", "bf16 verify on
-    rings of 32"). KDA: one CTA per tile on CUDA cores, exact folds (no persistent form), the
-    window's records from their own kernel where d_k is a power of two (measured faster);
-    Mamba-2: one CTA per tile, exact folds."""
+    warp per program up to `VERIFY_ONE_WARP_MAX_WIDTH` positions) where d_k is a power of
+    two (its Triton blocks). Each choice is a measured line of `benchmarks/NOTES.md`
+    ("verify defaults", "verify tensor-core readout, measured", "verify folds on tensor
+    cores", "GDN verify with per-tile addresses", "verify key sums from XLA", "verify key
+    sums before the launch at L = 16", "verify window kernel, measured", "verify T = 8 on
+    rings of 32", "one CTA per tile at T = 4, and verify with a bf16 state", "the edges of
+    the verify defaults", "bf16 verify on rings of 32", "fp32 verify below B = 32", "verify
+    folds' records with the tile"). KDA: one CTA per tile on CUDA cores, exact folds (no
+    persistent form), the window's records from their own kernel where d_k is a power of
+    two (measured faster); Mamba-2: one CTA per tile, exact folds."""
     if cfg.gate == "mamba2":
         return MosaicMamba2Params()
     power_of_two_keys = cfg.head_k_dim & (cfg.head_k_dim - 1) == 0
