@@ -443,10 +443,9 @@ def _scratch(width, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y
     `S_c` is in registers) or a tensor-core rebuild's operands (`rebuild_operands`), or,
     with `own_fold_buffers` (several warpgroups, which cannot share a union), those in
     `fold buffers`, one set per program (else `[]`); with `prefetch_folds` the copies go
-    with a folding row's tile: the exact rebuild's into each stage's own (its tile buffer
-    `[tile, record copies]` instead of their union, the rows barrier one per stage), a
-    tensor-core fold's key records into `[fold keys]` one per stage, each with its
-    barrier. Two stages of fp32 L = 16 buffers fit twice per SM (with `prefetch_folds` too,
+    with a folding row's tile, so each stage has its own: the exact rebuild's in its tile
+    buffer (`[tile, record copies]` instead of their union), a tensor-core fold's key
+    records in `[fold keys]`, and the rows or fold keys barrier (one per stage). Two stages of fp32 L = 16 buffers fit twice per SM (with `prefetch_folds` too,
     at T <= 4 and the key sums before the launch)."""
     def stage():
         bufs = replay_scratch(BLOCK_ROWS, head_k_dim, cache_len, state_dtype, cache_dtype, (width, BLOCK_ROWS),
@@ -471,12 +470,12 @@ def _scratch(width, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y
     tile, _, keys, _, _ = replay_scratch(BLOCK_ROWS, head_k_dim, cache_len, state_dtype, cache_dtype,
                                          (width, BLOCK_ROWS), y_dtype, swizzle)
     fold_keys = xla_side and rebuild != "exact"
-    fold_key_buffers = stages if prefetch_folds else 1
+    fold_copies = stages if prefetch_folds else 1  # buffers and barriers of the folds' copies
     return [[stage() for _ in range(stages)], [] if xla_side else [plgpu.SMEM((2 * width, cache_len), F32)],
-            [keys] * fold_key_buffers if fold_keys else [], fold_buffers(tile) if own_fold_buffers else [],
+            [keys] * fold_copies if fold_keys else [], fold_buffers(tile) if own_fold_buffers else [],
             plgpu.Barrier(num_arrivals=stage_copies(readout, xla_side), num_barriers=stages),
-            [plgpu.Barrier(num_arrivals=2, num_barriers=stages if prefetch_folds else ())] if rebuild == "exact"
-            else [], [plgpu.Barrier(num_arrivals=1)] * fold_key_buffers if fold_keys else []]
+            [plgpu.Barrier(num_arrivals=2)] * fold_copies if rebuild == "exact" else [],
+            [plgpu.Barrier(num_arrivals=1)] * fold_copies if fold_keys else []]
 
 
 def readout_scratch(width: int, head_k_dim: int, qk_dtype, readout: str) -> list:
@@ -538,16 +537,16 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
             def _fold_records():
                 if rebuild == "exact":
                     copy_record_rows((ucache_ref, kcache_ref), tuple(tile_buf)[1], slot, h, hk, rows,
-                                     rows_barrier[0].at[stage])
+                                     rows_barrier[stage])
                 else:
                     plgpu.copy_gmem_to_smem(kcache_ref.at[slot, hk], fold_keys[stage], fold_barrier[stage])
 
     def compute(b, h, tile, stage, fresh):
         stages, shared_smem, fold_keys, own_fold_bufs, barriers, rows_barrier, fold_barrier = buffers(b)
-        fold_rows_barrier = (rows_barrier[0].at[stage] if prefetch_folds else rows_barrier[0]) if rows_barrier else None
-        fold_buffer = stage if prefetch_folds else 0  # the tensor-core fold's key records and their barrier
-        _tile(b, h, tile, stages[stage], shared_smem, fold_keys[fold_buffer] if fold_keys else None, own_fold_bufs,
-              barriers.at[stage], fold_rows_barrier, fold_barrier[fold_buffer] if fold_barrier else None, fresh)
+        fold = stage if prefetch_folds else 0  # the folds' copies: this stage's, or the one set
+        at = lambda copies: copies[fold] if copies else None
+        _tile(b, h, tile, stages[stage], shared_smem, at(fold_keys), own_fold_bufs, barriers.at[stage],
+              at(rows_barrier), at(fold_barrier), fresh)
 
     def _tile(b, h, tile, bufs, shared_smem, fold_keys, own_fold_bufs, barrier, rows_barrier, fold_barrier, fresh):
         # k_smem: the key records, or with the key side computed before the launch the window's key sums.

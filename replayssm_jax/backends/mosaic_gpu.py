@@ -191,9 +191,9 @@ def verify_default_params(cfg, batch: int, width: int, token_dtype, *, interpret
             return MosaicReplayParams(programs=programs, auto_barriers=False, per_tile_addresses=True,
                                       warpgroups=WARPGROUPS, **window, **three)
     shape = (width, cfg.head_k_dim, cfg.cache_len, cfg.state_dtype, cfg.cache_dtype, token_dtype)
-    fits = lambda rebuild: ctas_per_sm(verify_decode.persistent_smem_bytes(*shape, readout=readout, rebuild=rebuild,
-                                                                           key_side=key_side),
-                                       verify_decode.RESIDENT_CTAS)
+    fits = lambda rebuild, prefetch_folds=False: ctas_per_sm(
+        verify_decode.persistent_smem_bytes(*shape, readout=readout, rebuild=rebuild, key_side=key_side,
+                                            prefetch_folds=prefetch_folds), verify_decode.RESIDENT_CTAS)
     persistent = fits("exact") >= 2
     # "3xtf32" shortened the flush step with one CTA per tile and with a bf16 tile, but on
     # persistent CTAs with an fp32 tile it slowed every step (NOTES: "verify folds on tensor cores").
@@ -204,9 +204,7 @@ def verify_default_params(cfg, batch: int, width: int, token_dtype, *, interpret
         return MosaicReplayParams(readout=readout, rebuild=rebuild, **window)
     # An fp32 tile's exact folds take their record copies with the tile where those fit the
     # same CTAs per SM (NOTES: "verify folds' records with the tile").
-    prefetch = not two_byte and rebuild == "exact" and ctas_per_sm(
-        verify_decode.persistent_smem_bytes(*shape, readout=readout, key_side=key_side, prefetch_folds=True),
-        verify_decode.RESIDENT_CTAS) >= fits("exact")
+    prefetch = not two_byte and rebuild == "exact" and fits("exact", prefetch_folds=True) >= fits("exact")
     return MosaicReplayParams(programs=_verify_programs(cfg, batch, width, token_dtype, readout=readout,
                                                         rebuild=rebuild, key_side=key_side),
                               auto_barriers=False, readout=readout, rebuild=rebuild, key_side=key_side,
