@@ -119,12 +119,17 @@ def local_config(config: ReplayConfig, tp: int) -> ReplayConfig:
     return dataclasses.replace(config, num_k_heads=key_heads, num_v_heads=config.num_v_heads // tp)
 
 
+def _key_records_spec(config: ReplayConfig, tp: int) -> P:
+    """The key records' spec: key heads over tp, or over dp only where `replicated_keys`."""
+    return P(DP) if replicated_keys(config, tp) else P(DP, TP)
+
+
 def replay_state_specs(config: ReplayConfig, tp: int = 1) -> ReplayState:
     """`PartitionSpec`s of a `ReplayState` (a ReplayState whose leaves are specs) on a mesh of
     `tp` (the key records over dp only where `replicated_keys`)."""
     heads = P(DP, TP)
     return ReplayState(checkpoint=heads, u_cache=heads, g_cache=heads, write_pos=P(DP), config=config,
-                       k_cache=P(DP) if replicated_keys(config, tp) else heads)
+                       k_cache=_key_records_spec(config, tp))
 
 
 def model_state_specs(config: ReplayConfig) -> ModelState:
@@ -140,7 +145,7 @@ def hybrid_state_specs(configs: tuple[ReplayConfig, ...], tp: int) -> HybridStat
     `replicated_keys`), its conv state over dp only."""
     heads = P(DP, TP)
     layers = tuple(HybridLayer(checkpoint=heads, u_cache=heads, g_cache=heads, conv_state=P(DP), config=config,
-                               k_cache=P(DP) if replicated_keys(config, tp) else heads) for config in configs)
+                               k_cache=_key_records_spec(config, tp)) for config in configs)
     return HybridState(layers=layers, write_pos=P(DP))
 
 
