@@ -363,6 +363,23 @@ def row_modes(valid, flush):
     return jnp.where(valid, jnp.where(flush, MODE_FLUSH, MODE_APPEND), MODE_PAD).astype(jnp.int32)
 
 
+def set_records(pool: Array, slot: Int[Array, "B T"], pos: Int[Array, "B T"], records: Array,
+                keep: Array) -> Array:
+    """`pool [N, heads, L, ...]` with `records [B, T, heads, ...]` at `pool[slot, :, pos]`
+    where `keep [B, T]` holds, rounded to the pool's dtype; other entries untouched.
+
+    The records skipped get distinct slots past the pool (dropped), so the scatter's indices
+    are unique and XLA stores each record plainly instead of by atomic read-modify-writes
+    (a compare-and-swap loop per word for 16-bit records). Kept `(slot, pos)` pairs must be
+    distinct (slots used once per step, as `verify_step` checks); a pair named twice leaves
+    that slot's record undefined.
+    """
+    batch, width = keep.shape
+    skipped = pool.shape[0] + jnp.arange(batch * width, dtype=jnp.int32).reshape(batch, width)
+    rows = jnp.where(keep, slot.astype(jnp.int32), skipped)
+    return pool.at[rows, :, pos].set(records.astype(pool.dtype), mode="drop", unique_indices=True)
+
+
 def launch_rows(slot, pos, mode, row_order, grid_order: GridOrder):
     """`(rows, slot, pos, mode)` in launch order: program row r serves row `rows[r]`, whose
     slot, cursor and mode are `slot[r]`, `pos[r]`, `mode[r]` of the results.

@@ -441,23 +441,20 @@ def _append_window(state: ReplayState, plan, fold, in_window, checkpoint, pools,
     """The window's records `(u, k, g)` (Mamba-2: `(x, B, dt)`), each `[B, T, heads, ...]`,
     appended at `base .. base + length - 1` (`base` = 0 on folding rows, else the cursor);
     folding rows' cursors become 0, others stay."""
-    cfg = state.config
     u_pool, k_pool, g_pool = pools
     u, k, g = records
-    slot_bt, pos_bt = _window_targets(plan, fold, in_window, state.num_slots)
-    u_cache = u_pool.at[slot_bt, :, pos_bt].set(u.astype(cfg.cache_dtype), mode="drop")
-    k_cache = k_pool.at[slot_bt, :, pos_bt].set(k.astype(cfg.cache_dtype), mode="drop")
-    g_cache = g_pool.at[slot_bt, :, pos_bt].set(g, mode="drop")
+    slot_bt, pos_bt = _window_targets(plan, fold, in_window)
+    u_cache, k_cache, g_cache = (common.set_records(pool, slot_bt, pos_bt, x, in_window)
+                                 for pool, x in ((u_pool, u), (k_pool, k), (g_pool, g)))
     return dataclasses.replace(state, checkpoint=checkpoint, u_cache=u_cache, k_cache=k_cache,
                                g_cache=g_cache, write_pos=_fold_cursors(state, plan, fold))
 
 
-def _window_targets(plan, fold, in_window, num_slots) -> tuple[Int[Array, "B T"], Int[Array, "B T"]]:
+def _window_targets(plan, fold, in_window) -> tuple[Int[Array, "B T"], Int[Array, "B T"]]:
     """`(slot, position)` of each window record in the ring: from 0 on folding rows, from
-    the cursor on the others; positions past a row's length (all of a padding row's) get
-    slot N (the scatter drops them)."""
+    the cursor on the others (the records at `in_window` positions are written)."""
     base = jnp.where(fold, 0, plan.pos)
-    slot_bt = jnp.where(in_window, plan.slot[:, None], num_slots)
+    slot_bt = jnp.broadcast_to(plan.slot[:, None], in_window.shape)
     return slot_bt, base[:, None] + jnp.arange(in_window.shape[1])[None, :]
 
 
@@ -591,10 +588,10 @@ def _compact_path(state, plan, n, path, counts, pos) -> ReplayState:
                 "path must list increasing window positions inside the ring: {p}", p=at)
     src = jnp.clip(plan.pos[:, None] + path.astype(jnp.int32), 0, length - 1)
     dst = plan.pos[:, None] + steps
-    slot_bp = jnp.where(moves, plan.slot[:, None], state.num_slots)  # out of range: dropped
+    slot_bp = jnp.broadcast_to(plan.slot[:, None], moves.shape)
     fields = {}
     for name in ("u_cache", "k_cache", "g_cache"):
         cache = getattr(state, name)
         picked = cache[plan.slot[:, None], :, src]  # [B, P, H, ...]
-        fields[name] = cache.at[slot_bp, :, dst].set(picked, mode="drop")
+        fields[name] = common.set_records(cache, slot_bp, dst, picked, moves)
     return dataclasses.replace(state, **fields)

@@ -491,13 +491,18 @@ def test_backend_verify_defaults():
     assert on_gpu(bf16_cfg(64)).warpgroups == 1  # rings of 64 not measured with three
     # A bf16 state on rings of 16: the key sums before the launch from B = 8 and, at T <= 8,
     # three warpgroups per CTA, one CTA per SM, from B = 128.
+    # Their tensor-core folds take the key records with the tile where those buffers fit
+    # (T <= 4 on rings of 16; only on a GPU, where folds run on tensor cores).
     bf16 = on_gpu(bf16_cfg(16))
     assert bf16 == MosaicReplayParams(programs=396, auto_barriers=False, readout="mma", rebuild="3xtf32",
-                                      key_side="xla", per_tile_addresses=True, warpgroups=3, **window)
+                                      key_side="xla", per_tile_addresses=True, warpgroups=3, prefetch_folds=True,
+                                      **window)
+    assert mosaic_gpu.verify_default_params(bf16_cfg(16), 512, 4, jnp.bfloat16).prefetch_folds is False
     at = lambda batch, width=4: mosaic_gpu.verify_default_params(bf16_cfg(16), batch, width, jnp.bfloat16,
                                                                  interpret=False)
     assert (at(128).warpgroups, at(64).warpgroups, at(64).key_side, at(64).programs) == (3, 1, "xla", 264)
     assert (at(8).key_side, at(4).key_side, at(512, 8).warpgroups, at(512, 2).warpgroups) == ("xla", "kernel", 3, 3)
+    assert (at(512, 2).prefetch_folds, at(512, 8).prefetch_folds, bf16_32(128).prefetch_folds) == (True, False, False)
     # T >= 8 on rings of 32: one CTA per tile with the key sums before the launch (measured
     # faster than persistent CTAs at the register cap), as the measured configurations.
     assert on_gpu(gdn(32), 8) == MosaicReplayParams(readout="mma", key_side="xla", **window)

@@ -300,6 +300,28 @@ def test_kernel_params_accept_their_grid_orders_and_edge_values():
     assert [o.reorders for o in GridOrder] == [False, False, True, True]
 
 
+@pytest.mark.parametrize("pool_dtype", [jnp.float32, jnp.bfloat16])
+def test_set_records_writes_kept_records_only(rng, pool_dtype):
+    # Against a loop over the records: kept ones land at (slot, :, pos) rounded to the pool's
+    # dtype, skipped ones (padding slots, masked positions) leave the pool as it was, also
+    # under jit where the skipped records' indices are traced.
+    num_slots, heads, ring, dim, batch, width = 9, 3, 8, 5, 4, 3
+    pool = jnp.asarray(rng.standard_normal((num_slots, heads, ring, dim)), pool_dtype)
+    slot = rng.permutation(num_slots)[:batch].copy()
+    slot[rng.integers(batch)] = -1  # a padding row: never kept
+    slots = np.broadcast_to(slot[:, None], (batch, width))
+    pos = rng.integers(0, ring - width + 1, batch)[:, None] + np.arange(width)[None, :]
+    keep = (rng.random((batch, width)) < 0.6) & (slots >= 0)
+    records = rng.standard_normal((batch, width, heads, dim)).astype(np.float32)
+    want = np.array(pool.astype(jnp.float32))
+    for b, t in zip(*np.nonzero(keep)):
+        want[slots[b, t], :, pos[b, t]] = np.asarray(jnp.asarray(records[b, t]).astype(pool_dtype), np.float32)
+    args = (pool, jnp.asarray(slots, jnp.int32), jnp.asarray(pos, jnp.int32), jnp.asarray(records), jnp.asarray(keep))
+    for got in (common.set_records(*args), jax.jit(common.set_records)(*args)):
+        assert got.dtype == pool_dtype
+        np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), want)
+
+
 @pytest.mark.parametrize("grid_order", list(GridOrder), ids=lambda o: o.name)
 def test_launch_rows_requires_row_order_exactly_for_launch_order_grids(grid_order, rng):
     batch = 6

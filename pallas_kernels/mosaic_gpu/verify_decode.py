@@ -75,7 +75,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxtyping import Array, Bool, Float, Int
 
-from pallas_kernels.common import L2NORM_EPS, MODE_APPEND, MODE_FLUSH, MODE_PAD
+from pallas_kernels.common import L2NORM_EPS, MODE_APPEND, MODE_FLUSH, MODE_PAD, set_records
 from pallas_kernels.mosaic_gpu.build import build_kernel
 from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA, bcast_cols, bcast_rows, check_smem,
                                                col_sum, copy_record_rows, copy_replay_tile, load_transposed,
@@ -330,12 +330,11 @@ def append_folding_records(key_cache: Float[Array, "N Hk L *Dk"], gate_cache: Fl
     and dt) at `0 .. length - 1`, rounded to the caches' dtypes: written after the launch,
     since until it ends the kernel's other CTAs of the slot may read the history they
     overwrite. Other rows and positions are untouched."""
-    width = keys.shape[1]
-    in_window = jnp.arange(width)[None, :] < length[:, None]
-    rows = jnp.where(in_window & (mode == MODE_FLUSH)[:, None], slot[:, None], key_cache.shape[0])  # N: dropped
-    at = jnp.broadcast_to(jnp.arange(width)[None, :], rows.shape)
-    return (key_cache.at[rows, :, at].set(keys.astype(key_cache.dtype), mode="drop"),
-            gate_cache.at[rows, :, at].set(gates.astype(gate_cache.dtype), mode="drop"))
+    batch, width = keys.shape[:2]
+    keep = (jnp.arange(width)[None, :] < length[:, None]) & (mode == MODE_FLUSH)[:, None]
+    rows = jnp.broadcast_to(slot[:, None], (batch, width))
+    at = jnp.broadcast_to(jnp.arange(width)[None, :], (batch, width))
+    return (set_records(key_cache, rows, at, keys, keep), set_records(gate_cache, rows, at, gates, keep))
 
 
 def scaled_keys(k: Float[Array, "B T Hk Dk"], coef: Float[Array, "B Hv R Lanes"], width: int, vectors: int,
@@ -732,7 +731,7 @@ def persistent_smem_bytes(width: int, head_k_dim: int, cache_len: int, state_dty
 def persistent_programs(batch: int, width: int, num_v_heads: int, head_v_dim: int, head_k_dim: int,
                         cache_len: int, state_dtype, cache_dtype, token_dtype, sm_count: int, *,
                         swizzle: int = 128, readout: str = "fma", rebuild: str = "exact",
-                        key_side: str = "kernel", warpgroups: int = 1) -> int:
+                        key_side: str = "kernel", warpgroups: int = 1, prefetch_folds: bool = False) -> int:
     """`MosaicReplayParams.programs` for the verify kernel on a device of `sm_count` SMs: as
     many persistent CTAs per SM as its two stages fit in shared memory, at most
     `RESIDENT_CTAS` (`token_dtype`: q, k, v and y's); with `warpgroups` w > 1, one CTA of w
@@ -740,7 +739,7 @@ def persistent_programs(batch: int, width: int, num_v_heads: int, head_v_dim: in
     fit."""
     cta_bytes = persistent_smem_bytes(width, head_k_dim, cache_len, state_dtype, cache_dtype, token_dtype,
                                       swizzle=swizzle, readout=readout, rebuild=rebuild, key_side=key_side,
-                                      warpgroups=warpgroups)
+                                      warpgroups=warpgroups, prefetch_folds=prefetch_folds)
     return programs_that_fit(cta_bytes, sm_count, batch * num_v_heads * (head_v_dim // BLOCK_ROWS), RESIDENT_CTAS,
                              warpgroups)
 

@@ -141,8 +141,9 @@ def verify_default_params(cfg, batch: int, width: int, token_dtype, *, interpret
     `VERIFY_WARPGROUPS_MAX_RING` with bf16 q, k and windows of at most
     `VERIFY_WARPGROUPS_MAX_WIDTH` positions: from `VERIFY_WARPGROUPS_FROM_BATCH` three
     warpgroups per CTA (`WARPGROUPS` persistent programs, one CTA per SM; measured at T = 2,
-    4, 8 on rings of 16, T = 4 on rings of 32); an fp32 state on rings of 16, T <= 4, from
-    `VERIFY_FP32_ONE_CTA_FROM[T]` to `VERIFY_FP32_ONE_CTA_BELOW`: one CTA per tile with the
+    4, 8 on rings of 16, T = 4 on rings of 32), on a GPU with their tensor-core folds' key
+    records taken with the tile where that fits (`prefetch_folds`); an fp32 state on rings
+    of 16, T <= 4, from `VERIFY_FP32_ONE_CTA_FROM[T]` to `VERIFY_FP32_ONE_CTA_BELOW`: one CTA per tile with the
     key sums before the launch and 3xTF32 folds on a GPU; an fp32 state on persistent CTAs:
     exact folds, their record copies taken with the tile (`prefetch_folds`) where that fits
     as many CTAs per SM; windows of `WIDE_WINDOW` or more positions on rings of
@@ -156,9 +157,10 @@ def verify_default_params(cfg, batch: int, width: int, token_dtype, *, interpret
     sums before the launch at L = 16", "verify window kernel, measured", "verify T = 8 on
     rings of 32", "one CTA per tile at T = 4, and verify with a bf16 state", "the edges of
     the verify defaults", "bf16 verify on rings of 32", "fp32 verify below B = 32", "verify
-    folds' records with the tile"). KDA: one CTA per tile on CUDA cores, exact folds (no
-    persistent form), the window's records from their own kernel where d_k is a power of
-    two (measured faster); Mamba-2: one CTA per tile, exact folds."""
+    folds' records with the tile", "tensor-core folds' key records with the tile"). KDA:
+    one CTA per tile on CUDA cores, exact folds (no persistent form), the window's records
+    from their own kernel where d_k is a power of two (measured faster); Mamba-2: one CTA
+    per tile, exact folds."""
     if cfg.gate == "mamba2":
         return MosaicMamba2Params()
     power_of_two_keys = cfg.head_k_dim & (cfg.head_k_dim - 1) == 0
@@ -187,9 +189,13 @@ def verify_default_params(cfg, batch: int, width: int, token_dtype, *, interpret
             and width <= VERIFY_WARPGROUPS_MAX_WIDTH and batch >= VERIFY_WARPGROUPS_FROM_BATCH):
         three = dict(readout=readout, rebuild="exact" if interpret else "3xtf32", key_side=key_side)
         programs = _verify_programs(cfg, batch, width, token_dtype, warpgroups=WARPGROUPS, **three)
+        # Tensor-core folds take their key records with the tile where those buffers fit too
+        # (NOTES: "tensor-core folds' key records with the tile").
+        prefetch = not interpret and _verify_programs(cfg, batch, width, token_dtype, warpgroups=WARPGROUPS,
+                                                      prefetch_folds=True, **three) == programs
         if programs:
             return MosaicReplayParams(programs=programs, auto_barriers=False, per_tile_addresses=True,
-                                      warpgroups=WARPGROUPS, **window, **three)
+                                      warpgroups=WARPGROUPS, prefetch_folds=prefetch, **window, **three)
     shape = (width, cfg.head_k_dim, cfg.cache_len, cfg.state_dtype, cfg.cache_dtype, token_dtype)
     fits = lambda rebuild, prefetch_folds=False: ctas_per_sm(
         verify_decode.persistent_smem_bytes(*shape, readout=readout, rebuild=rebuild, key_side=key_side,
