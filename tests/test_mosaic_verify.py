@@ -269,6 +269,16 @@ def test_window_key_values_are_the_key_sums(rng, cache_dtype, qk_dtype, cache_le
             # Exact products summed in fp32 in another order than the float64 ones.
             np.testing.assert_allclose(block, want[h], rtol=1e-5, atol=1e-5, err_msg=f"row {b}, key head {h}")
         assert not np.any(got[b, :, 2 * width:]), "the zero rows past 2T sum to zero"
+    # With the rows' modes only appending rows read their rings: a folding row (row 2, slot 0)
+    # and a padding row get zeros, even where slot 0's ring holds NaN (a read would show it).
+    poisoned = k_cache.copy()
+    poisoned[0] = np.nan
+    modes = jnp.asarray([common.MODE_APPEND, common.MODE_PAD, common.MODE_FLUSH], jnp.int32)
+    skipped = np.asarray(window_key_values(jnp.asarray(q, qk_dtype), jnp.asarray(k, qk_dtype),
+                                           jnp.asarray(poisoned, cache_dtype), jnp.asarray(slot), jnp.asarray(length),
+                                           interpret=True, mode=modes))
+    np.testing.assert_array_equal(skipped[0], got[0])
+    assert not np.any(skipped[1:]), "rows that do not append get zeros without reading their rings"
 
 
 @pytest.mark.parametrize("cache_dtype,qk_dtype,cache_len,width", [
@@ -280,7 +290,8 @@ def test_window_key_values_lower_for_an_abstract_h200(cache_dtype, qk_dtype, cac
     S, i32 = jax.ShapeDtypeStruct, jnp.int32
     b, hk, d = 8, 16, 128
     args = [S((b, width, hk, d), qk_dtype)] * 2 + [S((16, hk, cache_len, d), cache_dtype), S((b,), i32), S((b,), i32)]
-    step = functools.partial(window_key_values, interpret=False)
+    step = lambda *a: window_key_values(*a[:5], interpret=False, mode=a[5])
+    args.append(S((b,), i32))
     assert "mosaic_gpu" in jax.jit(step).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 

@@ -232,28 +232,35 @@ def side_vectors(q: Float[Array, "B T Hk Dk"], k: Float[Array, "B T Hk Dk"], len
     return jnp.concatenate([stage_vectors(part) for part in split_bf16(x, tile_parts(q.dtype))], axis=2)
 
 
-def _key_blocks_kernel(slot_ref, keys_ref, x_ref, out_ref, k_smem, x_smem, out_smem, barrier, *, heads, cache_len,
-                       x_parts, key_parts, interpret):
+def _key_blocks_kernel(slot_ref, reads_ref, keys_ref, x_ref, out_ref, k_smem, x_smem, out_smem, barrier, *, heads,
+                       cache_len, x_parts, key_parts, interpret):
     """CTA (b, blk): the sums of key heads `blk * m .. blk * m + m - 1` of row b into
     `out_ref[b, blk]` (`window_key_values`), as `wgmma`s: the m rings stacked as the rows
     of one `[64, d_k]` register operand (split into exact bf16 parts), times each head's
     window vectors; row `i L + l` of head i's product holds `K x` of entry l, and the
-    transposed store puts them at column `i L + l` of the block."""
+    transposed store puts them at column `i L + l` of the block. Rows with `reads_ref[b]`
+    0 store zeros without reading the ring."""
     b, blk = lax.axis_index("b"), lax.axis_index("blk")
     ring_rows, head_x_rows = heads * cache_len, x_smem.shape[0] // heads
     vectors = head_x_rows // x_parts
     keys_dst = k_smem if ring_rows == BLOCK_ROWS else k_smem.at[pl.ds(0, ring_rows)]
-    plgpu.copy_gmem_to_smem(keys_ref.at[jnp.maximum(slot_ref[b], 0), pl.ds(blk * ring_rows, ring_rows)], keys_dst,
-                            barrier)
-    plgpu.copy_gmem_to_smem(x_ref.at[b, pl.ds(blk * heads * head_x_rows, heads * head_x_rows)], x_smem, barrier)
-    plgpu.barrier_wait(barrier)
-    # Rows past the stacked rings (where 64 is not a multiple of L) are never selected.
-    key_parts = split_bf16(plgpu.load(k_smem, layout=WGMMA).astype(F32), key_parts)
-    head_of_row = plgpu.broadcasted_iota(jnp.int32, (BLOCK_ROWS, vectors), 0, layout=WGMMA) // cache_len
-    sums = plgpu.layout_cast(jnp.zeros((BLOCK_ROWS, vectors), F32), WGMMA)
-    for i in range(heads):
-        parts = [x_smem.at[pl.ds((i * x_parts + p) * vectors, vectors)] for p in range(x_parts)]
-        sums = jnp.where(head_of_row == i, summed_products(key_parts, parts, interpret=interpret), sums)
+
+    def ring_sums():
+        plgpu.copy_gmem_to_smem(keys_ref.at[jnp.maximum(slot_ref[b], 0), pl.ds(blk * ring_rows, ring_rows)],
+                                keys_dst, barrier)
+        plgpu.copy_gmem_to_smem(x_ref.at[b, pl.ds(blk * heads * head_x_rows, heads * head_x_rows)], x_smem, barrier)
+        plgpu.barrier_wait(barrier)
+        # Rows past the stacked rings (where 64 is not a multiple of L) are never selected.
+        ring = split_bf16(plgpu.load(k_smem, layout=WGMMA).astype(F32), key_parts)
+        head_of_row = plgpu.broadcasted_iota(jnp.int32, (BLOCK_ROWS, vectors), 0, layout=WGMMA) // cache_len
+        sums = plgpu.layout_cast(jnp.zeros((BLOCK_ROWS, vectors), F32), WGMMA)
+        for i in range(heads):
+            parts = [x_smem.at[pl.ds((i * x_parts + p) * vectors, vectors)] for p in range(x_parts)]
+            sums = jnp.where(head_of_row == i, summed_products(ring, parts, interpret=interpret), sums)
+        return sums
+
+    sums = lax.cond(reads_ref[b] != 0, ring_sums,
+                    lambda: plgpu.layout_cast(jnp.zeros((BLOCK_ROWS, vectors), F32), WGMMA))
     out_smem.T[...] = plgpu.layout_cast(sums, plgpu.Layout.WGMMA_TRANSPOSED)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(out_smem, out_ref.at[b, blk])
@@ -276,7 +283,8 @@ def _build_key_blocks(batch, num_k_heads, head_k_dim, cache_len, cache_dtype, x_
 
 def window_key_values(q: Float[Array, "B T Hk Dk"], k: Float[Array, "B T Hk Dk"], k_cache: Float[Array, "N Hk L Dk"],
                       slot: Int[Array, " B"], length: Int[Array, " B"], *, interpret: bool,
-                      staged: Float[Array, "B Hk N Dk"] | None = None) -> Float[Array, "B Hb N 64"]:
+                      staged: Float[Array, "B Hk N Dk"] | None = None,
+                      mode: Int[Array, " B"] | None = None) -> Float[Array, "B Hb N 64"]:
     """`window_keys`' sums of every row and key head before the verify kernel: `K x` over
     each slot's whole ring for the raw window vectors x (`masked_window`'s: q_0 .. q_{T-1},
     then k_0 .. k_{T-1}; zeros at and past a row's length; stale entries included: the
@@ -286,7 +294,9 @@ def window_key_values(q: Float[Array, "B T Hk Dk"], k: Float[Array, "B T Hk Dk"]
     (`side_block`). A small kernel of its own, one CTA per block, on tensor cores: the
     products of fp32 key records and bf16 vectors are exact in fp32 (the records and, for
     fp32 q and k, the vectors split into bf16 parts). `staged`: the caller's
-    `window_vectors` of q and k, if it has them (`side_vectors`)."""
+    `window_vectors` of q and k, if it has them (`side_vectors`). `mode`: the rows'
+    `MODE_*`, if given: only `MODE_APPEND` rows read their rings, the others (folding rows,
+    which the verify kernel reads from their rebuilt tile, and padding rows) get zeros."""
     batch, width, num_k_heads, head_k_dim = q.shape
     num_slots, _, cache_len, _ = k_cache.shape
     x = side_vectors(q, k, length, staged)
@@ -296,7 +306,8 @@ def window_key_values(q: Float[Array, "B T Hk Dk"], k: Float[Array, "B T Hk Dk"]
                          f"rows of window vectors per key head, got cache_len = {cache_len}, {x_rows} rows")
     kernel = _build_key_blocks(batch, num_k_heads, head_k_dim, cache_len, k_cache.dtype, x_rows,
                                tile_parts(q.dtype), interpret)
-    return kernel(slot.astype(jnp.int32), k_cache.reshape(num_slots, num_k_heads * cache_len, head_k_dim),
+    reads = jnp.ones((batch,), jnp.int32) if mode is None else (mode == MODE_APPEND).astype(jnp.int32)
+    return kernel(slot.astype(jnp.int32), reads, k_cache.reshape(num_slots, num_k_heads * cache_len, head_k_dim),
                   x.reshape(batch, num_k_heads * x_rows, head_k_dim))
 
 
@@ -861,7 +872,8 @@ def verify_decode_mgpu(
     i32 = lambda x: x.astype(jnp.int32)
     vectors = [staged] if params.readout == "mma" else []
     if params.key_side == "xla":
-        vectors.append(window_key_values(q, k, k_cache, slot, length, interpret=bool(interpret), staged=staged))
+        vectors.append(window_key_values(q, k, k_cache, slot, length, interpret=bool(interpret), staged=staged,
+                                         mode=mode))
     y = kernel(i32(slot), i32(pos), i32(mode), length, q, k, v, coef, *order, *vectors, *refs)
     checkpoint, u_cache, k_cache, g_cache = (jax.freeze(r) for r in refs)
     keys = scaled_keys(k, coef, width, GDN_VECTORS, num_v_heads // q.shape[2])
