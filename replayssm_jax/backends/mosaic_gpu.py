@@ -35,8 +35,8 @@ VERIFY_KEY_SUMS_FROM_BATCH = 128  # fp32 GDN verify's key sums before the launch
 # A 2-byte GDN verify state: the key sums before the launch from B = 8 on rings of at most
 # 32; three warpgroups per CTA from B = 128 at T <= 8 on rings of at most 32 (faster at every
 # batch and width measured from there; three warpgroups slower at B = 32).
-VERIFY_TWO_BYTE_KEY_SUMS_FROM_BATCH, VERIFY_WARPGROUPS_FROM_BATCH = 8, 128
-VERIFY_WARPGROUPS_MAX_WIDTH, VERIFY_WARPGROUPS_MAX_RING = 8, 32
+VERIFY_TWO_BYTE_KEY_SUMS_FROM_BATCH, VERIFY_TWO_BYTE_KEY_SUMS_MAX_RING = 8, 32
+VERIFY_WARPGROUPS_FROM_BATCH, VERIFY_WARPGROUPS_MAX_WIDTH, VERIFY_WARPGROUPS_MAX_RING = 128, 8, 32
 # An fp32 GDN verify state on rings of 16, T <= 4, below B = 128: one CTA per tile with the key
 # sums before the launch and 3xTF32 folds from B = 16 (measured faster at B = 16, 32 and 64,
 # slower at 128), and from B = 8 for windows of 3 or 4 (faster at T = 4; 3.5% slower at T = 2).
@@ -135,9 +135,9 @@ def verify_default_params(cfg, batch: int, width: int, token_dtype, *, interpret
     sums before the launch (`key_side="xla"`: tensor-core sums in a kernel of their own,
     `verify_decode.window_key_values`) where they make room for two persistent CTAs per SM
     (fp32, L = 32) and with an fp32 state from `VERIFY_KEY_SUMS_FROM_BATCH` (measured faster at
-    L = 16 too), with a 2-byte state on rings of 16 from `VERIFY_TWO_BYTE_KEY_SUMS_FROM_BATCH`
-    and on rings of 32 from `VERIFY_WARPGROUPS_FROM_BATCH` (longer rings keep the kernel's
-    own: not measured against them); a 2-byte state on rings of at most
+    L = 16 too), with a 2-byte state on rings of at most `VERIFY_TWO_BYTE_KEY_SUMS_MAX_RING`
+    from `VERIFY_TWO_BYTE_KEY_SUMS_FROM_BATCH` (longer rings keep the kernel's own: not
+    measured against them); a 2-byte state on rings of at most
     `VERIFY_WARPGROUPS_MAX_RING` with bf16 q, k and windows of at most
     `VERIFY_WARPGROUPS_MAX_WIDTH` positions: from `VERIFY_WARPGROUPS_FROM_BATCH` three
     warpgroups per CTA (`WARPGROUPS` persistent programs, one CTA per SM; measured at T = 2,
@@ -222,12 +222,13 @@ def verify_key_side(cfg, batch: int, width: int, token_dtype, readout: str) -> s
     the ring, `verify_decode.key_block_heads`): "xla", their own kernel before the launch,
     where that makes room for two persistent CTAs per SM or the batch measured faster with
     them (fp32 states from `VERIFY_KEY_SUMS_FROM_BATCH`, 2-byte states on rings of at most
-    `VERIFY_WARPGROUPS_MAX_RING` from `VERIFY_TWO_BYTE_KEY_SUMS_FROM_BATCH`); else "kernel"."""
+    `VERIFY_TWO_BYTE_KEY_SUMS_MAX_RING` from `VERIFY_TWO_BYTE_KEY_SUMS_FROM_BATCH`); else "kernel"."""
     shape = (width, cfg.head_k_dim, cfg.cache_len, cfg.state_dtype, cfg.cache_dtype, token_dtype)
     cta_bytes = lambda side: verify_decode.persistent_smem_bytes(*shape, readout=readout, key_side=side)
     makes_room = ctas_per_sm(cta_bytes("kernel")) < 2 <= ctas_per_sm(cta_bytes("xla"))
     if cfg.state_dtype.itemsize == 2:
-        measured_from = VERIFY_TWO_BYTE_KEY_SUMS_FROM_BATCH if cfg.cache_len <= VERIFY_WARPGROUPS_MAX_RING else None
+        measured = cfg.cache_len <= VERIFY_TWO_BYTE_KEY_SUMS_MAX_RING
+        measured_from = VERIFY_TWO_BYTE_KEY_SUMS_FROM_BATCH if measured else None
     else:
         measured_from = VERIFY_KEY_SUMS_FROM_BATCH
     return "xla" if makes_room or (measured_from is not None and batch >= measured_from) else "kernel"
