@@ -126,24 +126,25 @@ def verify_default_params(cfg, batch: int, width: int, token_dtype, *, interpret
                           ) -> MosaicReplayParams | MosaicMamba2Params:
     """The verify kernel's parameters when the caller gives none. GDN: the tensor-core readout
     where q and k are bf16 (`readout="mma"`); on a GPU (`interpret` false; default: off GPU)
-    folds rebuilt by "3xtf32" where its operands fit as many CTAs per SM as the exact rebuild's
-    record copies (as the decode kernel's `gpu_rebuild`) and the tile is not an fp32 one on
-    persistent CTAs (measured slower there), else exactly; persistent CTAs without Mosaic's
-    barriers where two or more fit per SM (the next tile's copies then hide behind another CTA's
-    work), else one CTA per tile (one persistent CTA per SM measured slower); with a 2-byte
-    state and bf16 q, k, addresses recomputed per tile (`per_tile_addresses`); the window's key
-    sums before the launch (`key_side="xla"`: tensor-core sums in a kernel of their own,
-    `verify_decode.window_key_values`) where they make room for two persistent CTAs per SM
-    (fp32, L = 32) and with an fp32 state from `VERIFY_KEY_SUMS_FROM_BATCH` (measured faster at
-    L = 16 too), with a 2-byte state on rings of at most `VERIFY_TWO_BYTE_KEY_SUMS_MAX_RING`
-    from `VERIFY_TWO_BYTE_KEY_SUMS_FROM_BATCH` (longer rings keep the kernel's own: not
-    measured against them); a 2-byte state on rings of at most
-    `VERIFY_WARPGROUPS_MAX_RING` with bf16 q, k and windows of at most
-    `VERIFY_WARPGROUPS_MAX_WIDTH` positions: from `VERIFY_WARPGROUPS_FROM_BATCH` three
-    warpgroups per CTA (`WARPGROUPS` persistent programs, one CTA per SM; measured at T = 2,
-    4, 8 on rings of 16, T = 4 on rings of 32), on a GPU with their tensor-core folds' key
-    records taken with the tile where that fits (`prefetch_folds`); an fp32 state on rings
-    of 16, T <= 4, from `VERIFY_FP32_ONE_CTA_FROM[T]` to `VERIFY_FP32_ONE_CTA_BELOW`: one CTA per tile with the
+    folds rebuilt by "3xtf32" where its operands fit as many CTAs per SM as the exact
+    rebuild's record copies (as the decode kernel's `gpu_rebuild`) and the tile is not an
+    fp32 one on persistent CTAs (measured slower there), else exactly; persistent CTAs
+    without Mosaic's barriers where two or more fit per SM (the next tile's copies then hide
+    behind another CTA's work), else one CTA per tile (one persistent CTA per SM measured
+    slower); with a 2-byte state and bf16 q, k, addresses recomputed per tile
+    (`per_tile_addresses`); the window's key sums before the launch (`key_side="xla"`:
+    tensor-core sums in a kernel of their own, `verify_decode.window_key_values`) where they
+    make room for two persistent CTAs per SM (fp32, L = 32) and with an fp32 state from
+    `VERIFY_KEY_SUMS_FROM_BATCH` (measured faster at L = 16 too), with a 2-byte state on
+    rings of at most `VERIFY_TWO_BYTE_KEY_SUMS_MAX_RING` from
+    `VERIFY_TWO_BYTE_KEY_SUMS_FROM_BATCH` (longer rings keep the kernel's own: not measured
+    against them); a 2-byte state on rings of at most `VERIFY_WARPGROUPS_MAX_RING` with bf16
+    q, k and windows of at most `VERIFY_WARPGROUPS_MAX_WIDTH` positions: from
+    `VERIFY_WARPGROUPS_FROM_BATCH` three warpgroups per CTA (`WARPGROUPS` persistent
+    programs, one CTA per SM; measured at T = 2, 4, 8 on rings of 16, T = 4 on rings of 32),
+    on a GPU with their tensor-core folds' key records taken with the tile where that fits
+    (`prefetch_folds`); an fp32 state on rings of 16, T <= 4, from
+    `VERIFY_FP32_ONE_CTA_FROM[T]` to `VERIFY_FP32_ONE_CTA_BELOW`: one CTA per tile with the
     key sums before the launch and 3xTF32 folds on a GPU; an fp32 state on persistent CTAs:
     exact folds, their record copies taken with the tile (`prefetch_folds`) where that fits
     as many CTAs per SM; windows of `WIDE_WINDOW` or more positions on rings of
@@ -157,10 +158,10 @@ def verify_default_params(cfg, batch: int, width: int, token_dtype, *, interpret
     sums before the launch at L = 16", "verify window kernel, measured", "verify T = 8 on
     rings of 32", "one CTA per tile at T = 4, and verify with a bf16 state", "the edges of
     the verify defaults", "bf16 verify on rings of 32", "fp32 verify below B = 32", "verify
-    folds' records with the tile", "tensor-core folds' key records with the tile"). KDA:
-    one CTA per tile on CUDA cores, exact folds (no persistent form), the window's records
-    from their own kernel where d_k is a power of two (measured faster); Mamba-2: one CTA
-    per tile, exact folds."""
+    folds' records with the tile", "tensor-core folds' key records with the tile"). KDA: one
+    CTA per tile on CUDA cores, exact folds (no persistent form), the window's records from
+    their own kernel where d_k is a power of two (measured faster); Mamba-2: one CTA per
+    tile, exact folds."""
     if cfg.gate == "mamba2":
         return MosaicMamba2Params()
     power_of_two_keys = cfg.head_k_dim & (cfg.head_k_dim - 1) == 0
