@@ -455,8 +455,9 @@ def _scratch(width, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y
     `fold buffers`, one set per program (else `[]`); with `prefetch_folds` the copies go
     with a folding row's tile, so each stage has its own: the exact rebuild's in its tile
     buffer (`[tile, record copies]` instead of their union), a tensor-core fold's key
-    records in `[fold keys]`, and the rows or fold keys barrier (one per stage). Two stages of fp32 L = 16 buffers fit twice per SM (with `prefetch_folds` too,
-    at T <= 4 and the key sums before the launch)."""
+    records in `[fold keys]`, and the rows or fold keys barrier (one per stage). Two stages
+    of fp32 L = 16 buffers fit twice per SM (with `prefetch_folds` too, at T <= 4 and the
+    key sums before the launch)."""
     def stage():
         bufs = replay_scratch(BLOCK_ROWS, head_k_dim, cache_len, state_dtype, cache_dtype, (width, BLOCK_ROWS),
                               y_dtype, swizzle)
