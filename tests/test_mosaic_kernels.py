@@ -95,9 +95,7 @@ def _inputs(rng, state_dtype, cache_dtype, per_channel, d_v=D):
     return ckpt, u_c, k_c, g_c, q, k, v, g, beta
 
 
-@pytest.mark.parametrize("state_dtype,cache_dtype", [(jnp.float32, jnp.float32), (jnp.bfloat16, jnp.bfloat16)])
-@pytest.mark.parametrize("l2norm,raw", [(True, False), (False, True)])
-@pytest.mark.parametrize("gate,programs,d_v,readout,grouped,more", [
+_STEP_CONFIGS = [
     ("gdn", 0, D, "fma", None, {}), ("gdn", 3, D, "fma", None, {}), ("gdn", 3, D, "fma", True, {}),
     ("gdn", 4, D, "fma", None, dict(chunk=1)), ("gdn", 3, D, "fma", None, dict(key_side="xla")),
     ("gdn", 0, D, "mma", None, dict(key_side="xla")), ("gdn", 0, D, "mma", True, {}), ("gdn", 3, D, "mma", None, {}),
@@ -113,7 +111,18 @@ def _inputs(rng, state_dtype, cache_dtype, per_channel, d_v=D):
     ("gdn", 6, D, "mma", True, dict(key_side="mma", warpgroups=3, auto_barriers=False)),
     ("kda", 0, D, "fma", None, {}), ("kda", 3, D, "fma", None, {}),
     ("kda", 3, 2 * D, "fma", None, {}), ("kda", 7, 2 * D, "fma", None, {}),
-    ("kda", 3, 2 * D, "fma", None, dict(chunk=1)), ("kda", 7, 2 * D, "fma", None, dict(launch_order=True))])
+    ("kda", 3, 2 * D, "fma", None, dict(chunk=1)), ("kda", 7, 2 * D, "fma", None, dict(launch_order=True))]
+# Each configuration runs once per state dtype, with q/k L2-normalised and activated gates
+# on one and raw gates (the kernel's own gating) without the norm on the other, alternating
+# which dtype gets which: every configuration and every dtype sees both prologues, at half
+# the cases of their full product.
+_DTYPES = [(jnp.float32, jnp.float32), (jnp.bfloat16, jnp.bfloat16)]
+_PROLOGUES = [(True, False), (False, True)]
+_STEP_CASES = [(*config, *_DTYPES[d], *_PROLOGUES[(i + d) % 2])
+               for i, config in enumerate(_STEP_CONFIGS) for d in range(2)]
+
+
+@pytest.mark.parametrize("gate,programs,d_v,readout,grouped,more,state_dtype,cache_dtype,l2norm,raw", _STEP_CASES)
 def test_step_matches_the_float64_model(rng, gate, programs, d_v, readout, grouped, more, state_dtype, cache_dtype,
                                         l2norm, raw):
     """programs = 3: persistent CTAs over the 10 tiles (4, 3 and 3 each, in chunks of 3:

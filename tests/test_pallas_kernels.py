@@ -478,12 +478,14 @@ _H200 = jax.sharding.AbstractMesh(
 @pytest.mark.parametrize("gate", ["gdn", "kda"])
 def test_every_exposed_config_lowers_for_h200(kernel_params, gate):
     # The step the parameters serve: the plain kernel at L = 1; the folding kernel under
-    # the fold-every-step plan; the replay kernels under the natural one.
+    # the fold-every-step plan; the replay kernels under the natural one. Block shapes follow
+    # the ring and the state dtype; the raw gates' prologue is lowered once per dtype pairing
+    # (fp32 with activated gates, bf16 with raw ones), so each set of parameters lowers both.
     batch = 8
     plain = isinstance(kernel_params, PlainParams)
     policy = FlushPolicy.EVERY_STEP if isinstance(kernel_params, FoldParams) else FlushPolicy.NATURAL
     cache_lens = (1,) if plain else (13, 32)
-    for cache_len, dtype, raw in itertools.product(cache_lens, (jnp.float32, jnp.bfloat16), (False, True)):
+    for cache_len, (dtype, raw) in itertools.product(cache_lens, ((jnp.float32, False), (jnp.bfloat16, True))):
         cfg = ReplayConfig(16, 32, 128, 128, cache_len, gate=gate, state_dtype=dtype, cache_dtype=dtype)
         state = jax.eval_shape(lambda: init_state(cfg, 16))
         sds = jax.ShapeDtypeStruct
