@@ -363,10 +363,11 @@ def row_modes(valid, flush):
     return jnp.where(valid, jnp.where(flush, MODE_FLUSH, MODE_APPEND), MODE_PAD).astype(jnp.int32)
 
 
-def set_records(pool: Array, slot: Int[Array, "B T"], pos: Int[Array, "B T"], records: Array,
+def set_records(pool: Array, slot: Int[Array, " B"], pos: Int[Array, "B T"], records: Array,
                 keep: Array) -> Array:
-    """`pool [N, heads, L, ...]` with `records [B, T, heads, ...]` at `pool[slot, :, pos]`
-    where `keep [B, T]` holds, rounded to the pool's dtype; other entries untouched.
+    """`pool [N, heads, L, ...]` with `records [B, T, heads, ...]`, record (b, t) at
+    `pool[slot[b], :, pos[b, t]]` where `keep [B, T]` holds, rounded to the pool's dtype;
+    other entries untouched.
 
     The records skipped get distinct slots past the pool (dropped), so the scatter's indices
     are unique and XLA stores each record plainly instead of by atomic read-modify-writes
@@ -376,7 +377,7 @@ def set_records(pool: Array, slot: Int[Array, "B T"], pos: Int[Array, "B T"], re
     """
     batch, width = keep.shape
     skipped = pool.shape[0] + jnp.arange(batch * width, dtype=jnp.int32).reshape(batch, width)
-    rows = jnp.where(keep, slot.astype(jnp.int32), skipped)
+    rows = jnp.where(keep, slot.astype(jnp.int32)[:, None], skipped)
     return pool.at[rows, :, pos].set(records.astype(pool.dtype), mode="drop", unique_indices=True)
 
 

@@ -443,19 +443,18 @@ def _append_window(state: ReplayState, plan, fold, in_window, checkpoint, pools,
     folding rows' cursors become 0, others stay."""
     u_pool, k_pool, g_pool = pools
     u, k, g = records
-    slot_bt, pos_bt = _window_targets(plan, fold, in_window)
-    u_cache, k_cache, g_cache = (common.set_records(pool, slot_bt, pos_bt, x, in_window)
+    pos_bt = _window_positions(plan, fold, in_window.shape[1])
+    u_cache, k_cache, g_cache = (common.set_records(pool, plan.slot, pos_bt, x, in_window)
                                  for pool, x in ((u_pool, u), (k_pool, k), (g_pool, g)))
     return dataclasses.replace(state, checkpoint=checkpoint, u_cache=u_cache, k_cache=k_cache,
                                g_cache=g_cache, write_pos=_fold_cursors(state, plan, fold))
 
 
-def _window_targets(plan, fold, in_window) -> tuple[Int[Array, "B T"], Int[Array, "B T"]]:
-    """`(slot, position)` of each window record in the ring: from 0 on folding rows, from
-    the cursor on the others (the records at `in_window` positions are written)."""
+def _window_positions(plan, fold, width: int) -> Int[Array, "B T"]:
+    """Each window record's position in its row's ring: from 0 on folding rows, from the
+    cursor on the others."""
     base = jnp.where(fold, 0, plan.pos)
-    slot_bt = jnp.broadcast_to(plan.slot[:, None], in_window.shape)
-    return slot_bt, base[:, None] + jnp.arange(in_window.shape[1])[None, :]
+    return base[:, None] + jnp.arange(width)[None, :]
 
 
 def _fold_cursors(state: ReplayState, plan, fold) -> Int[Array, " N"]:
@@ -588,10 +587,9 @@ def _compact_path(state, plan, n, path, counts, pos) -> ReplayState:
                 "path must list increasing window positions inside the ring: {p}", p=at)
     src = jnp.clip(plan.pos[:, None] + path.astype(jnp.int32), 0, length - 1)
     dst = plan.pos[:, None] + steps
-    slot_bp = jnp.broadcast_to(plan.slot[:, None], moves.shape)
     fields = {}
     for name in ("u_cache", "k_cache", "g_cache"):
         cache = getattr(state, name)
         picked = cache[plan.slot[:, None], :, src]  # [B, P, H, ...]
-        fields[name] = common.set_records(cache, slot_bp, dst, picked, moves)
+        fields[name] = common.set_records(cache, plan.slot, dst, picked, moves)
     return dataclasses.replace(state, **fields)

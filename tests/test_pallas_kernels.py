@@ -309,14 +309,13 @@ def test_set_records_writes_kept_records_only(rng, pool_dtype):
     pool = jnp.asarray(rng.standard_normal((num_slots, heads, ring, dim)), pool_dtype)
     slot = rng.permutation(num_slots)[:batch].copy()
     slot[rng.integers(batch)] = -1  # a padding row: never kept
-    slots = np.broadcast_to(slot[:, None], (batch, width))
     pos = rng.integers(0, ring - width + 1, batch)[:, None] + np.arange(width)[None, :]
-    keep = (rng.random((batch, width)) < 0.6) & (slots >= 0)
+    keep = (rng.random((batch, width)) < 0.6) & (slot >= 0)[:, None]
     records = rng.standard_normal((batch, width, heads, dim)).astype(np.float32)
     want = np.array(pool.astype(jnp.float32))
     for b, t in zip(*np.nonzero(keep)):
-        want[slots[b, t], :, pos[b, t]] = np.asarray(jnp.asarray(records[b, t]).astype(pool_dtype), np.float32)
-    args = (pool, jnp.asarray(slots, jnp.int32), jnp.asarray(pos, jnp.int32), jnp.asarray(records), jnp.asarray(keep))
+        want[slot[b], :, pos[b, t]] = np.asarray(jnp.asarray(records[b, t]).astype(pool_dtype), np.float32)
+    args = (pool, jnp.asarray(slot, jnp.int32), jnp.asarray(pos, jnp.int32), jnp.asarray(records), jnp.asarray(keep))
     for got in (common.set_records(*args), jax.jit(common.set_records)(*args)):
         assert got.dtype == pool_dtype
         np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), want)

@@ -244,6 +244,7 @@ def _key_blocks_kernel(slot_ref, reads_ref, keys_ref, x_ref, out_ref, k_smem, x_
     ring_rows, head_x_rows = heads * cache_len, x_smem.shape[0] // heads
     vectors = head_x_rows // x_parts
     keys_dst = k_smem if ring_rows == BLOCK_ROWS else k_smem.at[pl.ds(0, ring_rows)]
+    zeros = lambda: plgpu.layout_cast(jnp.zeros((BLOCK_ROWS, vectors), F32), WGMMA)
 
     def ring_sums():
         plgpu.copy_gmem_to_smem(keys_ref.at[jnp.maximum(slot_ref[b], 0), pl.ds(blk * ring_rows, ring_rows)],
@@ -253,14 +254,13 @@ def _key_blocks_kernel(slot_ref, reads_ref, keys_ref, x_ref, out_ref, k_smem, x_
         # Rows past the stacked rings (where 64 is not a multiple of L) are never selected.
         ring = split_bf16(plgpu.load(k_smem, layout=WGMMA).astype(F32), key_parts)
         head_of_row = plgpu.broadcasted_iota(jnp.int32, (BLOCK_ROWS, vectors), 0, layout=WGMMA) // cache_len
-        sums = plgpu.layout_cast(jnp.zeros((BLOCK_ROWS, vectors), F32), WGMMA)
+        sums = zeros()
         for i in range(heads):
             parts = [x_smem.at[pl.ds((i * x_parts + p) * vectors, vectors)] for p in range(x_parts)]
             sums = jnp.where(head_of_row == i, summed_products(ring, parts, interpret=interpret), sums)
         return sums
 
-    sums = lax.cond(reads_ref[b] != 0, ring_sums,
-                    lambda: plgpu.layout_cast(jnp.zeros((BLOCK_ROWS, vectors), F32), WGMMA))
+    sums = lax.cond(reads_ref[b] != 0, ring_sums, zeros)
     out_smem.T[...] = plgpu.layout_cast(sums, plgpu.Layout.WGMMA_TRANSPOSED)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(out_smem, out_ref.at[b, blk])
@@ -343,9 +343,8 @@ def append_folding_records(key_cache: Float[Array, "N Hk L *Dk"], gate_cache: Fl
     overwrite. Other rows and positions are untouched."""
     batch, width = keys.shape[:2]
     keep = (jnp.arange(width)[None, :] < length[:, None]) & (mode == MODE_FLUSH)[:, None]
-    rows = jnp.broadcast_to(slot[:, None], (batch, width))
     at = jnp.broadcast_to(jnp.arange(width)[None, :], (batch, width))
-    return (set_records(key_cache, rows, at, keys, keep), set_records(gate_cache, rows, at, gates, keep))
+    return (set_records(key_cache, slot, at, keys, keep), set_records(gate_cache, slot, at, gates, keep))
 
 
 def scaled_keys(k: Float[Array, "B T Hk Dk"], coef: Float[Array, "B Hv R Lanes"], width: int, vectors: int,

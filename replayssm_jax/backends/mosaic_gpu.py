@@ -172,7 +172,7 @@ def verify_default_params(cfg, batch: int, width: int, token_dtype, *, interpret
     readout = "mma" if jnp.dtype(token_dtype) == jnp.bfloat16 else "fma"
     two_byte = cfg.state_dtype.itemsize == 2
     window = dict(window_side="xla")
-    if power_of_two_keys:  # one warp per program keeps its reductions in the warp (measured faster at T = 4)
+    if power_of_two_keys:  # one warp per program keeps its reductions in the warp (measured faster at T = 4, 8)
         window = dict(window_side="kernel", window_warps=1 if width <= VERIFY_ONE_WARP_MAX_WIDTH else 2)
     side_keys_fit = verify_decode.key_block_heads(cfg.num_k_heads, cfg.cache_len,
                                                   verify_decode.window_rows(width)) > 0
@@ -190,11 +190,11 @@ def verify_default_params(cfg, batch: int, width: int, token_dtype, *, interpret
             and width <= VERIFY_WARPGROUPS_MAX_WIDTH and batch >= VERIFY_WARPGROUPS_FROM_BATCH):
         three = dict(readout=readout, rebuild="exact" if interpret else "3xtf32", key_side=key_side)
         programs = _verify_programs(cfg, batch, width, token_dtype, warpgroups=WARPGROUPS, **three)
-        # Tensor-core folds take their key records with the tile where those buffers fit too
-        # (NOTES: "tensor-core folds' key records with the tile").
-        prefetch = not interpret and _verify_programs(cfg, batch, width, token_dtype, warpgroups=WARPGROUPS,
-                                                      prefetch_folds=True, **three) == programs
         if programs:
+            # Tensor-core folds take their key records with the tile where those buffers fit
+            # too (NOTES: "tensor-core folds' key records with the tile").
+            prefetch = not interpret and _verify_programs(cfg, batch, width, token_dtype, warpgroups=WARPGROUPS,
+                                                          prefetch_folds=True, **three) == programs
             return MosaicReplayParams(programs=programs, auto_barriers=False, per_tile_addresses=True,
                                       warpgroups=WARPGROUPS, prefetch_folds=prefetch, **window, **three)
     shape = (width, cfg.head_k_dim, cfg.cache_len, cfg.state_dtype, cfg.cache_dtype, token_dtype)
