@@ -19,7 +19,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import fuser as _fuser  # noqa: F401  (see below)
 from jax.experimental.pallas import triton as plgpu
-from jaxtyping import Array, Int
+from jaxtyping import Array, Bool, Int
 
 # Pallas lowering imports its fuser lazily, and that import registers a jax config option
 # that is part of the tracing context: a jitted step that first lowers a kernel would then
@@ -361,6 +361,19 @@ def launch_row(row_ref, launch, grid_order: GridOrder):
 def row_modes(valid, flush):
     """Per-row mode: MODE_PAD, MODE_APPEND or MODE_FLUSH (int32 `[B]`)."""
     return jnp.where(valid, jnp.where(flush, MODE_FLUSH, MODE_APPEND), MODE_PAD).astype(jnp.int32)
+
+
+def set_rows(pool: Array, slot: Int[Array, " B"], rows: Array, keep: Bool[Array, " B"]) -> Array:
+    """`pool [N, ...]` with `rows [B, ...]`, row b at `pool[slot[b]]` where `keep[b]` holds,
+    rounded to the pool's dtype; other slots untouched.
+
+    As `set_records`: skipped rows get distinct slots past the pool (dropped), so XLA stores
+    plainly instead of by atomic read-modify-writes; kept slots must be distinct (a slot
+    named twice is left undefined).
+    """
+    skipped = pool.shape[0] + jnp.arange(keep.shape[0], dtype=jnp.int32)
+    target = jnp.where(keep, slot.astype(jnp.int32), skipped)
+    return pool.at[target].set(rows.astype(pool.dtype), mode="drop", unique_indices=True)
 
 
 def set_records(pool: Array, slot: Int[Array, " B"], pos: Int[Array, "B T"], records: Array,

@@ -348,8 +348,7 @@ def _folded_live(state: ReplayState, plan, fold, live: Float[Array, "B Hv Dv Dk"
     records agree with what the next step replays from that checkpoint."""
     folded = live.astype(state.config.state_dtype)
     live = jnp.where(fold[:, None, None, None], folded.astype(jnp.float32), live)
-    fold_slot = jnp.where(fold, plan.slot, state.num_slots)
-    return live, state.checkpoint.at[fold_slot].set(folded, mode="drop")
+    return live, common.set_rows(state.checkpoint, plan.slot, folded, fold)
 
 
 def _delta_window(state, window: Tokens, plan, fold, in_window, anc, *, backend, use_qk_l2norm, scale,

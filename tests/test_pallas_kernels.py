@@ -321,6 +321,26 @@ def test_set_records_writes_kept_records_only(rng, pool_dtype):
         np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), want)
 
 
+@pytest.mark.parametrize("pool_dtype", [jnp.float32, jnp.bfloat16])
+def test_set_rows_writes_kept_rows_only(rng, pool_dtype):
+    # Against a loop: kept rows replace their slot's whole entry, rounded to the pool's dtype;
+    # skipped rows (padding, unkept) change nothing, eager and under jit.
+    num_slots, batch = 7, 5
+    pool = jnp.asarray(rng.standard_normal((num_slots, 3, 4)), pool_dtype)
+    slot = rng.permutation(num_slots)[:batch].copy()
+    slot[rng.integers(batch)] = -1
+    keep = slot >= 0
+    keep[rng.choice(np.nonzero(keep)[0])] = False  # a live row not kept
+    rows = rng.standard_normal((batch, 3, 4)).astype(np.float32)
+    want = np.array(pool.astype(jnp.float32))
+    for b in np.nonzero(keep)[0]:
+        want[slot[b]] = np.asarray(jnp.asarray(rows[b]).astype(pool_dtype), np.float32)
+    args = (pool, jnp.asarray(slot, jnp.int32), jnp.asarray(rows), jnp.asarray(keep))
+    for got in (common.set_rows(*args), jax.jit(common.set_rows)(*args)):
+        assert got.dtype == pool_dtype
+        np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), want)
+
+
 @pytest.mark.parametrize("grid_order", list(GridOrder), ids=lambda o: o.name)
 def test_launch_rows_requires_row_order_exactly_for_launch_order_grids(grid_order, rng):
     batch = 6

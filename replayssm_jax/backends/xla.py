@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from pallas_kernels.common import set_records, set_rows
 from replayssm_jax import gating
 from replayssm_jax.plan import StepPlan
 from replayssm_jax.state import ReplayState
@@ -45,6 +46,13 @@ def expand_heads(x: Array, group_size: int, axis: int = 1) -> Array:
     """A key-head tensor (`H_k` along `axis`) repeated to value heads (`H_k * group_size`):
     value head h uses key head `h // group_size`, as the GDN/KDA layers share key heads."""
     return jnp.repeat(x, group_size, axis=axis)
+
+
+def _append_record(plan: StepPlan):
+    """`append(pool [N, heads, L, ...], x [B, heads, ...])`: each appending row's record at its
+    slot's cursor, in the pool's dtype (flush and padding rows append nothing)."""
+    keep = (plan.valid & ~plan.flush)[:, None]
+    return lambda pool, x: set_records(pool, plan.slot, plan.pos[:, None], x[:, None], keep)
 
 
 def replay_state(state: ReplayState, plan: StepPlan) -> Float[Array, "B Hv Dv Dk"]:
@@ -91,7 +99,6 @@ def layer_step(
       `y [B, H_v, d_v]` in v's dtype (exactly 0 on padding rows) and the new state.
     """
     cfg = state.config
-    num_slots = state.num_slots
     tokens = gate_tokens(cfg, tokens, gate_params)
     q, k = gating.prepare_qk(tokens.q, tokens.k, use_qk_l2norm=use_qk_l2norm, scale=scale)
     v, g, beta = tokens.v.astype(jnp.float32), tokens.g.astype(jnp.float32), tokens.beta.astype(jnp.float32)
@@ -108,13 +115,10 @@ def layer_step(
     y = matvec(prev, alpha * qv) + u * jnp.sum(kv * qv, axis=-1, keepdims=True)
     y = jnp.where(plan.valid[:, None, None], y, 0.0).astype(tokens.v.dtype)
 
-    flush_slot = jnp.where(plan.flush, plan.slot, num_slots)  # padding rows never flush
-    append_slot = jnp.where(plan.valid & ~plan.flush, plan.slot, num_slots)
     new_state = prev * alpha[:, :, None, :] + u[..., :, None] * kv[..., None, :]
-    checkpoint = state.checkpoint.at[flush_slot].set(new_state.astype(cfg.state_dtype), mode="drop")
-    u_cache = state.u_cache.at[append_slot, :, plan.pos].set(u.astype(cfg.cache_dtype), mode="drop")
-    k_cache = k_pool.at[append_slot, :, plan.pos].set(k.astype(cfg.cache_dtype), mode="drop")
-    g_cache = g_pool.at[append_slot, :, plan.pos].set(g, mode="drop")
+    checkpoint = set_rows(state.checkpoint, plan.slot, new_state, plan.flush)  # padding rows never flush
+    append = _append_record(plan)
+    u_cache, k_cache, g_cache = append(state.u_cache, u), append(k_pool, k), append(g_pool, g)
     return y, dataclasses.replace(
         state, checkpoint=checkpoint, u_cache=u_cache, k_cache=k_cache, g_cache=g_cache
     )
@@ -169,7 +173,6 @@ def mamba2_layer_step(state: ReplayState, tokens, plan: StepPlan, *, params) -> 
       `y [B, H, P]` in x's dtype (exactly 0 on padding rows) and the new state.
     """
     cfg = state.config
-    num_slots = state.num_slots
     dt = gating.mamba2_dt(tokens.dt, params.dt_bias, dt_softplus=params.dt_softplus, dt_limit=params.dt_limit)
     x_now = tokens.x.astype(jnp.float32)
     b_now = expand_heads(tokens.B.astype(jnp.float32), cfg.group_size)  # [B, H, N]
@@ -191,12 +194,9 @@ def mamba2_layer_step(state: ReplayState, tokens, plan: StepPlan, *, params) -> 
         y = y * gating.silu(tokens.z)
     y = jnp.where(plan.valid[:, None, None], y, 0.0).astype(tokens.x.dtype)
 
-    flush_slot = jnp.where(plan.flush, plan.slot, num_slots)  # padding rows never flush
-    append_slot = jnp.where(plan.valid & ~plan.flush, plan.slot, num_slots)
     new_state = decay[:, :, None, None] * ckpt + jnp.einsum(
         "bhlp,bhln->bhpn", weights[..., None] * x, b, precision=_HIGHEST)
-    checkpoint = state.checkpoint.at[flush_slot].set(new_state.astype(cfg.state_dtype), mode="drop")
-    x_cache = x_pool.at[append_slot, :, plan.pos].set(tokens.x.astype(cfg.cache_dtype), mode="drop")
-    b_cache = b_pool.at[append_slot, :, plan.pos].set(tokens.B.astype(cfg.cache_dtype), mode="drop")
-    dt_cache = dt_pool.at[append_slot, :, plan.pos].set(dt, mode="drop")
+    checkpoint = set_rows(state.checkpoint, plan.slot, new_state, plan.flush)  # padding rows never flush
+    append = _append_record(plan)
+    x_cache, b_cache, dt_cache = (append(x_pool, tokens.x), append(b_pool, tokens.B), append(dt_pool, dt))
     return y, dataclasses.replace(state, checkpoint=checkpoint, u_cache=x_cache, k_cache=b_cache, g_cache=dt_cache)

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
+from pallas_kernels.common import set_rows
 from replayssm_jax.config import ReplayConfig
 from replayssm_jax.decode import check_backend
 from replayssm_jax.plan import FlushPolicy, StepPlan, advance_write_pos, as_policy, default_flush_policy, plan_step
@@ -648,7 +649,7 @@ def accept_conv_pool(
         conv_inputs = jnp.take_along_axis(conv_inputs, jnp.clip(path, 0, conv_inputs.shape[1] - 1)[..., None],
                                           axis=1)
     rolled = accept_conv(conv_pool[jnp.where(valid, slots, 0)], conv_inputs, n)
-    return conv_pool.at[jnp.where(valid, slots, conv_pool.shape[0])].set(rolled, mode="drop")
+    return set_rows(conv_pool, slots, rolled, valid)
 
 
 def check_window_counts(num_accepted: Int[Array, " B"], width: int) -> None:

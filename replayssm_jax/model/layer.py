@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from pallas_kernels.common import set_rows
 from replayssm_jax import gating
 from replayssm_jax.chunked import chunked_gated_delta_rule
 from replayssm_jax.decode import layer_step
@@ -229,8 +230,7 @@ def gdn_replay(
     tokens = Tokens(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0])
     step = lambda state, tokens: layer_step(state, tokens, plan, backend=backend, use_qk_l2norm=True)
     y, state = step(state, tokens) if tp_axis is None else on_local_heads(state, tokens, step, tp_axis, 1)
-    target = jnp.where(plan.valid, plan.slot, conv_pool.shape[0])
-    conv_pool = conv_pool.at[target].set(conv_rows.astype(conv_pool.dtype), mode="drop")
+    conv_pool = set_rows(conv_pool, plan.slot, conv_rows, plan.valid)
     return _output(params, y, z[:, 0]), state, conv_pool
 
 

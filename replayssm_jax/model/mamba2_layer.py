@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from pallas_kernels.common import set_rows
 from replayssm_jax import gating
 from replayssm_jax.config import ReplayConfig
 from replayssm_jax.decode import layer_step
@@ -177,8 +178,7 @@ def mamba2_replay(
     step = lambda state, tokens: layer_step(state, tokens, plan, backend=backend, gate_params=step_params)
     tokens = jax.tree.map(lambda a: a[:, 0], tokens)
     y, state = step(state, tokens) if tp_axis is None else on_local_heads(state, tokens, step, tp_axis, 1)
-    target = jnp.where(plan.valid, plan.slot, conv_pool.shape[0])
-    conv_pool = conv_pool.at[target].set(conv_rows.astype(conv_pool.dtype), mode="drop")
+    conv_pool = set_rows(conv_pool, plan.slot, conv_rows, plan.valid)
     return _output(params, y, z[:, 0]), state, conv_pool
 
 
