@@ -91,12 +91,14 @@ def gate_params(cfg: R.ReplayConfig, key):
 MAMBA2_SHAPES = {"nemotron-h-8b": db.NEMOTRON_H_8B, "mamba2-2.7b": db.MAMBA2_2_7B}
 
 
-def mamba2_config(smoke: bool, cache_len: int, state_dtype, shape: str = "nemotron-h-8b") -> R.ReplayConfig:
-    """Mamba-2 at `MAMBA2_SHAPES[shape]` (smoke: two heads of the smallest tiles, L = 8)."""
+def mamba2_config(smoke: bool, cache_len: int, state_dtype, shape: str = "nemotron-h-8b",
+                  cache_dtype: str = "state") -> R.ReplayConfig:
+    """Mamba-2 at `MAMBA2_SHAPES[shape]` (smoke: two heads of the smallest tiles, L = 8),
+    its caches in `cache_dtype` ("state": the state's dtype)."""
     sd = jnp.dtype(state_dtype)
-    if smoke:
-        return R.ReplayConfig.mamba2(2, 64, 64, 1, 8, state_dtype=sd, cache_dtype=sd)
-    return MAMBA2_SHAPES[shape].config(cache_len, sd)
+    cfg = (R.ReplayConfig.mamba2(2, 64, 64, 1, 8, state_dtype=sd, cache_dtype=sd) if smoke
+           else MAMBA2_SHAPES[shape].config(cache_len, sd))
+    return cfg if cache_dtype == "state" else dataclasses.replace(cfg, cache_dtype=jnp.dtype(cache_dtype))
 
 
 def step_options(cfg: R.ReplayConfig, raw_gates: bool = False) -> dict:
@@ -324,8 +326,8 @@ def sweep_cells(args, gate: str) -> list[R.ReplayConfig]:
     the other lengths, fp32 before bf16)."""
     if gate == "mamba2":
         lengths = sorted(map(int, args.mamba2_cache_lens.split(",")), key=lambda L: (L != 16, L))
-        return [mamba2_config(args.smoke, L, dt, shape) for shape in args.mamba2_shapes.split(",") for L in lengths
-                for dt in args.dtypes.split(",")]
+        return [mamba2_config(args.smoke, L, dt, shape, args.mamba2_cache_dtype)
+                for shape in args.mamba2_shapes.split(",") for L in lengths for dt in args.dtypes.split(",")]
     lengths = [int(L) for L in args.cache_lens.split(",")]
     return [gdn_config(args.smoke, L, dt, int(hv)) for hv in args.gdn_value_heads.split(",")
             for dt in args.dtypes.split(",") for L in lengths]
@@ -364,8 +366,8 @@ def sweep_row(timer, args, cfg, batch, rng, staggered, variant, bandwidth, plain
     row = dict(mosaic_variant=variant, mosaic_params=repr(effective),
                gate=cfg.gate, num_k_heads=cfg.num_k_heads, num_v_heads=cfg.num_v_heads,
                head_k_dim=cfg.head_k_dim, head_v_dim=cfg.head_v_dim,
-               state_dtype=cfg.state_dtype.name, cache_len=cfg.cache_len, batch=batch,
-               cursors="staggered" if staggered else "sync", triton_params=repr(params),
+               state_dtype=cfg.state_dtype.name, cache_dtype=cfg.cache_dtype.name, cache_len=cfg.cache_len,
+               batch=batch, cursors="staggered" if staggered else "sync", triton_params=repr(params),
                plain_us=plain_us, triton_nonflush_us=t_nf, triton_flush_us=t_fl,
                triton_cycle_us=t_cyc, mosaic_nonflush_us=m_nf, mosaic_flush_us=m_fl,
                mosaic_cycle_us=m_cyc, mosaic_xla_side_us=m_side, cycle_bytes=cycle_bytes, nonflush_bytes=nf_bytes,
@@ -447,6 +449,8 @@ def main(argv=None) -> None:
     p.add_argument("--mamba2-cache-lens", default="8,16,32", help="cache lengths of the mamba2 section")
     p.add_argument("--batches", default="1,8,32,128,512")
     p.add_argument("--gdn-value-heads", default="32", help="H_v of the GDN sweep (H_k = 16), e.g. 32,64")
+    p.add_argument("--mamba2-cache-dtype", default="state",
+                   help="the mamba2 section's caches: state (the state's dtype) or a dtype, e.g. float32")
     p.add_argument("--mamba2-shapes", default="nemotron-h-8b",
                    help=f"shapes of the mamba2 section, from {','.join(MAMBA2_SHAPES)}")
     p.add_argument("--kda-dtypes", default="float32")

@@ -64,8 +64,9 @@ def test_mosaic_bench_smoke(tmp_path, gate, check, sweep):
     the default."""
     out = tmp_path / "mosaic.json"
     prefix = "" if gate == "gdn" else f"{gate}-"
+    caches = ["--mamba2-cache-dtype", "bfloat16"] if gate == "mamba2" else []  # smoke states are fp32
     mosaic_bench.main(["--smoke", "--sections", f"{prefix}check,{gate if prefix else 'sweep'}",
-                       "--variants", "default;programs=3", "--out", str(out)])
+                       "--variants", "default;programs=3", "--out", str(out), *caches])
     result = json.loads(out.read_text())
     assert {row["backend"] for row in result[check]} == {"pallas_triton", "mosaic_gpu", "mosaic_gpu programs=3"}
     assert {row["mosaic_variant"] for row in result[sweep]} == {"default", "programs=3"}
@@ -75,6 +76,8 @@ def test_mosaic_bench_smoke(tmp_path, gate, check, sweep):
     assert {row["cursors"] for row in result[sweep]} == {"sync", "staggered"}
     assert all(row["gate"] == gate and row["mosaic_cycle_us"] > 0 and row["triton_cycle_us"] > 0
                for row in result[sweep])
+    if gate == "mamba2":
+        assert {(row["state_dtype"], row["cache_dtype"]) for row in result[sweep]} == {("float32", "bfloat16")}
     if gate == "kda":
         assert {row["raw_gates"] for row in result[check]} == {False, True}
         assert {row["triton_policy"] for row in result[sweep]} == {"every_step"}  # a 4-byte KDA state folds

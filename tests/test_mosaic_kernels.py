@@ -798,6 +798,27 @@ def test_backend_default_params_per_gate(monkeypatch):
     assert mosaic_gpu.default_params(gdn, 512, jnp.bfloat16).programs == 132
 
 
+def test_mamba2_decode_ctas_per_sm_follow_the_device_kind(monkeypatch):
+    """Mamba-2 decode's persistent CTAs per SM: two on an H100 (measured faster there), the
+    kernel's bound of three elsewhere (the H200's measurement), shared memory permitting."""
+    from pallas_kernels.mosaic_gpu import mamba2_decode
+    from replayssm_jax import ReplayConfig
+    from replayssm_jax.backends import mosaic_gpu
+
+    assert mosaic_gpu.mamba2_ctas_per_sm("NVIDIA H100 80GB HBM3") == 2
+    assert mosaic_gpu.mamba2_ctas_per_sm("NVIDIA H200") == mosaic_gpu.mamba2_ctas_per_sm("cpu") == 3
+    bf16 = ReplayConfig.mamba2(128, 64, 128, 8, 16, state_dtype=jnp.bfloat16, cache_dtype=jnp.bfloat16)
+    fp32 = ReplayConfig.mamba2(128, 64, 128, 8, 16)
+    for kind, ctas in (("NVIDIA H200", 3), ("NVIDIA H100 80GB HBM3", 2)):
+        monkeypatch.setattr(mosaic_gpu, "device_kind", lambda: kind)
+        assert mosaic_gpu.default_params(bf16, 512, jnp.bfloat16, interpret=False).programs == ctas * 132
+        assert mosaic_gpu.default_params(fp32, 512, jnp.float32, interpret=False).programs == 2 * 132  # its buffers
+    for bad in (0, mamba2_decode.RESIDENT_CTAS + 1):
+        with pytest.raises(ValueError, match="max_ctas"):
+            mamba2_decode.persistent_programs(512, 128, 64, 128, 16, jnp.bfloat16, jnp.bfloat16, jnp.bfloat16, 132,
+                                              max_ctas=bad)
+
+
 def test_the_profiler_is_on_only_where_the_environment_names_a_folder(monkeypatch):
     monkeypatch.delenv(build.PROFILE_DIR_ENV, raising=False)
     params = build.compiler_params(auto_barriers=False)

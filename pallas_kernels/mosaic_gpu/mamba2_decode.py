@@ -80,8 +80,9 @@ from pallas_kernels.mosaic_gpu.rebuild import (check_rebuild, rebuild_mma, split
 
 BLOCK_P = BLOCK_ROWS
 # Persistent CTAs resident per SM at most (`pipeline.ctas_per_sm`), from timing: with a bf16
-# state three per SM ran faster than two, i.e. three are resident (four not measured; the
-# GDN kernel's registers allow two). NOTES: "resident CTAs: registers, not shared memory".
+# state three per SM ran faster than two on the H200, i.e. three are resident (four not
+# measured; the GDN kernel's registers allow two). NOTES: "resident CTAs: registers, not
+# shared memory". A caller may ask for fewer (`persistent_programs(max_ctas=...)`).
 RESIDENT_CTAS = 3
 
 
@@ -419,14 +420,16 @@ def _kernel(slot_ref, pos_ref, mode_ref, x_ref, b_ref, c_ref, dt_ref, z_ref, a_r
 
 def persistent_programs(batch: int, heads: int, head_dim: int, state_size: int, cache_len: int, state_dtype,
                         cache_dtype, token_dtype, sm_count: int, *, swizzle: int = 128, rebuild: str = "exact",
-                        readout: str = "fma") -> int:
+                        readout: str = "fma", max_ctas: int = RESIDENT_CTAS) -> int:
     """`MosaicMamba2Params.programs` for a device of `sm_count` SMs: as many persistent CTAs
-    per SM as the two-stage buffers fit in shared memory, at most `RESIDENT_CTAS`
-    (`token_dtype`: x, B, C, z and y's; the B records grouped where that fits more,
-    `group_records=None`)."""
+    per SM as the two-stage buffers fit in shared memory, at most `max_ctas` (at most
+    `RESIDENT_CTAS`; `token_dtype`: x, B, C, z and y's; the B records grouped where that fits
+    more, `group_records=None`)."""
+    if not 1 <= max_ctas <= RESIDENT_CTAS:
+        raise ValueError(f"max_ctas must lie in [1, {RESIDENT_CTAS}], got {max_ctas}")
     scratch = _scratch(state_size, cache_len, state_dtype, cache_dtype, token_dtype, token_dtype, token_dtype,
                        swizzle, STAGES, rebuild=rebuild, readout=readout, grouped=True)
-    return programs_that_fit(smem_bytes(scratch), sm_count, batch * heads * (head_dim // BLOCK_P), RESIDENT_CTAS)
+    return programs_that_fit(smem_bytes(scratch), sm_count, batch * heads * (head_dim // BLOCK_P), max_ctas)
 
 
 @functools.lru_cache(maxsize=None)

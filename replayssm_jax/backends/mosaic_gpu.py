@@ -45,9 +45,27 @@ VERIFY_ONE_WARP_MAX_WIDTH = 8  # window kernel programs of one warp up to this T
 WIDE_WINDOW, WIDE_WINDOW_RING = 8, 32  # GDN verify from these T and L: one CTA per tile (measured faster)
 
 
+# Mamba-2 decode's persistent CTAs per SM at most, by device kind: with a bf16 state two ran
+# every cell 8-13% faster than three on an H100 (NOTES: "Mamba-2 bf16 decode, two CTAs per
+# SM on the H100"), where three ran faster on the H200; elsewhere the kernel's own bound.
+MAMBA2_CTAS_PER_SM = {"H100": 2}
+
+
 def device_sm_count() -> int:
     """SMs of the first device; `H200_SMS` where it reports none (interpret mode on CPU)."""
     return int(getattr(jax.devices()[0], "core_count", 0) or H200_SMS)
+
+
+def device_kind() -> str:
+    """The first device's `device_kind` ("NVIDIA H100 80GB HBM3", "cpu", ...)."""
+    return getattr(jax.devices()[0], "device_kind", "")
+
+
+def mamba2_ctas_per_sm(kind: str | None = None) -> int:
+    """Mamba-2 decode's persistent CTAs per SM at most on a device of `kind` (default: this
+    one's): `MAMBA2_CTAS_PER_SM` of the first name in it, else `mamba2_decode.RESIDENT_CTAS`."""
+    kind = device_kind() if kind is None else kind
+    return next((n for name, n in MAMBA2_CTAS_PER_SM.items() if name in kind), mamba2_decode.RESIDENT_CTAS)
 
 
 def fitting_programs(cfg, batch: int, token_dtype, *, rebuild: str = "exact", readout: str = "fma",
@@ -60,7 +78,8 @@ def fitting_programs(cfg, batch: int, token_dtype, *, rebuild: str = "exact", re
     shape = (batch, cfg.num_v_heads, cfg.head_v_dim, cfg.head_k_dim, cfg.cache_len, cfg.state_dtype,
              cfg.cache_dtype, token_dtype, sms)
     if cfg.gate == "mamba2":
-        return mamba2_decode.persistent_programs(*shape, rebuild=rebuild, readout=readout)
+        return mamba2_decode.persistent_programs(*shape, rebuild=rebuild, readout=readout,
+                                                 max_ctas=mamba2_ctas_per_sm())
     if cfg.per_channel_gate:
         return replay_decode_kda.persistent_programs(*shape, rebuild=rebuild)
     return persistent_programs(*shape, rebuild=rebuild, readout=readout, key_side=key_side, warpgroups=warpgroups)
