@@ -41,13 +41,28 @@ GDN_L32 = ReplayConfig(16, 32, 128, 128, 32)
     (GDN_L32, 31, "hopper", "pallas_triton"),
 ])
 def test_decode_backend_per_device_layer_and_batch(config, batch, platform, want):
-    assert auto.decode_backend(config, batch, platform) == want
+    assert auto.decode_backend(config, batch, platform, "NVIDIA H200") == want
 
 
-def test_mosaic_ctas_per_sm_of_the_measured_layers():
+def test_ring_bounds_follow_the_device_kind():
+    """A 2-byte Mamba-2 step on rings of 32 goes to Mosaic on an H100 (measured faster there
+    with two CTAs per SM) and to Triton elsewhere; longer rings stay on Triton everywhere."""
+    ring = lambda L: ReplayConfig.mamba2(128, 64, 128, 8, L, state_dtype=jnp.bfloat16, cache_dtype=jnp.bfloat16)
+    h100, h200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
+    assert auto.decode_backend(ring(32), 512, "hopper", h100) == "mosaic_gpu"
+    assert auto.decode_backend(ring(32), 512, "hopper", h200) == "pallas_triton"
+    assert auto.decode_backend(ring(64), 512, "hopper", h100) == "pallas_triton"
+    assert auto.decode_backend(ring(32), 64, "hopper", h100) == "pallas_triton"  # below B = 128: not measured
+    assert auto.max_cache_len("cpu") == auto.MOSAIC_MAX_CACHE_LEN
+
+
+def test_mosaic_ctas_per_sm_of_the_measured_layers(monkeypatch):
     """Two or three persistent CTAs per SM for every layer `auto` sends to Mosaic (on a GPU:
     fp32 rings of 32 fit two with the 3xTF32 rebuild's chunked operands, one with the exact
-    rebuild's record copies)."""
+    rebuild's record copies); an H200's bounds."""
+    from replayssm_jax.backends import mosaic_gpu
+
+    monkeypatch.setattr(mosaic_gpu, "device_kind", lambda: "NVIDIA H200")
     assert [auto.mosaic_ctas_per_sm(c) for c in (GDN, KDA, NEMOTRON, NEMOTRON_BF16)] == [2, 2, 2, 3]
     assert [auto.mosaic_ctas_per_sm(c) for c in (GDN_L32, NEMOTRON_L32)] == [2, 2]
     # A layer whose kernel fits one CTA per SM stays on Triton.

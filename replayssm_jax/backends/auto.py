@@ -6,7 +6,8 @@ runs on "mosaic_gpu" from the smallest batch at which its kernels measured faste
 Pallas-Triton launch table's on the H200, each under its backend's default policy
 (`MOSAIC_FROM_BATCH`, per gate and state itemsize; the measurements are lines of
 `benchmarks/NOTES.md`), for rings no longer than those measured faster
-(`MOSAIC_MAX_CACHE_LEN`), where its persistent kernel fits two or more CTAs per SM; and on
+(`MOSAIC_MAX_CACHE_LEN`, or a device kind's own: `MOSAIC_MAX_CACHE_LEN_BY_KIND`), where
+its persistent kernel fits two or more CTAs per SM; and on
 "pallas_triton" below that batch, past that ring, for the layers with no row and where one
 CTA per SM is all that fits (one warpgroup per SM leaves each tile's latency exposed: no
 faster than plain). A verify step runs on "mosaic_gpu" (its one-launch verify kernels
@@ -32,6 +33,11 @@ MOSAIC_FROM_BATCH: dict[tuple[str, int], int] = {("gdn", 4): 32, ("gdn", 2): 32,
 # grows with the ring while its bytes barely do, slower than plain at L = 32 (NOTES: "coverage
 # (2026-12-04, sixth session)"; Triton folds instead).
 MOSAIC_MAX_CACHE_LEN: dict[tuple[str, int], int] = {("mamba2", 2): 16}
+# Device kinds whose own measurements replace those bounds: on an H100, where it runs two CTAs
+# per SM (`mosaic_gpu.MAMBA2_CTAS_PER_SM`), the 2-byte Mamba-2 kernel ran rings of 32 at
+# 1.11-1.14x plain and ahead of Triton (B = 128, 512; NOTES: "Mamba-2 bf16 decode, two CTAs
+# per SM on the H100").
+MOSAIC_MAX_CACHE_LEN_BY_KIND: dict[str, dict[tuple[str, int], int]] = {"H100": {("mamba2", 2): 32}}
 # The fewest persistent CTAs per SM at which "auto" takes "mosaic_gpu" (every row above ran two or three).
 MOSAIC_MIN_CTAS_PER_SM = 2
 
@@ -44,19 +50,30 @@ def _platform() -> str:
     return "hopper" if str(capability).startswith("9") else "gpu"
 
 
-def decode_backend(config, batch: int, platform: str | None = None) -> str:
+def decode_backend(config, batch: int, platform: str | None = None, kind: str | None = None) -> str:
     """The backend `backend="auto"` runs a decode step of `batch` rows of `config` on;
-    `platform` ("hopper", "gpu" or "cpu") defaults to the first device's."""
+    `platform` ("hopper", "gpu" or "cpu") and `kind` (`device_kind`, e.g. "NVIDIA H100 80GB
+    HBM3") default to the first device's."""
     platform = _platform() if platform is None else platform
     if platform == "cpu":
         return "xla"
     key = (config.gate, config.state_dtype.itemsize)
     start = MOSAIC_FROM_BATCH.get(key)
     measured = platform == "hopper" and start is not None and batch >= start
-    measured = measured and config.cache_len <= MOSAIC_MAX_CACHE_LEN.get(key, config.cache_len)
+    measured = measured and config.cache_len <= max_cache_len(kind).get(key, config.cache_len)
     if measured and mosaic_ctas_per_sm(config) >= MOSAIC_MIN_CTAS_PER_SM:
         return "mosaic_gpu"
     return "pallas_triton"
+
+
+def max_cache_len(kind: str | None = None) -> dict[tuple[str, int], int]:
+    """The ring bounds `decode_backend` applies on a device of `kind` (default: this one's):
+    `MOSAIC_MAX_CACHE_LEN` with the kind's own entries (`MOSAIC_MAX_CACHE_LEN_BY_KIND`) over it."""
+    from replayssm_jax.backends import mosaic_gpu  # as in `mosaic_ctas_per_sm`
+
+    kind = mosaic_gpu.device_kind() if kind is None else kind
+    own = next((bounds for name, bounds in MOSAIC_MAX_CACHE_LEN_BY_KIND.items() if name in kind), {})
+    return {**MOSAIC_MAX_CACHE_LEN, **own}
 
 
 def mosaic_ctas_per_sm(config) -> int:
