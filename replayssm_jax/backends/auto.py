@@ -34,9 +34,9 @@ MOSAIC_FROM_BATCH: dict[tuple[str, int], int] = {("gdn", 4): 32, ("gdn", 2): 32,
 # (2026-12-04, sixth session)"; Triton folds instead).
 MOSAIC_MAX_CACHE_LEN: dict[tuple[str, int], int] = {("mamba2", 2): 16}
 # Device kinds whose own measurements replace those bounds: on an H100, where it runs two CTAs
-# per SM (`mosaic_gpu.MAMBA2_CTAS_PER_SM`), the 2-byte Mamba-2 kernel ran rings of 32 at
-# 1.11-1.14x plain and ahead of Triton (B = 128, 512; NOTES: "Mamba-2 bf16 decode, two CTAs
-# per SM on the H100").
+# per SM (`mosaic_gpu.MAMBA2_CTAS_PER_SM`), the 2-byte Mamba-2 kernel ran rings of 32 faster
+# than plain and Triton (B = 128, 512; NOTES: "Mamba-2 bf16 decode, two CTAs per SM on the
+# H100").
 MOSAIC_MAX_CACHE_LEN_BY_KIND: dict[str, dict[tuple[str, int], int]] = {"H100": {("mamba2", 2): 32}}
 # The fewest persistent CTAs per SM at which "auto" takes "mosaic_gpu" (every row above ran two or three).
 MOSAIC_MIN_CTAS_PER_SM = 2

@@ -45,9 +45,10 @@ VERIFY_ONE_WARP_MAX_WIDTH = 8  # window kernel programs of one warp up to this T
 WIDE_WINDOW, WIDE_WINDOW_RING = 8, 32  # GDN verify from these T and L: one CTA per tile (measured faster)
 
 
-# Mamba-2 decode's persistent CTAs per SM at most, by device kind: with a bf16 state two ran
-# every cell 8-13% faster than three on an H100 (NOTES: "Mamba-2 bf16 decode, two CTAs per
-# SM on the H100"), where three ran faster on the H200; elsewhere the kernel's own bound.
+# Mamba-2 decode's persistent CTAs per SM at most, by device kind: on an H100 two ran a bf16
+# state 17-20% faster than three (fp32 caches, L = 32) and faster with bf16 caches at L = 16
+# and 32 (NOTES: "Mamba-2 bf16 decode, two CTAs per SM on the H100"), where three ran faster
+# on the H200; elsewhere the kernel's own bound.
 MAMBA2_CTAS_PER_SM = {"H100": 2}
 
 
