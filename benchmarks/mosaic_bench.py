@@ -204,14 +204,18 @@ def normwise(a, b) -> float:
 def mosaic_params(spec: str, cfg: R.ReplayConfig, batch: int):
     """The Mosaic params of a variant spec: `default` (None: the backend's
     `default_params`), or comma-separated fields of the gate's params class (`programs=N`
-    or `programs=fit`, `rebuild=tf32`, `swizzle=64`, `auto_barriers=false`, `readout=mma`;
-    the others at the class's defaults)."""
+    or `programs=fit`, `rebuild=tf32`, `swizzle=64`, `auto_barriers=false`, `readout=mma`),
+    the others at the class's defaults, or after `default,` at the backend's
+    `default_params` for the cell (`default,programs=264`: only the programs differ)."""
     if spec == "default":
         return None
     cls = MosaicMamba2Params if cfg.gate_kind.additive else MosaicReplayParams
     parse = lambda v: v == "true" if v in ("true", "false") else int(v) if v.isdigit() else v
-    fields = dict((name, parse(value)) for name, value in
-                  (item.split("=") for item in spec.split(",")))
+    items = spec.split(",")
+    on_defaults = items[0] == "default"
+    fields = dict((name, parse(value)) for name, value in (item.split("=") for item in items[on_defaults:]))
+    if on_defaults:
+        return dataclasses.replace(mosaic_gpu.default_params(cfg, batch, jnp.bfloat16), **fields)
     if fields.get("programs") == "fit":
         fields["programs"] = mosaic_gpu.fitting_programs(cfg, batch, jnp.bfloat16,
                                                         rebuild=fields.get("rebuild", "exact"),
@@ -459,7 +463,8 @@ def main(argv=None) -> None:
     p.add_argument("--variants", default="default",
                    help="';'-separated Mosaic variants timed side by side in the sweeps and run in the checks: "
                         "'default' or comma-separated params fields, e.g. 'programs=fit' (persistent CTAs, as "
-                        "many as fit), 'programs=264,rebuild=tf32'")
+                        "many as fit), 'programs=264,rebuild=tf32' (other fields at the class's defaults), or "
+                        "'default,programs=264' (other fields at the backend's defaults)")
     p.add_argument("--cursors", default="sync,staggered", help="the sweeps' cursor sets: sync, staggered")
     p.add_argument("--budget-s", type=float, default=420.0,
                    help="each sweep section stops starting new cells this long after it began")

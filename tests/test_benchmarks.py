@@ -126,8 +126,14 @@ def test_mosaic_variant_specs_parse_to_params():
         programs=264, auto_barriers=False)  # two CTAs per SM on the 132 SMs assumed off GPU
     assert mosaic_bench.mosaic_params("rebuild=tf32,swizzle=64", gdn, 8) == MosaicReplayParams(rebuild="tf32",
                                                                                                swizzle=64)
-    mamba2 = mosaic_bench.mosaic_params("programs=7", R.ReplayConfig.mamba2(128, 64, 128, 8, 16), 8)
-    assert mamba2 == MosaicMamba2Params(programs=7)
+    nemotron = R.ReplayConfig.mamba2(128, 64, 128, 8, 16)
+    assert mosaic_bench.mosaic_params("programs=7", nemotron, 8) == MosaicMamba2Params(programs=7)
+    # after `default,` only the named fields leave the backend's defaults for the cell
+    from replayssm_jax.backends import mosaic_gpu
+
+    on_defaults = mosaic_bench.mosaic_params("default,programs=7", nemotron, 512)
+    assert on_defaults == dataclasses.replace(mosaic_gpu.default_params(nemotron, 512, jnp.bfloat16), programs=7)
+    assert not on_defaults.auto_barriers and MosaicMamba2Params(programs=7).auto_barriers
 
 
 def test_decode_bench_mamba2_smoke(tmp_path):
