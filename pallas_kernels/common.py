@@ -371,8 +371,7 @@ def set_rows(pool: Array, slot: Int[Array, " B"], rows: Array, keep: Bool[Array,
     plainly instead of by atomic read-modify-writes; kept slots must be distinct (a slot
     named twice is left undefined).
     """
-    skipped = pool.shape[0] + jnp.arange(keep.shape[0], dtype=jnp.int32)
-    target = jnp.where(keep, slot.astype(jnp.int32), skipped)
+    target = _unique_targets(slot, keep, pool.shape[0])
     return pool.at[target].set(rows.astype(pool.dtype), mode="drop", unique_indices=True)
 
 
@@ -388,10 +387,16 @@ def set_records(pool: Array, slot: Int[Array, " B"], pos: Int[Array, "B T"], rec
     distinct (slots used once per step, as `verify_step` checks); a pair named twice leaves
     that slot's record undefined.
     """
-    batch, width = keep.shape
-    skipped = pool.shape[0] + jnp.arange(batch * width, dtype=jnp.int32).reshape(batch, width)
-    rows = jnp.where(keep, slot.astype(jnp.int32)[:, None], skipped)
+    rows = _unique_targets(slot, keep, pool.shape[0])
     return pool.at[rows, :, pos].set(records.astype(pool.dtype), mode="drop", unique_indices=True)
+
+
+def _unique_targets(slot: Int[Array, " B"], keep: Array, num_slots: int) -> Array:
+    """Scatter slots of `keep`'s shape (`[B]` or `[B, T]`): row b's slot where `keep` holds,
+    else distinct slots past the pool (`num_slots`, `num_slots + 1`, ...: dropped)."""
+    skipped = num_slots + jnp.arange(keep.size, dtype=jnp.int32).reshape(keep.shape)
+    kept = slot.astype(jnp.int32).reshape(slot.shape + (1,) * (keep.ndim - 1))
+    return jnp.where(keep, kept, skipped)
 
 
 def launch_rows(slot, pos, mode, row_order, grid_order: GridOrder):

@@ -71,9 +71,7 @@ def max_cache_len(kind: str | None = None) -> dict[tuple[str, int], int]:
     `MOSAIC_MAX_CACHE_LEN` with the kind's own entries (`MOSAIC_MAX_CACHE_LEN_BY_KIND`) over it."""
     from replayssm_jax.backends import mosaic_gpu  # as in `mosaic_ctas_per_sm`
 
-    kind = mosaic_gpu.device_kind() if kind is None else kind
-    own = next((bounds for name, bounds in MOSAIC_MAX_CACHE_LEN_BY_KIND.items() if name in kind), {})
-    return {**MOSAIC_MAX_CACHE_LEN, **own}
+    return {**MOSAIC_MAX_CACHE_LEN, **mosaic_gpu.for_device_kind(MOSAIC_MAX_CACHE_LEN_BY_KIND, {}, kind)}
 
 
 def mosaic_ctas_per_sm(config) -> int:

@@ -62,11 +62,17 @@ def device_kind() -> str:
     return getattr(jax.devices()[0], "device_kind", "")
 
 
+def for_device_kind(table: dict, default, kind: str | None = None):
+    """`table`'s value for the first of its names found in `kind` (default: this device's
+    `device_kind`), else `default`."""
+    kind = device_kind() if kind is None else kind
+    return next((value for name, value in table.items() if name in kind), default)
+
+
 def mamba2_ctas_per_sm(kind: str | None = None) -> int:
     """Mamba-2 decode's persistent CTAs per SM at most on a device of `kind` (default: this
-    one's): `MAMBA2_CTAS_PER_SM` of the first name in it, else `mamba2_decode.RESIDENT_CTAS`."""
-    kind = device_kind() if kind is None else kind
-    return next((n for name, n in MAMBA2_CTAS_PER_SM.items() if name in kind), mamba2_decode.RESIDENT_CTAS)
+    one's): `MAMBA2_CTAS_PER_SM`'s, else `mamba2_decode.RESIDENT_CTAS`."""
+    return for_device_kind(MAMBA2_CTAS_PER_SM, mamba2_decode.RESIDENT_CTAS, kind)
 
 
 def fitting_programs(cfg, batch: int, token_dtype, *, rebuild: str = "exact", readout: str = "fma",
