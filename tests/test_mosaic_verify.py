@@ -12,8 +12,6 @@ through verify / accept rounds.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np

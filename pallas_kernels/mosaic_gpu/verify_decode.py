@@ -56,8 +56,9 @@ Window positions at and past `length` give y = 0 and no records; their inputs ar
 by zeros before use, so garbage there (NaN included) reaches nothing.
 
 Writes in place (`jax.new_ref`): u records `[L, BV]` rows of this tile; g records (tile 0)
-and k records (tile 0 of each key head's first value head) of appending rows; the folded
-checkpoint tile. y `[B, T, H_v, d_v]` leaves through shared memory and one TMA copy.
+of appending rows and, with readout "fma", their k records (tile 0 of each key head's first
+value head; with "mma" no key is in registers, and XLA writes every live row's k records
+after the launch, `append_key_records`); the folded checkpoint tile. y `[B, T, H_v, d_v]` leaves through shared memory and one TMA copy.
 
 KDA (per-channel decay) has its own kernel, `verify_decode_kda.py`, sharing this file's
 window preparation, coefficient packing and per-position solve; so has Mamba-2
@@ -332,6 +333,23 @@ def store_zeros(o_smem, y_ref, b, h, rows, width):
         o_smem[i] = plgpu.layout_cast(jnp.zeros((BLOCK_ROWS,), o_smem.dtype), ROW)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(o_smem, y_ref.at[b, :, h, rows])
+
+
+def append_key_records(key_cache: Float[Array, "N Hk L Dk"], gate_cache: Float[Array, "N Hv L"],
+                       keys: Float[Array, "B T Hk Dk"], gates: Float[Array, "B T Hv"], slot: Int[Array, " B"],
+                       pos: Int[Array, " B"], mode: Int[Array, " B"], length: Int[Array, " B"]) -> tuple:
+    """`(key_cache, gate_cache)` with every live row's key records at its window's positions
+    (`pos ..` on appending rows, `0 ..` on folding rows) and each folding row's gate records,
+    rounded to the caches' dtypes: the GDN verify kernel with the tensor-core readout holds
+    no key in registers, and a load of each key from global memory, on the one tile of a key
+    head that stored it, cost that tile a memory round trip per window position."""
+    batch, width = keys.shape[:2]
+    in_window = jnp.arange(width)[None, :] < length[:, None]
+    fold = (mode == MODE_FLUSH)[:, None]
+    at = jnp.where(fold, 0, pos[:, None]) + jnp.arange(width)[None, :]
+    return (set_records(key_cache, slot, at, keys, in_window & (mode != MODE_PAD)[:, None]),
+            set_records(gate_cache, slot, jnp.broadcast_to(jnp.arange(width)[None, :], (batch, width)), gates,
+                        in_window & fold))
 
 
 def append_folding_records(key_cache: Float[Array, "N Hk L *Dk"], gate_cache: Float[Array, "N Hv L *C"],
@@ -663,7 +681,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
             def read_k(i, load):
                 with jax.named_scope("readout"):
                     k_x = k_scale(i) * key_sum(2 * i)
-                    if readout == "mma":  # the key record is loaded by the append that stores it
+                    if readout == "mma":  # no key in registers: XLA writes the key records
                         return e_G(i) * live_x(k_scale(i) * column(products, width + i), k_x), None
                     k_col = k_scale(i) * load(k_cols.at[i], COL)
                     return e_G(i) * live_x(tile_x(k_col), k_x), k_col
@@ -685,12 +703,10 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
                     def _append_gate():
                         gcache_ref[slot, h, base + i] = g(i)
 
-                    @pl.when(in_window & (mode == MODE_APPEND) & (tile == 0) & (h % group_size == 0))
-                    def _append_key():
-                        key = k_col
-                        if key is None:  # "mma": from global memory, on the one tile that stores it
-                            key = k_scale(i) * plgpu.load(k_ref.at[b, i, hk], layout=COL, optimized=False).astype(F32)
-                        kcache_ref[slot, hk, base + i] = key.astype(kcache_ref.dtype)
+                    if k_col is not None:  # "fma": the key is in registers; "mma" leaves it to XLA
+                        @pl.when(in_window & (mode == MODE_APPEND) & (tile == 0) & (h % group_size == 0))
+                        def _append_key():
+                            kcache_ref[slot, hk, base + i] = k_col.astype(kcache_ref.dtype)
 
             solve_positions(width, length, A, M, beta, v_rows, o_smem, read_k, read_q, append)
             with jax.named_scope("store"):
@@ -822,8 +838,8 @@ def verify_decode_mgpu(
     Returns:
       `(y [B, T, H_v, d_v] in v's dtype, checkpoint, u_cache, k_cache, g_cache)` with every
       row's window records appended, the state arrays updated in place when the caller
-      donates them (a folding row's key and gate records by XLA after the launch, see the
-      module doc).
+      donates them (a folding row's key and gate records, and with readout "mma" every
+      row's key records, by XLA after the launch, see the module doc).
     """
     batch, width, num_v_heads, head_v_dim = v.shape
     head_k_dim = q.shape[-1]
@@ -877,4 +893,6 @@ def verify_decode_mgpu(
     y = kernel(i32(slot), i32(pos), i32(mode), length, q, k, v, coef, *order, *vectors, *refs)
     checkpoint, u_cache, k_cache, g_cache = (jax.freeze(r) for r in refs)
     keys = scaled_keys(k, coef, width, GDN_VECTORS, num_v_heads // q.shape[2])
+    if params.readout == "mma":
+        return (y, checkpoint, u_cache, *append_key_records(k_cache, g_cache, keys, g, slot, pos, mode, length))
     return (y, checkpoint, u_cache, *append_folding_records(k_cache, g_cache, keys, g, slot, mode, length))
