@@ -21,8 +21,19 @@ zeros at and past the row's length (the inputs there, NaN included, never reach 
 Staged vectors of `(b, hk)` (`[N, d_k]` in q's dtype, `verify_decode.window_vectors`' layout):
 the raw q_0 .. q_{T-1}, k_0 .. k_{T-1} with zero rows at and past the length, then zero rows.
 
-Each program works on `[P, d_k]` and `[P]` blocks, P the next power of two >= T (Triton's
-block shapes): rows and lanes at and past T are masked on every load and store.
+The GDN program stacks the window as one `[R, d_k]` block X, q_t in row t and k_t in row
+T + t, zero rows past them (R the next power of two >= 2T, at least 16 for 2-byte q and k:
+a tensor-core dot's M). One dot, X X^T `[R, R]` in fp32, holds every product: its q.k
+block (rows < T) gives M, its k.k block (rows T .. 2T-1) A, its diagonal the norms (fp32 q
+and k: a CUDA-core dot in IEEE fp32, in chunks of channels). Each record is then `[R, R]`
+and `[R]` element-wise work and one masked store per block (integer-array offsets): the
+columns T .. 2T-1 of rows 0 .. 2T-1 are M's and A's entries; the staged vectors are X's
+rows, stored as they are loaded. Lanes outside the window or at and past the length are
+masked on every load and store.
+
+The KDA program works on `[P, d_k]` and `[P]` blocks, P the next power of two >= T (Triton's
+block shapes), one position at a time: rows and lanes at and past T are masked on every
+load and store.
 
 `kda_verify_coefficients` is the same for a KDA window (per-channel decays): its records
 (`A`, `M`, beta and the norms) and the decays `e^{G}` `[B, T, H_v, d_k]` that the KDA
@@ -46,6 +57,7 @@ from pallas_kernels.common import L2NORM_EPS
 
 VECTORS = 5  # e^{G}, beta, g, q_scale, k_scale per position, after A and M (`verify_decode.GDN_VECTORS`)
 KDA_VECTORS = 3  # beta, q_scale, k_scale per position (`verify_decode_kda.KDA_VECTORS`)
+LOG2E = 1.4426950408889634  # log2(e): the GDN program's exponentials are exp2s
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,8 +65,8 @@ class VerifyCoefficientsParams:
     """Launch parameters of `verify_coefficients`.
 
     Attributes:
-      num_warps: warps per program (a program's blocks are `[P, d_k]`: one or two warps
-        cover them).
+      num_warps: warps per program (a GDN program's blocks are `[R, d_k]` and `[R, R]`, a
+        KDA program's `[P, d_k]`: one or two warps cover them).
     """
 
     num_warps: int = 2
@@ -143,49 +155,147 @@ def _record_stores(coef_ref, b, window: _Window, width: int):
     return store, finish
 
 
-def _kernel(length_ref, q_ref, k_ref, g_ref, beta_ref, anc_ref, coef_ref, vec_ref, *, width, group_size,
-            use_qk_l2norm, scale, lanes_len):
-    b, hk = pl.program_id(0), pl.program_id(1)
-    T = width
-    w = _load_window(length_ref, q_ref, k_ref, b, hk, width=width, lanes_len=lanes_len,
-                     use_qk_l2norm=use_qk_l2norm, scale=scale)
-    length, lanes = w.length, w.lanes
-    for t in range(T):
-        vec_ref[b, hk, t, :] = w.qs[t].astype(vec_ref.dtype)
-        vec_ref[b, hk, T + t, :] = w.ks[t].astype(vec_ref.dtype)
-    for r in range(2 * T, vec_ref.shape[2]):
-        vec_ref[b, hk, r, :] = jnp.zeros(w.qs[0].shape, vec_ref.dtype)
+def _window_rows(length, lanes, width: int):
+    """`(pos, valid)` `[R]` of the stacked block's rows (q_t in row t, k_t in row T + t): the
+    position t of each row (0 past 2T, an in-bounds index for the masked lanes) and whether
+    it is below the row's length. The static bound `lanes < 2T` lets the compiler drop the
+    lanes past the window."""
+    in_window = lanes < 2 * width
+    pos = jnp.where(in_window, jnp.where(lanes < width, lanes, lanes - width), 0)
+    return pos, in_window & (pos < length)
 
-    keys = _stacked(w.ks, lanes)  # [P, d_k], row j = k_j
-    k_scale_vec = _lane_vector(w.k_scale, lanes)
-    # Row i of k.k and q.k over the window's keys j (lanes), scaled as normalised vectors.
-    kk = [jnp.sum(keys * w.ks[i][None, :], axis=1) * w.k_scale[i] * k_scale_vec for i in range(T)]
-    qk = [jnp.sum(keys * w.qs[i][None, :], axis=1) * w.q_scale[i] * k_scale_vec for i in range(T)]
-    strict, seen = _branches(anc_ref, b, w, width)
-    store, finish = _record_stores(coef_ref, b, w, width)
-    for j in range(group_size):
-        h = hk * group_size + j
-        g = [jnp.where(t < length, g_ref[b, t, h].astype(jnp.float32), 0.0) for t in range(T)]
-        beta = [jnp.where(t < length, beta_ref[b, t, h].astype(jnp.float32), 0.0) for t in range(T)]
-        g_vec = _lane_vector(g, lanes)
-        G = [jnp.sum(jnp.where(seen[i], g_vec, 0.0)) for i in range(T)]
-        G_vec = _lane_vector(G, lanes)
-        for i in range(T):
-            # e^{G_i - G_j} only on i's branch (<= 1 there); elsewhere the difference can be
-            # large and positive, so it is zeroed before the exponential.
-            decay = jnp.where(seen[i], jnp.exp(jnp.where(seen[i], G[i] - G_vec, 0.0)), 0.0)
-            store(h, i * T, jnp.where(strict[i], beta[i] * decay * kk[i], 0.0))
-            store(h, T * T + i * T, decay * qk[i])
-        finish(h, (jnp.where(lanes < length, jnp.exp(G_vec), 0.0), _lane_vector(beta, lanes), g_vec,
-                   _lane_vector(w.q_scale, lanes), k_scale_vec))
+
+def _stacked_window(q_ref, k_ref, b, hk, pos, valid, is_q, cols):
+    """X `[R, K]` in q's dtype, channels `cols` `[1, K]`: q_t in row t, k_t in row T + t,
+    zero rows at and past the length and past 2T (masked loads: nothing there, NaN
+    included, is read)."""
+    shape = (pos.shape[0], cols.shape[1])
+
+    def load(ref, mask):
+        return plgpu.load(ref.at[b, pos[:, None], hk, cols], mask=jnp.broadcast_to(mask[:, None], shape), other=0)
+
+    return jnp.where(is_q[:, None], load(q_ref, valid & is_q), load(k_ref, valid & ~is_q))
+
+
+def _stage_vectors(vec_ref, b, hk, x, cols):
+    """`vec_ref[b, hk, :, cols]` `[N, K]`: X's rows (q, k, then zeros), zero rows past R.
+    Masked lanes address row N, past the block: the interpreter writes every lane and drops
+    only those out of bounds, so they never land on another lane's row."""
+    R, N = x.shape[0], vec_ref.shape[2]
+    lanes = jnp.arange(R, dtype=jnp.int32)
+    for first in range(0, N, R):
+        inside = first + lanes < N
+        rows = jnp.where(inside, first + lanes, N)[:, None]
+        plgpu.store(vec_ref.at[b, hk, rows, cols], x if first == 0 else jnp.zeros_like(x),
+                    mask=jnp.broadcast_to(inside[:, None], x.shape))
+
+
+def _window_gram(q_ref, k_ref, vec_ref, b, hk, pos, valid, is_q, chunk: int):
+    """`[R, R]` fp32 X X^T, staging X's rows on the way, one dot per `chunk` channels. A
+    2-byte X is one tensor-core dot (exact products, fp32 sums); fp32 X a CUDA-core one in
+    IEEE fp32 (the default precision would be TF32)."""
+    gram = None
+    for first in range(0, q_ref.shape[3], chunk):
+        cols = first + jnp.arange(chunk, dtype=jnp.int32)[None, :]
+        x = _stacked_window(q_ref, k_ref, b, hk, pos, valid, is_q, cols)
+        _stage_vectors(vec_ref, b, hk, x, cols)
+        part = jax.lax.dot_general(x, x, (((1,), (1,)), ((), ())), precision=jax.lax.Precision.HIGHEST,
+                                   preferred_element_type=jnp.float32)
+        gram = part if gram is None else gram + part
+    return gram
+
+
+def _scales(gram, valid, factor, use_qk_l2norm: bool, axis: int):
+    """`[R]` fp32 `factor / |x_r|` (`factor` alone without the L2 norm) on valid lanes, zeros
+    elsewhere; |x_r|^2 is the Gram's diagonal, reduced over `axis` (1 gives the layout of
+    the Gram's rows, 0 of its columns: both are used, with no conversion between them)."""
+    if use_qk_l2norm:
+        lanes = jnp.arange(gram.shape[0], dtype=jnp.int32)
+        squares = jnp.sum(jnp.where(lanes[:, None] == lanes[None, :], gram, 0.0), axis=axis)
+        factor = factor * jax.lax.rsqrt(squares + L2NORM_EPS)
+    return jnp.where(valid, factor, 0.0)
+
+
+def _record_blocks(anc_ref, b, pos, valid, width: int):
+    """`(in_record, seen, keep)` `[R, R]` bool over the Gram's rows r (positions `pos`) and
+    columns c: `in_record` the entries that are M's (r < T) and A's (T <= r < 2T) with the
+    keys in columns T .. 2T-1; `seen` c's position on r's branch, r's own included; `keep`
+    the entries each matrix holds (M: anc(i) + {i}, A: anc(i)). Both are within the row's
+    length; the ancestry is one masked load."""
+    lanes = jnp.arange(pos.shape[0], dtype=jnp.int32)
+    r, c = lanes[:, None], lanes[None, :]
+    in_record = (r < 2 * width) & (c >= width) & (c < 2 * width)
+    anc = plgpu.load(anc_ref.at[b, pos[:, None], pos[None, :]], mask=in_record, other=0) != 0
+    both = in_record & valid[:, None] & valid[None, :]
+    same = pos[:, None] == pos[None, :]
+    return in_record, (anc | same) & both, (anc | (same & (r < width))) & both
+
+
+def _record_offsets(in_record, width: int, record_len: int):
+    """`[R, R]` int32: the record offset of each entry of `in_record` (M_ij at T^2 + i T + j,
+    A_ij at i T + j), and `record_len`, past the record, elsewhere (the interpreter drops
+    out-of-bounds lanes; any other offset could land on a stored entry)."""
+    lanes = jnp.arange(in_record.shape[0], dtype=jnp.int32)
+    r, c = lanes[:, None], lanes[None, :]
+    row = jnp.where(r < width, width * width + r * width, (r - width) * width)
+    return jnp.where(in_record, row + c - width, record_len)
+
+
+def _exp(x):
+    """e^x as 2^{x log2 e}: the hardware's exp2 in place of expf's range reduction. The
+    product's rounding costs at most |x| 2^-24 relative, under 6e-6 where e^x is normal."""
+    return jnp.exp2(x * LOG2E)
+
+
+def _store_lanes(coef_ref, b, h, start, x, count: int):
+    """`x[:count]` (`[R]`) at record offsets `start ..`; masked lanes address past the record."""
+    lanes = jnp.arange(x.shape[0], dtype=jnp.int32)
+    inside = lanes < count
+    plgpu.store(coef_ref.at[b, h, jnp.where(inside, start + lanes, coef_ref.shape[2])], x, mask=inside)
+
+
+def _kernel(length_ref, q_ref, k_ref, g_ref, beta_ref, anc_ref, coef_ref, vec_ref, *, width, group_size,
+            use_qk_l2norm, scale, lanes_len, chunk):
+    b, hk = pl.program_id(0), pl.program_id(1)
+    T, R, record_len = width, lanes_len, coef_ref.shape[2]
+    lanes = jnp.arange(R, dtype=jnp.int32)
+    is_q = lanes < T
+    pos, valid = _window_rows(length_ref[b], lanes, T)
+    gram = _window_gram(q_ref, k_ref, vec_ref, b, hk, pos, valid, is_q, chunk)
+    # q_scale in rows < T, k_scale in rows T .. 2T-1, as rows and as columns of the Gram.
+    factor = jnp.where(is_q, scale, 1.0)
+    scales = _scales(gram, valid, factor, use_qk_l2norm, 1)
+    normed = gram * (scales[:, None] * _scales(gram, valid, factor, use_qk_l2norm, 0)[None, :])
+    in_record, seen, keep = _record_blocks(anc_ref, b, pos, valid, T)
+    offsets = _record_offsets(in_record, T, record_len)
+    base = 2 * T * T  # the per-position vectors, after A and M
+    for v in range(group_size):
+        h = hk * group_size + v
+        g_vec = plgpu.load(g_ref.at[b, pos, h], mask=valid, other=0).astype(jnp.float32)
+        beta = plgpu.load(beta_ref.at[b, pos, h], mask=valid, other=0).astype(jnp.float32)
+        # G of each row's position, summed over the key columns on its branch.
+        G = jnp.sum(jnp.where(seen, g_vec[None, :], 0.0), axis=1)
+        # e^{G_i - G_j} only on i's branch (<= 1 there); elsewhere the difference can be
+        # large and positive, so it is zeroed before the exponential.
+        decay = jnp.where(seen, _exp(jnp.where(seen, G[:, None] - G[None, :], 0.0)), 0.0)
+        weight = jnp.where(is_q, 1.0, beta)  # A's rows carry beta_i, M's none
+        plgpu.store(coef_ref.at[b, h, offsets], jnp.where(keep, decay * normed * weight[:, None], 0.0),
+                    mask=in_record)
+        # e^{G} then beta, g, then q_scale and k_scale: each a run of X's rows' lanes.
+        _store_lanes(coef_ref, b, h, base, jnp.where(is_q, jnp.where(valid, _exp(G), 0.0), beta), 2 * T)
+        _store_lanes(coef_ref, b, h, base + 2 * T, g_vec, T)
+        _store_lanes(coef_ref, b, h, base + 3 * T, scales, 2 * T)
+        for start in range(base + VECTORS * T, record_len, R):
+            _store_lanes(coef_ref, b, h, start, jnp.zeros((R,), jnp.float32), record_len - start)
 
 
 def _launch(body, q, k, g, beta, anc, length, second_out: jax.ShapeDtypeStruct, *, vectors: int, record_len: int,
-            use_qk_l2norm: bool, scale: float, params: VerifyCoefficientsParams, interpret, name: str):
+            lanes_len: int, use_qk_l2norm: bool, scale: float, params: VerifyCoefficientsParams, interpret,
+            name: str):
     """The checks both window kernels share (the record's length for `vectors` per-position
     scalars, a power-of-two d_k), then one `pallas_call` of `body` over `(B, H_k)` with
-    every operand and result in global memory: `(records [B, H_v, C] fp32, second_out)`.
-    The caller has checked that H_k divides H_v."""
+    every operand and result in global memory: `(records [B, H_v, C] fp32, second_out)`;
+    `body` works on `lanes_len`-lane blocks. The caller has checked that H_k divides H_v."""
     batch, width, num_k_heads, head_k_dim = q.shape
     num_v_heads = beta.shape[2]
     if record_len < 2 * width * width + vectors * width:
@@ -195,7 +305,7 @@ def _launch(body, q, k, g, beta, anc, length, second_out: jax.ShapeDtypeStruct, 
         raise ValueError(f"{name} needs d_k a power of two (Triton blocks), got {head_k_dim}")
     kernel = functools.partial(body, width=width, group_size=num_v_heads // num_k_heads,
                                use_qk_l2norm=bool(use_qk_l2norm), scale=float(scale),
-                               lanes_len=max(2, common.next_power_of_two(width)))
+                               lanes_len=lanes_len)
     operands = (length.astype(jnp.int32), q, k, g, beta, anc.astype(jnp.int32))
     spec = common.any_spec()
     return pl.pallas_call(
@@ -249,9 +359,18 @@ def verify_coefficients(
         raise ValueError(f"g and beta must be [B, T, H_v] with H_k | H_v, got {g.shape}, {beta.shape} "
                          f"for q {q.shape}")
     vectors_out = jax.ShapeDtypeStruct((batch, num_k_heads, vector_rows, head_k_dim), q.dtype)
-    return _launch(_kernel, q, k, g, beta, anc, length, vectors_out, vectors=VECTORS, record_len=record_len,
-                   use_qk_l2norm=use_qk_l2norm, scale=scale, params=params, interpret=interpret,
-                   name="verify_coefficients")
+    # X's rows, q's and k's stacked (a power of two: Triton's blocks). 2-byte X is one
+    # tensor-core dot, whose M is at least 16; fp32 X a CUDA-core dot (IEEE fp32) with its
+    # operands in registers: chunks of channels keep each to 16 floats a thread (32 a warp).
+    lanes_len = common.next_power_of_two(2 * width)
+    chunk = head_k_dim
+    if jnp.dtype(q.dtype).itemsize == 2:
+        lanes_len = max(common.MIN_DOT_DIM, lanes_len)
+    else:
+        chunk = min(head_k_dim, max(common.MIN_DOT_DIM, 16 * 32 * params.num_warps // lanes_len))
+    return _launch(functools.partial(_kernel, chunk=chunk), q, k, g, beta, anc, length, vectors_out,
+                   vectors=VECTORS, record_len=record_len, lanes_len=lanes_len, use_qk_l2norm=use_qk_l2norm,
+                   scale=scale, params=params, interpret=interpret, name="verify_coefficients")
 
 
 def _kda_kernel(length_ref, q_ref, k_ref, g_ref, beta_ref, anc_ref, coef_ref, decay_ref, *, width, group_size,
@@ -329,5 +448,5 @@ def kda_verify_coefficients(
                          f"{beta.shape} for q {q.shape}")
     decays_out = jax.ShapeDtypeStruct((batch, width, num_v_heads, head_k_dim), jnp.float32)
     return _launch(_kda_kernel, q, k, g, beta, anc, length, decays_out, vectors=KDA_VECTORS, record_len=record_len,
-                   use_qk_l2norm=use_qk_l2norm, scale=scale, params=params, interpret=interpret,
-                   name="kda_verify_coefficients")
+                   lanes_len=max(2, common.next_power_of_two(width)), use_qk_l2norm=use_qk_l2norm, scale=scale,
+                   params=params, interpret=interpret, name="kda_verify_coefficients")
