@@ -240,7 +240,8 @@ def verify_step(
         `verify_decode_kda_mgpu`; Mamba-2: `mamba2_verify_decode_mgpu`) launch (the
         readouts, the T x T solve or masked sum, the outputs, the records and the folds)
         after the window's T x T scalars in XLA, plus XLA's scatter of the folding rows' key
-        and gate records (Mamba-2: B and dt); or "auto" (`backends.auto.verify_backend`:
+        and gate records (Mamba-2: B and dt; GDN with the tensor-core readout: every row's
+        key records); or "auto" (`backends.auto.verify_backend`:
         "mosaic_gpu" on a Hopper GPU, "xla" elsewhere).
       lengths: optional `[B]` int in [0, T]: positions >= lengths[b] are padding (output 0,
         no record written, no effect on the capacity rule). Default: T for every row.
