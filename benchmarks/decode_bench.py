@@ -98,6 +98,16 @@ NEMOTRON_H_8B = Shape(8, 128, 128, "mamba2", 64)
 MAMBA2_2_7B = Shape(1, 80, 128, "mamba2", 64)
 
 
+def variant_fields(items: list[str]) -> tuple[bool, dict]:
+    """`(on_defaults, fields)` of a kernel variant spec split into its items: whether it
+    starts with `default` (the named fields then replace the backend's defaults), and the
+    `field=value` items (`true` / `false` as bools, digits as ints, other values as they
+    are)."""
+    parse = lambda v: v == "true" if v in ("true", "false") else int(v) if v.isdigit() else v
+    on_defaults = items[0] == "default"
+    return on_defaults, {name: parse(value) for name, value in (item.split("=") for item in items[on_defaults:])}
+
+
 def mamba2_params(heads: int) -> R.Mamba2Params:
     """Fixed Mamba-2 layer parameters of `heads` heads: A in [-8, -1], dt_bias near
     softplus^-1(0.05)."""

@@ -210,10 +210,7 @@ def mosaic_params(spec: str, cfg: R.ReplayConfig, batch: int):
     if spec == "default":
         return None
     cls = MosaicMamba2Params if cfg.gate_kind.additive else MosaicReplayParams
-    parse = lambda v: v == "true" if v in ("true", "false") else int(v) if v.isdigit() else v
-    items = spec.split(",")
-    on_defaults = items[0] == "default"
-    fields = dict((name, parse(value)) for name, value in (item.split("=") for item in items[on_defaults:]))
+    on_defaults, fields = db.variant_fields(spec.split(","))
     if on_defaults:
         return dataclasses.replace(mosaic_gpu.default_params(cfg, batch, jnp.bfloat16), **fields)
     if fields.get("programs") == "fit":

@@ -74,6 +74,7 @@ from decode_bench import (  # noqa: E402
     plain_params,
     random_pool,
     slot_sets,
+    variant_fields,
     versions,
 )
 from pallas_kernels.mamba2_decode import Mamba2PlainParams, mamba2_plain_decode  # noqa: E402
@@ -134,10 +135,7 @@ def backend_params(backend: str, cfg: R.ReplayConfig, batch: int, width: int):
         return name, None
     if name != "mosaic_gpu" or cfg.gate not in ("gdn", "kda"):
         raise ValueError(f"kernel options are for the GDN and KDA mosaic_gpu verify kernels, got {backend!r}")
-    parse = lambda v: v == "true" if v in ("true", "false") else int(v) if v.isdigit() else v
-    items = spec.split("+")
-    on_defaults = items[0] == "default"
-    fields = {key: parse(value) for key, value in (item.split("=") for item in items[on_defaults:])}
+    on_defaults, fields = variant_fields(spec.split("+"))
     if on_defaults:
         return name, dataclasses.replace(mosaic_gpu.verify_default_params(cfg, batch, width, jnp.bfloat16), **fields)
     if fields.get("programs") == "fit":
