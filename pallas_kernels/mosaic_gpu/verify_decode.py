@@ -58,7 +58,7 @@ by zeros before use, so garbage there (NaN included) reaches nothing.
 Writes in place (`jax.new_ref`): u records `[L, BV]` rows of this tile; g records (tile 0)
 of appending rows and, with readout "fma", their k records (tile 0 of each key head's first
 value head; with "mma" no key is in registers, and XLA writes every live row's k records
-after the launch, `append_key_records`); the folded checkpoint tile. y `[B, T, H_v, d_v]`
+after the launch, `append_folding_records`); the folded checkpoint tile. y `[B, T, H_v, d_v]`
 leaves through shared memory and one TMA copy.
 
 KDA (per-channel decay) has its own kernel, `verify_decode_kda.py`, sharing this file's
@@ -336,34 +336,28 @@ def store_zeros(o_smem, y_ref, b, h, rows, width):
     plgpu.copy_smem_to_gmem(o_smem, y_ref.at[b, :, h, rows])
 
 
-def append_key_records(key_cache: Float[Array, "N Hk L Dk"], gate_cache: Float[Array, "N Hv L"],
-                       keys: Float[Array, "B T Hk Dk"], gates: Float[Array, "B T Hv"], slot: Int[Array, " B"],
-                       pos: Int[Array, " B"], mode: Int[Array, " B"], length: Int[Array, " B"]) -> tuple:
-    """`(key_cache, gate_cache)` with every live row's key records at its window's positions
-    (`pos ..` on appending rows, `0 ..` on folding rows) and each folding row's gate records,
-    rounded to the caches' dtypes: the GDN verify kernel with the tensor-core readout holds
-    no key in registers, and a load of each key from global memory, on the one tile of a key
-    head that stored it, cost that tile a memory round trip per window position."""
-    batch, width = keys.shape[:2]
-    in_window = jnp.arange(width)[None, :] < length[:, None]
-    fold = (mode == MODE_FLUSH)[:, None]
-    at = jnp.where(fold, 0, pos[:, None]) + jnp.arange(width)[None, :]
-    return (set_records(key_cache, slot, at, keys, in_window & (mode != MODE_PAD)[:, None]),
-            set_records(gate_cache, slot, jnp.broadcast_to(jnp.arange(width)[None, :], (batch, width)), gates,
-                        in_window & fold))
-
-
 def append_folding_records(key_cache: Float[Array, "N Hk L *Dk"], gate_cache: Float[Array, "N Hv L *C"],
                            keys: Float[Array, "B T Hk *Dk"], gates: Float[Array, "B T Hv *C"], slot: Int[Array, " B"],
-                           mode: Int[Array, " B"], length: Int[Array, " B"]) -> tuple:
+                           mode: Int[Array, " B"], length: Int[Array, " B"],
+                           appending_keys_at: Int[Array, " B"] | None = None) -> tuple:
     """`(key_cache, gate_cache)` with each folding row's key and gate records (Mamba-2: B
     and dt) at `0 .. length - 1`, rounded to the caches' dtypes: written after the launch,
     since until it ends the kernel's other CTAs of the slot may read the history they
-    overwrite. Other rows and positions are untouched."""
+    overwrite. With `appending_keys_at` (the rows' cursors), the appending rows' key records
+    too, at `pos .. pos + length - 1`: the GDN verify kernel with the tensor-core readout
+    holds no key in registers, and loading each from global memory on the tile that stores
+    it cost that tile a memory round trip per position. Other rows and positions are
+    untouched."""
     batch, width = keys.shape[:2]
-    keep = (jnp.arange(width)[None, :] < length[:, None]) & (mode == MODE_FLUSH)[:, None]
+    in_window = jnp.arange(width)[None, :] < length[:, None]
+    fold = (mode == MODE_FLUSH)[:, None]
     at = jnp.broadcast_to(jnp.arange(width)[None, :], (batch, width))
-    return (set_records(key_cache, slot, at, keys, keep), set_records(gate_cache, slot, at, gates, keep))
+    key_at, key_rows = at, in_window & fold
+    if appending_keys_at is not None:
+        key_at = jnp.where(fold, 0, appending_keys_at[:, None]) + at
+        key_rows = in_window & (mode != MODE_PAD)[:, None]
+    return (set_records(key_cache, slot, key_at, keys, key_rows), set_records(gate_cache, slot, at, gates,
+                                                                             in_window & fold))
 
 
 def scaled_keys(k: Float[Array, "B T Hk Dk"], coef: Float[Array, "B Hv R Lanes"], width: int, vectors: int,
@@ -895,6 +889,5 @@ def verify_decode_mgpu(
     y = kernel(i32(slot), i32(pos), i32(mode), length, q, k, v, coef, *order, *vectors, *refs)
     checkpoint, u_cache, k_cache, g_cache = (jax.freeze(r) for r in refs)
     keys = scaled_keys(k, coef, width, GDN_VECTORS, num_v_heads // q.shape[2])
-    if params.readout == "mma":
-        return (y, checkpoint, u_cache, *append_key_records(k_cache, g_cache, keys, g, slot, pos, mode, length))
-    return (y, checkpoint, u_cache, *append_folding_records(k_cache, g_cache, keys, g, slot, mode, length))
+    return (y, checkpoint, u_cache, *append_folding_records(k_cache, g_cache, keys, g, slot, mode, length,
+                                                            pos if params.readout == "mma" else None))
