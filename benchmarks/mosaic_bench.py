@@ -180,9 +180,11 @@ def time_mosaic(timer, cfg, batch, rng, iterations, smoke, staggered, params):
     if not getattr(time_mosaic, "shown", False):  # list the kernels of one Mosaic cycle once
         timer._shown, time_mosaic.shown = False, True
     # The cycle donates its state: time it on a fresh pool per call (the copies are other
-    # kernels, not counted).
-    times = timer.kernel_times(lambda s, t: fn(jax.tree.map(jnp.copy, pool), s, t), (jnp.asarray(sets), token),
-                               "" if smoke else MOSAIC_KERNELS[cfg.gate], iterations)
+    # kernels, not counted). The pool is an argument: the timer jits the call, and a pool it
+    # closed over would be lowered as a constant (GBs, minutes of compile per cell).
+    times = timer.kernel_times(lambda p, s, t: fn(jax.tree.map(jnp.copy, p), s, t),
+                               (pool, jnp.asarray(sets), token), "" if smoke else MOSAIC_KERNELS[cfg.gate],
+                               iterations)
     side_us = time_xla_side(timer, cfg, params, pool.k_cache, jnp.asarray(sets), token, iterations)
     if staggered or smoke:
         return None, None, statistics.median(times) + side_us, side_us

@@ -106,6 +106,29 @@ def test_mosaic_step_times_include_what_xla_computes_before_the_kernel():
     assert mosaic_bench.time_xla_side(timer, cfg, MosaicReplayParams(), pool.k_cache, sets, token, 1) == 0.0
 
 
+def test_mosaic_cycle_is_timed_on_the_pool_as_an_argument():
+    """The CUPTI timer jits what it times: a pool the timed call closed over would be
+    lowered as a constant (GBs at the benchmark's batches), so the pool must come in as an
+    argument and leave nothing large for the lowering to capture."""
+    import jax
+    import numpy as np
+
+    class Recorder(decode_bench.Timer):
+        def kernel_times(self, fn, args, name, iterations):
+            self.lowered = jax.jit(fn).lower(*args).as_text()
+            self.args = args
+            return super().kernel_times(fn, args, name, iterations)
+
+    cfg = mosaic_bench.gdn_config(True, 8, "float32")
+    timer = Recorder(True)
+    params = mosaic_bench.effective_params("default", cfg, 2)
+    mosaic_bench.time_mosaic(timer, cfg, 2, np.random.default_rng(0), 1, True, False, params)
+    pools = [a for a in timer.args if hasattr(a, "checkpoint")]
+    assert len(pools) == 1
+    assert "dense<" not in timer.lowered or all(
+        len(line) < 4096 for line in timer.lowered.splitlines() if "dense<" in line)
+
+
 def test_mosaic_bench_check_reports_a_variant_a_case_refuses():
     """A variant whose build a case refuses (here a tensor-core rebuild, which interpret mode
     cannot run) is reported as skipped with the reason; the other backends are checked."""
