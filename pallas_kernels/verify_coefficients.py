@@ -91,7 +91,7 @@ class KeyRing(NamedTuple):
 
     Attributes:
       keys: `[N_slots, H_k, L, d_k]` the key records (any float dtype).
-      slot: `[B]` int32, each row's slot (a negative one reads nothing).
+      slot: `[B]` int32, each row's slot (a negative one, a padding row's, names slot 0).
       reads: `[B]` int32, nonzero where the row's ring is read; other rows get zero sums.
       heads: key heads per block (divides H_k; heads * L <= columns).
       columns: the blocks' last axis.
@@ -244,9 +244,9 @@ def _window_gram(q_ref, k_ref, vec_ref, b, hk, pos, valid, is_q, chunk: int, rin
 
 
 def _ring_loader(slot_ref, reads_ref, keys_ref, b, hk, ring_len: int):
-    """`cols -> [Lp, K]` fp32: row b's key records of key head hk at channels `cols`, Lp the
-    next power of two >= max(L, 16) (a dot's operand), rows past L and every row where
-    `reads_ref[b]` is 0 zero and unread."""
+    """`cols -> [Lp, K]` fp32: row b's key records of key head hk at channels `cols` (Lp the
+    next power of two >= max(L, 16), a dot's operand); zeros, unread, past L and wherever
+    `reads_ref[b]` is 0."""
     entries = jnp.arange(ring_len, dtype=jnp.int32)[:, None]
     cache_len, slot = keys_ref.shape[2], jnp.maximum(slot_ref[b], 0)
     read = jnp.logical_and(entries < cache_len, reads_ref[b] != 0)
