@@ -24,7 +24,8 @@ without forming S: `S_c (e^{G_h} * x) + U^T ((W * K) x)` over the row's `pos` va
 of `replay_decode_kda`); entries at and past `pos` are selected to 0 before any product.
 
 Row modes as in the GDN kernel: `MODE_APPEND` writes the window's records at
-`pos .. pos + length - 1` and not the checkpoint; `MODE_FLUSH` rebuilds the live state
+`pos .. pos + length - 1` and not the checkpoint (the gate records from a copy of the
+window's gates taken with the tile, by tile 0 of each value head); `MODE_FLUSH` rebuilds the live state
 `S_c diag(e^{G_h}) + sum_j u_j (W_j * k_j)^T` on chip in exact fp32 (`rebuild_exact` of
 `replay_decode_kda`: newest entry first, `W * K` written over the g records' buffer), stores
 it rounded to the checkpoint's dtype in place, reads the window out from that stored value
@@ -106,8 +107,8 @@ def kda_window_coefficients(
 def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, g_ref, decay_ref, coef_ref,
             ckpt_ref, ucache_ref, kcache_ref, gcache_ref,
             y_ref,
-            t_smem, u_smem, k_smem, g_smem, w_smem, chan_smem, o_smem, c_smem, u_rows, window_smem, barrier,
-            rows_barrier,
+            t_smem, u_smem, k_smem, g_smem, w_smem, chan_smem, o_smem, c_smem, rows_or_gates, window_smem,
+            barrier, rows_barrier, gate_barrier,
             *, width, group_size, tiles):
     b = lax.axis_index("b")
     hv = lax.axis_index("hv")
@@ -116,6 +117,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, g_ref,
     rows = pl.ds(tile * BLOCK_ROWS, BLOCK_ROWS)
     mode = mode_ref[b]
     cache_len, head_k_dim = g_smem.shape
+    u_rows, gate_rows = tuple(rows_or_gates)  # a folding row's u records, or an appending row's gates
     channels = channel_layout(head_k_dim)
 
     @pl.when(mode == MODE_PAD)
@@ -141,6 +143,14 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, g_ref,
             # The rebuild reads single u records at a dynamic index, which the swizzled
             # buffer cannot serve: folding rows fetch an untiled copy (L2-resident).
             plgpu.copy_gmem_to_smem(ucache_ref.at[slot, h, :, rows], u_rows, rows_barrier)
+
+        # The window's gates, which tile 0 of an appending row stores as its gate records:
+        # copied with the tile, so that no append waits on a load from global memory.
+        stores_gates = (mode == MODE_APPEND) & (tile == 0)
+
+        @pl.when(stores_gates)
+        def _fetch_gates():
+            plgpu.copy_gmem_to_smem(g_ref.at[b, :, h], gate_rows, gate_barrier)
 
         plgpu.barrier_wait(barrier)
         decay_weights(g_smem, w_smem, chan_smem, pos, channels)
@@ -197,13 +207,17 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, g_ref,
             def _append_u():
                 ucache_ref[slot, h, base + i, rows] = u_i.astype(ucache_ref.dtype)
 
-            @pl.when(in_window & (mode == MODE_APPEND) & (tile == 0))
+            @pl.when(in_window & stores_gates)
             def _append_gate():
-                gcache_ref[slot, h, base + i] = plgpu.load(g_ref.at[b, i, h], layout=ROW, optimized=False).astype(F32)
+                gcache_ref[slot, h, base + i] = plgpu.load(gate_rows.at[i], layout=ROW, optimized=False).astype(F32)
 
             @pl.when(in_window & (mode == MODE_APPEND) & (tile == 0) & (h % group_size == 0))
             def _append_key():
                 kcache_ref[slot, hk, base + i] = k_col.astype(kcache_ref.dtype)
+
+        @pl.when(stores_gates)
+        def _gates_landed():
+            plgpu.barrier_wait(gate_barrier)
 
         solve_positions(width, length, A, M, beta, v_rows, o_smem, read_k, read_q, append)
         plgpu.commit_smem()
@@ -214,7 +228,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, g_ref,
 
 @functools.lru_cache(maxsize=None)
 def _build(batch, width, num_v_heads, head_v_dim, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y_dtype,
-           group_size, swizzle, interpret):
+           gate_dtype, group_size, swizzle, interpret):
     tiles = head_v_dim // BLOCK_ROWS
     body = functools.partial(_kernel, width=width, group_size=group_size, tiles=tiles)
     scratch = [
@@ -226,10 +240,13 @@ def _build(batch, width, num_v_heads, head_v_dim, head_k_dim, cache_len, state_d
         plgpu.SMEM((1, head_k_dim), F32),  # e^{G_h}
         plgpu.SMEM((width, BLOCK_ROWS), y_dtype),
         plgpu.SMEM(coefficient_shape(width, KDA_VECTORS), F32),
-        plgpu.SMEM((cache_len, BLOCK_ROWS), cache_dtype),  # untiled u records for the rebuild
+        # Untiled u records for a folding row's rebuild, or the window's gates on the tile of
+        # an appending row that stores them: never both, so they share their bytes.
+        plgpu.RefUnion(plgpu.SMEM((cache_len, BLOCK_ROWS), cache_dtype), plgpu.SMEM((width, head_k_dim), gate_dtype)),
         [plgpu.SMEM((width, head_k_dim), qk_dtype) for _ in range(4)] + [plgpu.SMEM((width, BLOCK_ROWS), y_dtype)]
         + [plgpu.SMEM((width, head_k_dim), F32) for _ in range(2)],
         plgpu.Barrier(num_arrivals=12),
+        plgpu.Barrier(num_arrivals=1),
         plgpu.Barrier(num_arrivals=1),
     ]
     check_smem(scratch, f"verify_decode_kda_mgpu at T = {width}, cache_len = {cache_len}, d_k = {head_k_dim}")
@@ -300,7 +317,7 @@ def verify_decode_kda_mgpu(
         coef, decay = kda_window_coefficients(q, k, g, beta, anc.astype(bool), length,
                                               use_qk_l2norm=bool(use_qk_l2norm), scale=scale)
     kernel = _build(batch, width, num_v_heads, head_v_dim, head_k_dim, cache_len, checkpoint.dtype, u_cache.dtype,
-                    q.dtype, v.dtype, num_v_heads // q.shape[2], params.swizzle, bool(interpret))
+                    q.dtype, v.dtype, g.dtype, num_v_heads // q.shape[2], params.swizzle, bool(interpret))
     refs = [jax.new_ref(x) for x in (checkpoint, u_cache, k_cache, g_cache)]
     i32 = lambda x: x.astype(jnp.int32)
     y = kernel(i32(slot), i32(pos), i32(mode), length, q, k, v, g, decay, coef, *refs)
