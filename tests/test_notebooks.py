@@ -50,7 +50,7 @@ def notebook_env(fig_dir: Path, jupyter_dir: Path) -> dict[str, str]:
         "JUPYTER_PATH": os.pathsep.join(p for p in jupyter_path if p),
         "RS_FIG_DIR": str(fig_dir),
         "MPLBACKEND": "Agg",
-        "RS_ACCURACY_STEPS": os.environ.get("RS_ACCURACY_STEPS", "1024"),  # notebook 03: 10^4 steps by default
+        "RS_ACCURACY_STEPS": os.environ.get("RS_ACCURACY_STEPS", "256"),  # notebook 03: 10^4 steps by default
         "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"),
     }
 
