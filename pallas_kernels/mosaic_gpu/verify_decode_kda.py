@@ -25,10 +25,10 @@ of `replay_decode_kda`); entries at and past `pos` are selected to 0 before any 
 
 Row modes as in the GDN kernel: `MODE_APPEND` writes the window's records at
 `pos .. pos + length - 1` and not the checkpoint (the gate records from a copy of the
-window's gates taken with the tile, by tile 0 of each value head); `MODE_FLUSH` rebuilds the live state
-`S_c diag(e^{G_h}) + sum_j u_j (W_j * k_j)^T` on chip in exact fp32 (`rebuild_exact` of
-`replay_decode_kda`: newest entry first, `W * K` written over the g records' buffer), stores
-it rounded to the checkpoint's dtype in place, reads the window out from that stored value
+window's gates taken with the tile, by tile 0 of each value head); `MODE_FLUSH` rebuilds
+the live state `S_c diag(e^{G_h}) + sum_j u_j (W_j * k_j)^T` on chip in exact fp32
+(`rebuild_exact` of `replay_decode_kda`: newest entry first, `W * K` written over the g
+records' buffer), stores it rounded to the checkpoint's dtype in place, reads the window out from that stored value
 and writes its u records at `0 .. length - 1` (the wrapper writes its key and gate records
 after the launch: other CTAs of the slot may still read the history they overwrite);
 `MODE_PAD` gives y = 0 and writes nothing. Window positions at and past `length` give
@@ -211,7 +211,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, g_ref,
             def _append_gate():
                 gcache_ref[slot, h, base + i] = plgpu.load(gate_rows.at[i], layout=ROW, optimized=False).astype(F32)
 
-            @pl.when(in_window & (mode == MODE_APPEND) & (tile == 0) & (h % group_size == 0))
+            @pl.when(in_window & stores_gates & (h % group_size == 0))
             def _append_key():
                 kcache_ref[slot, hk, base + i] = k_col.astype(kcache_ref.dtype)
 
