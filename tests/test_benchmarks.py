@@ -30,6 +30,7 @@ from pallas_kernels.replay_decode_grouped import ReplayGroupedParams  # noqa: E4
 from replayssm_jax.backends import pallas_triton  # noqa: E402
 
 
+@pytest.mark.heavy
 def test_decode_bench_smoke_writes_every_section(tmp_path):
     out = tmp_path / "bench.json"
     result = decode_bench.main([
@@ -55,6 +56,7 @@ def test_decode_bench_smoke_writes_every_section(tmp_path):
     assert debug["jit_sync_us"] > 0 and debug["checked_sync_us"] > 0 and debug["jit_pipelined_us"] > 0
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("gate,check,sweep", [("gdn", "check", "sweep"), ("kda", "kda_check", "kda_sweep"),
                                               ("mamba2", "mamba2_check", "mamba2_sweep")])
 def test_mosaic_bench_smoke(tmp_path, gate, check, sweep):
@@ -159,6 +161,7 @@ def test_mosaic_variant_specs_parse_to_params():
     assert not on_defaults.auto_barriers and MosaicMamba2Params(programs=7).auto_barriers
 
 
+@pytest.mark.heavy
 def test_decode_bench_mamba2_smoke(tmp_path):
     out = tmp_path / "mamba2.json"
     decode_bench.main(["--smoke", "--sections", "mamba2", "--mamba2-batches", "2", "--mamba2-cache-lens", "4",
@@ -207,6 +210,7 @@ def test_table_cases_list_each_reachable_row_once():
     assert set(params) <= gdn_fp32_rows
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("gate", ["gdn", "kda", "mamba2"])
 def test_verify_bench_smoke_writes_its_rows(tmp_path, gate):
     out = tmp_path / "verify.json"

@@ -227,6 +227,9 @@ def _lower_for_h200(kernel, state_dtype, cache_dtype, cache_len, raw, *, per_cha
     return jax.jit(step, donate_argnums=(0, 1, 2, 3)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
+SLOW = pytest.mark.slow  # a second shape or option of a path that a faster lowering here also reaches
+
+
 @pytest.mark.parametrize("state_dtype,cache_dtype,cache_len,raw", [
     (jnp.float32, jnp.float32, 16, False), (jnp.bfloat16, jnp.bfloat16, 16, True),
     (jnp.float32, jnp.bfloat16, 32, True), (jnp.float32, jnp.float32, 8, False), (jnp.float32, jnp.float32, 64, False),
@@ -262,8 +265,8 @@ def test_lowers_for_an_abstract_h200(state_dtype, cache_dtype, cache_len, raw, p
                                           key_side="xla", warpgroups=3)),
     # The key side on tensor cores: register A operands against the key records, its
     # products shared through shared memory, by one warpgroup per CTA or three.
-    (jnp.bfloat16, 16, MosaicReplayParams(programs=396, auto_barriers=False, rebuild="3xtf32", readout="mma",
-                                          key_side="mma", warpgroups=3)),
+    pytest.param(jnp.bfloat16, 16, MosaicReplayParams(programs=396, auto_barriers=False, rebuild="3xtf32",
+                                                      readout="mma", key_side="mma", warpgroups=3), marks=SLOW),
     (jnp.bfloat16, 16, MosaicReplayParams(programs=264, auto_barriers=False, rebuild="3xtf32", readout="mma",
                                           key_side="mma", per_tile_addresses=True)),
 ])
@@ -278,10 +281,11 @@ def test_the_tensor_core_readout_lowers_for_an_abstract_h200(state_dtype, cache_
 @pytest.mark.parametrize("state_dtype,cache_dtype,cache_len,raw,head_dim,params", [
     (jnp.float32, jnp.float32, 8, False, 128, MosaicReplayParams()),
     (jnp.float32, jnp.float32, 16, True, 128, MosaicReplayParams(programs=264, auto_barriers=False)),
-    (jnp.float32, jnp.float32, 16, False, 128, MosaicReplayParams(programs=264, auto_barriers=False, rebuild="3xtf32")),
+    pytest.param(jnp.float32, jnp.float32, 16, False, 128,
+                 MosaicReplayParams(programs=264, auto_barriers=False, rebuild="3xtf32"), marks=SLOW),
     (jnp.bfloat16, jnp.bfloat16, 16, False, 128, MosaicReplayParams(programs=264, rebuild="3xtf32")),
-    (jnp.float32, jnp.bfloat16, 32, True, 128, MosaicReplayParams(rebuild="tf32")),
-    (jnp.bfloat16, jnp.bfloat16, 32, True, 128, MosaicReplayParams(programs=132)),
+    pytest.param(jnp.float32, jnp.bfloat16, 32, True, 128, MosaicReplayParams(rebuild="tf32"), marks=SLOW),
+    pytest.param(jnp.bfloat16, jnp.bfloat16, 32, True, 128, MosaicReplayParams(programs=132), marks=SLOW),
     (jnp.float32, jnp.float32, 16, False, 64, MosaicReplayParams(programs=264, rebuild="bf16")),
 ])
 def test_kda_lowers_for_an_abstract_h200(state_dtype, cache_dtype, cache_len, raw, head_dim, params):

@@ -192,11 +192,15 @@ def _lower_for_h200(gate, state_dtype, cache_len, width, head_dim=128, params=Mo
     return jax.jit(step, donate_argnums=(0, 1, 2, 3)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
+SLOW = pytest.mark.slow  # a second shape or option of a path that a faster lowering here also reaches
+
+
 @pytest.mark.parametrize("gate,state_dtype,cache_len,width,head_dim", [
-    ("gdn", jnp.float32, 16, 4, 128), ("gdn", jnp.float32, 32, 8, 128), ("gdn", jnp.bfloat16, 16, 2, 128),
-    ("gdn", jnp.float32, 32, 1, 128), ("gdn", jnp.float32, 16, 11, 128),
-    ("kda", jnp.float32, 16, 4, 128), ("kda", jnp.float32, 32, 8, 128), ("kda", jnp.bfloat16, 16, 2, 128),
-    ("kda", jnp.bfloat16, 32, 4, 128), ("kda", jnp.float32, 16, 4, 64),
+    ("gdn", jnp.float32, 16, 4, 128), pytest.param("gdn", jnp.float32, 32, 8, 128, marks=SLOW),
+    ("gdn", jnp.bfloat16, 16, 2, 128), ("gdn", jnp.float32, 32, 1, 128), ("gdn", jnp.float32, 16, 11, 128),
+    pytest.param("kda", jnp.float32, 16, 4, 128, marks=SLOW), pytest.param("kda", jnp.float32, 32, 8, 128, marks=SLOW),
+    ("kda", jnp.bfloat16, 16, 2, 128), pytest.param("kda", jnp.bfloat16, 32, 4, 128, marks=SLOW),
+    ("kda", jnp.float32, 16, 4, 64),
 ])
 def test_lowers_for_an_abstract_h200(gate, state_dtype, cache_len, width, head_dim):
     """d = 128 (the benchmark shapes; KDA also d = 64, where two warps hold each channel),
@@ -207,8 +211,8 @@ def test_lowers_for_an_abstract_h200(gate, state_dtype, cache_len, width, head_d
 
 
 @pytest.mark.parametrize("state_dtype,cache_len,width,auto_barriers,readout", [
-    (jnp.float32, 16, 4, False, "fma"), (jnp.bfloat16, 32, 4, False, "fma"),
-    (jnp.float32, 16, 4, False, "mma"), (jnp.bfloat16, 32, 4, False, "mma")])
+    (jnp.float32, 16, 4, False, "fma"), pytest.param(jnp.bfloat16, 32, 4, False, "fma", marks=SLOW),
+    pytest.param(jnp.float32, 16, 4, False, "mma", marks=SLOW), pytest.param(jnp.bfloat16, 32, 4, False, "mma", marks=SLOW)])
 def test_persistent_gdn_verify_lowers_for_an_abstract_h200(state_dtype, cache_len, width, auto_barriers, readout):
     """As many persistent CTAs as fit (132 SMs), without Mosaic's barriers (as every
     persistent default; the float64-model tests run them with the barriers too), and with
@@ -222,7 +226,9 @@ def test_persistent_gdn_verify_lowers_for_an_abstract_h200(state_dtype, cache_le
 
 
 @pytest.mark.parametrize("state_dtype,cache_len,rebuild,programs,readout,per_tile_addresses", [
-    (jnp.bfloat16, 16, "3xtf32", 264, "mma", True), (jnp.float32, 24, "3xtf32", 0, "fma", False),
+    # (the bf16 row's defaults, with their records taken with the tile, lower below)
+    pytest.param(jnp.bfloat16, 16, "3xtf32", 264, "mma", True, marks=SLOW),
+    pytest.param(jnp.float32, 24, "3xtf32", 0, "fma", False, marks=SLOW),
     (jnp.float32, 24, "3xtf32", 0, "fma", True), (jnp.float32, 16, "tf32", 0, "fma", False)])
 def test_tensor_core_fold_lowers_for_an_abstract_h200(state_dtype, cache_len, rebuild, programs, readout,
                                                       per_tile_addresses):
@@ -380,7 +386,7 @@ def test_prefetched_key_records_lower_for_an_abstract_h200(warpgroups):
     assert "mosaic_gpu" in _lower_for_h200("gdn", jnp.bfloat16, 16, 4, params=params)
 
 
-@pytest.mark.parametrize("cache_len,width", [(16, 4), (32, 4), (16, 8)])  # the defaults' three-warpgroup rows
+@pytest.mark.parametrize("cache_len,width", [(16, 4), (32, 4), pytest.param(16, 8, marks=SLOW)])  # the defaults' rows
 def test_three_warpgroups_lower_for_an_abstract_h200(cache_len, width):
     """bf16 state: one CTA of three programs per SM (their buffers fit, the fold's operands
     in buffers of their own; the exact fold's record copies run in the float64-model test),
@@ -407,7 +413,8 @@ def test_tensor_core_fold_needs_a_gpu():
                            params=MosaicReplayParams(rebuild="3xtf32"), interpret=True)
 
 
-@pytest.mark.parametrize("state_dtype,cache_len,width", [(jnp.float32, 32, 2), (jnp.bfloat16, 16, 11)])
+@pytest.mark.parametrize("state_dtype,cache_len,width", [(jnp.float32, 32, 2),
+                                                        pytest.param(jnp.bfloat16, 16, 11, marks=SLOW)])
 def test_mma_readout_lowers_for_an_abstract_h200(state_dtype, cache_len, width):
     """One CTA per tile; T = 2 (2T < 8: zero rows pad the window) and T = 11 (N = 24)."""
     params = MosaicReplayParams(readout="mma")
@@ -597,7 +604,9 @@ def test_kda_refuses_shapes_it_cannot_take():
 @pytest.mark.parametrize("gate,state_dtype,raw,params", [
     ("gdn", jnp.float32, True, None), ("gdn", jnp.bfloat16, False, None), ("kda", jnp.float32, True, None),
     ("kda", jnp.bfloat16, False, None),
-    ("gdn", jnp.float32, False, MosaicReplayParams(programs=2, auto_barriers=False, launch_order=True)),
+    # (the launch order's rows are the float64-model test's too)
+    pytest.param("gdn", jnp.float32, False, MosaicReplayParams(programs=2, auto_barriers=False, launch_order=True),
+                 marks=SLOW),
     ("gdn", jnp.bfloat16, True, MosaicReplayParams(programs=2, auto_barriers=False, window_side="kernel")),
     ("gdn", jnp.float32, True, MosaicReplayParams(programs=2, auto_barriers=False, key_side="xla",
                                                   window_side="kernel", window_key_sums=True)),

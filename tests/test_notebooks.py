@@ -83,6 +83,7 @@ def test_notebooks_found():
     assert {"01_quickstart", "02_cache_length", "03_dtype_accuracy", "04_speculative"} <= set(NOTEBOOKS)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_notebook_runs(name, tmp_path, monkeypatch):
     fig_dir = tmp_path / "figures"

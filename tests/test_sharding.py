@@ -50,6 +50,7 @@ TINY = decoder.DecoderConfig(vocab_size=48, d_model=32, num_layers=2, num_k_head
                              head_k_dim=8, head_v_dim=8, mlp_hidden=32)
 
 
+@pytest.mark.heavy
 def test_sharded_tests_pass_on_eight_devices():
     if CHILD:
         pytest.skip("this is the child")
