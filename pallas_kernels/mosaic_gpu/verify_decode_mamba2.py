@@ -22,8 +22,7 @@ sum, so a stale record (NaN included) cannot reach an output.
 
 Row modes as in the GDN kernel:
 - `MODE_APPEND`: the window's records go to `pos .. pos + length - 1` (x: each tile its
-  rows; dt: tile 0; B: tile 0 of each group's first head, from a copy of the window's B
-  taken with the tile); the checkpoint is not written.
+  rows; dt: tile 0; B: tile 0 of each group's first head); the checkpoint is not written.
 - `MODE_FLUSH` (the capacity rule folds the row): the live state is rebuilt on chip in
   exact fp32 (`mamba2_decode.rebuild_exact`), rounded to the checkpoint's dtype and stored
   in place; the window is read out from that stored value and its x records go to
@@ -98,8 +97,8 @@ def mamba2_window_coefficients(
 def _kernel(slot_ref, pos_ref, mode_ref, length_ref, x_ref, b_ref, c_ref, z_ref, a_ref, coef_ref,
             ckpt_ref, xcache_ref, bcache_ref, dtcache_ref,
             y_ref,
-            t_smem, xrec_smem, brec_smem, dt_smem, o_smem, c_smem, x_rows, rows_or_b, window_smem, barrier,
-            rows_barrier, b_barrier, *, width, group_size, tiles, has_z):
+            t_smem, xrec_smem, brec_smem, dt_smem, o_smem, c_smem, x_rows, b_rows, window_smem, barrier, rows_barrier,
+            *, width, group_size, tiles, has_z):
     b = lax.axis_index("b")
     hp = lax.axis_index("hp")
     h, tile = hp // tiles, hp % tiles
@@ -107,7 +106,6 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, x_ref, b_ref, c_ref, z_ref,
     rows = pl.ds(tile * BLOCK_ROWS, BLOCK_ROWS)
     mode = mode_ref[b]
     cache_len = xrec_smem.shape[0]
-    b_rows, b_win = tuple(rows_or_b)  # a folding row's B records, or an appending row's window B
 
     @pl.when(mode == MODE_PAD)
     def _padding_row():
@@ -133,14 +131,6 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, x_ref, b_ref, c_ref, z_ref,
             # The rebuild reads single records at a dynamic index, which the swizzled
             # buffers cannot serve: folding rows fetch an untiled copy (L2-resident).
             copy_record_rows((xcache_ref, bcache_ref), (x_rows, b_rows), slot, h, grp, rows, rows_barrier)
-
-        # The window's B, which the group's first tile of an appending row stores as its B
-        # records: copied with the tile, so that no append waits on a load from global memory.
-        stores_b = (mode == MODE_APPEND) & (tile == 0) & (h % group_size == 0)
-
-        @pl.when(stores_b)
-        def _fetch_b():
-            plgpu.copy_gmem_to_smem(b_ref.at[b, :, grp], b_win, b_barrier)
 
         a = a_ref[h].astype(F32)
         plgpu.barrier_wait(barrier)
@@ -172,10 +162,6 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, x_ref, b_ref, c_ref, z_ref,
         M, e_a, dt = unpack_coefficients(c_smem, width, MAMBA2_VECTORS, MAMBA2_MATRICES)
         base = jnp.where(fold, 0, pos)
 
-        @pl.when(stores_b)
-        def _b_landed():
-            plgpu.barrier_wait(b_barrier)
-
         xs = []
         for i in range(width):
             in_window = i < length
@@ -202,9 +188,9 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, x_ref, b_ref, c_ref, z_ref,
             def _append_dt():
                 dtcache_ref[slot, h, base + i] = dt(i)
 
-            @pl.when(in_window & stores_b)
+            @pl.when(in_window & (mode == MODE_APPEND) & (tile == 0) & (h % group_size == 0))
             def _append_b():
-                b_i = plgpu.load(b_win.at[i], layout=COL, optimized=False)
+                b_i = plgpu.load(b_ref.at[b, i, grp], layout=COL, optimized=False)
                 bcache_ref[slot, grp, base + i] = b_i.astype(bcache_ref.dtype)
 
         plgpu.commit_smem()
@@ -213,13 +199,11 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, x_ref, b_ref, c_ref, z_ref,
     plgpu.wait_smem_to_gmem(0)
 
 
-def _scratch(width, head_dim_tile, state_size, cache_len, state_dtype, cache_dtype, b_dtype, c_dtype, x_dtype,
-             z_dtype, y_dtype, swizzle) -> list:
+def _scratch(width, head_dim_tile, state_size, cache_len, state_dtype, cache_dtype, c_dtype, x_dtype, z_dtype,
+             y_dtype, swizzle) -> list:
     """The kernel's shared buffers: the replay buffers of a `[64, N]` tile (y `[T, 64]`), the
-    coefficient record, the rebuild's untiled record copies (B's in a union with the
-    window's B `[T, N]`, which only appending rows' storing tiles copy: never both), the
-    window's C (twice), x and z (when given) and the three barriers."""
-    x_rows, b_rows = record_copies(head_dim_tile, state_size, cache_len, cache_dtype)
+    coefficient record, the rebuild's untiled record copies, the window's C (twice), x and
+    z (when given) and the two barriers."""
     window = [plgpu.SMEM((width, state_size), c_dtype) for _ in range(2)] + [
         plgpu.SMEM((width, head_dim_tile), x_dtype)]
     window += [plgpu.SMEM((width, head_dim_tile), z_dtype)] if z_dtype is not None else []
@@ -227,22 +211,20 @@ def _scratch(width, head_dim_tile, state_size, cache_len, state_dtype, cache_dty
         *replay_scratch(head_dim_tile, state_size, cache_len, state_dtype, cache_dtype, (width, head_dim_tile),
                         y_dtype, swizzle),
         plgpu.SMEM(coefficient_shape(width, MAMBA2_VECTORS, MAMBA2_MATRICES), F32),
-        x_rows,
-        plgpu.RefUnion(b_rows, plgpu.SMEM((width, state_size), b_dtype)),
+        *record_copies(head_dim_tile, state_size, cache_len, cache_dtype),
         window,
         plgpu.Barrier(num_arrivals=5 + len(window)),
         plgpu.Barrier(num_arrivals=2),
-        plgpu.Barrier(num_arrivals=1),
     ]
 
 
 @functools.lru_cache(maxsize=None)
-def _build(batch, width, heads, head_dim, state_size, cache_len, state_dtype, cache_dtype, b_dtype, c_dtype, x_dtype,
-           z_dtype, group_size, swizzle, interpret):
+def _build(batch, width, heads, head_dim, state_size, cache_len, state_dtype, cache_dtype, c_dtype, x_dtype, z_dtype,
+           group_size, swizzle, interpret):
     tiles = head_dim // BLOCK_ROWS
     body = functools.partial(_kernel, width=width, group_size=group_size, tiles=tiles, has_z=z_dtype is not None)
-    scratch = _scratch(width, BLOCK_ROWS, state_size, cache_len, state_dtype, cache_dtype, b_dtype, c_dtype, x_dtype,
-                       z_dtype, x_dtype, swizzle)
+    scratch = _scratch(width, BLOCK_ROWS, state_size, cache_len, state_dtype, cache_dtype, c_dtype, x_dtype, z_dtype,
+                       x_dtype, swizzle)
     check_smem(scratch, f"mamba2_verify_decode_mgpu at T = {width}, cache_len = {cache_len}, N = {state_size}")
     return build_kernel(body, jax.ShapeDtypeStruct((batch, width, heads, head_dim), x_dtype), scratch,
                         dict(grid=(batch, heads * tiles), grid_names=("b", "hp")),
@@ -321,9 +303,8 @@ def mamba2_verify_decode_mgpu(
         interpret = jax.default_backend() != "gpu"
     length = length.astype(jnp.int32)
     coef = mamba2_window_coefficients(B, C, dt, A, D, anc.astype(bool), length)
-    kernel = _build(batch, width, heads, head_dim, state_size, cache_len, checkpoint.dtype, x_cache.dtype, B.dtype,
-                    C.dtype, x.dtype, None if z is None else z.dtype, heads // num_groups, params.swizzle,
-                    bool(interpret))
+    kernel = _build(batch, width, heads, head_dim, state_size, cache_len, checkpoint.dtype, x_cache.dtype, C.dtype,
+                    x.dtype, None if z is None else z.dtype, heads // num_groups, params.swizzle, bool(interpret))
     z = jnp.zeros((1,), x.dtype) if z is None else z
     refs = [jax.new_ref(a) for a in (checkpoint, x_cache, b_cache, dt_cache)]
     i32 = lambda a: a.astype(jnp.int32)
