@@ -31,13 +31,6 @@ columns T .. 2T-1 of rows 0 .. 2T-1 are M's and A's entries; the staged vectors 
 rows, stored as they are loaded. Lanes outside the window or at and past the length are
 masked on every load and store.
 
-Given a key ring (`KeyRing`), the GDN program also forms the window's key sums, `K x` of
-each raw X row over every entry of its slot's ring (the cache's key records, stale ones
-included), in the same loop over channels as X X^T: one more CUDA-core dot in IEEE fp32 per
-chunk, `[L, K] x [K, R]`, written transposed into the caller's blocked layout (the Mosaic
-verify kernel's, `verify_decode.window_key_values`'); rows that do not read their ring get
-zeros without a load.
-
 The KDA program works on `[P, d_k]` and `[P]` blocks, P the next power of two >= T (Triton's
 block shapes), one position at a time: rows and lanes at and past T are masked on every
 load and store.
@@ -81,27 +74,6 @@ class VerifyCoefficientsParams:
     def __post_init__(self) -> None:
         if isinstance(self.num_warps, bool) or self.num_warps not in (1, 2, 4, 8):
             raise ValueError(f"num_warps must be 1, 2, 4 or 8, got {self.num_warps!r}")
-
-
-class KeyRing(NamedTuple):
-    """The key records whose sums `verify_coefficients` forms with the window, and the
-    layout they go to: `sums [B, H_k / heads, N, columns]` fp32, `K x_r` of key head hk,
-    ring entry l at `[b, hk // heads, r, (hk % heads) L + l]` for the X rows r < 2T (q_t at
-    t, k_t at T + t); entries outside those boxes are not written.
-
-    Attributes:
-      keys: `[N_slots, H_k, L, d_k]` the key records (any float dtype).
-      slot: `[B]` int32, each row's slot (a negative one, a padding row's, names slot 0).
-      reads: `[B]` int32, nonzero where the row's ring is read; other rows get zero sums.
-      heads: key heads per block (divides H_k; heads * L <= columns).
-      columns: the blocks' last axis.
-    """
-
-    keys: jax.Array
-    slot: jax.Array
-    reads: jax.Array
-    heads: int
-    columns: int
 
 
 def _lane_vector(values, lanes):
@@ -218,56 +190,19 @@ def _stage_vectors(vec_ref, b, hk, x, cols):
                     mask=jnp.broadcast_to(inside[:, None], x.shape))
 
 
-def _dot_t(a, b):
-    """`a b^T` in fp32 (IEEE where the operands are fp32: the default would be TF32)."""
-    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=jax.lax.Precision.HIGHEST,
-                               preferred_element_type=jnp.float32)
-
-
-def _window_gram(q_ref, k_ref, vec_ref, b, hk, pos, valid, is_q, chunk: int, ring_rows=None):
-    """`(X X^T [R, R], K X^T [Lp, R] or None)` in fp32, staging X's rows on the way, one dot
-    per `chunk` channels. A 2-byte X X^T is one tensor-core dot (exact products, fp32 sums);
-    fp32 X a CUDA-core one in IEEE fp32. `ring_rows(cols)`: the ring's key records `[Lp, K]`
-    fp32 at those channels (zeros where not read), whose products with X, in IEEE fp32, sum
-    to the key sums."""
-    gram = sums = None
+def _window_gram(q_ref, k_ref, vec_ref, b, hk, pos, valid, is_q, chunk: int):
+    """`[R, R]` fp32 X X^T, staging X's rows on the way, one dot per `chunk` channels. A
+    2-byte X is one tensor-core dot (exact products, fp32 sums); fp32 X a CUDA-core one in
+    IEEE fp32 (the default precision would be TF32)."""
+    gram = None
     for first in range(0, q_ref.shape[3], chunk):
         cols = first + jnp.arange(chunk, dtype=jnp.int32)[None, :]
         x = _stacked_window(q_ref, k_ref, b, hk, pos, valid, is_q, cols)
         _stage_vectors(vec_ref, b, hk, x, cols)
-        part = _dot_t(x, x)
+        part = jax.lax.dot_general(x, x, (((1,), (1,)), ((), ())), precision=jax.lax.Precision.HIGHEST,
+                                   preferred_element_type=jnp.float32)
         gram = part if gram is None else gram + part
-        if ring_rows is not None:
-            part = _dot_t(ring_rows(cols), x.astype(jnp.float32))
-            sums = part if sums is None else sums + part
-    return gram, sums
-
-
-def _ring_loader(slot_ref, reads_ref, keys_ref, b, hk, ring_len: int):
-    """`cols -> [Lp, K]` fp32: row b's key records of key head hk at channels `cols` (Lp the
-    next power of two >= max(L, 16), a dot's operand); zeros, unread, past L and wherever
-    `reads_ref[b]` is 0."""
-    entries = jnp.arange(ring_len, dtype=jnp.int32)[:, None]
-    cache_len, slot = keys_ref.shape[2], jnp.maximum(slot_ref[b], 0)
-    read = jnp.logical_and(entries < cache_len, reads_ref[b] != 0)
-
-    def rows(cols):
-        mask = jnp.broadcast_to(read, (ring_len, cols.shape[1]))
-        return plgpu.load(keys_ref.at[slot, hk, jnp.where(entries < cache_len, entries, 0), cols], mask=mask,
-                          other=0).astype(jnp.float32)
-
-    return rows
-
-
-def _store_sums(sums_ref, sums, b, hk, *, width: int, heads: int, cache_len: int):
-    """`sums [Lp, R]` (K X^T) transposed into `KeyRing`'s blocks: X row r < 2T of entry l
-    at `[b, hk // heads, r, (hk % heads) L + l]`. Masked lanes address row N, past the
-    block (the interpreter drops only out-of-bounds lanes)."""
-    entries = jnp.arange(sums.shape[0], dtype=jnp.int32)[:, None]
-    rows = jnp.arange(sums.shape[1], dtype=jnp.int32)[None, :]
-    inside = (entries < cache_len) & (rows < 2 * width)
-    plgpu.store(sums_ref.at[b, hk // heads, jnp.where(inside, rows, sums_ref.shape[2]),
-                            jnp.where(inside, hk % heads * cache_len + entries, 0)], sums, mask=inside)
+    return gram
 
 
 def _scales(gram, valid, factor, use_qk_l2norm: bool, axis: int):
@@ -319,23 +254,14 @@ def _store_lanes(coef_ref, b, h, start, x, count: int):
     plgpu.store(coef_ref.at[b, h, jnp.where(inside, start + lanes, coef_ref.shape[2])], x, mask=inside)
 
 
-def _kernel(length_ref, q_ref, k_ref, g_ref, beta_ref, anc_ref, *refs, width, group_size, use_qk_l2norm, scale,
-            lanes_len, chunk, ring_len=0, heads=0):
-    """`refs`: `(coef_ref, vec_ref)`, or with a key ring (`ring_len` > 0) `(slot_ref,
-    reads_ref, keys_ref, coef_ref, vec_ref, sums_ref)`."""
+def _kernel(length_ref, q_ref, k_ref, g_ref, beta_ref, anc_ref, coef_ref, vec_ref, *, width, group_size,
+            use_qk_l2norm, scale, lanes_len, chunk):
     b, hk = pl.program_id(0), pl.program_id(1)
-    if ring_len:
-        slot_ref, reads_ref, keys_ref, coef_ref, vec_ref, sums_ref = refs
-        ring_rows = _ring_loader(slot_ref, reads_ref, keys_ref, b, hk, ring_len)
-    else:
-        (coef_ref, vec_ref), ring_rows = refs, None
     T, R, record_len = width, lanes_len, coef_ref.shape[2]
     lanes = jnp.arange(R, dtype=jnp.int32)
     is_q = lanes < T
     pos, valid = _window_rows(length_ref[b], lanes, T)
-    gram, sums = _window_gram(q_ref, k_ref, vec_ref, b, hk, pos, valid, is_q, chunk, ring_rows)
-    if ring_len:
-        _store_sums(sums_ref, sums, b, hk, width=T, heads=heads, cache_len=keys_ref.shape[2])
+    gram = _window_gram(q_ref, k_ref, vec_ref, b, hk, pos, valid, is_q, chunk)
     # q_scale in rows < T, k_scale in rows T .. 2T-1, as rows and as columns of the Gram.
     factor = jnp.where(is_q, scale, 1.0)
     scales = _scales(gram, valid, factor, use_qk_l2norm, 1)
@@ -365,12 +291,11 @@ def _kernel(length_ref, q_ref, k_ref, g_ref, beta_ref, anc_ref, *refs, width, gr
 
 def _launch(body, q, k, g, beta, anc, length, second_out: jax.ShapeDtypeStruct, *, vectors: int, record_len: int,
             lanes_len: int, use_qk_l2norm: bool, scale: float, params: VerifyCoefficientsParams, interpret,
-            name: str, extra_operands: tuple = (), extra_outs: tuple = ()):
+            name: str):
     """The checks both window kernels share (the record's length for `vectors` per-position
     scalars, a power-of-two d_k), then one `pallas_call` of `body` over `(B, H_k)` with
-    every operand and result in global memory: `(records [B, H_v, C] fp32, second_out,
-    *extra_outs)`, the `extra_operands` after the window's; `body` works on
-    `lanes_len`-lane blocks. The caller has checked that H_k divides H_v."""
+    every operand and result in global memory: `(records [B, H_v, C] fp32, second_out)`;
+    `body` works on `lanes_len`-lane blocks. The caller has checked that H_k divides H_v."""
     batch, width, num_k_heads, head_k_dim = q.shape
     num_v_heads = beta.shape[2]
     if record_len < 2 * width * width + vectors * width:
@@ -381,15 +306,14 @@ def _launch(body, q, k, g, beta, anc, length, second_out: jax.ShapeDtypeStruct, 
     kernel = functools.partial(body, width=width, group_size=num_v_heads // num_k_heads,
                                use_qk_l2norm=bool(use_qk_l2norm), scale=float(scale),
                                lanes_len=lanes_len)
-    operands = (length.astype(jnp.int32), q, k, g, beta, anc.astype(jnp.int32), *extra_operands)
-    out_shape = (jax.ShapeDtypeStruct((batch, num_v_heads, record_len), jnp.float32), second_out, *extra_outs)
+    operands = (length.astype(jnp.int32), q, k, g, beta, anc.astype(jnp.int32))
     spec = common.any_spec()
     return pl.pallas_call(
         kernel,
-        out_shape=out_shape,
+        out_shape=(jax.ShapeDtypeStruct((batch, num_v_heads, record_len), jnp.float32), second_out),
         grid=(batch, num_k_heads),
         in_specs=[spec] * len(operands),
-        out_specs=[spec] * len(out_shape),
+        out_specs=[spec] * 2,
         compiler_params=plgpu.CompilerParams(num_warps=params.num_warps, num_stages=1),
         interpret=common.default_interpret() if interpret is None else interpret,
         name=f"replayssm_{name}",
@@ -410,11 +334,8 @@ def verify_coefficients(
     scale: float,
     params: VerifyCoefficientsParams = VerifyCoefficientsParams(),
     interpret: bool | None = None,
-    key_ring: KeyRing | None = None,
-) -> tuple[Float[Array, "B Hv C"], Float[Array, "B Hk N Dk"]] | tuple[
-        Float[Array, "B Hv C"], Float[Array, "B Hk N Dk"], Float[Array, "B Hb N Cols"]]:
-    """The window's coefficient records and staged vectors (module doc), one launch, and
-    with a `key_ring` the window's key sums in its layout.
+) -> tuple[Float[Array, "B Hv C"], Float[Array, "B Hk N Dk"]]:
+    """The window's coefficient records and staged vectors (module doc), one launch.
 
     Args:
       q, k: `[B, T, H_k, d_k]` raw window vectors (d_k a power of two).
@@ -427,51 +348,29 @@ def verify_coefficients(
       use_qk_l2norm, scale: as the verify kernel's.
       params: warps per program.
       interpret: run in the Pallas interpreter (default: off GPU).
-      key_ring: the key records to sum the window with (`KeyRing`), if any.
 
     Returns:
-      `(records [B, H_v, C] fp32, vectors [B, H_k, N, d_k] in q's dtype)`, then with a
-      `key_ring` its sums `[B, H_k / heads, N, columns]` fp32.
+      `(records [B, H_v, C] fp32, vectors [B, H_k, N, d_k] in q's dtype)`.
     """
     batch, width, num_k_heads, head_k_dim = q.shape
     if vector_rows < 2 * width:
         raise ValueError(f"vector_rows {vector_rows} is fewer than 2 T = {2 * width}")
-    ring_operands, ring_outs, ring = (), (), {}
-    if key_ring is not None:
-        keys, heads, columns = key_ring.keys, key_ring.heads, key_ring.columns
-        if keys.ndim != 4 or keys.shape[1] != num_k_heads or keys.shape[3] != head_k_dim:
-            raise ValueError(f"key_ring.keys must be [N, H_k = {num_k_heads}, L, d_k = {head_k_dim}], "
-                             f"got {keys.shape}")
-        if key_ring.slot.shape != (batch,) or key_ring.reads.shape != (batch,):
-            raise ValueError(f"key_ring.slot and .reads must be [B = {batch}], got {key_ring.slot.shape}, "
-                             f"{key_ring.reads.shape}")
-        if heads < 1 or num_k_heads % heads or heads * keys.shape[2] > columns:
-            raise ValueError(f"key_ring.heads must divide H_k = {num_k_heads} with heads * L <= columns, got "
-                             f"heads = {heads}, L = {keys.shape[2]}, columns = {columns}")
-        ring_operands = (key_ring.slot.astype(jnp.int32), key_ring.reads.astype(jnp.int32), keys)
-        ring_outs = (jax.ShapeDtypeStruct((batch, num_k_heads // heads, vector_rows, columns), jnp.float32),)
-        ring = dict(ring_len=max(common.MIN_DOT_DIM, common.next_power_of_two(keys.shape[2])), heads=heads)
     if g.shape[2] % num_k_heads or g.shape != beta.shape or g.shape[:2] != (batch, width):
         raise ValueError(f"g and beta must be [B, T, H_v] with H_k | H_v, got {g.shape}, {beta.shape} "
                          f"for q {q.shape}")
     vectors_out = jax.ShapeDtypeStruct((batch, num_k_heads, vector_rows, head_k_dim), q.dtype)
     # X's rows, q's and k's stacked (a power of two: Triton's blocks). 2-byte X is one
     # tensor-core dot, whose M is at least 16; fp32 X a CUDA-core dot (IEEE fp32) with its
-    # operands in registers: chunks of channels keep each to 16 floats a thread (32 a warp),
-    # and so do the key records' chunks where the ring is summed too.
+    # operands in registers: chunks of channels keep each to 16 floats a thread (32 a warp).
     lanes_len = common.next_power_of_two(2 * width)
     chunk = head_k_dim
-    fits = lambda rows: min(head_k_dim, max(common.MIN_DOT_DIM, 16 * 32 * params.num_warps // rows))
     if jnp.dtype(q.dtype).itemsize == 2:
         lanes_len = max(common.MIN_DOT_DIM, lanes_len)
     else:
-        chunk = fits(lanes_len)
-    if ring:
-        chunk = min(chunk, fits(ring["ring_len"]))
-    return _launch(functools.partial(_kernel, chunk=chunk, **ring), q, k, g, beta, anc, length, vectors_out,
+        chunk = min(head_k_dim, max(common.MIN_DOT_DIM, 16 * 32 * params.num_warps // lanes_len))
+    return _launch(functools.partial(_kernel, chunk=chunk), q, k, g, beta, anc, length, vectors_out,
                    vectors=VECTORS, record_len=record_len, lanes_len=lanes_len, use_qk_l2norm=use_qk_l2norm,
-                   scale=scale, params=params, interpret=interpret, name="verify_coefficients",
-                   extra_operands=ring_operands, extra_outs=ring_outs)
+                   scale=scale, params=params, interpret=interpret, name="verify_coefficients")
 
 
 def _kda_kernel(length_ref, q_ref, k_ref, g_ref, beta_ref, anc_ref, coef_ref, decay_ref, *, width, group_size,

@@ -133,9 +133,6 @@ def _ancestors(parents):
     # The window's records and staged vectors from their Pallas Triton kernel.
     ("gdn", MosaicReplayParams(programs=5, auto_barriers=False, readout="mma", key_side="xla",
                                window_side="kernel", window_warps=1)),
-    # ... and the key sums from that launch too (the appending rows' rings only).
-    ("gdn", MosaicReplayParams(programs=5, auto_barriers=False, readout="mma", key_side="xla",
-                               window_side="kernel", window_warps=1, window_key_sums=True)),
     ("kda", MosaicReplayParams(window_side="kernel")),
 ])
 def test_verify_matches_the_float64_model(rng, gate, params, state_dtype):
@@ -327,14 +324,6 @@ def test_verify_kernels_take_only_their_options():
         MosaicReplayParams(window_warps=1)
     with pytest.raises(ValueError, match="window_warps must be 1, 2, 4 or 8"):
         MosaicReplayParams(window_side="kernel", window_warps=3)
-    # The key sums from the window's launch: only where both are before the launch.
-    check_params(MosaicReplayParams(window_side="kernel", key_side="xla", window_key_sums=True), "gdn",
-                 pipelined=True)
-    for fields in (dict(window_side="kernel"), dict(key_side="xla")):
-        with pytest.raises(ValueError, match="window_key_sums .* needs window_side='kernel' and key_side='xla'"):
-            MosaicReplayParams(window_key_sums=True, **fields)
-    with pytest.raises(ValueError, match="window_key_sums must be a bool"):
-        MosaicReplayParams(window_side="kernel", key_side="xla", window_key_sums=1)
     # Prefetched folds: the GDN verify kernel's persistent programs only.
     check_params(MosaicReplayParams(programs=4, prefetch_folds=True), "gdn", pipelined=True)
     with pytest.raises(ValueError, match="prefetch_folds must be False"):
@@ -608,8 +597,6 @@ def test_kda_refuses_shapes_it_cannot_take():
     pytest.param("gdn", jnp.float32, False, MosaicReplayParams(programs=2, auto_barriers=False, launch_order=True),
                  marks=SLOW),
     ("gdn", jnp.bfloat16, True, MosaicReplayParams(programs=2, auto_barriers=False, window_side="kernel")),
-    ("gdn", jnp.float32, True, MosaicReplayParams(programs=2, auto_barriers=False, key_side="xla",
-                                                  window_side="kernel", window_key_sums=True)),
     ("kda", jnp.float32, True, MosaicReplayParams(window_side="kernel")),
 ])
 def test_backend_verify_and_accept_match_xla(rng, gate, state_dtype, raw, params):

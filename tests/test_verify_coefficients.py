@@ -18,12 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.common import MODE_APPEND, MODE_FLUSH
-from pallas_kernels.mosaic_gpu.verify_decode import (coefficient_count, window_coefficients, window_key_values,
-                                                     window_rows, window_vectors)
+from pallas_kernels.mosaic_gpu.verify_decode import (coefficient_count, window_coefficients, window_rows,
+                                                     window_vectors)
 from pallas_kernels.mosaic_gpu.verify_decode_kda import kda_window_coefficients
-from pallas_kernels.verify_coefficients import (KDA_VECTORS, KeyRing, VerifyCoefficientsParams,
-                                                kda_verify_coefficients, verify_coefficients)
+from pallas_kernels.verify_coefficients import (KDA_VECTORS, VerifyCoefficientsParams, kda_verify_coefficients,
+                                                verify_coefficients)
 from replayssm_jax.speculative import ancestors
 
 L2NORM_EPS = 1e-6  # the kernels' (pallas_kernels.common), restated: the model is written independently
@@ -100,74 +99,6 @@ def test_records_and_vectors_match_the_model_and_xla(rng, width, num_k_heads, nu
     # The staged vectors are the raw rows, bit for bit.
     np.testing.assert_array_equal(np.asarray(vectors.astype(jnp.float32)),
                                   np.asarray(window_vectors(q, k, length).astype(jnp.float32)))
-
-
-@pytest.mark.parametrize("qk_dtype,cache_dtype,width,cache_len,heads,num_warps", [
-    (jnp.bfloat16, jnp.float32, 4, 16, 2, 1),   # the GDN defaults' dtypes, blocks of two rings
-    (jnp.float32, jnp.float32, 3, 8, 1, 2),     # fp32 X, a ring shorter than a dot's 16 rows
-    (jnp.bfloat16, jnp.bfloat16, 2, 24, 1, 1),  # a ring of 24 in 32 rows
-])
-def test_key_sums_match_the_model_and_window_key_values(rng, qk_dtype, cache_dtype, width, cache_len, heads,
-                                                        num_warps):
-    """With a `KeyRing` the window kernel also sums each raw X row (q_t at t, k_t at T + t,
-    zero at and past the length) with every record of the row's ring, into the blocked
-    layout the Mosaic verify kernel reads (`window_key_values`' boxes). Rows that do not
-    read get zeros without a load: their rings hold NaN here, which a read would show. The
-    records are those without a ring up to the order of their sums (the channels then come
-    in smaller chunks), the staged vectors bit for bit."""
-    batch, num_k_heads, num_v_heads, head_dim, num_slots = 4, 2, 4, 64, 5
-    q, k, g, beta, length = random_window(rng, batch, width, num_k_heads, num_v_heads, head_dim, qk_dtype)
-    anc = jnp.asarray(ancestors(None, batch, width))
-    keys = rng.standard_normal((num_slots, num_k_heads, cache_len, head_dim)).astype(np.float32)
-    slot, reads = np.array([3, 0, 4, -1], np.int32), np.array([1, 1, 0, 0], np.int32)
-    keys[4] = np.nan  # row 2's slot: not read
-    keys = jnp.asarray(keys, cache_dtype)
-    common = dict(record_len=coefficient_count(width), vector_rows=window_rows(width), use_qk_l2norm=True,
-                  scale=0.5, params=VerifyCoefficientsParams(num_warps=num_warps), interpret=True)
-    ring = KeyRing(keys, jnp.asarray(slot), jnp.asarray(reads), heads, 64)
-    records, vectors, sums = verify_coefficients(q, k, g, beta, anc, length, key_ring=ring, **common)
-    plain = verify_coefficients(q, k, g, beta, anc, length, **common)
-    np.testing.assert_allclose(np.asarray(records), np.asarray(plain[0]), rtol=2e-5, atol=2e-6)
-    np.testing.assert_array_equal(np.asarray(vectors.astype(jnp.float32)), np.asarray(plain[1].astype(jnp.float32)))
-    assert sums.shape == (batch, num_k_heads // heads, window_rows(width), 64)
-    sums = np.asarray(sums)
-    f64 = lambda x: np.nan_to_num(np.asarray(x.astype(jnp.float32), np.float64))
-    x = np.concatenate([f64(q), f64(k)], axis=1)  # [B, 2T, H_k, d]
-    x[np.arange(2 * width)[None, :] % width >= np.asarray(length)[:, None]] = 0.0
-    xla = np.asarray(window_key_values(q, k, keys, jnp.asarray(slot), length, interpret=True,
-                                       mode=jnp.asarray(np.where(reads, MODE_APPEND, MODE_FLUSH), jnp.int32)))
-
-    def box(blocks, b, hk):
-        m = num_k_heads // blocks.shape[1]
-        return blocks[b, hk // m, :2 * width, hk % m * cache_len:(hk % m + 1) * cache_len]
-
-    for b in range(batch):
-        for hk in range(num_k_heads):
-            want = x[b, :, hk] @ f64(keys[slot[b]][hk]).T if reads[b] else np.zeros((2 * width, cache_len))
-            # IEEE fp32 sums of 64 products against float64 ones (and the Mosaic kernel's
-            # exact products summed in another order).
-            np.testing.assert_allclose(box(sums, b, hk), want, rtol=1e-5, atol=1e-5, err_msg=f"row {b}, head {hk}")
-            np.testing.assert_allclose(box(sums, b, hk), box(xla, b, hk), rtol=1e-5, atol=1e-5)
-
-
-def test_key_ring_refusals():
-    batch, width, num_k_heads, head_dim = 2, 2, 2, 64
-    q = jnp.zeros((batch, width, num_k_heads, head_dim), jnp.bfloat16)
-    g = jnp.zeros((batch, width, 4), jnp.float32)
-    anc, length = jnp.asarray(ancestors(None, batch, width)), jnp.full((batch,), width, jnp.int32)
-    slot = jnp.zeros((batch,), jnp.int32)
-    call = lambda ring: verify_coefficients(q, q, g, g, anc, length, record_len=coefficient_count(width),
-                                            vector_rows=window_rows(width), use_qk_l2norm=True, scale=1.0,
-                                            interpret=True, key_ring=ring)
-    keys = jnp.zeros((3, num_k_heads, 16, head_dim), jnp.float32)
-    with pytest.raises(ValueError, match="heads"):
-        call(KeyRing(keys, slot, slot, 2, 16))  # two rings of 16 in 16 columns
-    with pytest.raises(ValueError, match="heads"):
-        call(KeyRing(keys, slot, slot, 3, 64))
-    with pytest.raises(ValueError, match="key_ring.keys"):
-        call(KeyRing(keys[:, :1], slot, slot, 1, 64))
-    with pytest.raises(ValueError, match="slot"):
-        call(KeyRing(keys, slot[:1], slot, 1, 64))
 
 
 def model_kda_record(q, k, g, beta, anc, length, *, use_qk_l2norm, scale, record_len):
@@ -262,47 +193,32 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import kernel_registers  # noqa: E402
 
 
-@pytest.mark.parametrize("num_warps,ring_len,qk_dtype", [
-    (1, 0, jnp.bfloat16), (2, 0, jnp.bfloat16),
-    # With the key sums of fp32 rings: their chunks of channels (16 for a ring of 32) cost
-    # tensor-core X X^T more barriers; one warp spills at L = 32 with bf16 X, two do not.
-    (1, 16, jnp.bfloat16), (2, 32, jnp.bfloat16), (1, 16, jnp.float32),
-])
-def test_compiles_for_sm90a_without_spills(num_warps, ring_len, qk_dtype):
-    """The benchmark's shapes (H_k = 16, H_v = 32, d_k = 128, T = 4), lowered for an H200
-    and compiled by the `triton` extra's compiler and ptxas; one warp keeps every reduction
-    inside the warp (fewer barriers than two); with a key ring of `ring_len` fp32 records
-    the key sums' chunks of channels fit in 128 registers too."""
+@pytest.mark.parametrize("num_warps", [1, 2])
+def test_compiles_for_sm90a_without_spills(num_warps):
+    """The benchmark's shapes (H_k = 16, H_v = 32, d_k = 128, T = 4, bf16), lowered for an
+    H200 and compiled by the `triton` extra's compiler and ptxas; one warp keeps every
+    reduction inside the warp (fewer barriers than two)."""
     pytest.importorskip("triton")
     sds = jax.ShapeDtypeStruct
     batch, width = 8, 4
-    args = [sds((batch, width, 16, 128), qk_dtype), sds((batch, width, 16, 128), qk_dtype),
+    args = (sds((batch, width, 16, 128), jnp.bfloat16), sds((batch, width, 16, 128), jnp.bfloat16),
             sds((batch, width, 32), jnp.float32), sds((batch, width, 32), jnp.float32),
-            sds((batch, width, width), jnp.bool_), sds((batch,), jnp.int32)]
-    if ring_len:
-        args += [sds((16, 16, ring_len, 128), jnp.float32), sds((batch,), jnp.int32), sds((batch,), jnp.int32)]
+            sds((batch, width, width), jnp.bool_), sds((batch,), jnp.int32))
     params = VerifyCoefficientsParams(num_warps=num_warps)
-
-    def step(*a):
-        ring = KeyRing(*a[6:], 64 // ring_len, 64) if ring_len else None
-        return verify_coefficients(*a[:6], record_len=coefficient_count(width), vector_rows=window_rows(width),
-                                   use_qk_l2norm=True, scale=128 ** -0.5, params=params, interpret=False,
-                                   key_ring=ring)
-
+    step = lambda *a: verify_coefficients(*a, record_len=coefficient_count(width), vector_rows=window_rows(width),
+                                          use_qk_l2norm=True, scale=128 ** -0.5, params=params, interpret=False)
     with kernel_registers.captured_triton_ir() as modules, jax.sharding.use_abstract_mesh(kernel_registers._H200):
         jax.jit(step).trace(*args).lower(lowering_platforms=("cuda",))
     (module,) = modules
     report = kernel_registers.ptxas_report(module, params)
     assert report["spill_store_bytes"] == 0 and report["registers"] <= 128, report
-    assert report["barriers"] <= (80 if num_warps > 1 else 24 if ring_len else 16), report
+    assert report["barriers"] <= (16 if num_warps == 1 else 80), report
 
 
-@pytest.mark.parametrize("window_key_sums", [False, True])
-def test_mosaic_verify_with_the_kernel_window_lowers_for_an_abstract_h200(window_key_sums):
+def test_mosaic_verify_with_the_kernel_window_lowers_for_an_abstract_h200():
     """The GDN verify step with `window_side="kernel"` at the benchmark shapes (fp32 state,
     L = 16, T = 4, persistent CTAs, key sums before the launch): the window kernel's Triton
-    call and the Mosaic verify kernel in one lowered step, XLA's Gram product gone; with
-    `window_key_sums` the key sums' own Mosaic launch gone too."""
+    call and the Mosaic verify kernel in one lowered step, XLA's Gram product gone."""
     from pallas_kernels.mosaic_gpu.replay_decode import MosaicReplayParams
     from pallas_kernels.mosaic_gpu.verify_decode import verify_decode_mgpu
 
@@ -314,14 +230,13 @@ def test_mosaic_verify_with_the_kernel_window_lowers_for_an_abstract_h200(window
             S((b, width, hv), jnp.float32), S((b, width, hv), jnp.float32),
             S((b,), i32), S((b,), i32), S((b,), i32), S((b,), i32), S((b, width, width), jnp.bool_)]
     params = MosaicReplayParams(programs=264, auto_barriers=False, readout="mma", key_side="xla",
-                                window_side="kernel", window_key_sums=window_key_sums)
+                                window_side="kernel")
     step = lambda *a: verify_decode_mgpu(*a, use_qk_l2norm=True, params=params, interpret=False)
     with jax.sharding.use_abstract_mesh(kernel_registers._H200):
         text = jax.jit(step, donate_argnums=(0, 1, 2, 3)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     calls = re.findall(r"custom_call @([\w$.]+)", text)
-    # The window kernel, then the key sums' (unless the window kernel formed them) and the
-    # verify kernel's Mosaic calls.
-    assert calls == ["__gpu$xla.gpu.triton"] + ["mosaic_gpu_v2"] * (1 if window_key_sums else 2), calls
+    # The window kernel, then the key sums' and the verify kernel's Mosaic calls.
+    assert calls == ["__gpu$xla.gpu.triton", "mosaic_gpu_v2", "mosaic_gpu_v2"], calls
     # XLA's product (the window kernel's own dots name `dot_general` in its Triton module's
     # debug locations, inside the custom call's text).
     assert "stablehlo.dot_general" not in text

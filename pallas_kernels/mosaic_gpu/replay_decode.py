@@ -180,11 +180,6 @@ class MosaicReplayParams:
       window_warps: warps per program of that launch (`VerifyCoefficientsParams.num_warps`;
         default 2; 1 keeps its reductions inside one warp, without cross-warp barriers);
         only with `window_side="kernel"`.
-      window_key_sums: False (default) the GDN verify kernel's key sums before the launch
-        (`key_side="xla"`) come from a kernel of their own (`verify_decode.
-        window_key_values`); True from the window's launch (`window_side="kernel"`), which
-        then also reads each appending row's key ring (`verify_coefficients.KeyRing`): one
-        launch fewer, q and k loaded once.
       prefetch_folds: the GDN verify kernel's persistent programs only: False (default) a
         folding row fetches what its fold reads besides the tile once `S_c` is in registers
         and waits for it (the exact rebuild's untiled record copies, into the stage's tile
@@ -207,7 +202,6 @@ class MosaicReplayParams:
     launch_order: bool = False
     window_side: str = "xla"
     window_warps: int = 2
-    window_key_sums: bool = False
     prefetch_folds: bool = False
 
     def __post_init__(self) -> None:
@@ -223,12 +217,6 @@ class MosaicReplayParams:
                              f"with window_side={self.window_side!r}")
         if self.key_side not in KEY_SIDES:
             raise ValueError(f"key_side must be one of {KEY_SIDES}, got {self.key_side!r}")
-        if not isinstance(self.window_key_sums, bool):
-            raise ValueError(f"window_key_sums must be a bool, got {self.window_key_sums!r}")
-        if self.window_key_sums and (self.window_side, self.key_side) != ("kernel", "xla"):
-            raise ValueError("window_key_sums forms the key sums before the launch in the window's kernel: it needs "
-                             f"window_side='kernel' and key_side='xla', got window_side={self.window_side!r}, "
-                             f"key_side={self.key_side!r}")
         if self.key_side == "xla" and self.group_records:
             raise ValueError("key_side='xla' copies the key records only to flush: group_records must not be True")
         if not isinstance(self.per_tile_addresses, bool):

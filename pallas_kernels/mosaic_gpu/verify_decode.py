@@ -24,16 +24,16 @@ a few small XLA ops on `[B, T, H, d_k]` inputs, or with `MosaicReplayParams.wind
 the vectors) arrive packed per (row, value head); the kernel applies them to vectors. The
 key sums `K k_i`, `K q_i` over the ring are computed once per key-head group on a fresh
 tile (`window_keys`) or, with `MosaicReplayParams.key_side = "xla"`, before the launch by a
-kernel of their own on tensor cores (`window_key_values`; with `window_key_sums` by the
-window's Triton launch, in the same blocks): each tile copies its `[2T, L]` box of them in
-place of the key records, which only a tensor-core fold then fetches). `S x` is read out as
-in `replay_decode` without forming S: `e^G S_c x + U^T (W * (K x))` over the row's `pos`
-valid cache entries (WGMMA-layout row and column reductions, records loaded transposed from
-swizzled buffers; entries at and past `pos` are masked with selects before any product).
-The checkpoint tile and the records are read once for all 2T vectors. The tile's part
-`S_c x` is a row reduction per vector (`MosaicReplayParams.readout = "fma"`, default) or,
-with "mma", one product `S_c X^T` for all 2T raw bf16 vectors on tensor cores
-(`tile_products`; the raw vectors staged by XLA, `window_vectors`).
+kernel of their own on tensor cores (`window_key_values`:
+each tile copies its `[2T, L]` box of them in place of the key records, which only a
+tensor-core fold then fetches). `S x` is read out as in `replay_decode` without forming S:
+`e^G S_c x + U^T (W * (K x))` over the row's `pos` valid cache entries (WGMMA-layout row and
+column reductions, records loaded transposed from swizzled buffers; entries at and past
+`pos` are masked with selects before any product). The checkpoint tile and the records are
+read once for all 2T vectors. The tile's part `S_c x` is a row reduction per vector
+(`MosaicReplayParams.readout = "fma"`, default) or, with "mma", one product `S_c X^T` for
+all 2T raw bf16 vectors on tensor cores (`tile_products`; the raw vectors staged by XLA,
+`window_vectors`).
 
 Row modes:
 - `MODE_APPEND`: the window's records go to `pos .. pos + length - 1`; the checkpoint is
@@ -91,7 +91,7 @@ from pallas_kernels.mosaic_gpu.rebuild import check_rebuild, rebuild_operands
 from pallas_kernels.mosaic_gpu.replay_decode import (MosaicReplayParams, check_fma_readout, check_mma_readout,
                                                      check_own_layout, check_shapes, decay_weights, qk_scales,
                                                      rebuild_exact, rebuild_tensor_cores)
-from pallas_kernels.verify_coefficients import VECTORS, KeyRing, VerifyCoefficientsParams, verify_coefficients
+from pallas_kernels.verify_coefficients import VECTORS, VerifyCoefficientsParams, verify_coefficients
 
 MAX_WIDTH = 16  # the window is unrolled in the kernel: code size grows as T^2
 # Persistent CTAs resident per SM at most (`pipeline.ctas_per_sm`): ptxas gives this kernel
@@ -873,17 +873,12 @@ def verify_decode_mgpu(
     if q.dtype != k.dtype:
         raise ValueError(f"q and k must share a dtype, got {q.dtype} and {k.dtype}")
     scale = float(head_k_dim ** -0.5 if scale is None else scale)
-    key_sums = []
     if params.window_side == "kernel":
-        ring = None
-        if params.window_key_sums:  # in `window_key_values`' blocks, appending rows' rings only
-            heads = key_sum_heads(q.shape[2], cache_len, window_rows(width) * tile_parts(q.dtype))
-            ring = KeyRing(k_cache, slot.astype(jnp.int32), (mode == MODE_APPEND).astype(jnp.int32), heads,
-                           BLOCK_ROWS)
-        coef, staged, *key_sums = verify_coefficients(
-            q, k, g, beta, anc.astype(bool), length, record_len=coefficient_count(width),
-            vector_rows=window_rows(width), use_qk_l2norm=bool(use_qk_l2norm), scale=scale,
-            params=VerifyCoefficientsParams(num_warps=params.window_warps), interpret=interpret, key_ring=ring)
+        coef, staged = verify_coefficients(q, k, g, beta, anc.astype(bool), length,
+                                           record_len=coefficient_count(width), vector_rows=window_rows(width),
+                                           use_qk_l2norm=bool(use_qk_l2norm), scale=scale,
+                                           params=VerifyCoefficientsParams(num_warps=params.window_warps),
+                                           interpret=interpret)
         coef = coef.reshape(batch, num_v_heads, *coefficient_shape(width))
     else:
         coef = window_coefficients(q, k, g, beta, anc.astype(bool), length, use_qk_l2norm=bool(use_qk_l2norm),
@@ -897,8 +892,8 @@ def verify_decode_mgpu(
     i32 = lambda x: x.astype(jnp.int32)
     vectors = [staged] if params.readout == "mma" else []
     if params.key_side == "xla":
-        vectors.extend(key_sums or [window_key_values(q, k, k_cache, slot, length, interpret=bool(interpret),
-                                                      staged=staged, mode=mode)])
+        vectors.append(window_key_values(q, k, k_cache, slot, length, interpret=bool(interpret), staged=staged,
+                                         mode=mode))
     y = kernel(i32(slot), i32(pos), i32(mode), length, q, k, v, coef, *order, *vectors, *refs)
     checkpoint, u_cache, k_cache, g_cache = (jax.freeze(r) for r in refs)
     keys = scaled_keys(k, coef, width, GDN_VECTORS, num_v_heads // q.shape[2])
