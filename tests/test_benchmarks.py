@@ -57,8 +57,9 @@ def test_decode_bench_smoke_writes_every_section(tmp_path):
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("gate,check,sweep", [("gdn", "check", "sweep"), ("kda", "kda_check", "kda_sweep"),
-                                              ("mamba2", "mamba2_check", "mamba2_sweep")])
+@pytest.mark.parametrize("gate,check,sweep", [  # KDA's sections share GDN's code but for the gates
+    ("gdn", "check", "sweep"), pytest.param("kda", "kda_check", "kda_sweep", marks=pytest.mark.slow),
+    ("mamba2", "mamba2_check", "mamba2_sweep")])
 def test_mosaic_bench_smoke(tmp_path, gate, check, sweep):
     """The Mosaic GPU bench end to end in interpret mode, a layer's two sections per test
     (GDN, KDA with raw gates too, Mamba-2): the checks agree with xla and the sweep rows
@@ -211,7 +212,7 @@ def test_table_cases_list_each_reachable_row_once():
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("gate", ["gdn", "kda", "mamba2"])
+@pytest.mark.parametrize("gate", ["gdn", pytest.param("kda", marks=pytest.mark.slow), "mamba2"])
 def test_verify_bench_smoke_writes_its_rows(tmp_path, gate):
     out = tmp_path / "verify.json"
     result = verify_bench.main(["--smoke", "--gate", gate, "--batches", "2", "--cache-lens", "8", "--widths", "2",
