@@ -22,9 +22,10 @@ RUN_SLOW = os.environ.get("REPLAYSSM_SLOW", "0") == "1"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Run the `heavy` tests first; skip the `slow` ones unless REPLAYSSM_SLOW=1: the suite must fit CI's 20 minutes on
-    two cores, so the long variants whose branches a faster test also reaches (lowerings
-    of non-default kernel options, second shapes of one path) run on request."""
+    """Run the `heavy` tests first; skip the `slow` ones unless REPLAYSSM_SLOW=1: the suite
+    must fit CI's 20 minutes on two cores, so the long variants whose branches a faster test
+    also reaches (lowerings of non-default kernel options, second shapes of one path) run on
+    request."""
     # The `heavy` tests (one process or notebook of tens of seconds each) go to the workers
     # first, so that none of them starts last while the other worker sits idle.
     items.sort(key=lambda item: "heavy" not in item.keywords)
