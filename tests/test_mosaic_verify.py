@@ -209,7 +209,8 @@ def test_lowers_for_an_abstract_h200(gate, state_dtype, cache_len, width, head_d
 
 @pytest.mark.parametrize("state_dtype,cache_len,width,auto_barriers,readout", [
     (jnp.float32, 16, 4, False, "fma"), pytest.param(jnp.bfloat16, 32, 4, False, "fma", marks=SLOW),
-    pytest.param(jnp.float32, 16, 4, False, "mma", marks=SLOW), pytest.param(jnp.bfloat16, 32, 4, False, "mma", marks=SLOW)])
+    pytest.param(jnp.float32, 16, 4, False, "mma", marks=SLOW),
+    pytest.param(jnp.bfloat16, 32, 4, False, "mma", marks=SLOW)])
 def test_persistent_gdn_verify_lowers_for_an_abstract_h200(state_dtype, cache_len, width, auto_barriers, readout):
     """As many persistent CTAs as fit (132 SMs), without Mosaic's barriers (as every
     persistent default; the float64-model tests run them with the barriers too), and with
