@@ -207,11 +207,10 @@ def test_lowers_for_an_abstract_h200(gate, state_dtype, cache_len, width, head_d
     assert "mosaic_gpu" in _lower_for_h200(gate, state_dtype, cache_len, width, head_dim)
 
 
-@pytest.mark.parametrize("state_dtype,cache_len,width,auto_barriers,readout", [
-    (jnp.float32, 16, 4, False, "fma"), pytest.param(jnp.bfloat16, 32, 4, False, "fma", marks=SLOW),
-    pytest.param(jnp.float32, 16, 4, False, "mma", marks=SLOW),
-    pytest.param(jnp.bfloat16, 32, 4, False, "mma", marks=SLOW)])
-def test_persistent_gdn_verify_lowers_for_an_abstract_h200(state_dtype, cache_len, width, auto_barriers, readout):
+@pytest.mark.parametrize("state_dtype,cache_len,width,readout", [
+    (jnp.float32, 16, 4, "fma"), pytest.param(jnp.bfloat16, 32, 4, "fma", marks=SLOW),
+    pytest.param(jnp.float32, 16, 4, "mma", marks=SLOW), pytest.param(jnp.bfloat16, 32, 4, "mma", marks=SLOW)])
+def test_persistent_gdn_verify_lowers_for_an_abstract_h200(state_dtype, cache_len, width, readout):
     """As many persistent CTAs as fit (132 SMs), without Mosaic's barriers (as every
     persistent default; the float64-model tests run them with the barriers too), and with
     the tensor-core readout (which interpret mode cannot run: the GPU check of
@@ -219,7 +218,7 @@ def test_persistent_gdn_verify_lowers_for_an_abstract_h200(state_dtype, cache_le
     programs = persistent_programs(8, width, 32, 128, 128, cache_len, state_dtype, state_dtype, jnp.bfloat16, 132,
                                    readout=readout)
     assert 1 <= programs <= 8 * 32 * 2
-    params = MosaicReplayParams(programs=programs, auto_barriers=auto_barriers, readout=readout)
+    params = MosaicReplayParams(programs=programs, auto_barriers=False, readout=readout)
     assert "mosaic_gpu" in _lower_for_h200("gdn", state_dtype, cache_len, width, params=params)
 
 

@@ -24,16 +24,15 @@ a few small XLA ops on `[B, T, H, d_k]` inputs, or with `MosaicReplayParams.wind
 the vectors) arrive packed per (row, value head); the kernel applies them to vectors. The
 key sums `K k_i`, `K q_i` over the ring are computed once per key-head group on a fresh
 tile (`window_keys`) or, with `MosaicReplayParams.key_side = "xla"`, before the launch by a
-kernel of their own on tensor cores (`window_key_values`:
-each tile copies its `[2T, L]` box of them in place of the key records, which only a
-tensor-core fold then fetches). `S x` is read out as in `replay_decode` without forming S:
-`e^G S_c x + U^T (W * (K x))` over the row's `pos` valid cache entries (WGMMA-layout row and
-column reductions, records loaded transposed from swizzled buffers; entries at and past
-`pos` are masked with selects before any product). The checkpoint tile and the records are
-read once for all 2T vectors. The tile's part `S_c x` is a row reduction per vector
-(`MosaicReplayParams.readout = "fma"`, default) or, with "mma", one product `S_c X^T` for
-all 2T raw bf16 vectors on tensor cores (`tile_products`; the raw vectors staged by XLA,
-`window_vectors`).
+kernel of their own on tensor cores (`window_key_values`: each tile copies its `[2T, L]`
+box of them in place of the key records, which only a tensor-core fold then fetches).
+`S x` is read out as in `replay_decode` without forming S: `e^G S_c x + U^T (W * (K x))`
+over the row's `pos` valid cache entries (WGMMA-layout row and column reductions, records
+loaded transposed from swizzled buffers; entries at and past `pos` are masked with selects
+before any product). The checkpoint tile and the records are read once for all 2T vectors.
+The tile's part `S_c x` is a row reduction per vector (`MosaicReplayParams.readout = "fma"`,
+default) or, with "mma", one product `S_c X^T` for all 2T raw bf16 vectors on tensor cores
+(`tile_products`; the raw vectors staged by XLA, `window_vectors`).
 
 Row modes:
 - `MODE_APPEND`: the window's records go to `pos .. pos + length - 1`; the checkpoint is
@@ -222,16 +221,6 @@ def key_block_heads(num_k_heads: int, cache_len: int, vector_rows: int) -> int:
     return max((m for m in range(1, num_k_heads + 1) if fits(m)), default=0)
 
 
-def key_sum_heads(num_k_heads: int, cache_len: int, x_rows: int) -> int:
-    """`key_block_heads` for the key sums before the launch, whose blocks take `x_rows` rows
-    of window vectors per key head (`side_vectors`); ValueError where no ring fits."""
-    heads = key_block_heads(num_k_heads, cache_len, x_rows)
-    if not heads:
-        raise ValueError(f"the verify key sums before the launch need cache_len <= {BLOCK_ROWS} and at most 256 "
-                         f"rows of window vectors per key head, got cache_len = {cache_len}, {x_rows} rows")
-    return heads
-
-
 def side_vectors(q: Float[Array, "B T Hk Dk"], k: Float[Array, "B T Hk Dk"], length: Int[Array, " B"],
                  staged: Float[Array, "B Hk N Dk"] | None = None) -> Float[Array, "B Hk PN Dk"]:
     """The key sums' B operand per (row, key head): `masked_window`'s rows as P exact bf16
@@ -313,7 +302,9 @@ def window_key_values(q: Float[Array, "B T Hk Dk"], k: Float[Array, "B T Hk Dk"]
     num_slots, _, cache_len, _ = k_cache.shape
     x = side_vectors(q, k, length, staged)
     x_rows = x.shape[2]
-    key_sum_heads(num_k_heads, cache_len, x_rows)
+    if not key_block_heads(num_k_heads, cache_len, x_rows):
+        raise ValueError(f"the verify key sums before the launch need cache_len <= {BLOCK_ROWS} and at most 256 "
+                         f"rows of window vectors per key head, got cache_len = {cache_len}, {x_rows} rows")
     kernel = _build_key_blocks(batch, num_k_heads, head_k_dim, cache_len, k_cache.dtype, x_rows,
                                tile_parts(q.dtype), interpret)
     reads = jnp.ones((batch,), jnp.int32) if mode is None else (mode == MODE_APPEND).astype(jnp.int32)
