@@ -29,10 +29,11 @@ window's gates taken with the tile, by tile 0 of each value head); `MODE_FLUSH` 
 the live state `S_c diag(e^{G_h}) + sum_j u_j (W_j * k_j)^T` on chip in exact fp32
 (`rebuild_exact` of `replay_decode_kda`: newest entry first, `W * K` written over the g
 records' buffer), stores it rounded to the checkpoint's dtype in place, reads the window
-out from that stored value and writes its u records at `0 .. length - 1` (the wrapper writes its key and gate records
-after the launch: other CTAs of the slot may still read the history they overwrite);
-`MODE_PAD` gives y = 0 and writes nothing. Window positions at and past `length` give
-y = 0 and no records; their inputs are replaced by zeros before use.
+out from that stored value and writes its u records at `0 .. length - 1` (the wrapper
+writes its key and gate records after the launch: other CTAs of the slot may still read
+the history they overwrite); `MODE_PAD` gives y = 0 and writes nothing. Window positions
+at and past `length` give y = 0 and no records; their inputs are replaced by zeros before
+use.
 """
 
 from __future__ import annotations
