@@ -21,16 +21,17 @@ ancestors and i, and q_i, k_i after the L2 norm and the scale:
 The scalars of these sums (the `T x T` products, decays and norms: `window_coefficients`,
 a few small XLA ops on `[B, T, H, d_k]` inputs, or with `MosaicReplayParams.window_side =
 "kernel"` one Pallas Triton launch, `pallas_kernels.verify_coefficients`, which also stages
-the vectors) arrive packed per (row, value head); the kernel applies them to vectors. The
-key sums `K k_i`, `K q_i` over the ring are computed once per key-head group on a fresh
-tile (`window_keys`) or, with `MosaicReplayParams.key_side = "xla"`, before the launch by a
-kernel of their own on tensor cores (`window_key_values`: each tile copies its `[2T, L]`
-box of them in place of the key records, which only a tensor-core fold then fetches).
+the vectors and forms the history weights below) arrive packed per (row, value head); the
+kernel applies them to vectors. The key sums `K k_i`, `K q_i` over the ring are computed
+once per key-head group on a fresh tile (`window_keys`) or, with `MosaicReplayParams.
+key_side = "xla"`, before the launch by a kernel of their own on tensor cores
+(`window_key_values`: each tile copies its `[2T, L]` box of them in place of the key
+records, which only a tensor-core fold then fetches).
 `S x` is read out as in `replay_decode` without forming S: `e^G S_c x + U^T (W * (K x))`
-over the row's `pos` valid cache entries (W and e^G per (row, value head) from XLA,
-`history_weights`) (WGMMA-layout row and column reductions, records
-loaded transposed from swizzled buffers; entries at and past `pos` are masked with selects
-before any product). The checkpoint tile and the records are read once for all 2T vectors.
+over the row's `pos` valid cache entries (W and e^G per (row, value head) formed before the
+launch, `history_weights` or the window kernel; WGMMA-layout row and column reductions,
+records loaded transposed from swizzled buffers; entries at and past `pos` are masked with
+selects before any product). The checkpoint tile and the records are read once for all 2T vectors.
 The tile's part `S_c x` is a row reduction per vector (`MosaicReplayParams.readout = "fma"`,
 default) or, with "mma", one product `S_c X^T` for all 2T raw bf16 vectors on tensor cores
 (`tile_products`; the raw vectors staged by XLA, `window_vectors`).
@@ -892,16 +893,17 @@ def verify_decode_mgpu(
         raise ValueError(f"q and k must share a dtype, got {q.dtype} and {k.dtype}")
     scale = float(head_k_dim ** -0.5 if scale is None else scale)
     if params.window_side == "kernel":
-        coef, staged = verify_coefficients(q, k, g, beta, anc.astype(bool), length,
-                                           record_len=coefficient_count(width), vector_rows=window_rows(width),
-                                           use_qk_l2norm=bool(use_qk_l2norm), scale=scale,
-                                           params=VerifyCoefficientsParams(num_warps=params.window_warps),
-                                           interpret=interpret)
+        coef, staged, weights = verify_coefficients(
+            q, k, g, beta, anc.astype(bool), length, record_len=coefficient_count(width),
+            vector_rows=window_rows(width), use_qk_l2norm=bool(use_qk_l2norm), scale=scale,
+            history=(g_cache, slot, pos), history_len=cache_len + HISTORY_PAD,
+            params=VerifyCoefficientsParams(num_warps=params.window_warps), interpret=interpret)
         coef = coef.reshape(batch, num_v_heads, *coefficient_shape(width))
     else:
         coef = window_coefficients(q, k, g, beta, anc.astype(bool), length, use_qk_l2norm=bool(use_qk_l2norm),
                                    scale=scale)
         staged = window_vectors(q, k, length)
+        weights = history_weights(g_cache, slot.astype(jnp.int32), pos.astype(jnp.int32))
     kernel = _build(batch, width, num_v_heads, head_v_dim, head_k_dim, cache_len, checkpoint.dtype, u_cache.dtype,
                     q.dtype, v.dtype, num_v_heads // q.shape[2], params.swizzle, params.programs,
                     params.auto_barriers, params.readout, params.rebuild, params.chunk, params.per_tile_addresses,
@@ -912,7 +914,6 @@ def verify_decode_mgpu(
     if params.key_side == "xla":
         vectors.append(window_key_values(q, k, k_cache, slot, length, interpret=bool(interpret), staged=staged,
                                          mode=mode))
-    weights = history_weights(g_cache, i32(slot), i32(pos))
     y = kernel(i32(slot), i32(pos), i32(mode), length, q, k, v, coef, weights, *order, *vectors, *refs)
     checkpoint, u_cache, k_cache, g_cache = (jax.freeze(r) for r in refs)
     keys = scaled_keys(k, coef, width, GDN_VECTORS, num_v_heads // q.shape[2])
