@@ -261,17 +261,22 @@ def _store_lanes(coef_ref, b, h, start, x, count: int):
     plgpu.store(coef_ref.at[b, h, jnp.where(inside, start + lanes, coef_ref.shape[2])], x, mask=inside)
 
 
-def _history_weights(gcache_ref, weights_ref, b, h, slot, pos):
-    """Head h's history weights of row b (module doc) from its slot's gate records: entries
-    at and past `pos` (stale, NaN included) are masked on the load and reach no sum."""
-    cache_len, record_len = gcache_ref.shape[2], weights_ref.shape[2]
-    lanes = jnp.arange(common.next_power_of_two(cache_len), dtype=jnp.int32)
+def _gate_records(gcache_ref, h, slot, pos):
+    """`(g [L'], valid [L'])`: head h's gate records of `slot`, L' the next power of two >=
+    L; entries at and past `pos` (stale, NaN included) are masked on the load (zeros)."""
+    lanes = jnp.arange(common.next_power_of_two(gcache_ref.shape[2]), dtype=jnp.int32)
     valid = lanes < pos  # pos <= L
-    g = plgpu.load(gcache_ref.at[slot, h, jnp.where(valid, lanes, 0)], mask=valid, other=0).astype(jnp.float32)
+    g = plgpu.load(gcache_ref.at[slot, h, jnp.where(valid, lanes, 0)], mask=valid, other=0)
+    return g.astype(jnp.float32), valid
+
+
+def _store_history_weights(weights_ref, b, h, g, valid, cache_len: int):
+    """Head h's history weights of row b (module doc) from its masked gate records."""
+    lanes = jnp.arange(g.shape[0], dtype=jnp.int32)
     after = jnp.sum(jnp.where(lanes[None, :] > lanes[:, None], g[None, :], 0.0), axis=1)  # sum_{j<i<pos} g_i
     _store_lanes(weights_ref, b, h, 0, jnp.where(valid, _exp(after), 0.0), cache_len)
     total = jnp.where(lanes == 0, _exp(jnp.sum(g)), 0.0)  # e^G, then zeros
-    _store_lanes(weights_ref, b, h, cache_len, total, record_len - cache_len)
+    _store_lanes(weights_ref, b, h, cache_len, total, weights_ref.shape[2] - cache_len)
 
 
 def _kernel(length_ref, q_ref, k_ref, g_ref, beta_ref, anc_ref, *refs, width, group_size, use_qk_l2norm, scale,
@@ -287,6 +292,10 @@ def _kernel(length_ref, q_ref, k_ref, g_ref, beta_ref, anc_ref, *refs, width, gr
     lanes = jnp.arange(R, dtype=jnp.int32)
     is_q = lanes < T
     pos, valid = _window_rows(length_ref[b], lanes, T)
+    # The gate records first: their loads are in flight while the window's products run.
+    # A padding row (slot < 0) reads slot 0's; the verify kernel skips it.
+    records = ([_gate_records(gcache_ref, hk * group_size + v, jnp.maximum(slot_ref[b], 0), pos_ref[b])
+                for v in range(group_size)] if history else [])
     gram = _window_gram(q_ref, k_ref, vec_ref, b, hk, pos, valid, is_q, chunk)
     # q_scale in rows < T, k_scale in rows T .. 2T-1, as rows and as columns of the Gram.
     factor = jnp.where(is_q, scale, 1.0)
@@ -314,8 +323,7 @@ def _kernel(length_ref, q_ref, k_ref, g_ref, beta_ref, anc_ref, *refs, width, gr
         for start in range(base + VECTORS * T, record_len, R):
             _store_lanes(coef_ref, b, h, start, jnp.zeros((R,), jnp.float32), record_len - start)
         if history:
-            # A padding row (slot < 0) reads slot 0's records; the verify kernel skips it.
-            _history_weights(gcache_ref, weights_ref, b, h, jnp.maximum(slot_ref[b], 0), pos_ref[b])
+            _store_history_weights(weights_ref, b, h, *records[v], gcache_ref.shape[2])
 
 
 def _launch(body, q, k, g, beta, anc, length, more_outs: tuple, *, vectors: int, record_len: int, lanes_len: int,
