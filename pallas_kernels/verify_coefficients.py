@@ -35,6 +35,13 @@ The KDA program works on `[P, d_k]` and `[P]` blocks, P the next power of two >=
 block shapes), one position at a time: rows and lanes at and past T are masked on every
 load and store.
 
+With `history=(g_cache, slot, pos)` the GDN program also writes each of its value heads'
+history weights (`verify_decode.history_weights`' record, `[history_len]` fp32): `W_j =
+e^{sum_{j<i<pos} g_i}` for each cache entry j < pos (0 at and past it), `e^{sum_{i<pos} g_i}`
+at index L, then zeros; one `[L', L']` masked sum (L' the next power of two >= L) per head
+in place of a scan. The verify kernel then reads one weight per entry instead of forming
+the decays in every tile, with no launch of its own.
+
 `kda_verify_coefficients` is the same for a KDA window (per-channel decays): its records
 (`A`, `M`, beta and the norms) and the decays `e^{G}` `[B, T, H_v, d_k]` that the KDA
 verify kernel takes, in place of XLA's channel sums over `[B, T, T, H_v, d_k]`.
@@ -254,13 +261,41 @@ def _store_lanes(coef_ref, b, h, start, x, count: int):
     plgpu.store(coef_ref.at[b, h, jnp.where(inside, start + lanes, coef_ref.shape[2])], x, mask=inside)
 
 
-def _kernel(length_ref, q_ref, k_ref, g_ref, beta_ref, anc_ref, coef_ref, vec_ref, *, width, group_size,
-            use_qk_l2norm, scale, lanes_len, chunk):
+def _gate_records(gcache_ref, h, slot, pos):
+    """`(g [L'], valid [L'])`: head h's gate records of `slot`, L' the next power of two >=
+    L; entries at and past `pos` (stale, NaN included) are masked on the load (zeros)."""
+    lanes = jnp.arange(common.next_power_of_two(gcache_ref.shape[2]), dtype=jnp.int32)
+    valid = lanes < pos  # pos <= L
+    g = plgpu.load(gcache_ref.at[slot, h, jnp.where(valid, lanes, 0)], mask=valid, other=0)
+    return g.astype(jnp.float32), valid
+
+
+def _store_history_weights(weights_ref, b, h, g, valid, cache_len: int):
+    """Head h's history weights of row b (module doc) from its masked gate records."""
+    lanes = jnp.arange(g.shape[0], dtype=jnp.int32)
+    after = jnp.sum(jnp.where(lanes[None, :] > lanes[:, None], g[None, :], 0.0), axis=1)  # sum_{j<i<pos} g_i
+    _store_lanes(weights_ref, b, h, 0, jnp.where(valid, _exp(after), 0.0), cache_len)
+    total = jnp.where(lanes == 0, _exp(jnp.sum(g)), 0.0)  # e^G, then zeros
+    _store_lanes(weights_ref, b, h, cache_len, total, weights_ref.shape[2] - cache_len)
+
+
+def _kernel(length_ref, q_ref, k_ref, g_ref, beta_ref, anc_ref, *refs, width, group_size, use_qk_l2norm, scale,
+            lanes_len, chunk, history):
+    # refs: `[slot, pos, g_cache]` with `history`, then the records, the staged vectors and
+    # with `history` the weights.
+    if history:
+        slot_ref, pos_ref, gcache_ref, coef_ref, vec_ref, weights_ref = refs
+    else:
+        coef_ref, vec_ref = refs
     b, hk = pl.program_id(0), pl.program_id(1)
     T, R, record_len = width, lanes_len, coef_ref.shape[2]
     lanes = jnp.arange(R, dtype=jnp.int32)
     is_q = lanes < T
     pos, valid = _window_rows(length_ref[b], lanes, T)
+    # The gate records first: their loads are in flight while the window's products run.
+    # A padding row (slot < 0) reads slot 0's; the verify kernel skips it.
+    records = ([_gate_records(gcache_ref, hk * group_size + v, jnp.maximum(slot_ref[b], 0), pos_ref[b])
+                for v in range(group_size)] if history else [])
     gram = _window_gram(q_ref, k_ref, vec_ref, b, hk, pos, valid, is_q, chunk)
     # q_scale in rows < T, k_scale in rows T .. 2T-1, as rows and as columns of the Gram.
     factor = jnp.where(is_q, scale, 1.0)
@@ -287,14 +322,16 @@ def _kernel(length_ref, q_ref, k_ref, g_ref, beta_ref, anc_ref, coef_ref, vec_re
         _store_lanes(coef_ref, b, h, base + 3 * T, scales, 2 * T)
         for start in range(base + VECTORS * T, record_len, R):
             _store_lanes(coef_ref, b, h, start, jnp.zeros((R,), jnp.float32), record_len - start)
+        if history:
+            _store_history_weights(weights_ref, b, h, *records[v], gcache_ref.shape[2])
 
 
-def _launch(body, q, k, g, beta, anc, length, second_out: jax.ShapeDtypeStruct, *, vectors: int, record_len: int,
-            lanes_len: int, use_qk_l2norm: bool, scale: float, params: VerifyCoefficientsParams, interpret,
-            name: str):
+def _launch(body, q, k, g, beta, anc, length, more_outs: tuple, *, vectors: int, record_len: int, lanes_len: int,
+            use_qk_l2norm: bool, scale: float, params: VerifyCoefficientsParams, interpret, name: str,
+            more_operands: tuple = ()):
     """The checks both window kernels share (the record's length for `vectors` per-position
     scalars, a power-of-two d_k), then one `pallas_call` of `body` over `(B, H_k)` with
-    every operand and result in global memory: `(records [B, H_v, C] fp32, second_out)`;
+    every operand and result in global memory: `(records [B, H_v, C] fp32, *more_outs)`;
     `body` works on `lanes_len`-lane blocks. The caller has checked that H_k divides H_v."""
     batch, width, num_k_heads, head_k_dim = q.shape
     num_v_heads = beta.shape[2]
@@ -306,14 +343,14 @@ def _launch(body, q, k, g, beta, anc, length, second_out: jax.ShapeDtypeStruct, 
     kernel = functools.partial(body, width=width, group_size=num_v_heads // num_k_heads,
                                use_qk_l2norm=bool(use_qk_l2norm), scale=float(scale),
                                lanes_len=lanes_len)
-    operands = (length.astype(jnp.int32), q, k, g, beta, anc.astype(jnp.int32))
+    operands = (length.astype(jnp.int32), q, k, g, beta, anc.astype(jnp.int32), *more_operands)
     spec = common.any_spec()
     return pl.pallas_call(
         kernel,
-        out_shape=(jax.ShapeDtypeStruct((batch, num_v_heads, record_len), jnp.float32), second_out),
+        out_shape=(jax.ShapeDtypeStruct((batch, num_v_heads, record_len), jnp.float32), *more_outs),
         grid=(batch, num_k_heads),
         in_specs=[spec] * len(operands),
-        out_specs=[spec] * 2,
+        out_specs=[spec] * (1 + len(more_outs)),
         compiler_params=plgpu.CompilerParams(num_warps=params.num_warps, num_stages=1),
         interpret=common.default_interpret() if interpret is None else interpret,
         name=f"replayssm_{name}",
@@ -332,10 +369,13 @@ def verify_coefficients(
     vector_rows: int,
     use_qk_l2norm: bool,
     scale: float,
+    history: tuple[Float[Array, "Ns Hv L"], Int[Array, " B"], Int[Array, " B"]] | None = None,
+    history_len: int | None = None,
     params: VerifyCoefficientsParams = VerifyCoefficientsParams(),
     interpret: bool | None = None,
-) -> tuple[Float[Array, "B Hv C"], Float[Array, "B Hk N Dk"]]:
-    """The window's coefficient records and staged vectors (module doc), one launch.
+) -> tuple[Float[Array, "B Hv C"], Float[Array, "B Hk N Dk"], Float[Array, "B Hv Lw"] | None]:
+    """The window's coefficient records, staged vectors and history weights (module doc),
+    one launch.
 
     Args:
       q, k: `[B, T, H_k, d_k]` raw window vectors (d_k a power of two).
@@ -346,13 +386,30 @@ def verify_coefficients(
       record_len: C, floats per record (>= 2 T^2 + 5 T).
       vector_rows: N, rows of each staged `[N, d_k]` block (>= 2 T).
       use_qk_l2norm, scale: as the verify kernel's.
+      history: optional `(g_cache [N_slots, H_v, L], slot [B], pos [B])`: the gate records
+        and each row's slot (< 0 a padding row) and cursor (in [0, L]).
+      history_len: floats per history record (> L), with `history` only.
       params: warps per program.
       interpret: run in the Pallas interpreter (default: off GPU).
 
     Returns:
-      `(records [B, H_v, C] fp32, vectors [B, H_k, N, d_k] in q's dtype)`.
+      `(records [B, H_v, C] fp32, vectors [B, H_k, N, d_k] in q's dtype, weights
+      [B, H_v, history_len] fp32 or None without history)`.
     """
     batch, width, num_k_heads, head_k_dim = q.shape
+    if (history is None) != (history_len is None):
+        raise ValueError(f"history and history_len come together, got history_len={history_len!r} with "
+                         f"history {'absent' if history is None else 'given'}")
+    more_operands, more_outs = (), ()
+    if history is not None:
+        g_cache, slot, pos = history
+        if g_cache.ndim != 3 or g_cache.shape[1] != g.shape[2] or slot.shape != (batch,) or pos.shape != (batch,):
+            raise ValueError(f"history must be (g_cache [N, H_v, L], slot [B], pos [B]) with H_v = {g.shape[2]}, "
+                             f"B = {batch}, got {g_cache.shape}, {slot.shape}, {pos.shape}")
+        if history_len <= g_cache.shape[2]:
+            raise ValueError(f"history_len {history_len} must exceed L = {g_cache.shape[2]} (e^G sits at index L)")
+        more_operands = (slot.astype(jnp.int32), pos.astype(jnp.int32), g_cache)
+        more_outs = (jax.ShapeDtypeStruct((batch, g.shape[2], history_len), jnp.float32),)
     if vector_rows < 2 * width:
         raise ValueError(f"vector_rows {vector_rows} is fewer than 2 T = {2 * width}")
     if g.shape[2] % num_k_heads or g.shape != beta.shape or g.shape[:2] != (batch, width):
@@ -368,9 +425,12 @@ def verify_coefficients(
         lanes_len = max(common.MIN_DOT_DIM, lanes_len)
     else:
         chunk = min(head_k_dim, max(common.MIN_DOT_DIM, 16 * 32 * params.num_warps // lanes_len))
-    return _launch(functools.partial(_kernel, chunk=chunk), q, k, g, beta, anc, length, vectors_out,
-                   vectors=VECTORS, record_len=record_len, lanes_len=lanes_len, use_qk_l2norm=use_qk_l2norm,
-                   scale=scale, params=params, interpret=interpret, name="verify_coefficients")
+    records, vectors, *weights = _launch(
+        functools.partial(_kernel, chunk=chunk, history=history is not None), q, k, g, beta, anc, length,
+        (vectors_out, *more_outs), vectors=VECTORS, record_len=record_len, lanes_len=lanes_len,
+        use_qk_l2norm=use_qk_l2norm, scale=scale, params=params, interpret=interpret, name="verify_coefficients",
+        more_operands=more_operands)
+    return records, vectors, (weights[0] if weights else None)
 
 
 def _kda_kernel(length_ref, q_ref, k_ref, g_ref, beta_ref, anc_ref, coef_ref, decay_ref, *, width, group_size,
@@ -447,6 +507,6 @@ def kda_verify_coefficients(
         raise ValueError(f"g must be [B, T, H_v, d_k] and beta [B, T, H_v] with H_k | H_v, got {g.shape}, "
                          f"{beta.shape} for q {q.shape}")
     decays_out = jax.ShapeDtypeStruct((batch, width, num_v_heads, head_k_dim), jnp.float32)
-    return _launch(_kda_kernel, q, k, g, beta, anc, length, decays_out, vectors=KDA_VECTORS, record_len=record_len,
+    return _launch(_kda_kernel, q, k, g, beta, anc, length, (decays_out,), vectors=KDA_VECTORS, record_len=record_len,
                    lanes_len=max(2, common.next_power_of_two(width)), use_qk_l2norm=use_qk_l2norm, scale=scale,
                    params=params, interpret=interpret, name="kda_verify_coefficients")

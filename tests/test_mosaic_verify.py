@@ -22,9 +22,9 @@ from pallas_kernels.mosaic_gpu.mamba2_decode import MosaicMamba2Params
 from pallas_kernels.mosaic_gpu.readout import split_bf16, tile_parts
 from pallas_kernels.mosaic_gpu.replay_decode import MosaicReplayParams
 from pallas_kernels.mosaic_gpu.pipeline import ctas_per_sm
-from pallas_kernels.mosaic_gpu.verify_decode import (check_params, key_block_heads, persistent_programs,
-                                                     persistent_smem_bytes, verify_decode_mgpu, window_key_values,
-                                                     window_rows, window_vectors)
+from pallas_kernels.mosaic_gpu.verify_decode import (HISTORY_PAD, check_params, history_weights, key_block_heads,
+                                                     persistent_programs, persistent_smem_bytes, verify_decode_mgpu,
+                                                     window_key_values, window_rows, window_vectors)
 from pallas_kernels.mosaic_gpu.verify_decode_kda import verify_decode_kda_mgpu
 
 NUM_SLOTS, H_K, H_V, D, L, T = 6, 1, 2, 64, 8, 3
@@ -428,6 +428,34 @@ def test_bf16_parts_hold_the_tile_exactly(rng, dtype, parts):
     if parts > 1:
         short = sum(split[:-1])
         assert np.max(np.abs(short - s) / np.abs(s)) > 2.0 ** -20, "the last part carries bits"
+
+
+def test_history_weights_are_the_decays_of_each_entry(rng):
+    """`history_weights`: per (row, value head) the product of `e^{g_i}` over the entries
+    after j and before the row's cursor for each entry j < pos, 0 past it, then the product
+    over all of them (1 for an empty history), then zeros; float64 products of the gate
+    records (NaN in every stale one, which must reach nothing). fp32 sums of at most L
+    log-decays against float64 products: ~1e-6 relative."""
+    num_slots, hv, cache_len = 5, 3, 8
+    slot = np.array([3, -1, 0, 4], np.int32)  # row 1 a padding row (reads slot 0's, unused)
+    pos = np.array([5, 2, 0, 8], np.int32)
+    g_c = -rng.uniform(0.0, 2.0, (num_slots, hv, cache_len))
+    stale = np.arange(cache_len)[None, :] >= pos[:, None]
+    g_in = g_c.copy()
+    for b, s in enumerate(slot):
+        if s >= 0:
+            g_in[s][:, stale[b]] = np.nan
+    got = np.asarray(history_weights(jnp.asarray(g_in, jnp.float32), jnp.asarray(slot), jnp.asarray(pos)))
+    assert got.shape == (4, hv, cache_len + HISTORY_PAD)
+    for b, (s, p) in enumerate(zip(slot, pos)):
+        if s < 0:
+            continue
+        decays = np.exp(g_c[s])  # [Hv, L]
+        want = np.zeros((hv, cache_len + HISTORY_PAD))
+        for j in range(p):
+            want[:, j] = np.prod(decays[:, j + 1:p], axis=1)
+        want[:, cache_len] = np.prod(decays[:, :p], axis=1)
+        np.testing.assert_allclose(got[b], want, rtol=2e-6, atol=0, err_msg=f"row {b}")
 
 
 def test_window_vectors_are_the_raw_rows_padded():

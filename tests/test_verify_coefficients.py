@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.mosaic_gpu.verify_decode import (coefficient_count, window_coefficients, window_rows,
-                                                     window_vectors)
+from pallas_kernels.mosaic_gpu.verify_decode import (HISTORY_PAD, coefficient_count, history_weights,
+                                                     window_coefficients, window_rows, window_vectors)
 from pallas_kernels.mosaic_gpu.verify_decode_kda import kda_window_coefficients
 from pallas_kernels.verify_coefficients import (KDA_VECTORS, VerifyCoefficientsParams, kda_verify_coefficients,
                                                 verify_coefficients)
@@ -70,22 +70,55 @@ def random_window(rng, batch, width, num_k_heads, num_v_heads, head_dim, dtype):
     return (*(nan_past(x) for x in (q, k, g, beta)), length)
 
 
-@pytest.mark.parametrize("width,num_k_heads,num_v_heads,dtype,use_qk_l2norm,tree", [
-    (1, 1, 2, jnp.bfloat16, True, False),
-    (3, 2, 4, jnp.bfloat16, True, True),   # R = 16 > 2T: masked lanes
-    (4, 1, 1, jnp.float32, False, True),
-    (9, 1, 2, jnp.bfloat16, True, False),  # the vector stores pass the record's end (masked)
-    (16, 1, 2, jnp.float32, True, True),   # fp32 q, k: the products in two chunks of channels
+def random_history(rng, batch, num_v_heads, cache_len):
+    """`(g_cache [N, H_v, L] with NaN in every stale entry, the same in float64 without them,
+    slot [B] with row 1 padding, pos [B] in [0, L] with row 0 at L)`."""
+    num_slots = batch + 2
+    slot = rng.permutation(num_slots)[:batch].astype(np.int32)
+    slot[1] = -1
+    pos = rng.integers(0, cache_len + 1, batch).astype(np.int32)
+    pos[0] = cache_len
+    g_cache = -rng.uniform(0.0, 2.0, (num_slots, num_v_heads, cache_len))
+    stale = g_cache.copy()
+    for s, p in zip(slot, pos):
+        if s >= 0:
+            stale[s, :, p:] = np.nan
+    return jnp.asarray(stale, jnp.float32), g_cache, slot, pos
+
+
+def model_history(g_cache, slot, pos, history_len):
+    """Per (row, value head) in float64: the product of e^{g_i} over the entries after j and
+    before pos for each j < pos, then over all of them, then zeros (padding rows zero)."""
+    out = np.zeros((len(slot), g_cache.shape[1], history_len))
+    for b, (s, p) in enumerate(zip(slot, pos)):
+        if s < 0:
+            continue
+        decays = np.exp(g_cache[s])
+        for j in range(p):
+            out[b, :, j] = np.prod(decays[:, j + 1:p], axis=1)
+        out[b, :, g_cache.shape[2]] = np.prod(decays[:, :p], axis=1)
+    return out
+
+
+@pytest.mark.parametrize("width,num_k_heads,num_v_heads,dtype,use_qk_l2norm,tree,cache_len", [
+    (1, 1, 2, jnp.bfloat16, True, False, 8),
+    (3, 2, 4, jnp.bfloat16, True, True, 24),   # R = 16 > 2T: masked lanes; L' = 32 > L
+    (4, 1, 1, jnp.float32, False, True, 16),
+    (9, 1, 2, jnp.bfloat16, True, False, 16),  # the vector stores pass the record's end (masked)
+    (16, 1, 2, jnp.float32, True, True, 32),   # fp32 q, k: the products in two chunks of channels
 ])
 def test_records_and_vectors_match_the_model_and_xla(rng, width, num_k_heads, num_v_heads, dtype, use_qk_l2norm,
-                                                     tree):
+                                                     tree, cache_len):
     batch, head_dim, scale = 3, 64, 0.7
     q, k, g, beta, length = random_window(rng, batch, width, num_k_heads, num_v_heads, head_dim, dtype)
     anc = np.asarray(ancestors(random_parents(rng, batch, width) if tree else None, batch, width))
     record_len = coefficient_count(width)
-    records, vectors = verify_coefficients(q, k, g, beta, jnp.asarray(anc), length, record_len=record_len,
-                                           vector_rows=window_rows(width), use_qk_l2norm=use_qk_l2norm,
-                                           scale=scale, interpret=True)
+    g_cache, g_model, slot, pos = random_history(rng, batch, num_v_heads, cache_len)
+    history_len = cache_len + HISTORY_PAD
+    records, vectors, weights = verify_coefficients(
+        q, k, g, beta, jnp.asarray(anc), length, record_len=record_len, vector_rows=window_rows(width),
+        use_qk_l2norm=use_qk_l2norm, scale=scale, history=(g_cache, jnp.asarray(slot), jnp.asarray(pos)),
+        history_len=history_len, interpret=True)
     assert records.shape == (batch, num_v_heads, record_len) and vectors.shape[:3] == (batch, num_k_heads,
                                                                                        window_rows(width))
     assert not np.isnan(np.asarray(records)).any()
@@ -99,6 +132,16 @@ def test_records_and_vectors_match_the_model_and_xla(rng, width, num_k_heads, nu
     # The staged vectors are the raw rows, bit for bit.
     np.testing.assert_array_equal(np.asarray(vectors.astype(jnp.float32)),
                                   np.asarray(window_vectors(q, k, length).astype(jnp.float32)))
+    # History weights (a padding row's are never read) against float64 products and XLA's
+    # form: an fp32 sum of at most L log-decays, then one exp2, errs by a few ulps of the
+    # sum's magnitude |ln W|, which the exponential turns into that much relative error.
+    real = slot >= 0
+    weights = np.asarray(weights)[real]
+    assert weights.shape[1:] == (num_v_heads, history_len) and not np.isnan(weights).any()
+    xla_weights = np.asarray(history_weights(g_cache, jnp.asarray(slot), jnp.asarray(pos)))[real]
+    for want in model_history(g_model, slot, pos, history_len)[real], xla_weights:
+        bound = 2.0 ** -21 * (1 + np.abs(np.log(np.where(want > 0, want, 1.0)))) * want
+        assert np.all(np.abs(weights - want) <= bound), np.max(np.abs(weights - want) / np.maximum(bound, 1e-300))
 
 
 def model_kda_record(q, k, g, beta, anc, length, *, use_qk_l2norm, scale, record_len):
@@ -167,9 +210,9 @@ def test_refuses_what_it_cannot_take():
     q = jnp.zeros((1, 4, 1, 64), jnp.bfloat16)
     g = jnp.zeros((1, 4, 2), jnp.float32)
     anc, length = jnp.zeros((1, 4, 4), bool), jnp.array([4], jnp.int32)
-    call = lambda q=q, g=g, record_len=64, vector_rows=8: verify_coefficients(
+    call = lambda q=q, g=g, record_len=64, vector_rows=8, **history: verify_coefficients(
         q, q, g, g, anc, length, record_len=record_len, vector_rows=vector_rows, use_qk_l2norm=True, scale=1.0,
-        interpret=True)
+        interpret=True, **history)
     with pytest.raises(ValueError, match="record_len 40 is too short"):
         call(record_len=40)
     with pytest.raises(ValueError, match="vector_rows 6 is fewer than 2 T"):
@@ -178,6 +221,13 @@ def test_refuses_what_it_cannot_take():
         call(q=jnp.zeros((1, 4, 1, 192), jnp.bfloat16))
     with pytest.raises(ValueError, match="H_k \\| H_v"):
         call(q=jnp.zeros((1, 4, 2, 64), jnp.bfloat16), g=jnp.zeros((1, 4, 3), jnp.float32))
+    g_cache, slot = jnp.zeros((2, 2, 8), jnp.float32), jnp.zeros((1,), jnp.int32)
+    with pytest.raises(ValueError, match="history and history_len come together"):
+        call(history_len=12)
+    with pytest.raises(ValueError, match="history must be \\(g_cache \\[N, H_v, L\\]"):
+        call(history=(g_cache[:, :1], slot, slot), history_len=12)
+    with pytest.raises(ValueError, match="history_len 8 must exceed L = 8"):
+        call(history=(g_cache, slot, slot), history_len=8)
     with pytest.raises(ValueError, match="num_warps"):
         VerifyCoefficientsParams(num_warps=3)
     g_kda = jnp.zeros((1, 4, 2, 64), jnp.float32)
@@ -195,18 +245,20 @@ import kernel_registers  # noqa: E402
 
 @pytest.mark.parametrize("num_warps", [1, 2])
 def test_compiles_for_sm90a_without_spills(num_warps):
-    """The benchmark's shapes (H_k = 16, H_v = 32, d_k = 128, T = 4, bf16), lowered for an
-    H200 and compiled by the `triton` extra's compiler and ptxas; one warp keeps every
-    reduction inside the warp (fewer barriers than two)."""
+    """The benchmark's shapes (H_k = 16, H_v = 32, d_k = 128, T = 4, bf16, history weights
+    at L = 32), lowered for an H200 and compiled by the `triton` extra's compiler and ptxas;
+    one warp keeps every reduction inside the warp (fewer barriers than two)."""
     pytest.importorskip("triton")
     sds = jax.ShapeDtypeStruct
-    batch, width = 8, 4
+    batch, width, cache_len = 8, 4, 32
     args = (sds((batch, width, 16, 128), jnp.bfloat16), sds((batch, width, 16, 128), jnp.bfloat16),
             sds((batch, width, 32), jnp.float32), sds((batch, width, 32), jnp.float32),
-            sds((batch, width, width), jnp.bool_), sds((batch,), jnp.int32))
+            sds((batch, width, width), jnp.bool_), sds((batch,), jnp.int32), sds((16, 32, cache_len), jnp.float32),
+            sds((batch,), jnp.int32), sds((batch,), jnp.int32))
     params = VerifyCoefficientsParams(num_warps=num_warps)
-    step = lambda *a: verify_coefficients(*a, record_len=coefficient_count(width), vector_rows=window_rows(width),
-                                          use_qk_l2norm=True, scale=128 ** -0.5, params=params, interpret=False)
+    step = lambda *a: verify_coefficients(*a[:6], record_len=coefficient_count(width), vector_rows=window_rows(width),
+                                          use_qk_l2norm=True, scale=128 ** -0.5, history=a[6:],
+                                          history_len=cache_len + HISTORY_PAD, params=params, interpret=False)
     with kernel_registers.captured_triton_ir() as modules, jax.sharding.use_abstract_mesh(kernel_registers._H200):
         jax.jit(step).trace(*args).lower(lowering_platforms=("cuda",))
     (module,) = modules

@@ -56,18 +56,18 @@ def record_copies(rows: int, width: int, cache_len: int, cache_dtype) -> list:
     return [plgpu.SMEM((cache_len, rows), cache_dtype), plgpu.SMEM((cache_len, width), cache_dtype)]
 
 
-def copy_replay_tile(state_refs, bufs, slot, h, hk, rows, barrier, *, keys=None) -> None:
+def copy_replay_tile(state_refs, bufs, slot, h, hk, rows, barrier, *, keys=None, gates=None) -> None:
     """Start the TMA copies of one state tile's replay buffers, four arrivals on `barrier`:
     from `state_refs = (checkpoint, value records, key records, gate records)` of `slot`,
     the checkpoint tile `rows` of head h, the value records of those rows, the key records
     of key head (group) hk (or the ref `keys` in their place) and the gate records of head
-    h, into `bufs` (`replay_scratch` order)."""
+    h (or the ref `gates` in their place), into `bufs` (`replay_scratch` order)."""
     ckpt_ref, vcache_ref, kcache_ref, gcache_ref = state_refs
     t_smem, v_smem, k_smem, g_smem = bufs
     plgpu.copy_gmem_to_smem(ckpt_ref.at[slot, h, rows], t_smem, barrier)
     plgpu.copy_gmem_to_smem(vcache_ref.at[slot, h, :, rows], v_smem, barrier)
     plgpu.copy_gmem_to_smem(kcache_ref.at[slot, hk] if keys is None else keys, k_smem, barrier)
-    plgpu.copy_gmem_to_smem(gcache_ref.at[slot, h], g_smem, barrier)
+    plgpu.copy_gmem_to_smem(gcache_ref.at[slot, h] if gates is None else gates, g_smem, barrier)
 
 
 def copy_record_rows(cache_refs, bufs, slot, h, hk, rows, barrier) -> None:

@@ -337,6 +337,19 @@ def rebuild_exact(s_c, decay_total, u_smem, k_smem, g_smem, pos):
     return state
 
 
+def rebuild_weighted(s_c, decay_total, u_smem, k_smem, weights_smem, pos):
+    """`rebuild_exact` with the weights given: `S_{t-1} = e^G S_c + sum_j W_j u_j k_j^T` in
+    fp32, newest entry first, W_j read from `weights_smem [>= pos]`."""
+
+    def body(i, state):
+        j = pos - 1 - i
+        u_j = plgpu.load(u_smem.at[j], layout=ROW, optimized=False).astype(F32)
+        k_j = plgpu.load(k_smem.at[j], layout=COL, optimized=False).astype(F32)
+        return state + bcast_rows(weights_smem[j] * u_j, state.shape) * bcast_cols(k_j, state.shape)
+
+    return lax.fori_loop(0, pos, body, s_c * decay_total)
+
+
 def rebuild_tensor_cores(s_c, decay_total, u_t, weights, k_smem, pos, operands):
     """`S_{t-1} = e^G S_c + U^T diag(W) K` by `rebuild.rebuild_mma`: `u_t` `[BV, L]` the
     value records with entries at and past `pos` already 0, `weights` `[L]` (COL), the key

@@ -21,15 +21,17 @@ ancestors and i, and q_i, k_i after the L2 norm and the scale:
 The scalars of these sums (the `T x T` products, decays and norms: `window_coefficients`,
 a few small XLA ops on `[B, T, H, d_k]` inputs, or with `MosaicReplayParams.window_side =
 "kernel"` one Pallas Triton launch, `pallas_kernels.verify_coefficients`, which also stages
-the vectors) arrive packed per (row, value head); the kernel applies them to vectors. The
-key sums `K k_i`, `K q_i` over the ring are computed once per key-head group on a fresh
-tile (`window_keys`) or, with `MosaicReplayParams.key_side = "xla"`, before the launch by a
-kernel of their own on tensor cores (`window_key_values`: each tile copies its `[2T, L]`
-box of them in place of the key records, which only a tensor-core fold then fetches).
+the vectors and forms the history weights below) arrive packed per (row, value head); the
+kernel applies them to vectors. The key sums `K k_i`, `K q_i` over the ring are computed
+once per key-head group on a fresh tile (`window_keys`) or, with `MosaicReplayParams.
+key_side = "xla"`, before the launch by a kernel of their own on tensor cores
+(`window_key_values`: each tile copies its `[2T, L]` box of them in place of the key
+records, which only a tensor-core fold then fetches).
 `S x` is read out as in `replay_decode` without forming S: `e^G S_c x + U^T (W * (K x))`
-over the row's `pos` valid cache entries (WGMMA-layout row and column reductions, records
-loaded transposed from swizzled buffers; entries at and past `pos` are masked with selects
-before any product). The checkpoint tile and the records are read once for all 2T vectors.
+over the row's `pos` valid cache entries (W and e^G per (row, value head) formed before the
+launch, `history_weights` or the window kernel; WGMMA-layout row and column reductions,
+records loaded transposed from swizzled buffers; entries at and past `pos` are masked with
+selects before any product). The checkpoint tile and the records are read once for all 2T vectors.
 The tile's part `S_c x` is a row reduction per vector (`MosaicReplayParams.readout = "fma"`,
 default) or, with "mma", one product `S_c X^T` for all 2T raw bf16 vectors on tensor cores
 (`tile_products`; the raw vectors staged by XLA, `window_vectors`).
@@ -39,8 +41,8 @@ Row modes:
   not written.
 - `MODE_FLUSH` (the capacity rule folds the row): the live state S is rebuilt on chip
   from the checkpoint tile in registers, in exact fp32 (`MosaicReplayParams.rebuild =
-  "exact"`: newest entry first, running decay, as `replay_decode`, from untiled record
-  copies) or on tensor cores
+  "exact"`: newest entry first with the history's weights, `replay_decode.rebuild_weighted`,
+  from untiled record copies) or on tensor cores
   (`rebuild.rebuild_mma`: "3xtf32" within ~1e-7 normwise of it, or the opt-in "tf32" /
   "bf16"; with the key sums before the launch, from the key records it copies), rounded to
   the checkpoint's dtype and stored in place (what the fold reads besides the tile is
@@ -88,8 +90,8 @@ from pallas_kernels.mosaic_gpu.readout import (column, split_bf16, stage_vectors
                                                tile_products, vector_rows)
 from pallas_kernels.mosaic_gpu.rebuild import check_rebuild, rebuild_operands
 from pallas_kernels.mosaic_gpu.replay_decode import (MosaicReplayParams, check_fma_readout, check_mma_readout,
-                                                     check_own_layout, check_shapes, decay_weights, qk_scales,
-                                                     rebuild_exact, rebuild_tensor_cores)
+                                                     check_own_layout, check_shapes, qk_scales, rebuild_tensor_cores,
+                                                     rebuild_weighted)
 from pallas_kernels.verify_coefficients import VECTORS, VerifyCoefficientsParams, verify_coefficients
 
 MAX_WIDTH = 16  # the window is unrolled in the kernel: code size grows as T^2
@@ -108,6 +110,9 @@ def select_if(flag, x, layout, other=0.0):
 
 # e^{G}, beta, g, q_scale, k_scale per position: the record layout both window paths write.
 GDN_VECTORS = VECTORS
+# A history-weights record `[L + HISTORY_PAD]` (`history_weights`): the L weights, e^G, zeros
+# (a TMA copy moves whole 16-byte units).
+HISTORY_PAD = 4
 # A record is copied as `[C / COEF_LANES, COEF_LANES]`: a TMA box takes at most 256 elements
 # along each dimension, which a flat record passes from T = 11 on.
 COEF_LANES = 16
@@ -123,6 +128,25 @@ def coefficient_count(width: int, vectors: int = GDN_VECTORS, matrices: int = 2)
 def coefficient_shape(width: int, vectors: int = GDN_VECTORS, matrices: int = 2) -> tuple[int, int]:
     """The shape of one record as the kernel copies it."""
     return coefficient_count(width, vectors, matrices) // COEF_LANES, COEF_LANES
+
+
+def history_weights(g_cache: Float[Array, "N Hv L"], slot: Int[Array, " B"],
+                    pos: Int[Array, " B"]) -> Float[Array, "B Hv Lw"]:
+    """Per (row, value head) the decays of its history, `[L + HISTORY_PAD]`: `W_j =
+    exp(sum_{j<i<pos} g_i)` for each ring entry j < pos (0 at and past it), then `e^G =
+    exp(sum_{i<pos} g_i)`, then zeros, from the gate records of the row's slot (a padding
+    row's, slot < 0, are slot 0's: never read). What `replay_decode.decay_weights` forms in
+    a tile, once per head instead of once per tile: the suffix loop's selects were a sixth
+    of a verify tile's arithmetic at L = 32."""
+    cache_len = g_cache.shape[-1]
+    g = g_cache[jnp.maximum(slot, 0)].astype(F32)  # [B, Hv, L]
+    valid = jnp.arange(cache_len)[None, None, :] < pos[:, None, None]
+    g = jnp.where(valid, g, 0.0)  # a stale entry (NaN included) enters no sum
+    from_j = lax.cumsum(g, axis=2, reverse=True)  # sum_{j <= i < pos} g_i
+    after_j = jnp.concatenate([from_j[..., 1:], jnp.zeros_like(from_j[..., :1])], axis=2)  # sum_{j < i < pos}
+    weights = jnp.where(valid, jnp.exp(after_j), 0.0)
+    pad = jnp.zeros((*g.shape[:2], HISTORY_PAD - 1), F32)
+    return jnp.concatenate([weights, jnp.exp(from_j[..., :1]), pad], axis=2)
 
 
 def prepare_window(q, k, g, beta, length, *, use_qk_l2norm: bool, scale: float):
@@ -450,7 +474,8 @@ def window_coefficients(
 def _scratch(width, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y_dtype, swizzle, stages,
              readout="fma", rebuild="exact", xla_side=False, own_fold_buffers=False, prefetch_folds=False) -> list:
     """`[stages, shared, fold keys, fold buffers, barriers, rows barrier, fold keys barrier]`: `stages` sets
-    of a tile's replay buffers (y `[T, BV]`), its window coefficients, the window's vectors
+    of a tile's replay buffers (y `[T, BV]`; its head's `history_weights` `[L + HISTORY_PAD]` in
+    place of the gate records), its window coefficients, the window's vectors
     for ROW loads (`[q, k]` `[T, d_k]` for `window_keys`; `[]` with the key side computed before the launch;
     v `[T, BV]`) and the readout's (`readout_scratch`); `[shared]` the key-head group's
     `K k_i`, `K q_i` (`store_window_keys`, `[2T, L]` fp32); a barrier per stage
@@ -472,6 +497,7 @@ def _scratch(width, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y
     def stage():
         bufs = replay_scratch(BLOCK_ROWS, head_k_dim, cache_len, state_dtype, cache_dtype, (width, BLOCK_ROWS),
                               y_dtype, swizzle)
+        bufs[3] = plgpu.SMEM((cache_len + HISTORY_PAD,), F32)  # `history_weights`, not the gate records
         if prefetch_folds and rebuild == "exact":
             bufs[0] = [bufs[0], fold_buffers(bufs[0])]
         elif not own_fold_buffers:
@@ -516,7 +542,7 @@ def stage_copies(readout: str, xla_side: bool = False) -> int:
     return (6 if xla_side else 8) + (1 if readout == "mma" else 2)
 
 
-def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_ref, *refs,
+def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_ref, weights_ref, *refs,
             width, group_size, tiles, num_programs, chunk, readout, parts, rebuild, xla_side, program_scratch, per_tile,
             warpgroups, ordered, prefetch_folds, interpret):
     # Inputs, the row order, the window's raw vectors with the "mma" readout and the key
@@ -535,14 +561,14 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
         """Start the tile's copies into `stages[stage]` (none for padding rows; with
         `prefetch_folds` a folding row's record copies too)."""
         stages, _, fold_keys, _, barriers, rows_barrier, fold_barrier = buffers(b)
-        tile_buf, u_smem, k_smem, g_smem, _, c_smem, qk_rows, *window_smem = stages[stage]
+        tile_buf, u_smem, k_smem, w_smem, _, c_smem, qk_rows, *window_smem = stages[stage]
         t_smem = tile_buf if own_fold_buffers else tuple(tile_buf)[0]
         barrier, slot, hk, rows = barriers.at[stage], slot_ref[b], h // group_size, pl.ds(tile * BLOCK_ROWS, BLOCK_ROWS)
 
         @pl.when(mode_ref[b] != MODE_PAD)
         def _copies():
-            copy_replay_tile((ckpt_ref, ucache_ref, kcache_ref, gcache_ref), (t_smem, u_smem, k_smem, g_smem),
-                             slot, h, hk, rows, barrier,
+            copy_replay_tile((ckpt_ref, ucache_ref, kcache_ref, gcache_ref), (t_smem, u_smem, k_smem, w_smem),
+                             slot, h, hk, rows, barrier, gates=weights_ref.at[b, h],
                              keys=side_block(side_ref, b, hk, q_ref.shape[2], width, u_smem.shape[0]) if xla_side
                              else None)
             plgpu.copy_gmem_to_smem(coef_ref.at[b, h], c_smem, barrier)
@@ -572,7 +598,8 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
 
     def _tile(b, h, tile, bufs, shared_smem, fold_keys, own_fold_bufs, barrier, rows_barrier, fold_barrier, fresh):
         # k_smem: the key records, or with the key side computed before the launch the window's key sums.
-        tile_buf, u_smem, k_smem, g_smem, o_smem, c_smem, qk_rows, v_rows, *readout_bufs = bufs
+        # w_smem: the row's `history_weights` for head h, in place of its gate records.
+        tile_buf, u_smem, k_smem, w_smem, o_smem, c_smem, qk_rows, v_rows, *readout_bufs = bufs
         # The fold's record copies or operands: aliasing the tile, or their own buffers.
         t_smem, fold_bufs = (tile_buf, own_fold_bufs) if own_fold_buffers else tuple(tile_buf)
         hk = h // group_size
@@ -600,7 +627,8 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
                                            functools.partial(store_window_keys, shared_smem[0]),
                                            functools.partial(load_window_keys, shared_smem[0]))
             with jax.named_scope("records"):
-                weights, decay_total = decay_weights(g_smem, pos, cache_len)
+                weights = plgpu.load(w_smem.at[pl.ds(0, cache_len)], layout=COL, optimized=False)
+                decay_total = w_smem[cache_len]
                 s_c = plgpu.load(t_smem, layout=WGMMA).astype(F32)  # [BV, Dk]
                 j_tile = plgpu.broadcasted_iota(jnp.int32, (BLOCK_ROWS, cache_len), 1, layout=WGMMA)
             # A folding row's live state, rebuilt with its whole history and rounded as
@@ -624,7 +652,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
 
                     # A branch, not the loop run zero times: other rows skip its setup (the
                     # region profile gave it ~5% of a non-folding fp32 tile).
-                    rebuilt = lax.cond(fold, lambda: rebuild_exact(s_c, decay_total, u_rows, k_rows, g_smem, pos),
+                    rebuilt = lax.cond(fold, lambda: rebuild_weighted(s_c, decay_total, u_rows, k_rows, w_smem, pos),
                                        lambda: s_c)
                 else:
                     def tensor_core_fold():
@@ -865,16 +893,17 @@ def verify_decode_mgpu(
         raise ValueError(f"q and k must share a dtype, got {q.dtype} and {k.dtype}")
     scale = float(head_k_dim ** -0.5 if scale is None else scale)
     if params.window_side == "kernel":
-        coef, staged = verify_coefficients(q, k, g, beta, anc.astype(bool), length,
-                                           record_len=coefficient_count(width), vector_rows=window_rows(width),
-                                           use_qk_l2norm=bool(use_qk_l2norm), scale=scale,
-                                           params=VerifyCoefficientsParams(num_warps=params.window_warps),
-                                           interpret=interpret)
+        coef, staged, weights = verify_coefficients(
+            q, k, g, beta, anc.astype(bool), length, record_len=coefficient_count(width),
+            vector_rows=window_rows(width), use_qk_l2norm=bool(use_qk_l2norm), scale=scale,
+            history=(g_cache, slot, pos), history_len=cache_len + HISTORY_PAD,
+            params=VerifyCoefficientsParams(num_warps=params.window_warps), interpret=interpret)
         coef = coef.reshape(batch, num_v_heads, *coefficient_shape(width))
     else:
         coef = window_coefficients(q, k, g, beta, anc.astype(bool), length, use_qk_l2norm=bool(use_qk_l2norm),
                                    scale=scale)
         staged = window_vectors(q, k, length)
+        weights = history_weights(g_cache, slot.astype(jnp.int32), pos.astype(jnp.int32))
     kernel = _build(batch, width, num_v_heads, head_v_dim, head_k_dim, cache_len, checkpoint.dtype, u_cache.dtype,
                     q.dtype, v.dtype, num_v_heads // q.shape[2], params.swizzle, params.programs,
                     params.auto_barriers, params.readout, params.rebuild, params.chunk, params.per_tile_addresses,
@@ -885,7 +914,7 @@ def verify_decode_mgpu(
     if params.key_side == "xla":
         vectors.append(window_key_values(q, k, k_cache, slot, length, interpret=bool(interpret), staged=staged,
                                          mode=mode))
-    y = kernel(i32(slot), i32(pos), i32(mode), length, q, k, v, coef, *order, *vectors, *refs)
+    y = kernel(i32(slot), i32(pos), i32(mode), length, q, k, v, coef, weights, *order, *vectors, *refs)
     checkpoint, u_cache, k_cache, g_cache = (jax.freeze(r) for r in refs)
     keys = scaled_keys(k, coef, width, GDN_VECTORS, num_v_heads // q.shape[2])
     return (y, checkpoint, u_cache, *append_folding_records(k_cache, g_cache, keys, g, slot, mode, length,
