@@ -324,6 +324,12 @@ def test_verify_kernels_take_only_their_options():
         MosaicReplayParams(window_warps=1)
     with pytest.raises(ValueError, match="window_warps must be 1, 2, 4 or 8"):
         MosaicReplayParams(window_side="kernel", window_warps=3)
+    # Weights before the launch are a decode option: the verify kernels always take theirs so.
+    for gate in ("gdn", "kda"):
+        with pytest.raises(ValueError, match="decode_weights must be 'tile'"):
+            check_params(MosaicReplayParams(decode_weights="launch"), gate, pipelined=gate == "gdn")
+    with pytest.raises(ValueError, match="decode_weights must be one of"):
+        MosaicReplayParams(decode_weights="xla")
     # Prefetched folds: the GDN verify kernel's persistent programs only.
     check_params(MosaicReplayParams(programs=4, prefetch_folds=True), "gdn", pipelined=True)
     with pytest.raises(ValueError, match="prefetch_folds must be False"):
