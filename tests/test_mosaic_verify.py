@@ -20,11 +20,11 @@ import pytest
 from pallas_kernels import common
 from pallas_kernels.mosaic_gpu.mamba2_decode import MosaicMamba2Params
 from pallas_kernels.mosaic_gpu.readout import split_bf16, tile_parts
-from pallas_kernels.mosaic_gpu.replay_decode import MosaicReplayParams
+from pallas_kernels.mosaic_gpu.replay_decode import HISTORY_PAD, MosaicReplayParams, history_weights
 from pallas_kernels.mosaic_gpu.pipeline import ctas_per_sm
-from pallas_kernels.mosaic_gpu.verify_decode import (HISTORY_PAD, check_params, history_weights, key_block_heads,
-                                                     persistent_programs, persistent_smem_bytes, verify_decode_mgpu,
-                                                     window_key_values, window_rows, window_vectors)
+from pallas_kernels.mosaic_gpu.verify_decode import (check_params, key_block_heads, persistent_programs,
+                                                     persistent_smem_bytes, verify_decode_mgpu, window_key_values,
+                                                     window_rows, window_vectors)
 from pallas_kernels.mosaic_gpu.verify_decode_kda import verify_decode_kda_mgpu
 
 NUM_SLOTS, H_K, H_V, D, L, T = 6, 1, 2, 64, 8, 3
