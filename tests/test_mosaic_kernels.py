@@ -97,13 +97,13 @@ def _inputs(rng, state_dtype, cache_dtype, per_channel, d_v=D):
 
 _STEP_CONFIGS = [
     ("gdn", 0, D, "fma", None, {}), ("gdn", 3, D, "fma", None, {}), ("gdn", 3, D, "fma", True, {}),
-    ("gdn", 4, D, "fma", None, dict(chunk=1)), ("gdn", 3, D, "fma", None, dict(key_side="xla")),
+    ("gdn", 4, D, "fma", None, dict(chunk=1, decode_weights="launch")), ("gdn", 3, D, "fma", None, dict(key_side="xla")),
     ("gdn", 0, D, "mma", None, dict(key_side="xla")), ("gdn", 0, D, "mma", True, {}), ("gdn", 3, D, "mma", None, {}),
     ("gdn", 3, D, "fma", True, dict(per_tile_addresses=True)),
     ("gdn", 3, D, "mma", None, dict(key_side="xla", per_tile_addresses=True)),
     ("gdn", 3, D, "mma", True, {}),
     ("gdn", 6, D, "fma", None, dict(warpgroups=3, auto_barriers=False, key_side="xla")),
-    ("gdn", 6, D, "mma", None, dict(warpgroups=3, auto_barriers=False, key_side="xla")),
+    ("gdn", 6, D, "mma", None, dict(warpgroups=3, auto_barriers=False, key_side="xla", decode_weights="launch")),
     ("gdn", 3, D, "mma", None, dict(key_side="xla", per_tile_addresses=True, warpgroups=3, auto_barriers=False)),
     ("gdn", 0, D, "fma", None, dict(launch_order=True)),
     ("gdn", 3, D, "mma", None, dict(key_side="xla", warpgroups=3, auto_barriers=False, launch_order=True)),
@@ -146,7 +146,8 @@ def test_step_matches_the_float64_model(rng, gate, programs, d_v, readout, group
     (a row's tiles then follow another row's in a chunk) or one CTA per tile. The key side on
     tensor cores (`key_side="mma"`) runs its `wgmma`s as dots of the same bf16 operands and
     shares its `[2, BV, L]` products through shared memory; with fp32 key records it is
-    refused."""
+    refused. `decode_weights="launch"`: the history weights from XLA (a tile's exact flush
+    multiplies by them) with chunks of one tile and with three warpgroups."""
     per_channel = gate == "kda"
     kernel = functools.partial(replay_decode_kda_mgpu if per_channel else replay_decode_mgpu,
                                params=MosaicReplayParams(programs=programs, readout=readout, group_records=grouped,
