@@ -557,8 +557,8 @@ def copy_token(token_refs, bufs, b, h, hk, rows, barrier) -> None:
 def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref, *refs,
             group_size, tiles, use_qk_l2norm, scale, raw_gates, rebuild, num_programs, chunk, readout, parts, grouped,
             xla_side, mma_side, launch_weights, program_scratch, per_tile, warpgroups, ordered, interpret):
-    # Inputs, the row order, the raw q and k staged for the "mma" readout and the key side
-    # from XLA first; outputs; scratch.
+    # Inputs, the row order, the history weights, the raw q and k staged for the "mma"
+    # readout and the key side from XLA first; outputs; scratch.
     order_ref, *refs = refs if ordered else (None, *refs)
     weights_ref, *refs = refs if launch_weights else (None, *refs)
     xv_ref, *refs = refs if readout == "mma" else (None, *refs)
@@ -739,7 +739,9 @@ def _scratch(head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, v_dtype,
     checkpoint-tile buffer instead, or, with `own_operands` (several warpgroups, which cannot
     share a union), in the rebuild buffers' place. With the key side from XLA (`xla_side`), each stage
     takes `[side]` (`[3, L]` fp32, `key_side_values`) in place of the key records, which a
-    tensor-core rebuild copies into one buffer per CTA (the group keys') when it flushes."""
+    tensor-core rebuild copies into one buffer per CTA (the group keys') when it flushes.
+    With `launch_weights`, each stage's gate-record buffer holds the row's history weights
+    (`[L + HISTORY_PAD]`)."""
     def stage():
         tile, u, keys, g, y = replay_scratch(BLOCK_V, head_k_dim, cache_len, state_dtype, cache_dtype, (BLOCK_V,),
                                              v_dtype, swizzle)
@@ -812,8 +814,8 @@ def _build(batch, num_v_heads, head_v_dim, head_k_dim, cache_len, state_dtype, c
                              scale=scale, raw_gates=raw_gates, rebuild=rebuild, num_programs=num_programs,
                              chunk=chunk, readout=readout, parts=tile_parts(state_dtype), grouped=grouped,
                              xla_side=xla_side, mma_side=key_side == "mma", launch_weights=launch_weights,
-                             program_scratch=view,
-                             per_tile=per_tile_addresses, warpgroups=warpgroups, ordered=ordered, interpret=interpret)
+                             program_scratch=view, per_tile=per_tile_addresses, warpgroups=warpgroups,
+                             ordered=ordered, interpret=interpret)
     return build_kernel(body, jax.ShapeDtypeStruct((batch, num_v_heads, head_v_dim), y_dtype), scratch,
                         tile_grid(batch, num_v_heads, tiles, num_programs, warpgroups),
                         name="replayssm_replay_decode_mgpu", interpret=interpret, auto_barriers=auto_barriers)
