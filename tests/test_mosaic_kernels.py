@@ -270,6 +270,12 @@ def test_lowers_for_an_abstract_h200(state_dtype, cache_dtype, cache_len, raw, p
                                                       readout="mma", key_side="mma", warpgroups=3), marks=SLOW),
     (jnp.bfloat16, 16, MosaicReplayParams(programs=264, auto_barriers=False, rebuild="3xtf32", readout="mma",
                                           key_side="mma", per_tile_addresses=True)),
+    # The history weights from XLA in place of the gate records.
+    pytest.param(jnp.float32, 32, MosaicReplayParams(programs=264, auto_barriers=False, rebuild="3xtf32",
+                                                     readout="mma", decode_weights="launch"), marks=SLOW),
+    pytest.param(jnp.bfloat16, 16, MosaicReplayParams(programs=396, auto_barriers=False, rebuild="3xtf32",
+                                                      readout="mma", key_side="xla", warpgroups=3,
+                                                      decode_weights="launch"), marks=SLOW),
 ])
 def test_the_tensor_core_readout_lowers_for_an_abstract_h200(state_dtype, cache_len, params):
     """GDN's "mma" readout: `wgmma`s from the tile's three bf16 register parts (fp32 state)
