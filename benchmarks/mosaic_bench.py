@@ -26,9 +26,9 @@ Sections:
 Each sweep section stops starting new cells --budget-s after it began. Timing as
 `decode_bench.py`: CUPTI kernel times, medians, slot sets rotated past the L2; a Mosaic
 step is its kernel plus what XLA computes for it before the launch (`mosaic_xla_side_us`:
-GDN's staged vectors, key side and history weights), not the step's plan, which a model makes once for all
-of its layers. `--smoke`
-runs tiny shapes in interpret mode on CPU (wall clock) so CI exercises the code.
+GDN's staged vectors, key side and history weights), not the step's plan, which a model
+makes once for all of its layers. `--smoke` runs tiny shapes in interpret mode on CPU
+(wall clock) so CI exercises the code.
 
   python benchmarks/mosaic_bench.py --sections mamba2-check,mamba2 --budget-s 170 --out mamba2_mosaic.json
 """
@@ -136,7 +136,8 @@ def mosaic_cycle_fn(cfg: R.ReplayConfig, interpret: bool, kernel_params=None):
 
 def xla_side(cfg: R.ReplayConfig, params):
     """`(pool, slots, token) -> arrays`: what XLA computes before a step's Mosaic kernel
-    (`xla_side_inputs`: the staged vectors of the "mma" readout, GDN's key side from XLA),
+    (`xla_side_inputs`: the staged vectors of the "mma" readout, GDN's key side and history
+    weights from XLA),
     part of the layer's step, not of its plan."""
     if cfg.gate_kind.additive:
         return lambda pool, slots, token: mamba2_decode.xla_side_inputs(token.C, params=params)

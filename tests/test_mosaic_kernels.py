@@ -97,7 +97,8 @@ def _inputs(rng, state_dtype, cache_dtype, per_channel, d_v=D):
 
 _STEP_CONFIGS = [
     ("gdn", 0, D, "fma", None, {}), ("gdn", 3, D, "fma", None, {}), ("gdn", 3, D, "fma", True, {}),
-    ("gdn", 4, D, "fma", None, dict(chunk=1, decode_weights="launch")), ("gdn", 3, D, "fma", None, dict(key_side="xla")),
+    ("gdn", 4, D, "fma", None, dict(chunk=1, decode_weights="launch")),
+    ("gdn", 3, D, "fma", None, dict(key_side="xla")),
     ("gdn", 0, D, "mma", None, dict(key_side="xla")), ("gdn", 0, D, "mma", True, {}), ("gdn", 3, D, "mma", None, {}),
     ("gdn", 3, D, "fma", True, dict(per_tile_addresses=True)),
     ("gdn", 3, D, "mma", None, dict(key_side="xla", per_tile_addresses=True)),

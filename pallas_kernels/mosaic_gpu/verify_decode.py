@@ -89,8 +89,8 @@ from pallas_kernels.mosaic_gpu.pipeline import (STAGES, group_shared, kernel_scr
 from pallas_kernels.mosaic_gpu.readout import (column, split_bf16, stage_vectors, summed_products, tile_parts,
                                                tile_products, vector_rows)
 from pallas_kernels.mosaic_gpu.rebuild import check_rebuild, rebuild_operands
-from pallas_kernels.mosaic_gpu.replay_decode import (MosaicReplayParams, check_fma_readout, check_mma_readout,
-                                                     HISTORY_PAD, check_own_layout, check_shapes, history_weights,
+from pallas_kernels.mosaic_gpu.replay_decode import (HISTORY_PAD, MosaicReplayParams, check_fma_readout,
+                                                     check_mma_readout, check_own_layout, check_shapes, history_weights,
                                                      qk_scales, rebuild_tensor_cores, rebuild_weighted)
 from pallas_kernels.verify_coefficients import VECTORS, VerifyCoefficientsParams, verify_coefficients
 
