@@ -98,7 +98,7 @@ def _inputs(rng, state_dtype, cache_dtype, per_channel, d_v=D):
 _STEP_CONFIGS = [
     ("gdn", 0, D, "fma", None, {}), ("gdn", 3, D, "fma", None, {}), ("gdn", 3, D, "fma", True, {}),
     ("gdn", 4, D, "fma", None, dict(chunk=1, decode_weights="launch")),
-    ("gdn", 3, D, "fma", None, dict(key_side="xla")),
+    ("gdn", 3, D, "fma", None, dict(key_side="xla", decode_weights="sum")),
     ("gdn", 0, D, "mma", None, dict(key_side="xla")), ("gdn", 0, D, "mma", True, {}), ("gdn", 3, D, "mma", None, {}),
     ("gdn", 3, D, "fma", True, dict(per_tile_addresses=True)),
     ("gdn", 3, D, "mma", None, dict(key_side="xla", per_tile_addresses=True)),
@@ -108,7 +108,7 @@ _STEP_CONFIGS = [
     ("gdn", 3, D, "mma", None, dict(key_side="xla", per_tile_addresses=True, warpgroups=3, auto_barriers=False)),
     ("gdn", 0, D, "fma", None, dict(launch_order=True)),
     ("gdn", 3, D, "mma", None, dict(key_side="xla", warpgroups=3, auto_barriers=False, launch_order=True)),
-    ("gdn", 0, D, "mma", None, dict(key_side="mma")),
+    ("gdn", 0, D, "mma", None, dict(key_side="mma", decode_weights="sum")),
     ("gdn", 6, D, "mma", True, dict(key_side="mma", warpgroups=3, auto_barriers=False)),
     ("kda", 0, D, "fma", None, {}), ("kda", 3, D, "fma", None, {}),
     ("kda", 3, 2 * D, "fma", None, {}), ("kda", 7, 2 * D, "fma", None, {}),
@@ -271,6 +271,11 @@ def test_lowers_for_an_abstract_h200(state_dtype, cache_dtype, cache_len, raw, p
                                                       readout="mma", key_side="mma", warpgroups=3), marks=SLOW),
     (jnp.bfloat16, 16, MosaicReplayParams(programs=264, auto_barriers=False, rebuild="3xtf32", readout="mma",
                                           key_side="mma", per_tile_addresses=True)),
+    # The history weights as one masked column sum of the gate records (a padded buffer).
+    (jnp.float32, 32, MosaicReplayParams(programs=264, auto_barriers=False, rebuild="3xtf32", decode_weights="sum")),
+    pytest.param(jnp.bfloat16, 24, MosaicReplayParams(programs=264, auto_barriers=False, rebuild="3xtf32",
+                                                      readout="mma", key_side="xla", per_tile_addresses=True,
+                                                      decode_weights="sum"), marks=SLOW),
     # The history weights from XLA in place of the gate records.
     pytest.param(jnp.float32, 32, MosaicReplayParams(programs=264, auto_barriers=False, rebuild="3xtf32",
                                                      readout="mma", decode_weights="launch"), marks=SLOW),

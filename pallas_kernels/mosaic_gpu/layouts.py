@@ -141,6 +141,36 @@ def load_transposed(smem):
     return plgpu.layout_cast(x, WGMMA).astype(F32)
 
 
+def summed_rows(cache_len: int) -> int:
+    """Entries of a records buffer that `suffix_sums` reads as one `ROW` vector: the ring's
+    L rounded up to a whole number of 64-row blocks."""
+    return -(-cache_len // BLOCK_ROWS) * BLOCK_ROWS
+
+
+def suffix_sums(values_smem, pos, cache_len: int):
+    """`(sum_{j<i<pos} v_i` `COL [L]` for each ring entry j, `sum_{i<pos} v_i` as a scalar)`
+    from `values_smem [summed_rows(L)]` (the L records first; entries at and past `pos`,
+    the padding included, enter no sum through a select, so a stale or unwritten value,
+    NaN included, is never used).
+
+    The suffixes are one column sum of the masked `[R, L]` matrix `[j < i] v_i` (R =
+    `summed_rows(L)`): a few selects and one cross-warp reduction per tile, in place of a
+    loop over the ring that writes one entry of a `COL` vector per step (`L` selects of a
+    thread's `L / 4` entries each); the total is a tree of L scalar sums. The column sum
+    uses the CTA's one reduction scratch: one warpgroup per CTA only."""
+    rows = values_smem.shape[0]
+    i = plgpu.broadcasted_iota(jnp.int32, (rows,), 0, layout=ROW)
+    v = jnp.where(i < pos, plgpu.load(values_smem, layout=ROW, optimized=False), 0.0)
+    shape = (rows, cache_len)
+    later = (plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=WGMMA)
+             < plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=WGMMA))  # [j < i]
+    suffix = col_sum(jnp.where(later, bcast_rows(v, shape), 0.0))
+    terms = [jnp.where(k < pos, values_smem[k], 0.0) for k in range(cache_len)]
+    while len(terms) > 1:  # a tree: log2(L) dependent additions
+        terms = [a + b for a, b in zip(terms[::2], terms[1::2])] + terms[len(terms) - len(terms) % 2:]
+    return suffix, terms[0]
+
+
 def softplus(x):
     """`log(1 + e^x)`, linear above the threshold (as the Triton kernels' softplus)."""
     return jnp.where(x > SOFTPLUS_THRESHOLD, x, jnp.log(1.0 + jnp.exp(jnp.minimum(x, SOFTPLUS_THRESHOLD))))

@@ -35,7 +35,8 @@ Layouts (Hopper WGMMA family, `m % 64 == 0 == n % 8`):
   `ROW [BV]`, the same layout as `S_c x`, so the two parts add without a relayout.
 - decay weights `W_j = exp(sum_{j<i<pos} g_i)` `COL [L]`: suffix sums of the valid
   entries' log-decays, newest first (scalars read from shared memory), exponentiated as
-  one vector; or, with `MosaicReplayParams.decode_weights = "launch"`, formed before the
+  one vector; or, with `MosaicReplayParams.decode_weights = "sum"`, as one column sum
+  of the masked records (`layouts.suffix_sums`); or, with `"launch"`, formed before the
   launch (`history_weights`) and loaded as one vector.
 
 Step math (as `pallas_kernels.replay_decode`): with the live state
@@ -75,7 +76,8 @@ from pallas_kernels.common import L2NORM_EPS, MODE_APPEND, MODE_FLUSH, MODE_PAD
 from pallas_kernels.mosaic_gpu.build import build_kernel, check_shared_params
 from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA, bcast_cols, bcast_rows, check_smem,
                                                col_sum, copy_record_rows, load_transposed, record_copies,
-                                               replay_scratch, row_sum, smem_bytes, softplus, tiled)
+                                               replay_scratch, row_sum, smem_bytes, softplus, suffix_sums,
+                                               summed_rows, tiled)
 from pallas_kernels.mosaic_gpu.pipeline import (STAGES, group_shared, grouped_fits_more, kernel_scratch,
                                                 launch_order_input, programs_that_fit, serve_tiles, tile_buffers,
                                                 tile_grid)
@@ -91,7 +93,7 @@ RESIDENT_CTAS = 2
 DECODE_VECTORS = 2  # the "mma" readout's vectors: q, then k
 KEY_SIDES = ("kernel", "xla", "mma")
 WINDOW_SIDES = ("xla", "kernel")
-DECODE_WEIGHTS = ("tile", "launch")
+DECODE_WEIGHTS = ("tile", "sum", "launch")
 MAX_WARPGROUPS = 4  # a CTA of 512 threads, 128 registers each
 
 
@@ -183,11 +185,13 @@ class MosaicReplayParams:
         default 2; 1 keeps its reductions inside one warp, without cross-warp barriers);
         only with `window_side="kernel"`.
       decode_weights: where the GDN decode kernel's history weights (`W_j`, `e^G`) come
-        from: "tile" (default) each tile sums its gate records (`decay_weights`, an L-step
-        dependent chain per tile); "launch" XLA forms them once per (row, value head) before
-        the launch (`history_weights`, one more small kernel), and each tile copies them in
-        place of its gate records. The verify kernels always take theirs from before the
-        launch, KDA's are per channel: both refuse "launch".
+        from: "tile" (default) each tile sums its gate records (`decay_weights`, a loop over
+        the ring writing one entry of a vector per step); "sum" each tile sums them as one
+        masked column sum (`layouts.suffix_sums`, a few selects and one cross-warp
+        reduction: one warpgroup per CTA); "launch" XLA forms them once per (row, value head)
+        before the launch (`history_weights`, one more small kernel), and each tile copies
+        them in place of its gate records. The verify kernels always take theirs from before
+        the launch, KDA's are per channel: both refuse all but "tile".
       prefetch_folds: the GDN verify kernel's persistent programs only: False (default) a
         folding row fetches what its fold reads besides the tile once `S_c` is in registers
         and waits for it (the exact rebuild's untiled record copies, into the stage's tile
@@ -217,6 +221,9 @@ class MosaicReplayParams:
         check_shared_params(self)
         if self.decode_weights not in DECODE_WEIGHTS:
             raise ValueError(f"decode_weights must be one of {DECODE_WEIGHTS}, got {self.decode_weights!r}")
+        if self.decode_weights == "sum" and self.warpgroups > 1:
+            raise ValueError(f"decode_weights='sum' is a column sum through the CTA's one reduction scratch: "
+                             f"warpgroups must be 1, got {self.warpgroups}")
         if not isinstance(self.prefetch_folds, bool):
             raise ValueError(f"prefetch_folds must be a bool, got {self.prefetch_folds!r}")
         if self.window_side not in WINDOW_SIDES:
@@ -323,6 +330,14 @@ def check_shapes(head_k_dim: int, head_v_dim: int, cache_len: int, state_itemsiz
 # A history-weights record `[L + HISTORY_PAD]` (`history_weights`): the L weights, e^G, zeros
 # (a TMA copy moves whole 16-byte units).
 HISTORY_PAD = 4
+
+
+def summed_decay_weights(g_smem, pos, cache_len):
+    """`decay_weights` from one masked column sum (`layouts.suffix_sums`; `g_smem
+    [summed_rows(L)]`, the L gate records first)."""
+    suffix, total = suffix_sums(g_smem, pos, cache_len)
+    j = plgpu.broadcasted_iota(jnp.int32, (cache_len,), 0, layout=COL)
+    return jnp.where(j < pos, jnp.exp(suffix), 0.0), jnp.exp(total)
 
 
 def decay_weights(g_smem, pos, cache_len):
@@ -556,10 +571,11 @@ def copy_token(token_refs, bufs, b, h, hk, rows, barrier) -> None:
 
 def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref, *refs,
             group_size, tiles, use_qk_l2norm, scale, raw_gates, rebuild, num_programs, chunk, readout, parts, grouped,
-            xla_side, mma_side, launch_weights, program_scratch, per_tile, warpgroups, ordered, interpret):
+            xla_side, mma_side, weights_from, program_scratch, per_tile, warpgroups, ordered, interpret):
     # Inputs, the row order, the history weights, the raw q and k staged for the "mma"
     # readout and the key side from XLA first; outputs; scratch.
     order_ref, *refs = refs if ordered else (None, *refs)
+    launch_weights = weights_from == "launch"
     weights_ref, *refs = refs if launch_weights else (None, *refs)
     xv_ref, *refs = refs if readout == "mma" else (None, *refs)
     side_ref, *refs = refs if xla_side else (None, *refs)
@@ -584,7 +600,8 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a
         def _copies():
             plgpu.copy_gmem_to_smem(ckpt_ref.at[slot, h, rows], t_smem, barrier)
             plgpu.copy_gmem_to_smem(ucache_ref.at[slot, h, :, rows], u_smem, barrier)
-            plgpu.copy_gmem_to_smem(weights_ref.at[b, h] if launch_weights else gcache_ref.at[slot, h], g_smem,
+            g_dst = g_smem.at[pl.ds(0, u_smem.shape[0])] if weights_from == "sum" else g_smem  # "sum": padded
+            plgpu.copy_gmem_to_smem(weights_ref.at[b, h] if launch_weights else gcache_ref.at[slot, h], g_dst,
                                     barrier)
             if xla_side:
                 plgpu.copy_gmem_to_smem(side_ref.at[b, h // group_size], side_smem[0], barrier)
@@ -605,7 +622,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a
 
     def compute(b, h, tile, stage, fresh, prefetch=lambda: None):
         stages, group_keys, shared_smem, rebuild_bufs, barriers, group_barrier, rows_barrier = buffers(b)
-        # g_smem: head h's gate records, or with `launch_weights` the row's `history_weights`.
+        # g_smem: head h's gate records ("sum": padded), or with "launch" the row's `history_weights`.
         tile_buf, u_smem, g_smem, o_smem, qk_smem, v_smem, stage_keys, x_smem, side_smem = stages[stage]
         k_smem = group_keys[0] if grouped or xla_side and group_keys else stage_keys[0] if stage_keys else None
         t_smem, operands = split_tile_buffer(tile_buf, rebuild, own_operands)
@@ -659,7 +676,8 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a
                     weights = plgpu.load(g_smem.at[pl.ds(0, cache_len)], layout=COL, optimized=False)
                     decay_total = g_smem[cache_len]
                 else:
-                    weights, decay_total = decay_weights(g_smem, pos, cache_len)
+                    summed = summed_decay_weights if weights_from == "sum" else decay_weights
+                    weights, decay_total = summed(g_smem, pos, cache_len)
                 j = plgpu.broadcasted_iota(jnp.int32, (BLOCK_V, cache_len), 1, layout=WGMMA)
                 u_t = jnp.where(j < pos, load_transposed(u_smem), 0.0)  # [BV, L], stale entries 0
             valid = plgpu.broadcasted_iota(jnp.int32, (cache_len,), 0, layout=COL) < pos
@@ -724,7 +742,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a
 
 def _scratch(head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, v_dtype, swizzle, rebuild, stages,
              readout="fma", grouped=False, xla_side=False, own_operands=False, mma_side=False,
-             launch_weights=False) -> list:
+             weights_from="tile") -> list:
     """`[stages, group keys, shared, rebuild buffers, barriers, group barrier, rows
     barrier]`: `stages` sets of the replay buffers (the key records among them `[k]` unless
     `grouped`, else `[]`), the token's (`copy_token`) and, for the "mma" readout, `[x]` the
@@ -740,13 +758,16 @@ def _scratch(head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, v_dtype,
     share a union), in the rebuild buffers' place. With the key side from XLA (`xla_side`), each stage
     takes `[side]` (`[3, L]` fp32, `key_side_values`) in place of the key records, which a
     tensor-core rebuild copies into one buffer per CTA (the group keys') when it flushes.
-    With `launch_weights`, each stage's gate-record buffer holds the row's history weights
-    (`[L + HISTORY_PAD]`)."""
+    With `weights_from="launch"`, each stage's gate-record buffer holds the row's history
+    weights (`[L + HISTORY_PAD]`); with "sum", the gate records padded to
+    `summed_rows(L)` (`suffix_sums` reads them as one `ROW` vector)."""
     def stage():
         tile, u, keys, g, y = replay_scratch(BLOCK_V, head_k_dim, cache_len, state_dtype, cache_dtype, (BLOCK_V,),
                                              v_dtype, swizzle)
-        if launch_weights:  # `history_weights` in place of the gate records
+        if weights_from == "launch":  # `history_weights` in place of the gate records
             g = plgpu.SMEM((cache_len + HISTORY_PAD,), F32)
+        elif weights_from == "sum":
+            g = plgpu.SMEM((summed_rows(cache_len),), F32)
         tile = tile if own_operands else tile_with_operands(tile, BLOCK_V, head_k_dim, cache_len, rebuild, cache_dtype)
         vectors = ([plgpu.SMEM((vector_rows(DECODE_VECTORS), head_k_dim), qk_dtype, transforms=tiled(128, qk_dtype))]
                    if readout == "mma" else [])
@@ -794,7 +815,7 @@ def persistent_programs(batch: int, num_v_heads: int, head_v_dim: int, head_k_di
 @functools.lru_cache(maxsize=None)
 def _build(batch, num_v_heads, head_v_dim, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y_dtype,
            group_size, use_qk_l2norm, scale, raw_gates, swizzle, rebuild, programs, auto_barriers, readout,
-           group_records, chunk, key_side, per_tile_addresses, warpgroups, ordered, launch_weights, interpret):
+           group_records, chunk, key_side, per_tile_addresses, warpgroups, ordered, weights_from, interpret):
     tiles = head_v_dim // BLOCK_V
     num_tiles = batch * num_v_heads * tiles
     warpgroups = min(warpgroups, num_tiles)  # every program serves at least one tile
@@ -802,7 +823,7 @@ def _build(batch, num_v_heads, head_v_dim, head_k_dim, cache_len, state_dtype, c
     scratch_of = functools.partial(_scratch, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y_dtype,
                                    swizzle, rebuild, STAGES if programs else 1, readout, xla_side=xla_side,
                                    own_operands=warpgroups > 1, mma_side=key_side == "mma",
-                                   launch_weights=launch_weights)
+                                   weights_from=weights_from)
     grouped = (not xla_side and group_records if group_records is not None
                else not xla_side and bool(programs) and grouped_fits_more(scratch_of))
     program_scratch = scratch_of(grouped)
@@ -813,7 +834,7 @@ def _build(batch, num_v_heads, head_v_dim, head_k_dim, cache_len, state_dtype, c
     body = functools.partial(_kernel, group_size=group_size, tiles=tiles, use_qk_l2norm=use_qk_l2norm,
                              scale=scale, raw_gates=raw_gates, rebuild=rebuild, num_programs=num_programs,
                              chunk=chunk, readout=readout, parts=tile_parts(state_dtype), grouped=grouped,
-                             xla_side=xla_side, mma_side=key_side == "mma", launch_weights=launch_weights,
+                             xla_side=xla_side, mma_side=key_side == "mma", weights_from=weights_from,
                              program_scratch=view, per_tile=per_tile_addresses, warpgroups=warpgroups,
                              ordered=ordered, interpret=interpret)
     return build_kernel(body, jax.ShapeDtypeStruct((batch, num_v_heads, head_v_dim), y_dtype), scratch,
@@ -870,7 +891,7 @@ def replay_decode_mgpu(
         num_v_heads // q.shape[1], bool(use_qk_l2norm), float(head_k_dim ** -0.5 if scale is None else scale),
         gate_params is not None, params.swizzle, params.rebuild, params.programs, params.auto_barriers,
         params.readout, params.group_records, params.chunk, params.key_side, params.per_tile_addresses,
-        params.warpgroups, bool(order), params.decode_weights == "launch", bool(interpret),
+        params.warpgroups, bool(order), params.decode_weights, bool(interpret),
     )
     k = k.astype(q.dtype)
     vectors = xla_side_inputs(q, k, k_cache, g_cache, slot, pos, params=params, use_qk_l2norm=bool(use_qk_l2norm),
