@@ -103,7 +103,7 @@ _STEP_CONFIGS = [
     ("gdn", 3, D, "fma", True, dict(per_tile_addresses=True)),
     ("gdn", 3, D, "mma", None, dict(key_side="xla", per_tile_addresses=True)),
     ("gdn", 3, D, "mma", True, {}),
-    ("gdn", 6, D, "fma", None, dict(warpgroups=3, auto_barriers=False, key_side="xla")),
+    ("gdn", 6, D, "fma", None, dict(warpgroups=3, auto_barriers=False, key_side="xla", decode_weights="sum")),
     ("gdn", 6, D, "mma", None, dict(warpgroups=3, auto_barriers=False, key_side="xla", decode_weights="launch")),
     ("gdn", 3, D, "mma", None, dict(key_side="xla", per_tile_addresses=True, warpgroups=3, auto_barriers=False)),
     ("gdn", 0, D, "fma", None, dict(launch_order=True)),
@@ -271,8 +271,11 @@ def test_lowers_for_an_abstract_h200(state_dtype, cache_dtype, cache_len, raw, p
                                                       readout="mma", key_side="mma", warpgroups=3), marks=SLOW),
     (jnp.bfloat16, 16, MosaicReplayParams(programs=264, auto_barriers=False, rebuild="3xtf32", readout="mma",
                                           key_side="mma", per_tile_addresses=True)),
-    # The history weights as one masked column sum of the gate records (a padded buffer).
+    # The history weights as the row sums of one masked matrix of the gate records, stored
+    # after them and read back (one CTA per SM of three warpgroups, each its own buffers).
     (jnp.float32, 32, MosaicReplayParams(programs=264, auto_barriers=False, rebuild="3xtf32", decode_weights="sum")),
+    (jnp.bfloat16, 16, MosaicReplayParams(programs=396, auto_barriers=False, rebuild="3xtf32", readout="mma",
+                                          key_side="mma", warpgroups=3, decode_weights="sum")),
     pytest.param(jnp.bfloat16, 24, MosaicReplayParams(programs=264, auto_barriers=False, rebuild="3xtf32",
                                                       readout="mma", key_side="xla", per_tile_addresses=True,
                                                       decode_weights="sum"), marks=SLOW),

@@ -324,15 +324,13 @@ def test_verify_kernels_take_only_their_options():
         MosaicReplayParams(window_warps=1)
     with pytest.raises(ValueError, match="window_warps must be 1, 2, 4 or 8"):
         MosaicReplayParams(window_side="kernel", window_warps=3)
-    # Weights before the launch or as a column sum are decode options: the verify kernels
+    # Weights before the launch or summed in the tile are decode options: the verify kernels
     # always take theirs from before the launch.
     for gate, weights in (("gdn", "launch"), ("kda", "launch"), ("gdn", "sum")):
         with pytest.raises(ValueError, match="decode_weights must be 'tile'"):
             check_params(MosaicReplayParams(decode_weights=weights), gate, pipelined=gate == "gdn")
     with pytest.raises(ValueError, match="decode_weights must be one of"):
         MosaicReplayParams(decode_weights="xla")
-    with pytest.raises(ValueError, match="decode_weights='sum' is a column sum .* warpgroups must be 1, got 3"):
-        MosaicReplayParams(programs=6, auto_barriers=False, key_side="xla", warpgroups=3, decode_weights="sum")
     # Prefetched folds: the GDN verify kernel's persistent programs only.
     check_params(MosaicReplayParams(programs=4, prefetch_folds=True), "gdn", pipelined=True)
     with pytest.raises(ValueError, match="prefetch_folds must be False"):

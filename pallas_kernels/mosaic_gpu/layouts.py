@@ -12,6 +12,7 @@ import math
 
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.common import SOFTPLUS_THRESHOLD
@@ -142,33 +143,30 @@ def load_transposed(smem):
 
 
 def summed_rows(cache_len: int) -> int:
-    """Entries of a records buffer that `suffix_sums` reads as one `ROW` vector: the ring's
-    L rounded up to a whole number of 64-row blocks."""
+    """The rows of `suffix_sums`' matrix: the ring's L rounded up to a whole number of
+    64-row blocks."""
     return -(-cache_len // BLOCK_ROWS) * BLOCK_ROWS
 
 
-def suffix_sums(values_smem, pos, cache_len: int):
+def suffix_sums(records_smem, pos, cache_len: int):
     """`(sum_{j<i<pos} v_i` `COL [L]` for each ring entry j, `sum_{i<pos} v_i` as a scalar)`
-    from `values_smem [summed_rows(L)]` (the L records first; entries at and past `pos`,
-    the padding included, enter no sum through a select, so a stale or unwritten value,
-    NaN included, is never used).
+    from `records_smem [L + summed_rows(L)]`: the L records v, then room for the sums.
 
-    The suffixes are one column sum of the masked `[R, L]` matrix `[j < i] v_i` (R =
-    `summed_rows(L)`): a few selects and one cross-warp reduction per tile, in place of a
-    loop over the ring that writes one entry of a `COL` vector per step (`L` selects of a
-    thread's `L / 4` entries each); the total is a tree of L scalar sums. The column sum
-    uses the CTA's one reduction scratch: one warpgroup per CTA only."""
-    rows = values_smem.shape[0]
-    i = plgpu.broadcasted_iota(jnp.int32, (rows,), 0, layout=ROW)
-    v = jnp.where(i < pos, plgpu.load(values_smem, layout=ROW, optimized=False), 0.0)
+    The suffixes are the row sums of the masked `[R, L]` matrix `[j < i < pos] v_i` (row
+    j, R = `summed_rows(L)`): a few selects and two shuffle steps per row, stored as a
+    `ROW` vector after the records and read back as `COL` (one warpgroup barrier), in
+    place of a loop over the ring that writes one entry of a `COL` vector per step (`L`
+    selects of a thread's `L / 4` entries each). An entry at or past `pos` enters no sum
+    through a select, so a stale value, NaN included, is never used."""
+    rows = summed_rows(cache_len)
+    v = plgpu.load(records_smem.at[pl.ds(0, cache_len)], layout=COL, optimized=False)
     shape = (rows, cache_len)
-    later = (plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=WGMMA)
-             < plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=WGMMA))  # [j < i]
-    suffix = col_sum(jnp.where(later, bcast_rows(v, shape), 0.0))
-    terms = [jnp.where(k < pos, values_smem[k], 0.0) for k in range(cache_len)]
-    while len(terms) > 1:  # a tree: log2(L) dependent additions
-        terms = [a + b for a, b in zip(terms[::2], terms[1::2])] + terms[len(terms) - len(terms) % 2:]
-    return suffix, terms[0]
+    i = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=WGMMA)
+    later = (plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=WGMMA) < i) & (i < pos)  # [j < i < pos]
+    records_smem.at[pl.ds(cache_len, rows)][...] = row_sum(jnp.where(later, bcast_cols(v, shape), 0.0))
+    plgpu.commit_smem()  # every row's sum visible to every thread of the warpgroup
+    suffix = plgpu.load(records_smem.at[pl.ds(cache_len, cache_len)], layout=COL, optimized=False)
+    return suffix, records_smem[cache_len] + jnp.where(0 < pos, records_smem[0], 0.0)
 
 
 def softplus(x):

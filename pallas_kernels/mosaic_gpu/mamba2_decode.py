@@ -33,8 +33,8 @@ Layouts (Hopper WGMMA family, `m % 64 == 0 == n % 8`):
   `ROW [BP]`, the layout of `S_c C` and of this token's x, so the parts add as they are.
 - weights `w_j = dt_j exp(A sum_{j<i<pos} dt_i)` `COL [L]`: suffix sums of the valid
   entries' time steps, newest first (scalars read from shared memory), exponentiated as
-  one vector; or, with `MosaicMamba2Params.decode_weights = "sum"`, the suffix sums as one
-  column sum of the masked time steps (`layouts.suffix_sums`).
+  one vector; or, with `MosaicMamba2Params.decode_weights = "sum"`, the suffix sums as the
+  row sums of one masked matrix of the time steps (`layouts.suffix_sums`).
 
 Step math (method note §14): with the live state
 `S_{t-1} = e^{A Gamma} S_c + sum_{j<pos} w_j x_j B_j^T` (Gamma the sum of the valid dt),
@@ -119,8 +119,8 @@ class MosaicMamba2Params:
         order), as `MosaicReplayParams.launch_order`; the Mamba-2 verify kernel (one CTA per
         tile) refuses it.
       decode_weights: how a tile forms its weights `w_j`: "tile" (default) a loop over the
-        ring writing one entry of a vector per step (`window_weights`), "sum" one masked
-        column sum of the time steps (`summed_window_weights`), as
+        ring writing one entry of a vector per step (`window_weights`), "sum" the row sums
+        of one masked matrix of the time steps (`summed_window_weights`), as
         `MosaicReplayParams.decode_weights`; the verify kernel refuses "sum".
     """
 
@@ -152,12 +152,12 @@ def _scratch(state_size, cache_len, state_dtype, cache_dtype, bc_dtype, xz_dtype
     `[barrier]` for their copy (else `[]`, `[]`); the head group's shared values
     (`store_group_side`, `[2, L]` fp32), the exact rebuild's untiled record copies, a
     barrier per stage (the tile's copies and the token's, `copy_token`) and one for the
-    record copies. With `summed` (`decode_weights="sum"`) the time steps' buffer is padded to
-    `summed_rows(L)` (`suffix_sums` reads it as one `ROW` vector)."""
+    record copies. With `summed` (`decode_weights="sum"`) the time steps' buffer has room for
+    their suffix sums (`[L + summed_rows(L)]`, `suffix_sums`)."""
     def stage():
         tile, x, _, dts, y = replay_scratch(BLOCK_P, state_size, cache_len, state_dtype, cache_dtype, (BLOCK_P,),
                                             y_dtype, swizzle)
-        dts = plgpu.SMEM((summed_rows(cache_len),), F32) if summed else dts
+        dts = plgpu.SMEM((cache_len + summed_rows(cache_len),), F32) if summed else dts
         tile = tile_with_operands(tile, BLOCK_P, state_size, cache_len, rebuild, cache_dtype)
         vectors = ([plgpu.SMEM((vector_rows(1), state_size), bc_dtype, transforms=tiled(128, bc_dtype))]
                    if readout == "mma" else [])
@@ -266,8 +266,8 @@ def window_weights(dt_smem, a, pos, cache_len):
 
 
 def summed_window_weights(dt_smem, a, pos, cache_len):
-    """`window_weights` from one masked column sum (`layouts.suffix_sums`; `dt_smem
-    [summed_rows(L)]`, the L time steps first)."""
+    """`window_weights` from one masked matrix's row sums (`layouts.suffix_sums`; `dt_smem
+    [L + summed_rows(L)]`, the L time steps first)."""
     suffix, total = suffix_sums(dt_smem, pos, cache_len)
     j = plgpu.broadcasted_iota(jnp.int32, (cache_len,), 0, layout=COL)
     dts = plgpu.load(dt_smem.at[pl.ds(0, cache_len)], layout=COL, optimized=False)
@@ -310,7 +310,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, x_ref, b_ref, c_ref, dt_ref, z_ref, a_r
         def _copies():
             plgpu.copy_gmem_to_smem(ckpt_ref.at[slot, h, rows], t_smem, barrier)
             plgpu.copy_gmem_to_smem(xcache_ref.at[slot, h, :, rows], x_smem, barrier)
-            dt_dst = dt_smem.at[pl.ds(0, x_smem.shape[0])] if summed else dt_smem  # "sum": a padded buffer
+            dt_dst = dt_smem.at[pl.ds(0, x_smem.shape[0])] if summed else dt_smem  # "sum": a longer buffer
             plgpu.copy_gmem_to_smem(dtcache_ref.at[slot, h], dt_dst, barrier)
             if not grouped:
                 plgpu.copy_gmem_to_smem(bcache_ref.at[slot, h // group_size], stage_b[0], barrier)

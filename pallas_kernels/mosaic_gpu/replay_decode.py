@@ -35,8 +35,8 @@ Layouts (Hopper WGMMA family, `m % 64 == 0 == n % 8`):
   `ROW [BV]`, the same layout as `S_c x`, so the two parts add without a relayout.
 - decay weights `W_j = exp(sum_{j<i<pos} g_i)` `COL [L]`: suffix sums of the valid
   entries' log-decays, newest first (scalars read from shared memory), exponentiated as
-  one vector; or, with `MosaicReplayParams.decode_weights = "sum"`, as one column sum
-  of the masked records (`layouts.suffix_sums`); or, with `"launch"`, formed before the
+  one vector; or, with `MosaicReplayParams.decode_weights = "sum"`, as the row sums of
+  one masked matrix of the records (`layouts.suffix_sums`); or, with `"launch"`, formed before the
   launch (`history_weights`) and loaded as one vector.
 
 Step math (as `pallas_kernels.replay_decode`): with the live state
@@ -186,9 +186,9 @@ class MosaicReplayParams:
         only with `window_side="kernel"`.
       decode_weights: where the GDN decode kernel's history weights (`W_j`, `e^G`) come
         from: "tile" (default) each tile sums its gate records (`decay_weights`, a loop over
-        the ring writing one entry of a vector per step); "sum" each tile sums them as one
-        masked column sum (`layouts.suffix_sums`, a few selects and one cross-warp
-        reduction: one warpgroup per CTA); "launch" XLA forms them once per (row, value head)
+        the ring writing one entry of a vector per step); "sum" each tile sums them as the
+        row sums of one masked matrix (`layouts.suffix_sums`: a few selects, shuffles and
+        a warpgroup barrier); "launch" XLA forms them once per (row, value head)
         before the launch (`history_weights`, one more small kernel), and each tile copies
         them in place of its gate records. The verify kernels always take theirs from before
         the launch, KDA's are per channel: both refuse all but "tile".
@@ -221,9 +221,6 @@ class MosaicReplayParams:
         check_shared_params(self)
         if self.decode_weights not in DECODE_WEIGHTS:
             raise ValueError(f"decode_weights must be one of {DECODE_WEIGHTS}, got {self.decode_weights!r}")
-        if self.decode_weights == "sum" and self.warpgroups > 1:
-            raise ValueError(f"decode_weights='sum' is a column sum through the CTA's one reduction scratch: "
-                             f"warpgroups must be 1, got {self.warpgroups}")
         if not isinstance(self.prefetch_folds, bool):
             raise ValueError(f"prefetch_folds must be a bool, got {self.prefetch_folds!r}")
         if self.window_side not in WINDOW_SIDES:
@@ -333,8 +330,8 @@ HISTORY_PAD = 4
 
 
 def summed_decay_weights(g_smem, pos, cache_len):
-    """`decay_weights` from one masked column sum (`layouts.suffix_sums`; `g_smem
-    [summed_rows(L)]`, the L gate records first)."""
+    """`decay_weights` from one masked matrix's row sums (`layouts.suffix_sums`; `g_smem
+    [L + summed_rows(L)]`, the L gate records first)."""
     suffix, total = suffix_sums(g_smem, pos, cache_len)
     j = plgpu.broadcasted_iota(jnp.int32, (cache_len,), 0, layout=COL)
     return jnp.where(j < pos, jnp.exp(suffix), 0.0), jnp.exp(total)
@@ -600,7 +597,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a
         def _copies():
             plgpu.copy_gmem_to_smem(ckpt_ref.at[slot, h, rows], t_smem, barrier)
             plgpu.copy_gmem_to_smem(ucache_ref.at[slot, h, :, rows], u_smem, barrier)
-            g_dst = g_smem.at[pl.ds(0, u_smem.shape[0])] if weights_from == "sum" else g_smem  # "sum": padded
+            g_dst = g_smem.at[pl.ds(0, u_smem.shape[0])] if weights_from == "sum" else g_smem  # "sum": a longer buffer
             plgpu.copy_gmem_to_smem(weights_ref.at[b, h] if launch_weights else gcache_ref.at[slot, h], g_dst,
                                     barrier)
             if xla_side:
@@ -622,7 +619,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a
 
     def compute(b, h, tile, stage, fresh, prefetch=lambda: None):
         stages, group_keys, shared_smem, rebuild_bufs, barriers, group_barrier, rows_barrier = buffers(b)
-        # g_smem: head h's gate records ("sum": padded), or with "launch" the row's `history_weights`.
+        # g_smem: head h's gate records ("sum": then their suffix sums), or with "launch" the row's `history_weights`.
         tile_buf, u_smem, g_smem, o_smem, qk_smem, v_smem, stage_keys, x_smem, side_smem = stages[stage]
         k_smem = group_keys[0] if grouped or xla_side and group_keys else stage_keys[0] if stage_keys else None
         t_smem, operands = split_tile_buffer(tile_buf, rebuild, own_operands)
@@ -759,15 +756,15 @@ def _scratch(head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, v_dtype,
     takes `[side]` (`[3, L]` fp32, `key_side_values`) in place of the key records, which a
     tensor-core rebuild copies into one buffer per CTA (the group keys') when it flushes.
     With `weights_from="launch"`, each stage's gate-record buffer holds the row's history
-    weights (`[L + HISTORY_PAD]`); with "sum", the gate records padded to
-    `summed_rows(L)` (`suffix_sums` reads them as one `ROW` vector)."""
+    weights (`[L + HISTORY_PAD]`); with "sum", the gate records and room for their suffix
+    sums (`[L + summed_rows(L)]`, `suffix_sums`)."""
     def stage():
         tile, u, keys, g, y = replay_scratch(BLOCK_V, head_k_dim, cache_len, state_dtype, cache_dtype, (BLOCK_V,),
                                              v_dtype, swizzle)
         if weights_from == "launch":  # `history_weights` in place of the gate records
             g = plgpu.SMEM((cache_len + HISTORY_PAD,), F32)
         elif weights_from == "sum":
-            g = plgpu.SMEM((summed_rows(cache_len),), F32)
+            g = plgpu.SMEM((cache_len + summed_rows(cache_len),), F32)
         tile = tile if own_operands else tile_with_operands(tile, BLOCK_V, head_k_dim, cache_len, rebuild, cache_dtype)
         vectors = ([plgpu.SMEM((vector_rows(DECODE_VECTORS), head_k_dim), qk_dtype, transforms=tiled(128, qk_dtype))]
                    if readout == "mma" else [])
