@@ -26,9 +26,9 @@ Sections:
 Each sweep section stops starting new cells --budget-s after it began. Timing as
 `decode_bench.py`: CUPTI kernel times, medians, slot sets rotated past the L2; a Mosaic
 step is its kernel plus what XLA computes for it before the launch (`mosaic_xla_side_us`:
-GDN's staged vectors, key side and history weights), not the step's plan, which a model
-makes once for all of its layers. `--smoke` runs tiny shapes in interpret mode on CPU
-(wall clock) so CI exercises the code.
+GDN's staged vectors and key side), not the step's plan, which a model makes once for all
+of its layers. `--smoke` runs tiny shapes in interpret mode on CPU (wall clock) so CI
+exercises the code.
 
   python benchmarks/mosaic_bench.py --sections mamba2-check,mamba2 --budget-s 170 --out mamba2_mosaic.json
 """
@@ -135,18 +135,15 @@ def mosaic_cycle_fn(cfg: R.ReplayConfig, interpret: bool, kernel_params=None):
 
 
 def xla_side(cfg: R.ReplayConfig, params):
-    """`(pool, slots, token) -> arrays`: what XLA computes before a step's Mosaic kernel
-    (`xla_side_inputs`: the staged vectors of the "mma" readout, GDN's key side and history
-    weights from XLA),
+    """`(k_cache, slots, token) -> arrays`: what XLA computes before a step's Mosaic kernel
+    (`xla_side_inputs`: the staged vectors of the "mma" readout, GDN's key side from XLA),
     part of the layer's step, not of its plan."""
     if cfg.gate_kind.additive:
-        return lambda pool, slots, token: mamba2_decode.xla_side_inputs(token.C, params=params)
+        return lambda k_cache, slots, token: mamba2_decode.xla_side_inputs(token.C, params=params)
     if cfg.per_channel_gate:
-        return lambda pool, slots, token: []
-    # The history weights' cost does not depend on the cursors: every row at L / 2.
-    return lambda pool, slots, token: replay_decode.xla_side_inputs(
-        token.q, token.k, pool.k_cache, pool.g_cache, slots, jnp.full(slots.shape, cfg.cache_len // 2), params=params,
-        use_qk_l2norm=True, scale=None)
+        return lambda k_cache, slots, token: []
+    return lambda k_cache, slots, token: replay_decode.xla_side_inputs(
+        token.q, token.k, k_cache, slots, params=params, use_qk_l2norm=True, scale=None)
 
 
 @functools.lru_cache(maxsize=None)
@@ -155,18 +152,18 @@ def xla_side_fn(cfg: R.ReplayConfig, params):
     every step has), so that XLA cannot compute the token's part once for all of them."""
     side = xla_side(cfg, params)
     own_token = lambda token, i: jax.tree.map(lambda x: x + jnp.asarray(i, x.dtype), token)
-    return jax.jit(lambda pool, sets, token: [side(pool, sets[i], own_token(token, i))
+    return jax.jit(lambda k_cache, sets, token: [side(k_cache, sets[i], own_token(token, i))
                                                  for i in range(sets.shape[0])])
 
 
-def time_xla_side(timer, cfg, params, pool, sets, token, iterations) -> float:
+def time_xla_side(timer, cfg, params, k_cache, sets, token, iterations) -> float:
     """Median µs per step of `xla_side` over every slot set in turn (all of its kernels); 0
     where the params leave XLA nothing to compute."""
-    if not jax.eval_shape(xla_side(cfg, params), pool, sets[0], token):
+    if not jax.eval_shape(xla_side(cfg, params), k_cache, sets[0], token):
         return 0.0
     fn = xla_side_fn(cfg, params)
     label = f"xla side {cfg.gate} {jnp.dtype(cfg.state_dtype).name} B={sets.shape[1]}"
-    totals = timer.run_totals(fn, (pool, sets, token), iterations, label=label, per=sets.shape[0])
+    totals = timer.run_totals(fn, (k_cache, sets, token), iterations, label=label, per=sets.shape[0])
     return statistics.median(totals) / sets.shape[0]
 
 
@@ -188,7 +185,7 @@ def time_mosaic(timer, cfg, batch, rng, iterations, smoke, staggered, params):
     times = timer.kernel_times(lambda p, s, t: fn(jax.tree.map(jnp.copy, p), s, t),
                                (pool, jnp.asarray(sets), token), "" if smoke else MOSAIC_KERNELS[cfg.gate],
                                iterations)
-    side_us = time_xla_side(timer, cfg, params, pool, jnp.asarray(sets), token, iterations)
+    side_us = time_xla_side(timer, cfg, params, pool.k_cache, jnp.asarray(sets), token, iterations)
     if staggered or smoke:
         return None, None, statistics.median(times) + side_us, side_us
     non_flush, flush, cycle = db.split_cycle(times, len(sets), cfg.cache_len)
@@ -289,7 +286,7 @@ def check_section(smoke: bool, gate: str = "gdn", mosaic_variants: str = "defaul
                          for mode in tensor_core_rebuilds(smoke, cfg)})
         for spec in (spec for spec in mosaic_variants.split(";") if spec != "default"):
             variants[f"mosaic_gpu {spec}"] = ("mosaic_gpu", None)
-            try:  # params a case's defaults refuse (e.g. one warpgroup's option on three)
+            try:  # params a case's defaults refuse (e.g. an option of one warpgroup on three)
                 variants[f"mosaic_gpu {spec}"] = ("mosaic_gpu", mosaic_params(spec, cfg, batch))
             except ValueError as err:
                 skipped[f"mosaic_gpu {spec}"] = str(err)

@@ -36,11 +36,11 @@ block shapes), one position at a time: rows and lanes at and past T are masked o
 load and store.
 
 With `history=(g_cache, slot, pos)` the GDN program also writes each of its value heads'
-history weights (`mosaic_gpu.replay_decode.history_weights`' record, `[history_len]`
-fp32): `W_j = e^{sum_{j<i<pos} g_i}` for each cache entry j < pos (0 at and past it),
-`e^{sum_{i<pos} g_i}` at index L, then zeros; one `[L', L']` masked sum (L' the next power
-of two >= L) per head in place of a scan. The verify kernel then reads one weight per
-entry instead of forming the decays in every tile, with no launch of its own.
+history weights (`verify_decode.history_weights`' record, `[history_len]` fp32): `W_j =
+e^{sum_{j<i<pos} g_i}` for each cache entry j < pos (0 at and past it), `e^{sum_{i<pos} g_i}`
+at index L, then zeros; one `[L', L']` masked sum (L' the next power of two >= L) per head
+in place of a scan. The verify kernel then reads one weight per entry instead of forming
+the decays in every tile, with no launch of its own.
 
 `kda_verify_coefficients` is the same for a KDA window (per-channel decays): its records
 (`A`, `M`, beta and the norms) and the decays `e^{G}` `[B, T, H_v, d_k]` that the KDA

@@ -97,18 +97,17 @@ def _inputs(rng, state_dtype, cache_dtype, per_channel, d_v=D):
 
 _STEP_CONFIGS = [
     ("gdn", 0, D, "fma", None, {}), ("gdn", 3, D, "fma", None, {}), ("gdn", 3, D, "fma", True, {}),
-    ("gdn", 4, D, "fma", None, dict(chunk=1, decode_weights="launch")),
-    ("gdn", 3, D, "fma", None, dict(key_side="xla", decode_weights="sum")),
+    ("gdn", 4, D, "fma", None, dict(chunk=1)), ("gdn", 3, D, "fma", None, dict(key_side="xla")),
     ("gdn", 0, D, "mma", None, dict(key_side="xla")), ("gdn", 0, D, "mma", True, {}), ("gdn", 3, D, "mma", None, {}),
     ("gdn", 3, D, "fma", True, dict(per_tile_addresses=True)),
     ("gdn", 3, D, "mma", None, dict(key_side="xla", per_tile_addresses=True)),
     ("gdn", 3, D, "mma", True, {}),
-    ("gdn", 6, D, "fma", None, dict(warpgroups=3, auto_barriers=False, key_side="xla", decode_weights="sum")),
-    ("gdn", 6, D, "mma", None, dict(warpgroups=3, auto_barriers=False, key_side="xla", decode_weights="launch")),
+    ("gdn", 6, D, "fma", None, dict(warpgroups=3, auto_barriers=False, key_side="xla")),
+    ("gdn", 6, D, "mma", None, dict(warpgroups=3, auto_barriers=False, key_side="xla")),
     ("gdn", 3, D, "mma", None, dict(key_side="xla", per_tile_addresses=True, warpgroups=3, auto_barriers=False)),
     ("gdn", 0, D, "fma", None, dict(launch_order=True)),
     ("gdn", 3, D, "mma", None, dict(key_side="xla", warpgroups=3, auto_barriers=False, launch_order=True)),
-    ("gdn", 0, D, "mma", None, dict(key_side="mma", decode_weights="sum")),
+    ("gdn", 0, D, "mma", None, dict(key_side="mma")),
     ("gdn", 6, D, "mma", True, dict(key_side="mma", warpgroups=3, auto_barriers=False)),
     ("kda", 0, D, "fma", None, {}), ("kda", 3, D, "fma", None, {}),
     ("kda", 3, 2 * D, "fma", None, {}), ("kda", 7, 2 * D, "fma", None, {}),
@@ -147,8 +146,7 @@ def test_step_matches_the_float64_model(rng, gate, programs, d_v, readout, group
     (a row's tiles then follow another row's in a chunk) or one CTA per tile. The key side on
     tensor cores (`key_side="mma"`) runs its `wgmma`s as dots of the same bf16 operands and
     shares its `[2, BV, L]` products through shared memory; with fp32 key records it is
-    refused. `decode_weights="launch"`: the history weights from XLA (a tile's exact flush
-    multiplies by them) with chunks of one tile and with three warpgroups."""
+    refused."""
     per_channel = gate == "kda"
     kernel = functools.partial(replay_decode_kda_mgpu if per_channel else replay_decode_mgpu,
                                params=MosaicReplayParams(programs=programs, readout=readout, group_records=grouped,
@@ -271,20 +269,6 @@ def test_lowers_for_an_abstract_h200(state_dtype, cache_dtype, cache_len, raw, p
                                                       readout="mma", key_side="mma", warpgroups=3), marks=SLOW),
     (jnp.bfloat16, 16, MosaicReplayParams(programs=264, auto_barriers=False, rebuild="3xtf32", readout="mma",
                                           key_side="mma", per_tile_addresses=True)),
-    # The history weights as the row sums of one masked matrix of the gate records, stored
-    # after them and read back (one CTA per SM of three warpgroups, each its own buffers).
-    (jnp.float32, 32, MosaicReplayParams(programs=264, auto_barriers=False, rebuild="3xtf32", decode_weights="sum")),
-    (jnp.bfloat16, 16, MosaicReplayParams(programs=396, auto_barriers=False, rebuild="3xtf32", readout="mma",
-                                          key_side="mma", warpgroups=3, decode_weights="sum")),
-    pytest.param(jnp.bfloat16, 24, MosaicReplayParams(programs=264, auto_barriers=False, rebuild="3xtf32",
-                                                      readout="mma", key_side="xla", per_tile_addresses=True,
-                                                      decode_weights="sum"), marks=SLOW),
-    # The history weights from XLA in place of the gate records.
-    pytest.param(jnp.float32, 32, MosaicReplayParams(programs=264, auto_barriers=False, rebuild="3xtf32",
-                                                     readout="mma", decode_weights="launch"), marks=SLOW),
-    pytest.param(jnp.bfloat16, 16, MosaicReplayParams(programs=396, auto_barriers=False, rebuild="3xtf32",
-                                                      readout="mma", key_side="xla", warpgroups=3,
-                                                      decode_weights="launch"), marks=SLOW),
 ])
 def test_the_tensor_core_readout_lowers_for_an_abstract_h200(state_dtype, cache_len, params):
     """GDN's "mma" readout: `wgmma`s from the tile's three bf16 register parts (fp32 state)

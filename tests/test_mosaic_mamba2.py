@@ -86,30 +86,23 @@ def _inputs(rng, heads, groups, state_dtype, use_z):
     return (state, x_c, b_c, dt_c), (x, B, C, dt_raw, z)
 
 
-@pytest.mark.parametrize("state_dtype,heads,groups,use_z,programs,chunk,readout,grouped,ordered,weights", [
-    (jnp.float32, 2, 1, True, 0, 0, "fma", None, False, "tile"),
-    (jnp.float32, 2, 2, False, 0, 0, "fma", None, False, "tile"),
-    (jnp.bfloat16, 2, 2, True, 0, 0, "fma", None, False, "sum"),
-    (jnp.bfloat16, 2, 1, False, 0, 0, "fma", True, False, "tile"),
-    (jnp.float32, 2, 2, True, 3, 0, "fma", None, False, "tile"),
-    (jnp.float32, 2, 2, True, 3, 0, "fma", True, False, "sum"),
-    (jnp.bfloat16, 2, 1, False, 7, 0, "fma", True, False, "tile"),
-    (jnp.float32, 2, 1, True, 3, 3, "fma", True, False, "tile"),
-    (jnp.float32, 2, 2, True, 3, 0, "mma", None, False, "tile"),
-    (jnp.bfloat16, 2, 1, False, 0, 0, "mma", None, False, "tile"),
-    (jnp.bfloat16, 2, 2, True, 7, 0, "mma", True, False, "tile"),
-    (jnp.float32, 2, 2, True, 3, 3, "fma", None, True, "tile"),
+@pytest.mark.parametrize("state_dtype,heads,groups,use_z,programs,chunk,readout,grouped,ordered", [
+    (jnp.float32, 2, 1, True, 0, 0, "fma", None, False), (jnp.float32, 2, 2, False, 0, 0, "fma", None, False),
+    (jnp.bfloat16, 2, 2, True, 0, 0, "fma", None, False), (jnp.bfloat16, 2, 1, False, 0, 0, "fma", True, False),
+    (jnp.float32, 2, 2, True, 3, 0, "fma", None, False), (jnp.float32, 2, 2, True, 3, 0, "fma", True, False),
+    (jnp.bfloat16, 2, 1, False, 7, 0, "fma", True, False), (jnp.float32, 2, 1, True, 3, 3, "fma", True, False),
+    (jnp.float32, 2, 2, True, 3, 0, "mma", None, False), (jnp.bfloat16, 2, 1, False, 0, 0, "mma", None, False),
+    (jnp.bfloat16, 2, 2, True, 7, 0, "mma", True, False), (jnp.float32, 2, 2, True, 3, 3, "fma", None, True),
 ])
 def test_step_matches_the_float64_model(rng, state_dtype, heads, groups, use_z, programs, chunk, readout, grouped,
-                                        ordered, weights):
+                                        ordered):
     """programs > 0: persistent CTAs over the 20 tiles (3: 7, 7 and 6 each; 7: two or three),
     in chunks of one head group's tiles, or of 3 tiles that cut across the groups; the B
     records copied with every tile (the default at these shapes) or once per group
     (`group_records=True`, as at fp32 rings of 32). The "mma"
     readout takes bf16 B and C (the model gets the same rounded values); interpret mode
     runs its `wgmma` as a dot of the same bf16 parts (a bf16 tile from its buffer).
-    `ordered`: the rows served in a random `row_order` (`launch_order=True`). `weights="sum"`:
-    each tile's weights from one masked column sum of the time steps."""
+    `ordered`: the rows served in a random `row_order` (`launch_order=True`)."""
     pools, (x, B, C, dt_raw, z) = _inputs(rng, heads, groups, state_dtype, use_z)
     bc_dtype = jnp.bfloat16 if readout == "mma" else jnp.float32
     B, C = _round(B, bc_dtype), _round(C, bc_dtype)
@@ -122,7 +115,7 @@ def test_step_matches_the_float64_model(rng, state_dtype, heads, groups, use_z, 
         jnp.asarray(A), jnp.asarray(D), jnp.asarray(dt_bias), jnp.asarray(SLOTS), jnp.asarray(POS),
         jnp.asarray(MODES), z=None if z is None else jnp.asarray(z), dt_limit=DT_LIMIT,
         params=MosaicMamba2Params(programs=programs, chunk=chunk, readout=readout, group_records=grouped,
-                                  launch_order=ordered, decode_weights=weights),
+                                  launch_order=ordered),
         row_order=jnp.asarray(rng.permutation(len(SLOTS)), jnp.int32) if ordered else None, interpret=True)
     want = _model_step(*pools, x, B, C, dt_raw, z, A, D, dt_bias)
     # fp32: the model's float64 sums vs fp32 FMAs in another order, relative ~1e-6 of the
@@ -193,21 +186,19 @@ def test_lowers_for_an_abstract_h200(heads, groups, use_z, dt_limit, state_dtype
     assert "replayssm_mamba2_decode_mgpu" in text
 
 
-@pytest.mark.parametrize("rebuild,state_dtype,cache_len,programs,readout,weights", [
-    ("3xtf32", jnp.float32, 16, 264, "fma", "tile"), ("3xtf32", jnp.bfloat16, 32, 0, "fma", "tile"),
-    ("tf32", jnp.float32, 8, 264, "fma", "tile"), ("bf16", jnp.float32, 16, 0, "fma", "tile"),
-    ("3xtf32", jnp.float32, 32, 264, "fma", "sum"), ("3xtf32", jnp.bfloat16, 16, 264, "mma", "tile"),
-    ("3xtf32", jnp.float32, 16, 264, "mma", "tile"), ("exact", jnp.bfloat16, 32, 0, "mma", "tile"),
+@pytest.mark.parametrize("rebuild,state_dtype,cache_len,programs,readout", [
+    ("3xtf32", jnp.float32, 16, 264, "fma"), ("3xtf32", jnp.bfloat16, 32, 0, "fma"),
+    ("tf32", jnp.float32, 8, 264, "fma"), ("bf16", jnp.float32, 16, 0, "fma"), ("3xtf32", jnp.float32, 32, 264, "fma"),
+    ("3xtf32", jnp.bfloat16, 16, 264, "mma"), ("3xtf32", jnp.float32, 16, 264, "mma"),
+    ("exact", jnp.bfloat16, 32, 0, "mma"),
 ])
-def test_tensor_core_rebuilds_lower_for_an_abstract_h200(rebuild, state_dtype, cache_len, programs, readout,
-                                                         weights):
+def test_tensor_core_rebuilds_lower_for_an_abstract_h200(rebuild, state_dtype, cache_len, programs, readout):
     """The tensor-core flush rebuilds (`rebuild.rebuild_mma`, shared with GDN: its algebra is
     tested on CPU in `test_mosaic_kernels.py`) lower for the H200 at the Nemotron-H shapes;
     interpret mode cannot run wgmma, so their numbers come from the GPU check
     (`benchmarks/mosaic_bench.py`, mamba2-check section). With them the "mma" readout:
     a `wgmma` of the tile (registers for fp32, its buffer for bf16) by the staged raw C;
-    a ring of 32 takes the rebuild's operands in two chunks. `weights="sum"`: the weights
-    as one column sum of a padded time-step buffer."""
+    a ring of 32 takes the rebuild's operands in two chunks."""
     S = jax.ShapeDtypeStruct
     heads, groups, n, b, p, ns = 128, 8, 16, 8, 64, 128
     f32, bf16 = jnp.float32, jnp.bfloat16
@@ -216,8 +207,7 @@ def test_tensor_core_rebuilds_lower_for_an_abstract_h200(rebuild, state_dtype, c
             S((b, heads, p), bf16), S((b, groups, ns), bf16), S((b, groups, ns), bf16), S((b, heads), f32),
             S((heads,), f32), S((heads,), f32), S((heads,), f32), S((b,), jnp.int32), S((b,), jnp.int32),
             S((b,), jnp.int32)]
-    params = MosaicMamba2Params(programs=programs, auto_barriers=not programs, rebuild=rebuild, readout=readout,
-                                decode_weights=weights)
+    params = MosaicMamba2Params(programs=programs, auto_barriers=not programs, rebuild=rebuild, readout=readout)
     step = lambda *a: mamba2_replay_decode_mgpu(*a, params=params, interpret=False)
     text = jax.jit(step, donate_argnums=(0, 1, 2, 3)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "wgmma" in text

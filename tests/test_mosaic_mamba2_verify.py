@@ -191,11 +191,6 @@ def test_refuses_shapes_it_cannot_take():
         mamba2_verify_decode_mgpu(*state(), *window(2), *rows, anc(2), params=MosaicMamba2Params(auto_barriers=False))
     with pytest.raises(ValueError, match="chunk must be 0"):
         mamba2_verify_decode_mgpu(*state(), *window(2), *rows, anc(2), params=MosaicMamba2Params(chunk=4))
-    with pytest.raises(ValueError, match="decode_weights must be 'tile'"):
-        mamba2_verify_decode_mgpu(*state(), *window(2), *rows, anc(2),
-                                  params=MosaicMamba2Params(decode_weights="sum"))
-    with pytest.raises(ValueError, match="decode_weights must be one of"):
-        MosaicMamba2Params(decode_weights="launch")
 
 
 def _poison_stale(state):

@@ -20,11 +20,11 @@ import pytest
 from pallas_kernels import common
 from pallas_kernels.mosaic_gpu.mamba2_decode import MosaicMamba2Params
 from pallas_kernels.mosaic_gpu.readout import split_bf16, tile_parts
-from pallas_kernels.mosaic_gpu.replay_decode import HISTORY_PAD, MosaicReplayParams, history_weights
+from pallas_kernels.mosaic_gpu.replay_decode import MosaicReplayParams
 from pallas_kernels.mosaic_gpu.pipeline import ctas_per_sm
-from pallas_kernels.mosaic_gpu.verify_decode import (check_params, key_block_heads, persistent_programs,
-                                                     persistent_smem_bytes, verify_decode_mgpu, window_key_values,
-                                                     window_rows, window_vectors)
+from pallas_kernels.mosaic_gpu.verify_decode import (HISTORY_PAD, check_params, history_weights, key_block_heads,
+                                                     persistent_programs, persistent_smem_bytes, verify_decode_mgpu,
+                                                     window_key_values, window_rows, window_vectors)
 from pallas_kernels.mosaic_gpu.verify_decode_kda import verify_decode_kda_mgpu
 
 NUM_SLOTS, H_K, H_V, D, L, T = 6, 1, 2, 64, 8, 3
@@ -324,13 +324,6 @@ def test_verify_kernels_take_only_their_options():
         MosaicReplayParams(window_warps=1)
     with pytest.raises(ValueError, match="window_warps must be 1, 2, 4 or 8"):
         MosaicReplayParams(window_side="kernel", window_warps=3)
-    # Weights before the launch or summed in the tile are decode options: the verify kernels
-    # always take theirs from before the launch.
-    for gate, weights in (("gdn", "launch"), ("kda", "launch"), ("gdn", "sum")):
-        with pytest.raises(ValueError, match="decode_weights must be 'tile'"):
-            check_params(MosaicReplayParams(decode_weights=weights), gate, pipelined=gate == "gdn")
-    with pytest.raises(ValueError, match="decode_weights must be one of"):
-        MosaicReplayParams(decode_weights="xla")
     # Prefetched folds: the GDN verify kernel's persistent programs only.
     check_params(MosaicReplayParams(programs=4, prefetch_folds=True), "gdn", pipelined=True)
     with pytest.raises(ValueError, match="prefetch_folds must be False"):

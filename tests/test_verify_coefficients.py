@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.mosaic_gpu.replay_decode import HISTORY_PAD, history_weights
-from pallas_kernels.mosaic_gpu.verify_decode import coefficient_count, window_coefficients, window_rows, window_vectors
+from pallas_kernels.mosaic_gpu.verify_decode import (HISTORY_PAD, coefficient_count, history_weights,
+                                                     window_coefficients, window_rows, window_vectors)
 from pallas_kernels.mosaic_gpu.verify_decode_kda import kda_window_coefficients
 from pallas_kernels.verify_coefficients import (KDA_VECTORS, VerifyCoefficientsParams, kda_verify_coefficients,
                                                 verify_coefficients)

@@ -12,7 +12,6 @@ import math
 
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.common import SOFTPLUS_THRESHOLD
@@ -140,33 +139,6 @@ def load_transposed(smem):
     buffer should be swizzled: untiled transposed loads conflict on shared-memory banks)."""
     x = plgpu.load(smem.T, layout=plgpu.Layout.WGMMA_TRANSPOSED, optimized=False)
     return plgpu.layout_cast(x, WGMMA).astype(F32)
-
-
-def summed_rows(cache_len: int) -> int:
-    """The rows of `suffix_sums`' matrix: the ring's L rounded up to a whole number of
-    64-row blocks."""
-    return -(-cache_len // BLOCK_ROWS) * BLOCK_ROWS
-
-
-def suffix_sums(records_smem, pos, cache_len: int):
-    """`(sum_{j<i<pos} v_i` `COL [L]` for each ring entry j, `sum_{i<pos} v_i` as a scalar)`
-    from `records_smem [L + summed_rows(L)]`: the L records v, then room for the sums.
-
-    The suffixes are the row sums of the masked `[R, L]` matrix `[j < i < pos] v_i` (row
-    j, R = `summed_rows(L)`): a few selects and two shuffle steps per row, stored as a
-    `ROW` vector after the records and read back as `COL` (one warpgroup barrier), in
-    place of a loop over the ring that writes one entry of a `COL` vector per step (`L`
-    selects of a thread's `L / 4` entries each). An entry at or past `pos` enters no sum
-    through a select, so a stale value, NaN included, is never used."""
-    rows = summed_rows(cache_len)
-    v = plgpu.load(records_smem.at[pl.ds(0, cache_len)], layout=COL, optimized=False)
-    shape = (rows, cache_len)
-    i = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=WGMMA)
-    later = (plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=WGMMA) < i) & (i < pos)  # [j < i < pos]
-    records_smem.at[pl.ds(cache_len, rows)][...] = row_sum(jnp.where(later, bcast_cols(v, shape), 0.0))
-    plgpu.commit_smem()  # every row's sum visible to every thread of the warpgroup
-    suffix = plgpu.load(records_smem.at[pl.ds(cache_len, cache_len)], layout=COL, optimized=False)
-    return suffix, records_smem[cache_len] + jnp.where(0 < pos, records_smem[0], 0.0)
 
 
 def softplus(x):

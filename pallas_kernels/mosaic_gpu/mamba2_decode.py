@@ -33,8 +33,7 @@ Layouts (Hopper WGMMA family, `m % 64 == 0 == n % 8`):
   `ROW [BP]`, the layout of `S_c C` and of this token's x, so the parts add as they are.
 - weights `w_j = dt_j exp(A sum_{j<i<pos} dt_i)` `COL [L]`: suffix sums of the valid
   entries' time steps, newest first (scalars read from shared memory), exponentiated as
-  one vector; or, with `MosaicMamba2Params.decode_weights = "sum"`, the suffix sums as the
-  row sums of one masked matrix of the time steps (`layouts.suffix_sums`).
+  one vector.
 
 Step math (method note §14): with the live state
 `S_{t-1} = e^{A Gamma} S_c + sum_{j<pos} w_j x_j B_j^T` (Gamma the sum of the valid dt),
@@ -71,8 +70,7 @@ from pallas_kernels.common import MODE_APPEND, MODE_FLUSH, MODE_PAD
 from pallas_kernels.mosaic_gpu.build import build_kernel, check_shared_params
 from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA, bcast_cols, bcast_rows, col_sum,
                                                check_smem, copy_record_rows, load_transposed,
-                                               record_copies, replay_scratch, row_sum, smem_bytes, softplus, suffix_sums,
-                                               summed_rows, tiled)
+                                               record_copies, replay_scratch, row_sum, smem_bytes, softplus, tiled)
 from pallas_kernels.mosaic_gpu.pipeline import (STAGES, group_shared, grouped_fits_more, launch_order_input,
                                                 programs_that_fit, serve_tiles, tile_grid)
 from pallas_kernels.mosaic_gpu.readout import (buffer_products, column, stage_vectors, tile_parts, tile_products,
@@ -86,7 +84,6 @@ BLOCK_P = BLOCK_ROWS
 # measured; the GDN kernel's registers allow two). NOTES: "resident CTAs: registers, not
 # shared memory". A caller may ask for fewer (`persistent_programs(max_ctas=...)`).
 RESIDENT_CTAS = 3
-DECODE_WEIGHTS = ("tile", "sum")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,10 +115,6 @@ class MosaicMamba2Params:
       launch_order: serve the rows in the caller's `row_order` (the backend's plan's launch
         order), as `MosaicReplayParams.launch_order`; the Mamba-2 verify kernel (one CTA per
         tile) refuses it.
-      decode_weights: how a tile forms its weights `w_j`: "tile" (default) a loop over the
-        ring writing one entry of a vector per step (`window_weights`), "sum" the row sums
-        of one masked matrix of the time steps (`summed_window_weights`), as
-        `MosaicReplayParams.decode_weights`; the verify kernel refuses "sum".
     """
 
     swizzle: int = 128
@@ -132,16 +125,13 @@ class MosaicMamba2Params:
     readout: str = "fma"
     group_records: bool | None = None
     launch_order: bool = False
-    decode_weights: str = "tile"
 
     def __post_init__(self) -> None:
         check_shared_params(self)
-        if self.decode_weights not in DECODE_WEIGHTS:
-            raise ValueError(f"decode_weights must be one of {DECODE_WEIGHTS}, got {self.decode_weights!r}")
 
 
 def _scratch(state_size, cache_len, state_dtype, cache_dtype, bc_dtype, xz_dtype, y_dtype, swizzle, stages=1,
-             has_z=True, rebuild="exact", readout="fma", grouped=False, summed=False) -> list:
+             has_z=True, rebuild="exact", readout="fma", grouped=False) -> list:
     """`[stages, group B records, shared, record copies, barriers, group barrier, rows
     barrier]`: `stages` sets of a `[64, N]` state tile's replay buffers (the tile in a
     union with a tensor-core rebuild's operands, `rebuild.tile_with_operands`; the B
@@ -152,12 +142,10 @@ def _scratch(state_size, cache_len, state_dtype, cache_dtype, bc_dtype, xz_dtype
     `[barrier]` for their copy (else `[]`, `[]`); the head group's shared values
     (`store_group_side`, `[2, L]` fp32), the exact rebuild's untiled record copies, a
     barrier per stage (the tile's copies and the token's, `copy_token`) and one for the
-    record copies. With `summed` (`decode_weights="sum"`) the time steps' buffer has room for
-    their suffix sums (`[L + summed_rows(L)]`, `suffix_sums`)."""
+    record copies."""
     def stage():
         tile, x, _, dts, y = replay_scratch(BLOCK_P, state_size, cache_len, state_dtype, cache_dtype, (BLOCK_P,),
                                             y_dtype, swizzle)
-        dts = plgpu.SMEM((cache_len + summed_rows(cache_len),), F32) if summed else dts
         tile = tile_with_operands(tile, BLOCK_P, state_size, cache_len, rebuild, cache_dtype)
         vectors = ([plgpu.SMEM((vector_rows(1), state_size), bc_dtype, transforms=tiled(128, bc_dtype))]
                    if readout == "mma" else [])
@@ -265,15 +253,6 @@ def window_weights(dt_smem, a, pos, cache_len):
     return jnp.where(j < pos, dts * jnp.exp(a * suffix), 0.0), jnp.exp(a * total)
 
 
-def summed_window_weights(dt_smem, a, pos, cache_len):
-    """`window_weights` from one masked matrix's row sums (`layouts.suffix_sums`; `dt_smem
-    [L + summed_rows(L)]`, the L time steps first)."""
-    suffix, total = suffix_sums(dt_smem, pos, cache_len)
-    j = plgpu.broadcasted_iota(jnp.int32, (cache_len,), 0, layout=COL)
-    dts = plgpu.load(dt_smem.at[pl.ds(0, cache_len)], layout=COL, optimized=False)
-    return jnp.where(j < pos, dts * jnp.exp(a * suffix), 0.0), jnp.exp(a * total)
-
-
 def rebuild_exact(s_c, decay_total, x_smem, b_smem, dt_smem, a, pos):
     """`S_{t-1} = e^{A Gamma} S_c + sum_j w_j x_j B_j^T` in fp32, newest entry first with a
     running decay."""
@@ -293,7 +272,7 @@ def rebuild_exact(s_c, decay_total, x_smem, b_smem, dt_smem, a, pos):
 
 def _kernel(slot_ref, pos_ref, mode_ref, x_ref, b_ref, c_ref, dt_ref, z_ref, a_ref, d_ref, dt_bias_ref, *refs,
             group_size, tiles, dt_softplus, dt_limit, has_z, num_programs, chunk, rebuild, readout, parts, grouped,
-            ordered, summed, interpret):
+            ordered, interpret):
     # Inputs, the row order and the raw C staged for the "mma" readout first; outputs; scratch.
     order_ref, *refs = refs if ordered else (None, *refs)
     cv_ref, *refs = refs if readout == "mma" else (None, *refs)
@@ -310,8 +289,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, x_ref, b_ref, c_ref, dt_ref, z_ref, a_r
         def _copies():
             plgpu.copy_gmem_to_smem(ckpt_ref.at[slot, h, rows], t_smem, barrier)
             plgpu.copy_gmem_to_smem(xcache_ref.at[slot, h, :, rows], x_smem, barrier)
-            dt_dst = dt_smem.at[pl.ds(0, x_smem.shape[0])] if summed else dt_smem  # "sum": a longer buffer
-            plgpu.copy_gmem_to_smem(dtcache_ref.at[slot, h], dt_dst, barrier)
+            plgpu.copy_gmem_to_smem(dtcache_ref.at[slot, h], dt_smem, barrier)
             if not grouped:
                 plgpu.copy_gmem_to_smem(bcache_ref.at[slot, h // group_size], stage_b[0], barrier)
             copy_token((x_ref, b_ref, c_ref, z_ref), (bc_smem, xz_smem), b, h, h // group_size, rows, barrier,
@@ -369,8 +347,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, x_ref, b_ref, c_ref, dt_ref, z_ref, a_r
             with jax.named_scope("records"):
                 b_col = plgpu.load(bc_smem.at[0], layout=COL, optimized=False).astype(F32)
                 x_row = plgpu.load(xz_smem.at[0], layout=ROW, optimized=False).astype(F32)
-                weights, decay_total = (summed_window_weights if summed else window_weights)(dt_smem, a, pos,
-                                                                                             cache_len)
+                weights, decay_total = window_weights(dt_smem, a, pos, cache_len)
                 j = plgpu.broadcasted_iota(jnp.int32, (BLOCK_P, cache_len), 1, layout=WGMMA)
                 x_t = jnp.where(j < pos, load_transposed(x_smem), 0.0)  # [BP, L], stale entries 0
                 valid = plgpu.broadcasted_iota(jnp.int32, (cache_len,), 0, layout=COL) < pos
@@ -458,19 +435,18 @@ def persistent_programs(batch: int, heads: int, head_dim: int, state_size: int, 
 @functools.lru_cache(maxsize=None)
 def _build(batch, heads, head_dim, state_size, cache_len, state_dtype, cache_dtype, bc_dtype, xz_dtype, y_dtype,
            group_size, dt_softplus, dt_limit, has_z, swizzle, programs, auto_barriers, chunk, rebuild, readout,
-           group_records, ordered, summed, interpret):
+           group_records, ordered, interpret):
     tiles = head_dim // BLOCK_P
     num_programs = min(programs, batch * heads * tiles)
     scratch_of = functools.partial(_scratch, state_size, cache_len, state_dtype, cache_dtype, bc_dtype, xz_dtype,
-                                   y_dtype, swizzle, STAGES if programs else 1, has_z, rebuild, readout,
-                                   summed=summed)
+                                   y_dtype, swizzle, STAGES if programs else 1, has_z, rebuild, readout)
     grouped = group_records if group_records is not None else bool(programs) and grouped_fits_more(scratch_of)
     scratch = scratch_of(grouped)
     check_smem(scratch, f"the Mamba-2 kernel at cache_len = {cache_len}, N = {state_size}")
     body = functools.partial(_kernel, group_size=group_size, tiles=tiles, dt_softplus=dt_softplus,
                              dt_limit=dt_limit, has_z=has_z, num_programs=num_programs, chunk=chunk, rebuild=rebuild,
                              readout=readout, parts=tile_parts(state_dtype), grouped=grouped, ordered=ordered,
-                             summed=summed, interpret=interpret)
+                             interpret=interpret)
     return build_kernel(body, jax.ShapeDtypeStruct((batch, heads, head_dim), y_dtype), scratch,
                         tile_grid(batch, heads, tiles, num_programs),
                         name="replayssm_mamba2_decode_mgpu", interpret=interpret, auto_barriers=auto_barriers)
@@ -538,7 +514,7 @@ def mamba2_replay_decode_mgpu(
         batch, heads, head_dim, state_size, cache_len, state.dtype, x_cache.dtype, bc_dtype, xz_dtype, x.dtype,
         heads // num_groups, bool(dt_softplus), tuple(float(v) for v in dt_limit), z is not None, params.swizzle,
         params.programs, params.auto_barriers, params.chunk, params.rebuild, params.readout,
-        params.group_records, bool(order), params.decode_weights == "sum", bool(interpret),
+        params.group_records, bool(order), bool(interpret),
     )
     z = jnp.zeros((1,), xz_dtype) if z is None else z.astype(xz_dtype)
     refs = [jax.new_ref(a) for a in (state, x_cache, b_cache, dt_cache)]

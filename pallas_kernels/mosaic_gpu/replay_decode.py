@@ -35,9 +35,7 @@ Layouts (Hopper WGMMA family, `m % 64 == 0 == n % 8`):
   `ROW [BV]`, the same layout as `S_c x`, so the two parts add without a relayout.
 - decay weights `W_j = exp(sum_{j<i<pos} g_i)` `COL [L]`: suffix sums of the valid
   entries' log-decays, newest first (scalars read from shared memory), exponentiated as
-  one vector; or, with `MosaicReplayParams.decode_weights = "sum"`, as the row sums of
-  one masked matrix of the records (`layouts.suffix_sums`); or, with `"launch"`, formed before the
-  launch (`history_weights`) and loaded as one vector.
+  one vector.
 
 Step math (as `pallas_kernels.replay_decode`): with the live state
 `S_{t-1} = e^G S_c + sum_{j<pos} W_j u_j k_j^T` (G the sum of the valid log-decays),
@@ -76,8 +74,7 @@ from pallas_kernels.common import L2NORM_EPS, MODE_APPEND, MODE_FLUSH, MODE_PAD
 from pallas_kernels.mosaic_gpu.build import build_kernel, check_shared_params
 from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA, bcast_cols, bcast_rows, check_smem,
                                                col_sum, copy_record_rows, load_transposed, record_copies,
-                                               replay_scratch, row_sum, smem_bytes, softplus, suffix_sums,
-                                               summed_rows, tiled)
+                                               replay_scratch, row_sum, smem_bytes, softplus, tiled)
 from pallas_kernels.mosaic_gpu.pipeline import (STAGES, group_shared, grouped_fits_more, kernel_scratch,
                                                 launch_order_input, programs_that_fit, serve_tiles, tile_buffers,
                                                 tile_grid)
@@ -93,7 +90,6 @@ RESIDENT_CTAS = 2
 DECODE_VECTORS = 2  # the "mma" readout's vectors: q, then k
 KEY_SIDES = ("kernel", "xla", "mma")
 WINDOW_SIDES = ("xla", "kernel")
-DECODE_WEIGHTS = ("tile", "sum", "launch")
 MAX_WARPGROUPS = 4  # a CTA of 512 threads, 128 registers each
 
 
@@ -184,14 +180,6 @@ class MosaicReplayParams:
       window_warps: warps per program of that launch (`VerifyCoefficientsParams.num_warps`;
         default 2; 1 keeps its reductions inside one warp, without cross-warp barriers);
         only with `window_side="kernel"`.
-      decode_weights: where the GDN decode kernel's history weights (`W_j`, `e^G`) come
-        from: "tile" (default) each tile sums its gate records (`decay_weights`, a loop over
-        the ring writing one entry of a vector per step); "sum" each tile sums them as the
-        row sums of one masked matrix (`layouts.suffix_sums`: a few selects, shuffles and
-        a warpgroup barrier); "launch" XLA forms them once per (row, value head)
-        before the launch (`history_weights`, one more small kernel), and each tile copies
-        them in place of its gate records. The verify kernels always take theirs from before
-        the launch, KDA's are per channel: both refuse all but "tile".
       prefetch_folds: the GDN verify kernel's persistent programs only: False (default) a
         folding row fetches what its fold reads besides the tile once `S_c` is in registers
         and waits for it (the exact rebuild's untiled record copies, into the stage's tile
@@ -215,12 +203,9 @@ class MosaicReplayParams:
     window_side: str = "xla"
     window_warps: int = 2
     prefetch_folds: bool = False
-    decode_weights: str = "tile"
 
     def __post_init__(self) -> None:
         check_shared_params(self)
-        if self.decode_weights not in DECODE_WEIGHTS:
-            raise ValueError(f"decode_weights must be one of {DECODE_WEIGHTS}, got {self.decode_weights!r}")
         if not isinstance(self.prefetch_folds, bool):
             raise ValueError(f"prefetch_folds must be a bool, got {self.prefetch_folds!r}")
         if self.window_side not in WINDOW_SIDES:
@@ -272,9 +257,6 @@ def check_own_layout(params, kernel: str, *, per_tile_addresses: bool = False, k
         raise ValueError(f"{kernel} serves its rows in their order: launch_order must be False")
     if not window_side:
         check_no_window(params, kernel)
-    if getattr(params, "decode_weights", "tile") != "tile":
-        raise ValueError(f"{kernel} forms its history weights itself: decode_weights must be 'tile', got "
-                         f"{params.decode_weights!r}")
 
 
 def check_no_window(params, kernel: str) -> None:
@@ -324,19 +306,6 @@ def check_shapes(head_k_dim: int, head_v_dim: int, cache_len: int, state_itemsiz
         raise ValueError(f"mosaic_gpu needs cache_len a multiple of 8 (at least 8), got {cache_len}")
 
 
-# A history-weights record `[L + HISTORY_PAD]` (`history_weights`): the L weights, e^G, zeros
-# (a TMA copy moves whole 16-byte units).
-HISTORY_PAD = 4
-
-
-def summed_decay_weights(g_smem, pos, cache_len):
-    """`decay_weights` from one masked matrix's row sums (`layouts.suffix_sums`; `g_smem
-    [L + summed_rows(L)]`, the L gate records first)."""
-    suffix, total = suffix_sums(g_smem, pos, cache_len)
-    j = plgpu.broadcasted_iota(jnp.int32, (cache_len,), 0, layout=COL)
-    return jnp.where(j < pos, jnp.exp(suffix), 0.0), jnp.exp(total)
-
-
 def decay_weights(g_smem, pos, cache_len):
     """`(W [L] in COL, e^G)`: `W_j = exp(sum_{j<i<pos} g_i)` for j < pos, 0 past it.
 
@@ -351,25 +320,6 @@ def decay_weights(g_smem, pos, cache_len):
         suffix = jnp.where(j == i, total, suffix)
         total = total + jnp.where(i < pos, g_smem[i], 0.0)
     return jnp.where(j < pos, jnp.exp(suffix), 0.0), jnp.exp(total)
-
-
-def history_weights(g_cache: Float[Array, "N Hv L"], slot: Int[Array, " B"],
-                    pos: Int[Array, " B"]) -> Float[Array, "B Hv Lw"]:
-    """Per (row, value head) the decays of its history, `[L + HISTORY_PAD]`: `W_j =
-    exp(sum_{j<i<pos} g_i)` for each ring entry j < pos (0 at and past it), then `e^G =
-    exp(sum_{i<pos} g_i)`, then zeros, from the gate records of the row's slot (a padding
-    row's, slot < 0, are slot 0's: never read). What `decay_weights` forms in a tile, once
-    per head instead of once per tile: the suffix loop's selects were a sixth of a verify
-    tile's arithmetic at L = 32."""
-    cache_len = g_cache.shape[-1]
-    g = g_cache[jnp.maximum(slot, 0)].astype(F32)  # [B, Hv, L]
-    valid = jnp.arange(cache_len)[None, None, :] < pos[:, None, None]
-    g = jnp.where(valid, g, 0.0)  # a stale entry (NaN included) enters no sum
-    from_j = lax.cumsum(g, axis=2, reverse=True)  # sum_{j <= i < pos} g_i
-    after_j = jnp.concatenate([from_j[..., 1:], jnp.zeros_like(from_j[..., :1])], axis=2)  # sum_{j < i < pos}
-    weights = jnp.where(valid, jnp.exp(after_j), 0.0)
-    pad = jnp.zeros((*g.shape[:2], HISTORY_PAD - 1), F32)
-    return jnp.concatenate([weights, jnp.exp(from_j[..., :1]), pad], axis=2)
 
 
 def rebuild_exact(s_c, decay_total, u_smem, k_smem, g_smem, pos):
@@ -489,17 +439,13 @@ def key_side_values(q: Float[Array, "B Hk Dk"], k: Float[Array, "B Hk Dk"], k_ca
 
 
 def xla_side_inputs(q: Float[Array, "B Hk Dk"], k: Float[Array, "B Hk Dk"], k_cache: Float[Array, "N Hk L Dk"],
-                    g_cache: Float[Array, "N Hv L"], slot: Int[Array, " B"], pos: Int[Array, " B"], *,
-                    params: MosaicReplayParams, use_qk_l2norm: bool, scale: float | None) -> list[Array]:
-    """The inputs XLA computes before the launch, in the kernel's order: for
-    `decode_weights="launch"` the history weights (`history_weights`, `[B, H_v, L +
-    HISTORY_PAD]`), for the "mma" readout the raw q and k as row pairs (`vector_pairs`,
-    `[2 B H_k, d_k]`, padded to 8 rows), for `key_side="xla"` the key side
-    (`key_side_values`, `[B, H_k, 3, L]`); none by default. Their kernels are part of a
-    step's time (they read the slots' gate and key records)."""
-    vectors = ([history_weights(g_cache, slot.astype(jnp.int32), pos.astype(jnp.int32))]
-               if params.decode_weights == "launch" else [])
-    vectors += [vector_pairs(q, k)] if params.readout == "mma" else []
+                    slot: Int[Array, " B"], *, params: MosaicReplayParams, use_qk_l2norm: bool,
+                    scale: float | None) -> list[Array]:
+    """The inputs XLA computes before the launch, in the kernel's order: for the "mma"
+    readout the raw q and k as row pairs (`vector_pairs`, `[2 B H_k, d_k]`, padded to 8 rows),
+    for `key_side="xla"` the key side (`key_side_values`, `[B, H_k, 3, L]`); none by
+    default. Their kernels are part of a step's time (they read the slots' key records)."""
+    vectors = [vector_pairs(q, k)] if params.readout == "mma" else []
     if params.key_side == "xla":
         scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
         vectors.append(key_side_values(q, k, k_cache, slot, use_qk_l2norm=use_qk_l2norm, scale=scale))
@@ -568,12 +514,10 @@ def copy_token(token_refs, bufs, b, h, hk, rows, barrier) -> None:
 
 def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref, *refs,
             group_size, tiles, use_qk_l2norm, scale, raw_gates, rebuild, num_programs, chunk, readout, parts, grouped,
-            xla_side, mma_side, weights_from, program_scratch, per_tile, warpgroups, ordered, interpret):
-    # Inputs, the row order, the history weights, the raw q and k staged for the "mma"
-    # readout and the key side from XLA first; outputs; scratch.
+            xla_side, mma_side, program_scratch, per_tile, warpgroups, ordered, interpret):
+    # Inputs, the row order, the raw q and k staged for the "mma" readout and the key side
+    # from XLA first; outputs; scratch.
     order_ref, *refs = refs if ordered else (None, *refs)
-    launch_weights = weights_from == "launch"
-    weights_ref, *refs = refs if launch_weights else (None, *refs)
     xv_ref, *refs = refs if readout == "mma" else (None, *refs)
     side_ref, *refs = refs if xla_side else (None, *refs)
     (ckpt_ref, ucache_ref, kcache_ref, gcache_ref, y_ref,
@@ -597,9 +541,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a
         def _copies():
             plgpu.copy_gmem_to_smem(ckpt_ref.at[slot, h, rows], t_smem, barrier)
             plgpu.copy_gmem_to_smem(ucache_ref.at[slot, h, :, rows], u_smem, barrier)
-            g_dst = g_smem.at[pl.ds(0, u_smem.shape[0])] if weights_from == "sum" else g_smem  # "sum": a longer buffer
-            plgpu.copy_gmem_to_smem(weights_ref.at[b, h] if launch_weights else gcache_ref.at[slot, h], g_dst,
-                                    barrier)
+            plgpu.copy_gmem_to_smem(gcache_ref.at[slot, h], g_smem, barrier)
             if xla_side:
                 plgpu.copy_gmem_to_smem(side_ref.at[b, h // group_size], side_smem[0], barrier)
             elif not grouped:
@@ -619,7 +561,6 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a
 
     def compute(b, h, tile, stage, fresh, prefetch=lambda: None):
         stages, group_keys, shared_smem, rebuild_bufs, barriers, group_barrier, rows_barrier = buffers(b)
-        # g_smem: head h's gate records ("sum": then their suffix sums), or with "launch" the row's `history_weights`.
         tile_buf, u_smem, g_smem, o_smem, qk_smem, v_smem, stage_keys, x_smem, side_smem = stages[stage]
         k_smem = group_keys[0] if grouped or xla_side and group_keys else stage_keys[0] if stage_keys else None
         t_smem, operands = split_tile_buffer(tile_buf, rebuild, own_operands)
@@ -669,12 +610,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a
             with jax.named_scope("records"):
                 k_col = plgpu.load(qk_smem.at[1], layout=COL, optimized=False).astype(F32) * k_scale
                 v_row = plgpu.load(v_smem, layout=ROW, optimized=False).astype(F32)
-                if launch_weights:
-                    weights = plgpu.load(g_smem.at[pl.ds(0, cache_len)], layout=COL, optimized=False)
-                    decay_total = g_smem[cache_len]
-                else:
-                    summed = summed_decay_weights if weights_from == "sum" else decay_weights
-                    weights, decay_total = summed(g_smem, pos, cache_len)
+                weights, decay_total = decay_weights(g_smem, pos, cache_len)
                 j = plgpu.broadcasted_iota(jnp.int32, (BLOCK_V, cache_len), 1, layout=WGMMA)
                 u_t = jnp.where(j < pos, load_transposed(u_smem), 0.0)  # [BV, L], stale entries 0
             valid = plgpu.broadcasted_iota(jnp.int32, (cache_len,), 0, layout=COL) < pos
@@ -713,8 +649,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a
                         copy_record_rows((ucache_ref, kcache_ref), rebuild_bufs, slot, h, h // group_size, rows,
                                          rows_barrier)
                         plgpu.barrier_wait(rows_barrier)
-                        prev = (rebuild_weighted(s_tile, decay_total, u_rows, k_rows, g_smem, pos) if launch_weights
-                                else rebuild_exact(s_tile, decay_total, u_rows, k_rows, g_smem, pos))
+                        prev = rebuild_exact(s_tile, decay_total, u_rows, k_rows, g_smem, pos)
                     else:
                         if xla_side:  # the key records, which only this flush reads, into the CTA's buffer
                             plgpu.copy_gmem_to_smem(kcache_ref.at[slot, h // group_size], k_smem, group_barrier[0])
@@ -738,8 +673,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a
 
 
 def _scratch(head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, v_dtype, swizzle, rebuild, stages,
-             readout="fma", grouped=False, xla_side=False, own_operands=False, mma_side=False,
-             weights_from="tile") -> list:
+             readout="fma", grouped=False, xla_side=False, own_operands=False, mma_side=False) -> list:
     """`[stages, group keys, shared, rebuild buffers, barriers, group barrier, rows
     barrier]`: `stages` sets of the replay buffers (the key records among them `[k]` unless
     `grouped`, else `[]`), the token's (`copy_token`) and, for the "mma" readout, `[x]` the
@@ -754,17 +688,10 @@ def _scratch(head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, v_dtype,
     checkpoint-tile buffer instead, or, with `own_operands` (several warpgroups, which cannot
     share a union), in the rebuild buffers' place. With the key side from XLA (`xla_side`), each stage
     takes `[side]` (`[3, L]` fp32, `key_side_values`) in place of the key records, which a
-    tensor-core rebuild copies into one buffer per CTA (the group keys') when it flushes.
-    With `weights_from="launch"`, each stage's gate-record buffer holds the row's history
-    weights (`[L + HISTORY_PAD]`); with "sum", the gate records and room for their suffix
-    sums (`[L + summed_rows(L)]`, `suffix_sums`)."""
+    tensor-core rebuild copies into one buffer per CTA (the group keys') when it flushes."""
     def stage():
         tile, u, keys, g, y = replay_scratch(BLOCK_V, head_k_dim, cache_len, state_dtype, cache_dtype, (BLOCK_V,),
                                              v_dtype, swizzle)
-        if weights_from == "launch":  # `history_weights` in place of the gate records
-            g = plgpu.SMEM((cache_len + HISTORY_PAD,), F32)
-        elif weights_from == "sum":
-            g = plgpu.SMEM((cache_len + summed_rows(cache_len),), F32)
         tile = tile if own_operands else tile_with_operands(tile, BLOCK_V, head_k_dim, cache_len, rebuild, cache_dtype)
         vectors = ([plgpu.SMEM((vector_rows(DECODE_VECTORS), head_k_dim), qk_dtype, transforms=tiled(128, qk_dtype))]
                    if readout == "mma" else [])
@@ -812,15 +739,14 @@ def persistent_programs(batch: int, num_v_heads: int, head_v_dim: int, head_k_di
 @functools.lru_cache(maxsize=None)
 def _build(batch, num_v_heads, head_v_dim, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y_dtype,
            group_size, use_qk_l2norm, scale, raw_gates, swizzle, rebuild, programs, auto_barriers, readout,
-           group_records, chunk, key_side, per_tile_addresses, warpgroups, ordered, weights_from, interpret):
+           group_records, chunk, key_side, per_tile_addresses, warpgroups, ordered, interpret):
     tiles = head_v_dim // BLOCK_V
     num_tiles = batch * num_v_heads * tiles
     warpgroups = min(warpgroups, num_tiles)  # every program serves at least one tile
     xla_side = key_side == "xla"
     scratch_of = functools.partial(_scratch, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y_dtype,
                                    swizzle, rebuild, STAGES if programs else 1, readout, xla_side=xla_side,
-                                   own_operands=warpgroups > 1, mma_side=key_side == "mma",
-                                   weights_from=weights_from)
+                                   own_operands=warpgroups > 1, mma_side=key_side == "mma")
     grouped = (not xla_side and group_records if group_records is not None
                else not xla_side and bool(programs) and grouped_fits_more(scratch_of))
     program_scratch = scratch_of(grouped)
@@ -831,9 +757,8 @@ def _build(batch, num_v_heads, head_v_dim, head_k_dim, cache_len, state_dtype, c
     body = functools.partial(_kernel, group_size=group_size, tiles=tiles, use_qk_l2norm=use_qk_l2norm,
                              scale=scale, raw_gates=raw_gates, rebuild=rebuild, num_programs=num_programs,
                              chunk=chunk, readout=readout, parts=tile_parts(state_dtype), grouped=grouped,
-                             xla_side=xla_side, mma_side=key_side == "mma", weights_from=weights_from,
-                             program_scratch=view, per_tile=per_tile_addresses, warpgroups=warpgroups,
-                             ordered=ordered, interpret=interpret)
+                             xla_side=xla_side, mma_side=key_side == "mma", program_scratch=view,
+                             per_tile=per_tile_addresses, warpgroups=warpgroups, ordered=ordered, interpret=interpret)
     return build_kernel(body, jax.ShapeDtypeStruct((batch, num_v_heads, head_v_dim), y_dtype), scratch,
                         tile_grid(batch, num_v_heads, tiles, num_programs, warpgroups),
                         name="replayssm_replay_decode_mgpu", interpret=interpret, auto_barriers=auto_barriers)
@@ -888,11 +813,10 @@ def replay_decode_mgpu(
         num_v_heads // q.shape[1], bool(use_qk_l2norm), float(head_k_dim ** -0.5 if scale is None else scale),
         gate_params is not None, params.swizzle, params.rebuild, params.programs, params.auto_barriers,
         params.readout, params.group_records, params.chunk, params.key_side, params.per_tile_addresses,
-        params.warpgroups, bool(order), params.decode_weights, bool(interpret),
+        params.warpgroups, bool(order), bool(interpret),
     )
     k = k.astype(q.dtype)
-    vectors = xla_side_inputs(q, k, k_cache, g_cache, slot, pos, params=params, use_qk_l2norm=bool(use_qk_l2norm),
-                              scale=scale)
+    vectors = xla_side_inputs(q, k, k_cache, slot, params=params, use_qk_l2norm=bool(use_qk_l2norm), scale=scale)
     refs = [jax.new_ref(x) for x in (checkpoint, u_cache, k_cache, g_cache)]
     y = kernel(slot.astype(jnp.int32), pos.astype(jnp.int32), mode.astype(jnp.int32), q, k, v, g, beta,
                a_log, dt_bias, *order, *vectors, *refs)

@@ -89,9 +89,9 @@ from pallas_kernels.mosaic_gpu.pipeline import (STAGES, group_shared, kernel_scr
 from pallas_kernels.mosaic_gpu.readout import (column, split_bf16, stage_vectors, summed_products, tile_parts,
                                                tile_products, vector_rows)
 from pallas_kernels.mosaic_gpu.rebuild import check_rebuild, rebuild_operands
-from pallas_kernels.mosaic_gpu.replay_decode import (HISTORY_PAD, MosaicReplayParams, check_fma_readout,
-                                                     check_mma_readout, check_own_layout, check_shapes, history_weights,
-                                                     qk_scales, rebuild_tensor_cores, rebuild_weighted)
+from pallas_kernels.mosaic_gpu.replay_decode import (MosaicReplayParams, check_fma_readout, check_mma_readout,
+                                                     check_own_layout, check_shapes, qk_scales, rebuild_tensor_cores,
+                                                     rebuild_weighted)
 from pallas_kernels.verify_coefficients import VECTORS, VerifyCoefficientsParams, verify_coefficients
 
 MAX_WIDTH = 16  # the window is unrolled in the kernel: code size grows as T^2
@@ -110,6 +110,9 @@ def select_if(flag, x, layout, other=0.0):
 
 # e^{G}, beta, g, q_scale, k_scale per position: the record layout both window paths write.
 GDN_VECTORS = VECTORS
+# A history-weights record `[L + HISTORY_PAD]` (`history_weights`): the L weights, e^G, zeros
+# (a TMA copy moves whole 16-byte units).
+HISTORY_PAD = 4
 # A record is copied as `[C / COEF_LANES, COEF_LANES]`: a TMA box takes at most 256 elements
 # along each dimension, which a flat record passes from T = 11 on.
 COEF_LANES = 16
@@ -125,6 +128,25 @@ def coefficient_count(width: int, vectors: int = GDN_VECTORS, matrices: int = 2)
 def coefficient_shape(width: int, vectors: int = GDN_VECTORS, matrices: int = 2) -> tuple[int, int]:
     """The shape of one record as the kernel copies it."""
     return coefficient_count(width, vectors, matrices) // COEF_LANES, COEF_LANES
+
+
+def history_weights(g_cache: Float[Array, "N Hv L"], slot: Int[Array, " B"],
+                    pos: Int[Array, " B"]) -> Float[Array, "B Hv Lw"]:
+    """Per (row, value head) the decays of its history, `[L + HISTORY_PAD]`: `W_j =
+    exp(sum_{j<i<pos} g_i)` for each ring entry j < pos (0 at and past it), then `e^G =
+    exp(sum_{i<pos} g_i)`, then zeros, from the gate records of the row's slot (a padding
+    row's, slot < 0, are slot 0's: never read). What `replay_decode.decay_weights` forms in
+    a tile, once per head instead of once per tile: the suffix loop's selects were a sixth
+    of a verify tile's arithmetic at L = 32."""
+    cache_len = g_cache.shape[-1]
+    g = g_cache[jnp.maximum(slot, 0)].astype(F32)  # [B, Hv, L]
+    valid = jnp.arange(cache_len)[None, None, :] < pos[:, None, None]
+    g = jnp.where(valid, g, 0.0)  # a stale entry (NaN included) enters no sum
+    from_j = lax.cumsum(g, axis=2, reverse=True)  # sum_{j <= i < pos} g_i
+    after_j = jnp.concatenate([from_j[..., 1:], jnp.zeros_like(from_j[..., :1])], axis=2)  # sum_{j < i < pos}
+    weights = jnp.where(valid, jnp.exp(after_j), 0.0)
+    pad = jnp.zeros((*g.shape[:2], HISTORY_PAD - 1), F32)
+    return jnp.concatenate([weights, jnp.exp(from_j[..., :1]), pad], axis=2)
 
 
 def prepare_window(q, k, g, beta, length, *, use_qk_l2norm: bool, scale: float):
