@@ -38,9 +38,9 @@ load and store.
 With `history=(g_cache, slot, pos)` the GDN program also writes each of its value heads'
 history weights (`verify_decode.history_weights`' record, `[history_len]` fp32): `W_j =
 e^{sum_{j<i<pos} g_i}` for each cache entry j < pos (0 at and past it), `e^{sum_{i<pos} g_i}`
-at index L, then zeros; one `[L', L']` masked sum (L' the next power of two >= L) per head
-in place of a scan. The verify kernel then reads one weight per entry instead of forming
-the decays in every tile, with no launch of its own.
+at index L, then zeros; the suffix sums as one running sum over the records newest first
+(a Triton scan over L' lanes, L' the next power of two >= L). The verify kernel then reads
+one weight per entry instead of forming the decays in every tile, with no launch of its own.
 
 `kda_verify_coefficients` is the same for a KDA window (per-channel decays): its records
 (`A`, `M`, beta and the norms) and the decays `e^{G}` `[B, T, H_v, d_k]` that the KDA
@@ -262,19 +262,30 @@ def _store_lanes(coef_ref, b, h, start, x, count: int):
 
 
 def _gate_records(gcache_ref, h, slot, pos):
-    """`(g [L'], valid [L'])`: head h's gate records of `slot`, L' the next power of two >=
-    L; entries at and past `pos` (stale, NaN included) are masked on the load (zeros)."""
+    """`(g, newer, pos)`: head h's gate records of `slot` as `[L']` lanes (L' the next power
+    of two >= L), and the same records newest first, shifted by one lane (lane k holds
+    `g_{L'-k}`, lane 0 none), so that the running sum of `newer` at lane k is `sum_{j<i<pos}
+    g_i` for `j = L' - 1 - k`. Entries at and past `pos` (stale, NaN included) are masked
+    on the loads (zeros)."""
     lanes = jnp.arange(common.next_power_of_two(gcache_ref.shape[2]), dtype=jnp.int32)
     valid = lanes < pos  # pos <= L
     g = plgpu.load(gcache_ref.at[slot, h, jnp.where(valid, lanes, 0)], mask=valid, other=0)
-    return g.astype(jnp.float32), valid
+    src = lanes.shape[0] - lanes
+    newer_valid = (lanes > 0) & (src < pos)
+    newer = plgpu.load(gcache_ref.at[slot, h, jnp.where(newer_valid, src, 0)], mask=newer_valid, other=0)
+    return g.astype(jnp.float32), newer.astype(jnp.float32), pos
 
 
-def _store_history_weights(weights_ref, b, h, g, valid, cache_len: int):
-    """Head h's history weights of row b (module doc) from its masked gate records."""
+def _store_history_weights(weights_ref, b, h, g, newer, pos, cache_len: int):
+    """Head h's history weights of row b (module doc) from its masked gate records: the
+    suffix sums as one running sum (a scan of log2(L') steps) over the newest-first records,
+    stored to their entries in reverse lane order."""
     lanes = jnp.arange(g.shape[0], dtype=jnp.int32)
-    after = jnp.sum(jnp.where(lanes[None, :] > lanes[:, None], g[None, :], 0.0), axis=1)  # sum_{j<i<pos} g_i
-    _store_lanes(weights_ref, b, h, 0, jnp.where(valid, _exp(after), 0.0), cache_len)
+    entry = g.shape[0] - 1 - lanes  # the ring entry j of lane k
+    after = jnp.cumsum(newer)  # sum_{j<i<pos} g_i
+    inside = entry < cache_len
+    plgpu.store(weights_ref.at[b, h, jnp.where(inside, entry, weights_ref.shape[2])],
+                jnp.where(entry < pos, _exp(after), 0.0), mask=inside)
     total = jnp.where(lanes == 0, _exp(jnp.sum(g)), 0.0)  # e^G, then zeros
     _store_lanes(weights_ref, b, h, cache_len, total, weights_ref.shape[2] - cache_len)
 
