@@ -285,11 +285,12 @@ def check_section(smoke: bool, gate: str = "gdn", mosaic_variants: str = "defaul
         variants.update({f"mosaic_gpu rebuild={mode}": ("mosaic_gpu", MosaicReplayParams(rebuild=mode))
                          for mode in tensor_core_rebuilds(smoke, cfg)})
         for spec in (spec for spec in mosaic_variants.split(";") if spec != "default"):
-            variants[f"mosaic_gpu {spec}"] = ("mosaic_gpu", None)
+            name, kernel_params = f"mosaic_gpu {spec}", None
             try:  # params a case's defaults refuse (e.g. an option of one warpgroup on three)
-                variants[f"mosaic_gpu {spec}"] = ("mosaic_gpu", mosaic_params(spec, cfg, batch))
+                kernel_params = mosaic_params(spec, cfg, batch)
             except ValueError as err:
-                skipped[f"mosaic_gpu {spec}"] = str(err)
+                skipped[name] = str(err)
+            variants[name] = ("mosaic_gpu", kernel_params)
         for name, (backend, kernel_params) in variants.items():
             if name in skipped:
                 continue

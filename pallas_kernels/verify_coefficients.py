@@ -262,31 +262,30 @@ def _store_lanes(coef_ref, b, h, start, x, count: int):
 
 
 def _gate_records(gcache_ref, h, slot, pos):
-    """`(g, newer, pos)`: head h's gate records of `slot` as `[L']` lanes (L' the next power
-    of two >= L), and the same records newest first, shifted by one lane (lane k holds
-    `g_{L'-k}`, lane 0 none), so that the running sum of `newer` at lane k is `sum_{j<i<pos}
-    g_i` for `j = L' - 1 - k`. Entries at and past `pos` (stale, NaN included) are masked
-    on the loads (zeros)."""
+    """`(newer, first)`: head h's gate records of `slot` newest first as `[L']` lanes (L' the
+    next power of two >= L), shifted by one lane (lane k holds `g_{L'-k}`, lane 0 none), so
+    that their running sum at lane k is `sum_{j<i<pos} g_i` for `j = L' - 1 - k`; and entry
+    0's record, the one `newer` leaves out. Entries at and past `pos` (stale, NaN included)
+    are masked to zero."""
     lanes = jnp.arange(common.next_power_of_two(gcache_ref.shape[2]), dtype=jnp.int32)
-    valid = lanes < pos  # pos <= L
-    g = plgpu.load(gcache_ref.at[slot, h, jnp.where(valid, lanes, 0)], mask=valid, other=0)
     src = lanes.shape[0] - lanes
-    newer_valid = (lanes > 0) & (src < pos)
-    newer = plgpu.load(gcache_ref.at[slot, h, jnp.where(newer_valid, src, 0)], mask=newer_valid, other=0)
-    return g.astype(jnp.float32), newer.astype(jnp.float32), pos
+    valid = (lanes > 0) & (src < pos)  # pos <= L
+    newer = plgpu.load(gcache_ref.at[slot, h, jnp.where(valid, src, 0)], mask=valid, other=0)
+    first = jnp.where(pos > 0, gcache_ref[slot, h, 0].astype(jnp.float32), 0.0)
+    return newer.astype(jnp.float32), first
 
 
-def _store_history_weights(weights_ref, b, h, g, newer, pos, cache_len: int):
-    """Head h's history weights of row b (module doc) from its masked gate records: the
-    suffix sums as one running sum (a scan of log2(L') steps) over the newest-first records,
-    stored to their entries in reverse lane order."""
-    lanes = jnp.arange(g.shape[0], dtype=jnp.int32)
-    entry = g.shape[0] - 1 - lanes  # the ring entry j of lane k
+def _store_history_weights(weights_ref, b, h, newer, first, pos, cache_len: int):
+    """Head h's history weights of row b (module doc) from its masked gate records
+    (`_gate_records`): the suffix sums as one running sum (a scan of log2(L') steps) over
+    the newest-first records, stored to their entries in reverse lane order."""
+    lanes = jnp.arange(newer.shape[0], dtype=jnp.int32)
+    entry = newer.shape[0] - 1 - lanes  # the ring entry j of lane k
     after = jnp.cumsum(newer)  # sum_{j<i<pos} g_i
     inside = entry < cache_len
     plgpu.store(weights_ref.at[b, h, jnp.where(inside, entry, weights_ref.shape[2])],
                 jnp.where(entry < pos, _exp(after), 0.0), mask=inside)
-    total = jnp.where(lanes == 0, _exp(jnp.sum(g)), 0.0)  # e^G, then zeros
+    total = jnp.where(lanes == 0, _exp(jnp.sum(newer) + first), 0.0)  # e^G, then zeros
     _store_lanes(weights_ref, b, h, cache_len, total, weights_ref.shape[2] - cache_len)
 
 
@@ -334,7 +333,7 @@ def _kernel(length_ref, q_ref, k_ref, g_ref, beta_ref, anc_ref, *refs, width, gr
         for start in range(base + VECTORS * T, record_len, R):
             _store_lanes(coef_ref, b, h, start, jnp.zeros((R,), jnp.float32), record_len - start)
         if history:
-            _store_history_weights(weights_ref, b, h, *records[v], gcache_ref.shape[2])
+            _store_history_weights(weights_ref, b, h, *records[v], pos_ref[b], gcache_ref.shape[2])
 
 
 def _launch(body, q, k, g, beta, anc, length, more_outs: tuple, *, vectors: int, record_len: int, lanes_len: int,

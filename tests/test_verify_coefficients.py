@@ -72,12 +72,13 @@ def random_window(rng, batch, width, num_k_heads, num_v_heads, head_dim, dtype):
 
 def random_history(rng, batch, num_v_heads, cache_len):
     """`(g_cache [N, H_v, L] with NaN in every stale entry, the same in float64 without them,
-    slot [B] with row 1 padding, pos [B] in [0, L] with row 0 at L)`."""
+    slot [B] with row 1 padding, pos [B] in [0, L] with row 0 at L and row 3 at 0: an empty
+    history whose every record, entry 0's included, is stale)`."""
     num_slots = batch + 2
     slot = rng.permutation(num_slots)[:batch].astype(np.int32)
     slot[1] = -1
     pos = rng.integers(0, cache_len + 1, batch).astype(np.int32)
-    pos[0] = cache_len
+    pos[0], pos[3] = cache_len, 0
     g_cache = -rng.uniform(0.0, 2.0, (num_slots, num_v_heads, cache_len))
     stale = g_cache.copy()
     for s, p in zip(slot, pos):
@@ -109,7 +110,7 @@ def model_history(g_cache, slot, pos, history_len):
 ])
 def test_records_and_vectors_match_the_model_and_xla(rng, width, num_k_heads, num_v_heads, dtype, use_qk_l2norm,
                                                      tree, cache_len):
-    batch, head_dim, scale = 3, 64, 0.7
+    batch, head_dim, scale = 4, 64, 0.7
     q, k, g, beta, length = random_window(rng, batch, width, num_k_heads, num_v_heads, head_dim, dtype)
     anc = np.asarray(ancestors(random_parents(rng, batch, width) if tree else None, batch, width))
     record_len = coefficient_count(width)
