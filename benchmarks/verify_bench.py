@@ -334,10 +334,16 @@ def check(shape, backends, smoke, state_dtype: str = "float32", cache_len: int =
     batch, width, num_slots = 8, 4, 10
     rng = np.random.default_rng(0)
     cursors = rng.integers(0, cfg.cache_len + 1, num_slots)
+    slots = np.where(np.arange(batch) == 3, -1, rng.permutation(num_slots)[:batch])
+    lengths = rng.integers(0, width + 1, batch)
+    # Whatever the draws at this L: rows 0 and 1 fold (a full ring, and one entry short of
+    # it), row 2 fills the ring exactly without folding.
+    lengths[:3] = width
+    cursors[slots[:3]] = cfg.cache_len, cfg.cache_len - 1, cfg.cache_len - width
     state = random_pool(cfg, num_slots, jax.random.key(1), cursors)
-    slots = jnp.asarray(np.where(np.arange(batch) == 3, -1, rng.permutation(num_slots)[:batch]), jnp.int32)
+    slots = jnp.asarray(slots, jnp.int32)
     window = random_window(cfg, batch, width, jax.random.key(4))
-    extra = dict(lengths=jnp.asarray(rng.integers(0, width + 1, batch), jnp.int32),
+    extra = dict(lengths=jnp.asarray(lengths, jnp.int32),
                  parents=jnp.asarray(np.stack([rng.integers(-1, np.arange(width)) for _ in range(batch)]), jnp.int32))
     run = jax.jit(R.verify_step, static_argnames=("backend", "use_qk_l2norm", "interpret", "kernel_params"))
     extra |= verify_options(mamba2_heads(cfg))
@@ -352,8 +358,8 @@ def check(shape, backends, smoke, state_dtype: str = "float32", cache_len: int =
                                            for name in ("checkpoint", "u_cache", "k_cache", "g_cache")},
                       write_pos_equal=bool(jnp.all(st.write_pos == want[1].write_pos)))
     return dict(folding_rows=int(np.sum((np.asarray(slots) >= 0)
-                                        & (cursors[np.maximum(np.asarray(slots), 0)] + np.asarray(extra["lengths"])
-                                           > cfg.cache_len))), backends=out)
+                                        & (cursors[np.maximum(np.asarray(slots), 0)] + lengths > cfg.cache_len))),
+                backends=out)
 
 
 def print_table(rows: list[dict]) -> None:
