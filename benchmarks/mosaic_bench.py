@@ -360,20 +360,21 @@ def sweep_section(timer, args, bandwidth, gate: str = "gdn") -> list[dict]:
                                                    args.smoke, staggered)
                 for variant in args.variants.split(";"):
                     try:
-                        effective_params(variant, cfg, batch)
+                        effective = effective_params(variant, cfg, batch)
                     except ValueError as err:  # a variant this cell's defaults refuse: no row
                         print(f"sweep skips {variant!r} at {cfg.state_dtype.name} L={cfg.cache_len} B={batch}: {err}",
                               flush=True)
                         continue
-                    rows.append(sweep_row(timer, args, cfg, batch, rng, staggered, variant, bandwidth, plain_us,
-                                          params, (t_nf, t_fl, t_cyc)))
+                    rows.append(sweep_row(timer, args, cfg, batch, rng, staggered, variant, effective, bandwidth,
+                                          plain_us, params, (t_nf, t_fl, t_cyc)))
     return rows
 
 
-def sweep_row(timer, args, cfg, batch, rng, staggered, variant, bandwidth, plain_us, params, triton_us) -> dict:
-    """One Mosaic variant timed beside the cell's plain and Triton times."""
+def sweep_row(timer, args, cfg, batch, rng, staggered, variant, effective, bandwidth, plain_us, params,
+              triton_us) -> dict:
+    """One Mosaic variant (`effective`: its `effective_params`) timed beside the cell's plain
+    and Triton times."""
     t_nf, t_fl, t_cyc = triton_us
-    effective = effective_params(variant, cfg, batch)
     m_nf, m_fl, m_cyc, m_side = time_mosaic(timer, cfg, batch, rng, 3, args.smoke, staggered, effective)
     cycle_bytes = cost.replay_cycle_bytes(cfg, batch).total
     floor = cost.floor_us(cycle_bytes, bandwidth)
