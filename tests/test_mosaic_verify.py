@@ -130,6 +130,11 @@ def _ancestors(parents):
     ("gdn", MosaicReplayParams(programs=5, auto_barriers=False, launch_order=True)),
     # Folding rows' record copies started with their tile, into buffers of each stage's own.
     ("gdn", MosaicReplayParams(programs=5, auto_barriers=False, readout="mma", key_side="xla", prefetch_folds=True)),
+    # Folding rows' value records with their tile, their key records once per group: two
+    # programs serve rows 0, 2, 4 and 1, 3, 5 (rows 2 and 4 fold, their keys copied by the
+    # previous row's tile); chunks of one tile, each fresh; the kernel's own key side.
+    ("gdn", MosaicReplayParams(programs=2, auto_barriers=False, readout="mma", key_side="xla", group_folds=True)),
+    ("gdn", MosaicReplayParams(programs=3, chunk=1, auto_barriers=False, group_folds=True, launch_order=True)),
     # The window's records and staged vectors from their Pallas Triton kernel.
     ("gdn", MosaicReplayParams(programs=5, auto_barriers=False, readout="mma", key_side="xla",
                                window_side="kernel", window_warps=1)),
@@ -330,6 +335,13 @@ def test_verify_kernels_take_only_their_options():
         check_params(MosaicReplayParams(prefetch_folds=True), "kda", window_side=True)
     with pytest.raises(ValueError, match="prefetch_folds must be a bool"):
         MosaicReplayParams(prefetch_folds=1)
+    check_params(MosaicReplayParams(programs=4, group_folds=True), "gdn", pipelined=True)
+    with pytest.raises(ValueError, match="group_folds must be False"):
+        check_params(MosaicReplayParams(group_folds=True), "kda", window_side=True)
+    with pytest.raises(ValueError, match="group_folds must be a bool"):
+        MosaicReplayParams(group_folds="yes")
+    with pytest.raises(ValueError, match="set one"):
+        MosaicReplayParams(programs=4, prefetch_folds=True, group_folds=True)
     # Decode's key side on tensor cores is not verify's (its window sums are its own).
     for params in (MosaicReplayParams(key_side="mma"),
                    MosaicReplayParams(programs=6, auto_barriers=False, warpgroups=3, key_side="mma")):
@@ -362,6 +374,20 @@ def test_prefetched_folds_lower_for_an_abstract_h200():
     assert ctas_per_sm(fits(False)) == ctas_per_sm(fits(True)) == 2
     params = MosaicReplayParams(programs=264, auto_barriers=False, readout="mma", key_side="xla", prefetch_folds=True)
     assert "mosaic_gpu" in _lower_for_h200("gdn", jnp.float32, 16, 4, params=params)
+
+
+def test_grouped_fold_keys_lower_for_an_abstract_h200():
+    """fp32 L = 32, T = 4 with the key sums before the launch (the defaults at B >= 128):
+    per-stage record copies (`prefetch_folds`) leave one CTA per SM, a fold's value
+    records with its tile and its key records once per group (`group_folds`) two."""
+    smem = lambda **kw: persistent_smem_bytes(4, 128, 32, jnp.float32, jnp.float32, jnp.bfloat16, readout="mma",
+                                              key_side="xla", **kw)
+    assert (ctas_per_sm(smem()), ctas_per_sm(smem(prefetch_folds=True)), ctas_per_sm(smem(group_folds=True))) == (
+        2, 1, 2)
+    params = MosaicReplayParams(programs=264, auto_barriers=False, readout="mma", key_side="xla", group_folds=True)
+    assert "mosaic_gpu" in _lower_for_h200("gdn", jnp.float32, 32, 4, params=params)
+    with pytest.raises(ValueError, match="group_folds copies an exact fold's key records"):
+        _lower_for_h200("gdn", jnp.float32, 32, 4, params=MosaicReplayParams(group_folds=True))
 
 
 @pytest.mark.parametrize("warpgroups", [1, 3])

@@ -187,6 +187,13 @@ class MosaicReplayParams:
         program); True gives each stage buffers of their own for them, copied with a
         folding row's tile one tile ahead (more shared memory per CTA; the exact rebuild on
         one warpgroup per CTA; the decode kernels refuse it).
+      group_folds: the GDN verify kernel's persistent programs with exact folds on one
+        warpgroup per CTA only (not with `prefetch_folds`): True takes a folding row's
+        value records with its tile, untiled, into the stage's value-record buffer (a
+        union: a folding row reads out no history), and its key records once per key-head
+        group into one buffer per CTA, copied a tile ahead (`pipeline` group copies), for
+        a sixth of `prefetch_folds`' extra shared memory (an fp32 tile on a ring of 32
+        keeps two CTAs per SM); the decode kernels refuse it.
     """
 
     swizzle: int = 128
@@ -203,11 +210,15 @@ class MosaicReplayParams:
     window_side: str = "xla"
     window_warps: int = 2
     prefetch_folds: bool = False
+    group_folds: bool = False
 
     def __post_init__(self) -> None:
         check_shared_params(self)
-        if not isinstance(self.prefetch_folds, bool):
-            raise ValueError(f"prefetch_folds must be a bool, got {self.prefetch_folds!r}")
+        for name in ("prefetch_folds", "group_folds"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.prefetch_folds and self.group_folds:
+            raise ValueError("prefetch_folds and group_folds are two ways to copy a fold's records: set one")
         if self.window_side not in WINDOW_SIDES:
             raise ValueError(f"window_side must be one of {WINDOW_SIDES}, got {self.window_side!r}")
         if isinstance(self.window_warps, bool) or self.window_warps not in (1, 2, 4, 8):
@@ -264,8 +275,9 @@ def check_no_window(params, kernel: str) -> None:
     prefetches no folds: a decode kernel has no verify window."""
     if getattr(params, "window_side", "xla") != "xla":
         raise ValueError(f"{kernel} has no verify window: window_side must be 'xla', got {params.window_side!r}")
-    if getattr(params, "prefetch_folds", False):
-        raise ValueError(f"{kernel} has no verify folds: prefetch_folds must be False")
+    for name in ("prefetch_folds", "group_folds"):
+        if getattr(params, name, False):
+            raise ValueError(f"{kernel} has no verify folds: {name} must be False")
 
 
 def check_fma_readout(params, kernel: str) -> None:

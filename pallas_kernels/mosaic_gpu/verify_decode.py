@@ -472,7 +472,8 @@ def window_coefficients(
 
 
 def _scratch(width, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y_dtype, swizzle, stages,
-             readout="fma", rebuild="exact", xla_side=False, own_fold_buffers=False, prefetch_folds=False) -> list:
+             readout="fma", rebuild="exact", xla_side=False, own_fold_buffers=False, prefetch_folds=False,
+             group_folds=False) -> list:
     """`[stages, shared, fold keys, fold buffers, barriers, rows barrier, fold keys barrier]`: `stages` sets
     of a tile's replay buffers (y `[T, BV]`; its head's `history_weights` `[L + HISTORY_PAD]` in
     place of the gate records), its window coefficients, the window's vectors
@@ -493,12 +494,19 @@ def _scratch(width, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y
     buffer (`[tile, record copies]` instead of their union), a tensor-core fold's key
     records in `[fold keys]`, and the rows or fold keys barrier (one per stage). Two stages
     of fp32 L = 16 buffers fit twice per SM (with `prefetch_folds` too, at T <= 4 and the
-    key sums before the launch)."""
+    key sums before the launch). With `group_folds` (exact folds) a stage's value-record
+    buffer is a union of the swizzled one and an untiled one, which a folding row's tile
+    copy fills, and `[fold keys]` is one untiled key-record buffer per CTA `[L, d_k]` with
+    its barrier, filled once per key-head group (`pipeline` group copies); the tile buffer
+    then shares nothing. Two stages of fp32 L = 32 buffers with it fit twice per SM."""
     def stage():
         bufs = replay_scratch(BLOCK_ROWS, head_k_dim, cache_len, state_dtype, cache_dtype, (width, BLOCK_ROWS),
                               y_dtype, swizzle)
         bufs[3] = plgpu.SMEM((cache_len + HISTORY_PAD,), F32)  # `history_weights`, not the gate records
-        if prefetch_folds and rebuild == "exact":
+        if group_folds:
+            bufs[0] = [bufs[0], []]
+            bufs[1] = plgpu.RefUnion(bufs[1], plgpu.SMEM(bufs[1].shape, cache_dtype))
+        elif prefetch_folds and rebuild == "exact":
             bufs[0] = [bufs[0], fold_buffers(bufs[0])]
         elif not own_fold_buffers:
             bufs[0] = plgpu.RefUnion(bufs[0], fold_buffers(bufs[0]))
@@ -519,11 +527,15 @@ def _scratch(width, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y
                                          (width, BLOCK_ROWS), y_dtype, swizzle)
     fold_keys = xla_side and rebuild != "exact"
     fold_copies = stages if prefetch_folds else 1  # buffers and barriers of the folds' copies
+    if group_folds:
+        fold_keys_bufs = [plgpu.SMEM((cache_len, head_k_dim), cache_dtype)]
+    else:
+        fold_keys_bufs = [keys] * fold_copies if fold_keys else []
     return [[stage() for _ in range(stages)], [] if xla_side else [plgpu.SMEM((2 * width, cache_len), F32)],
-            [keys] * fold_copies if fold_keys else [], fold_buffers(tile) if own_fold_buffers else [],
+            fold_keys_bufs, fold_buffers(tile) if own_fold_buffers else [],
             plgpu.Barrier(num_arrivals=stage_copies(readout, xla_side), num_barriers=stages),
-            [plgpu.Barrier(num_arrivals=2)] * fold_copies if rebuild == "exact" else [],
-            [plgpu.Barrier(num_arrivals=1)] * fold_copies if fold_keys else []]
+            [plgpu.Barrier(num_arrivals=2)] * fold_copies if rebuild == "exact" and not group_folds else [],
+            [plgpu.Barrier(num_arrivals=1)] * (1 if group_folds else fold_copies if fold_keys else 0)]
 
 
 def readout_scratch(width: int, head_k_dim: int, qk_dtype, readout: str) -> list:
@@ -544,7 +556,7 @@ def stage_copies(readout: str, xla_side: bool = False) -> int:
 
 def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_ref, weights_ref, *refs,
             width, group_size, tiles, num_programs, chunk, readout, parts, rebuild, xla_side, program_scratch, per_tile,
-            warpgroups, ordered, prefetch_folds, interpret):
+            warpgroups, ordered, prefetch_folds, group_folds, interpret):
     # Inputs, the row order, the window's raw vectors with the "mma" readout and the key
     # sums computed before the launch first; outputs; scratch.
     order_ref, *refs = refs if ordered else (None, *refs)
@@ -565,12 +577,20 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
         t_smem = tile_buf if own_fold_buffers else tuple(tile_buf)[0]
         barrier, slot, hk, rows = barriers.at[stage], slot_ref[b], h // group_size, pl.ds(tile * BLOCK_ROWS, BLOCK_ROWS)
 
+        def replay_copies(u_dst):
+            copy_replay_tile((ckpt_ref, ucache_ref, kcache_ref, gcache_ref), (t_smem, u_dst, k_smem, w_smem),
+                             slot, h, hk, rows, barrier, gates=weights_ref.at[b, h],
+                             keys=side_block(side_ref, b, hk, q_ref.shape[2], width, u_dst.shape[0]) if xla_side
+                             else None)
+
         @pl.when(mode_ref[b] != MODE_PAD)
         def _copies():
-            copy_replay_tile((ckpt_ref, ucache_ref, kcache_ref, gcache_ref), (t_smem, u_smem, k_smem, w_smem),
-                             slot, h, hk, rows, barrier, gates=weights_ref.at[b, h],
-                             keys=side_block(side_ref, b, hk, q_ref.shape[2], width, u_smem.shape[0]) if xla_side
-                             else None)
+            if group_folds:  # a folding row's value records untiled, for its fold; others' swizzled
+                swizzled, untiled = tuple(u_smem)
+                pl.when(mode_ref[b] == MODE_FLUSH)(lambda: replay_copies(untiled))
+                pl.when(mode_ref[b] == MODE_APPEND)(lambda: replay_copies(swizzled))
+            else:
+                replay_copies(u_smem)
             plgpu.copy_gmem_to_smem(coef_ref.at[b, h], c_smem, barrier)
             # The window's vectors: per-position loads then hit shared memory instead of
             # waiting on global memory one position after another.
@@ -589,19 +609,31 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
                 else:
                     plgpu.copy_gmem_to_smem(kcache_ref.at[slot, hk], fold_keys[stage], fold_barrier[stage])
 
-    def compute(b, h, tile, stage, fresh):
+    def issue_group(b, h, tile):
+        """With `group_folds`: a folding row's key records for its key-head group's tiles."""
+        _, _, fold_keys, _, _, _, fold_barrier = buffers(b)
+
+        @pl.when(mode_ref[b] == MODE_FLUSH)
+        def _fold_keys():
+            plgpu.copy_gmem_to_smem(kcache_ref.at[slot_ref[b], h // group_size], fold_keys[0], fold_barrier[0])
+
+    def compute(b, h, tile, stage, fresh, prefetch=lambda: None):
         stages, shared_smem, fold_keys, own_fold_bufs, barriers, rows_barrier, fold_barrier = buffers(b)
         fold = stage if prefetch_folds else 0  # the folds' copies: this stage's, or the one set
         at = lambda copies: copies[fold] if copies else None
         _tile(b, h, tile, stages[stage], shared_smem, at(fold_keys), own_fold_bufs, barriers.at[stage],
-              at(rows_barrier), at(fold_barrier), fresh)
+              at(rows_barrier), at(fold_barrier), fresh, prefetch)
 
-    def _tile(b, h, tile, bufs, shared_smem, fold_keys, own_fold_bufs, barrier, rows_barrier, fold_barrier, fresh):
+    def _tile(b, h, tile, bufs, shared_smem, fold_keys, own_fold_bufs, barrier, rows_barrier, fold_barrier, fresh,
+              prefetch):
         # k_smem: the key records, or with the key side computed before the launch the window's key sums.
         # w_smem: the row's `history_weights` for head h, in place of its gate records.
         tile_buf, u_smem, k_smem, w_smem, o_smem, c_smem, qk_rows, v_rows, *readout_bufs = bufs
         # The fold's record copies or operands: aliasing the tile, or their own buffers.
         t_smem, fold_bufs = (tile_buf, own_fold_bufs) if own_fold_buffers else tuple(tile_buf)
+        if group_folds:  # the swizzled value records; a folding row's untiled ones and its group's keys
+            u_smem, u_untiled = tuple(u_smem)
+            fold_bufs = (u_untiled, fold_keys)
         hk = h // group_size
         rows = pl.ds(tile * BLOCK_ROWS, BLOCK_ROWS)
         mode = mode_ref[b]
@@ -609,6 +641,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
 
         @pl.when(mode == MODE_PAD)
         def _padding_row():
+            prefetch()
             store_zeros(o_smem, y_ref, b, h, rows, width)
 
         @pl.when(mode != MODE_PAD)
@@ -644,6 +677,9 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
                         # into the tile's buffer, once every thread holds S_c, or (prefetched)
                         # wait for the copy their tile's issue started.
                         with jax.named_scope("fold_fetch"):
+                            if group_folds:  # the value records came with the tile; the keys once a group
+                                pl.when(fresh)(lambda: plgpu.barrier_wait(fold_barrier))
+                                return
                             if not prefetch_folds:
                                 plgpu.commit_smem()
                                 copy_record_rows((ucache_ref, kcache_ref), (u_rows, k_rows), slot, h, hk, rows,
@@ -679,6 +715,10 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
                     t_smem[...] = s_eff.astype(t_smem.dtype)
                     plgpu.commit_smem()
                     plgpu.copy_smem_to_gmem(t_smem, ckpt_ref.at[slot, h, rows])
+
+            # The next group's key records (`group_folds`), once a fold is done with these:
+            # the store above began with a warpgroup barrier.
+            prefetch()
 
             with jax.named_scope("products"):
                 u_t = jnp.where(j_tile < history_len, load_transposed(u_smem), 0.0)  # [BV, L], stale entries 0
@@ -738,7 +778,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
                 plgpu.copy_smem_to_gmem(o_smem, y_ref.at[b, :, h, rows])
 
     serve_tiles(batch, num_v_heads, tiles, num_programs, issue, compute, group_size=group_size, chunk=chunk,
-                warpgroups=warpgroups, row_order=order_ref)
+                issue_group=issue_group if group_folds else None, warpgroups=warpgroups, row_order=order_ref)
 
 
 def check_params(params, kernel: str, *, pipelined: bool = False, window_side: bool = False) -> None:
@@ -755,8 +795,9 @@ def check_params(params, kernel: str, *, pipelined: bool = False, window_side: b
                          "'kernel' or 'xla', got 'mma'")
     if pipelined:
         return
-    if getattr(params, "prefetch_folds", False):
-        raise ValueError(f"{kernel} runs one CTA per tile: prefetch_folds must be False")
+    for name in ("prefetch_folds", "group_folds"):
+        if getattr(params, name, False):
+            raise ValueError(f"{kernel} runs one CTA per tile: {name} must be False")
     if getattr(params, "rebuild", "exact") != "exact":
         raise ValueError(f"{kernel} rebuilds in exact fp32 only, got rebuild={params.rebuild!r}")
     check_fma_readout(params, kernel)
@@ -770,18 +811,20 @@ def check_params(params, kernel: str, *, pipelined: bool = False, window_side: b
 
 def persistent_smem_bytes(width: int, head_k_dim: int, cache_len: int, state_dtype, cache_dtype, token_dtype, *,
                           swizzle: int = 128, readout: str = "fma", rebuild: str = "exact",
-                          key_side: str = "kernel", warpgroups: int = 1, prefetch_folds: bool = False) -> int:
+                          key_side: str = "kernel", warpgroups: int = 1, prefetch_folds: bool = False,
+                          group_folds: bool = False) -> int:
     """Shared memory of one persistent verify CTA (two stages per program, `warpgroups`
     programs; `token_dtype`: q, k, v and y's)."""
     scratch = _scratch(width, head_k_dim, cache_len, state_dtype, cache_dtype, token_dtype, token_dtype, swizzle,
-                       STAGES, readout, rebuild, key_side == "xla", warpgroups > 1, prefetch_folds)
+                       STAGES, readout, rebuild, key_side == "xla", warpgroups > 1, prefetch_folds, group_folds)
     return smem_bytes(kernel_scratch(scratch, per_tile=False, warpgroups=warpgroups)[0])
 
 
 def persistent_programs(batch: int, width: int, num_v_heads: int, head_v_dim: int, head_k_dim: int,
                         cache_len: int, state_dtype, cache_dtype, token_dtype, sm_count: int, *,
                         swizzle: int = 128, readout: str = "fma", rebuild: str = "exact",
-                        key_side: str = "kernel", warpgroups: int = 1, prefetch_folds: bool = False) -> int:
+                        key_side: str = "kernel", warpgroups: int = 1, prefetch_folds: bool = False,
+                        group_folds: bool = False) -> int:
     """`MosaicReplayParams.programs` for the verify kernel on a device of `sm_count` SMs: as
     many persistent CTAs per SM as its two stages fit in shared memory, at most
     `RESIDENT_CTAS` (`token_dtype`: q, k, v and y's); with `warpgroups` w > 1, one CTA of w
@@ -789,7 +832,7 @@ def persistent_programs(batch: int, width: int, num_v_heads: int, head_v_dim: in
     fit."""
     cta_bytes = persistent_smem_bytes(width, head_k_dim, cache_len, state_dtype, cache_dtype, token_dtype,
                                       swizzle=swizzle, readout=readout, rebuild=rebuild, key_side=key_side,
-                                      warpgroups=warpgroups, prefetch_folds=prefetch_folds)
+                                      warpgroups=warpgroups, prefetch_folds=prefetch_folds, group_folds=group_folds)
     return programs_that_fit(cta_bytes, sm_count, batch * num_v_heads * (head_v_dim // BLOCK_ROWS), RESIDENT_CTAS,
                              warpgroups)
 
@@ -797,12 +840,13 @@ def persistent_programs(batch: int, width: int, num_v_heads: int, head_v_dim: in
 @functools.lru_cache(maxsize=None)
 def _build(batch, width, num_v_heads, head_v_dim, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y_dtype,
            group_size, swizzle, programs, auto_barriers, readout, rebuild, chunk, per_tile_addresses, xla_side,
-           warpgroups, ordered, prefetch_folds, interpret):
+           warpgroups, ordered, prefetch_folds, group_folds, interpret):
     tiles = head_v_dim // BLOCK_ROWS
     num_tiles = batch * num_v_heads * tiles
     warpgroups = min(warpgroups, num_tiles)  # every program serves at least one tile
     program_scratch = _scratch(width, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y_dtype, swizzle,
-                               STAGES if programs else 1, readout, rebuild, xla_side, warpgroups > 1, prefetch_folds)
+                               STAGES if programs else 1, readout, rebuild, xla_side, warpgroups > 1, prefetch_folds,
+                               group_folds)
     scratch, view = kernel_scratch(program_scratch, per_tile=per_tile_addresses, warpgroups=warpgroups)
     check_smem(scratch, f"verify_decode_mgpu at T = {width}, cache_len = {cache_len}, d_k = {head_k_dim}"
                + (f", {warpgroups} warpgroups" if warpgroups > 1 else ""))
@@ -811,7 +855,7 @@ def _build(batch, width, num_v_heads, head_v_dim, head_k_dim, cache_len, state_d
                              chunk=chunk, readout=readout, parts=tile_parts(state_dtype), rebuild=rebuild,
                              xla_side=xla_side, program_scratch=view,
                              per_tile=per_tile_addresses, warpgroups=warpgroups, ordered=ordered,
-                             prefetch_folds=prefetch_folds, interpret=interpret)
+                             prefetch_folds=prefetch_folds, group_folds=group_folds, interpret=interpret)
     return build_kernel(body, jax.ShapeDtypeStruct((batch, width, num_v_heads, head_v_dim), y_dtype), scratch,
                         tile_grid(batch, num_v_heads, tiles, num_programs, warpgroups),
                         name="replayssm_verify_decode_mgpu", interpret=interpret, auto_barriers=auto_barriers)
@@ -883,6 +927,10 @@ def verify_decode_mgpu(
                          "programs > 0 and, for the exact rebuild, warpgroups=1, for a tensor-core one key_side='xla' "
                          f"(the only fold that fetches its key records), got programs={params.programs}, "
                          f"rebuild={params.rebuild!r}, warpgroups={params.warpgroups}, key_side={params.key_side!r}")
+    if params.group_folds and (not params.programs or params.warpgroups != 1 or not exact_fold):
+        raise ValueError("group_folds copies an exact fold's key records once per key-head group on persistent "
+                         f"programs of one warpgroup: it needs programs > 0, warpgroups=1 and rebuild='exact', got "
+                         f"programs={params.programs}, warpgroups={params.warpgroups}, rebuild={params.rebuild!r}")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     check_rebuild(params.rebuild, cache_len, interpret)
@@ -907,7 +955,8 @@ def verify_decode_mgpu(
     kernel = _build(batch, width, num_v_heads, head_v_dim, head_k_dim, cache_len, checkpoint.dtype, u_cache.dtype,
                     q.dtype, v.dtype, num_v_heads // q.shape[2], params.swizzle, params.programs,
                     params.auto_barriers, params.readout, params.rebuild, params.chunk, params.per_tile_addresses,
-                    params.key_side == "xla", params.warpgroups, bool(order), params.prefetch_folds, bool(interpret))
+                    params.key_side == "xla", params.warpgroups, bool(order), params.prefetch_folds,
+                    params.group_folds, bool(interpret))
     refs = [jax.new_ref(x) for x in (checkpoint, u_cache, k_cache, g_cache)]
     i32 = lambda x: x.astype(jnp.int32)
     vectors = [staged] if params.readout == "mma" else []
