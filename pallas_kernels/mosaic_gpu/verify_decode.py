@@ -47,7 +47,9 @@ Row modes:
   "bf16"; with the key sums before the launch, from the key records it copies), rounded to
   the checkpoint's dtype and stored in place (what the fold reads besides the tile is
   fetched once `S_c` is in registers or, with `MosaicReplayParams.prefetch_folds`, copied
-  with the tile into buffers of each stage's own); the window is
+  with the tile into buffers of each stage's own, or, with `MosaicReplayParams.group_folds`,
+  the u records with the tile into the stage's u buffer and the key records once per
+  key-head group into one buffer per CTA, a tile ahead); the window is
   read out from that stored value (so its records agree with what the next step replays)
   and its u records go to `0 .. length - 1`. The kernel does not write a folding row's key
   and gate records: other CTAs of the same slot may still be reading the history they
