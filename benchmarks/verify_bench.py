@@ -124,7 +124,8 @@ def random_window(cfg: R.ReplayConfig, batch: int, width: int, key) -> R.Tokens 
 def backend_params(backend: str, cfg: R.ReplayConfig, batch: int, width: int):
     """`(backend name, kernel_params)` of a `--backends` entry: a backend name, or for the GDN
     and KDA Mosaic verify kernels `mosaic_gpu:` and `+`-separated `MosaicReplayParams` fields
-    (`programs=N` or `programs=fit`: as many persistent CTAs as fit on the device,
+    (`programs=N` or `programs=fit`: as many persistent CTAs as fit on the device (with the
+    spec's other fields, after `default+` too),
     `auto_barriers=false`, `swizzle=64`, `readout=mma`, `rebuild=3xtf32`, `key_side=xla`,
     `window_side=kernel`), the others at the class's defaults, or after `default+` at the
     backend's `verify_default_params` for the row (`mosaic_gpu:default+window_side=kernel`); a
@@ -136,15 +137,15 @@ def backend_params(backend: str, cfg: R.ReplayConfig, batch: int, width: int):
     if name != "mosaic_gpu" or cfg.gate not in ("gdn", "kda"):
         raise ValueError(f"kernel options are for the GDN and KDA mosaic_gpu verify kernels, got {backend!r}")
     on_defaults, fields = variant_fields(spec.split("+"))
-    if on_defaults:
-        return name, dataclasses.replace(mosaic_gpu.verify_default_params(cfg, batch, width, jnp.bfloat16), **fields)
+    base = mosaic_gpu.verify_default_params(cfg, batch, width, jnp.bfloat16) if on_defaults else MosaicReplayParams()
     if fields.get("programs") == "fit":
+        field = lambda key: fields.get(key, getattr(base, key))
         fields["programs"] = verify_decode.persistent_programs(
             batch, width, cfg.num_v_heads, cfg.head_v_dim, cfg.head_k_dim, cfg.cache_len, cfg.state_dtype,
-            cfg.cache_dtype, jnp.bfloat16, mosaic_gpu.device_sm_count(), readout=fields.get("readout", "fma"),
-            rebuild=fields.get("rebuild", "exact"), key_side=fields.get("key_side", "kernel"),
-            warpgroups=fields.get("warpgroups", 1))
-    return name, MosaicReplayParams(**fields)
+            cfg.cache_dtype, jnp.bfloat16, mosaic_gpu.device_sm_count(), readout=field("readout"),
+            rebuild=field("rebuild"), key_side=field("key_side"), warpgroups=field("warpgroups"),
+            prefetch_folds=field("prefetch_folds"), group_folds=field("group_folds"))
+    return name, dataclasses.replace(base, **fields)
 
 
 @functools.lru_cache(maxsize=None)
@@ -277,8 +278,14 @@ def bench_row(timer, shape, dtype, cache_len, width, batch, bandwidth, iteration
         row[f"{kind}_floor_us"] = nbytes / (bandwidth * 1e9) * 1e6
     row["conventional_bytes"] = conventional_bytes(cfg, batch, width)
     row["conventional_floor_fraction"] = row["conventional_bytes"] / (bandwidth * 1e9) * 1e6 / row["conventional_us"]
-    row["backends"] = {b: backend_times(timer, b, cfg, num_slots, sets, window, reps, row, iterations, smoke,
-                                        staggered) for b in backends}
+    row["backends"] = {}
+    for b in backends:
+        try:  # a variant this row refuses leaves the other backends timed
+            row["backends"][b] = backend_times(timer, b, cfg, num_slots, sets, window, reps, row, iterations, smoke,
+                                               staggered)
+        except ValueError as err:
+            print(f"row refuses {b!r} at {row['state_dtype']} L={cache_len} T={width} B={batch}: {err}", flush=True)
+            row["backends"][b] = dict(refused=str(err))
     return row
 
 
@@ -329,7 +336,9 @@ def backend_times(timer, backend, cfg, num_slots, sets, window, reps, row, itera
 def check(shape, backends, smoke, state_dtype: str = "float32", cache_len: int = 16) -> dict:
     """Each backend's verify against xla on one state whose rows mix appending, folding
     (history + window past the ring), empty and padding rows, with ragged lengths and a tree
-    window: the largest relative error of y and of every state array (smoke: L = 8)."""
+    window: the largest relative error of y and of every state array (smoke: L = 8), or
+    `refused` with the reason where a backend's parameters refuse these rows (a ValueError:
+    printed, and the other backends still checked)."""
     cfg = shape.config(cache_len if not smoke else 8, jnp.dtype(state_dtype))
     batch, width, num_slots = 8, 4, 10
     rng = np.random.default_rng(0)
@@ -352,8 +361,13 @@ def check(shape, backends, smoke, state_dtype: str = "float32", cache_len: int =
                              / (jnp.max(jnp.abs(b.astype(jnp.float32))) + 1e-30))
     out = {}
     for b in backends:
-        name, kernel_params = backend_params(b, cfg, batch, width)
-        y, st = run(state, window, slots, backend=name, interpret=smoke, kernel_params=kernel_params, **extra)
+        try:  # a variant the check's rows refuse (its batch's defaults, say) leaves the others checked
+            name, kernel_params = backend_params(b, cfg, batch, width)
+            y, st = run(state, window, slots, backend=name, interpret=smoke, kernel_params=kernel_params, **extra)
+        except ValueError as err:
+            print(f"check refuses {b!r} at {cfg.state_dtype.name} L={cfg.cache_len} B={batch}: {err}", flush=True)
+            out[b] = dict(refused=str(err))
+            continue
         out[b] = dict(y=rel(y, want[0]), **{name: rel(getattr(st, name), getattr(want[1], name))
                                            for name in ("checkpoint", "u_cache", "k_cache", "g_cache")},
                       write_pos_equal=bool(jnp.all(st.write_pos == want[1].write_pos)))
@@ -367,6 +381,9 @@ def print_table(rows: list[dict]) -> None:
           f"{'nf floor':>8} {'amort75':>8} {'x conv':>6}")
     for r in rows:
         for name, b in r["backends"].items():
+            if "refused" in b:
+                print(f"{name:>13} {r['state_dtype']:>8} {r['L']:>3} {r['T']:>2} {r['B']:>4} refused")
+                continue
             print(f"{name:>13} {r['state_dtype']:>8} {r['L']:>3} {r['T']:>2} {r['B']:>4} {r['conventional_us']:8.1f} "
                   f"{b['nonflush_us']:8.1f} {b['flush_us']:8.1f} {b['nonflush_floor_fraction']:8.2f} "
                   f"{b['acc75_amortised_us']:8.1f} {b['acc75_speedup_vs_conventional']:6.2f}")

@@ -260,6 +260,30 @@ def test_verify_bench_runs_mosaic_kernel_options(tmp_path):
     name, params = verify_bench.backend_params("mosaic_gpu:default+window_side=kernel", cfg, 2, 2)
     defaults = verify_bench.mosaic_gpu.verify_default_params(cfg, 2, 2, jnp.bfloat16)
     assert name == "mosaic_gpu" and params == dataclasses.replace(defaults, window_side="kernel")
+    # `programs=fit` after `default+` too, with the spec's other fields.
+    spec = "mosaic_gpu:default+programs=fit+rebuild=exact+prefetch_folds=false+group_folds=true"
+    _, params = verify_bench.backend_params(spec, cfg, 2, 2)
+    fit = verify_bench.verify_decode.persistent_programs(2, 2, 2, 64, 64, 8, jnp.float32, jnp.float32, jnp.bfloat16,
+                                                         verify_bench.mosaic_gpu.device_sm_count(),
+                                                         readout=defaults.readout, key_side=defaults.key_side,
+                                                         group_folds=True)
+    assert params == dataclasses.replace(defaults, programs=fit, rebuild="exact", prefetch_folds=False,
+                                         group_folds=True) and fit > 0
+
+
+def test_verify_bench_reports_a_refused_variant_and_goes_on(tmp_path):
+    """A variant whose parameters the kernel refuses (here `group_folds` without persistent
+    programs) is reported as refused in the check and in the row, with the reason; the
+    other backends are still checked and timed."""
+    bad = "mosaic_gpu:group_folds=true"
+    result = verify_bench.main(["--smoke", "--batches", "2", "--cache-lens", "8", "--widths", "2",
+                                "--backends", f"mosaic_gpu,{bad}", "--out", str(tmp_path / "v.json")])
+    checked = result["check"]["backends"]
+    assert "group_folds copies an exact fold's key records" in checked[bad]["refused"]
+    assert checked["mosaic_gpu"].pop("write_pos_equal") and max(checked["mosaic_gpu"].values()) < 1e-4
+    (row,) = result["rows"]
+    assert "group_folds copies" in row["backends"][bad]["refused"]
+    assert row["backends"]["mosaic_gpu"]["nonflush_us"] > 0
     kda = verify_bench.R.ReplayConfig(2, 2, 64, 64, 8, gate="kda")
     assert verify_bench.backend_params("mosaic_gpu:window_side=kernel", kda, 2, 2) == (
         "mosaic_gpu", verify_bench.MosaicReplayParams(window_side="kernel"))
