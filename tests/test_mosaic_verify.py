@@ -135,6 +135,8 @@ def _ancestors(parents):
     # previous row's tile); chunks of one tile, each fresh; the kernel's own key side.
     ("gdn", MosaicReplayParams(programs=2, auto_barriers=False, readout="mma", key_side="xla", group_folds=True)),
     ("gdn", MosaicReplayParams(programs=3, chunk=1, auto_barriers=False, group_folds=True, launch_order=True)),
+    ("gdn", MosaicReplayParams(programs=2, auto_barriers=False, readout="mma", key_side="xla", group_folds=True,
+                               per_tile_addresses=True)),  # the value-record union through its unit axis
     # The window's records and staged vectors from their Pallas Triton kernel.
     ("gdn", MosaicReplayParams(programs=5, auto_barriers=False, readout="mma", key_side="xla",
                                window_side="kernel", window_warps=1)),
