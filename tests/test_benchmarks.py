@@ -269,6 +269,9 @@ def test_verify_bench_runs_mosaic_kernel_options(tmp_path):
                                                          group_folds=True)
     assert params == dataclasses.replace(defaults, programs=fit, rebuild="exact", prefetch_folds=False,
                                          group_folds=True) and fit > 0
+    kda = verify_bench.R.ReplayConfig(2, 2, 64, 64, 8, gate="kda")
+    assert verify_bench.backend_params("mosaic_gpu:window_side=kernel", kda, 2, 2) == (
+        "mosaic_gpu", verify_bench.MosaicReplayParams(window_side="kernel"))
 
 
 def test_verify_bench_reports_a_refused_variant_and_goes_on(tmp_path):
@@ -284,9 +287,6 @@ def test_verify_bench_reports_a_refused_variant_and_goes_on(tmp_path):
     (row,) = result["rows"]
     assert "group_folds copies" in row["backends"][bad]["refused"]
     assert row["backends"]["mosaic_gpu"]["nonflush_us"] > 0
-    kda = verify_bench.R.ReplayConfig(2, 2, 64, 64, 8, gate="kda")
-    assert verify_bench.backend_params("mosaic_gpu:window_side=kernel", kda, 2, 2) == (
-        "mosaic_gpu", verify_bench.MosaicReplayParams(window_side="kernel"))
 
 
 @pytest.mark.parametrize("cache_len,width,accepted,want", [
