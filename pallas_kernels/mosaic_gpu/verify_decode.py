@@ -529,15 +529,15 @@ def _scratch(width, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y
                                          (width, BLOCK_ROWS), y_dtype, swizzle)
     fold_keys = xla_side and rebuild != "exact"
     fold_copies = stages if prefetch_folds else 1  # buffers and barriers of the folds' copies
-    if group_folds:
-        fold_keys_bufs = [plgpu.SMEM((cache_len, head_k_dim), cache_dtype)]
+    if group_folds:  # one untiled key-record buffer per CTA, filled once per group
+        fold_keys_bufs, rows_barriers = [plgpu.SMEM((cache_len, head_k_dim), cache_dtype)], 0
     else:
         fold_keys_bufs = [keys] * fold_copies if fold_keys else []
+        rows_barriers = fold_copies if rebuild == "exact" else 0
     return [[stage() for _ in range(stages)], [] if xla_side else [plgpu.SMEM((2 * width, cache_len), F32)],
             fold_keys_bufs, fold_buffers(tile) if own_fold_buffers else [],
             plgpu.Barrier(num_arrivals=stage_copies(readout, xla_side), num_barriers=stages),
-            [plgpu.Barrier(num_arrivals=2)] * fold_copies if rebuild == "exact" and not group_folds else [],
-            [plgpu.Barrier(num_arrivals=1)] * (1 if group_folds else fold_copies if fold_keys else 0)]
+            [plgpu.Barrier(num_arrivals=2)] * rows_barriers, [plgpu.Barrier(num_arrivals=1)] * len(fold_keys_bufs)]
 
 
 def readout_scratch(width: int, head_k_dim: int, qk_dtype, readout: str) -> list:
