@@ -246,17 +246,18 @@ def test_tensor_core_fold_lowers_for_an_abstract_h200(state_dtype, cache_len, re
     assert "mosaic_gpu" in _lower_for_h200("gdn", state_dtype, cache_len, 4, params=params)
 
 
-@pytest.mark.parametrize("cache_dtype,qk_dtype,cache_len,num_k_heads,heads", [
-    (jnp.float32, jnp.float32, 16, 4, 4), (jnp.bfloat16, jnp.bfloat16, 16, 4, 4), (jnp.float32, jnp.bfloat16, 32, 4, 2),
-    (jnp.bfloat16, jnp.float32, 24, 3, 1)])
-def test_window_key_values_are_the_key_sums(rng, cache_dtype, qk_dtype, cache_len, num_k_heads, heads):
+@pytest.mark.parametrize("cache_dtype,qk_dtype,cache_len,num_k_heads,heads,d", [
+    (jnp.float32, jnp.float32, 16, 4, 4, 128), (jnp.bfloat16, jnp.bfloat16, 16, 4, 4, 64),
+    (jnp.float32, jnp.bfloat16, 32, 4, 2, 128), (jnp.bfloat16, jnp.float32, 24, 3, 1, 64)])
+def test_window_key_values_are_the_key_sums(rng, cache_dtype, qk_dtype, cache_len, num_k_heads, heads, d):
     """`window_key_values` (its own kernel, interpret mode: the same bf16 parts and products
     as dots) against the sums written out in NumPy: `K q_j` in row j and `K k_j` in row
     T + j of each key head's block columns, over each slot's whole ring, of the raw
     vectors, zeros at and past a row's length (NaN there stays out); a padding row (slot
     -1) reads slot 0. Blocks of 4 rings of 16 (the 64 rows of the product), of 2 rings of
-    32, and of one ring of 24 (24 of the 64 rows: three rings of H_k = 3 would take 72)."""
-    batch, width, d, n = 3, 3, 64, 4
+    32, and of one ring of 24 (24 of the 64 rows: three rings of H_k = 3 would take 72); d_k of
+    one copy chunk and of two (`KEY_CHUNK`), whose products add up."""
+    batch, width, n = 3, 3, 4
     hk, L = num_k_heads, cache_len
     k_cache = rng.standard_normal((n, hk, L, d)).astype(np.float32)
     q, k = (rng.standard_normal((batch, width, hk, d)).astype(np.float32) for _ in range(2))

@@ -72,6 +72,7 @@ window preparation, coefficient packing and per-position solve; so has Mamba-2
 from __future__ import annotations
 
 import functools
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -96,6 +97,7 @@ from pallas_kernels.mosaic_gpu.replay_decode import (MosaicReplayParams, check_f
                                                      rebuild_weighted)
 from pallas_kernels.verify_coefficients import VECTORS, VerifyCoefficientsParams, verify_coefficients
 
+KEY_CHUNK = 64  # columns of the key sums' ring and vector copies (`window_key_values`): d_k's unit
 MAX_WIDTH = 16  # the window is unrolled in the kernel: code size grows as T^2
 # Persistent CTAs resident per SM at most (`pipeline.ctas_per_sm`): ptxas gives this kernel
 # 222 (exact folds) and 242 (3xTF32) registers per thread at fp32, L = 16, T = 4 (H200).
@@ -259,32 +261,42 @@ def side_vectors(q: Float[Array, "B T Hk Dk"], k: Float[Array, "B T Hk Dk"], len
     return jnp.concatenate([stage_vectors(part) for part in split_bf16(x, tile_parts(q.dtype))], axis=2)
 
 
-def _key_blocks_kernel(slot_ref, reads_ref, keys_ref, x_ref, out_ref, k_smem, x_smem, out_smem, barrier, *, heads,
-                       cache_len, x_parts, key_parts, interpret):
+def _key_blocks_kernel(slot_ref, reads_ref, keys_ref, x_ref, out_ref, k_smem, x_smem, out_smem, barriers, *,
+                       heads, cache_len, x_parts, key_parts, interpret):
     """CTA (b, blk): the sums of key heads `blk * m .. blk * m + m - 1` of row b into
     `out_ref[b, blk]` (`window_key_values`), as `wgmma`s: the m rings stacked as the rows
     of one `[64, d_k]` register operand (split into exact bf16 parts), times each head's
     window vectors; row `i L + l` of head i's product holds `K x` of entry l, and the
-    transposed store puts them at column `i L + l` of the block. Rows with `reads_ref[b]`
-    0 store zeros without reading the ring."""
+    transposed store puts them at column `i L + l` of the block. The rings and vectors come
+    in `KEY_CHUNK`-column chunks, each on a barrier of its own, all copies issued first: a
+    chunk's split and products run while the later chunks land, and only one chunk's parts
+    hold registers. Rows with `reads_ref[b]` 0 store zeros without reading the ring."""
     b, blk = lax.axis_index("b"), lax.axis_index("blk")
-    ring_rows, head_x_rows = heads * cache_len, x_smem.shape[0] // heads
+    chunks, ring_rows, head_x_rows = len(k_smem), heads * cache_len, x_smem[0].shape[0] // heads
     vectors = head_x_rows // x_parts
-    keys_dst = k_smem if ring_rows == BLOCK_ROWS else k_smem.at[pl.ds(0, ring_rows)]
     zeros = lambda: plgpu.layout_cast(jnp.zeros((BLOCK_ROWS, vectors), F32), WGMMA)
 
     def ring_sums():
-        plgpu.copy_gmem_to_smem(keys_ref.at[jnp.maximum(slot_ref[b], 0), pl.ds(blk * ring_rows, ring_rows)],
-                                keys_dst, barrier)
-        plgpu.copy_gmem_to_smem(x_ref.at[b, pl.ds(blk * heads * head_x_rows, heads * head_x_rows)], x_smem, barrier)
-        plgpu.barrier_wait(barrier)
+        for c in range(chunks):
+            columns = pl.ds(c * KEY_CHUNK, KEY_CHUNK)
+            keys_dst = k_smem[c] if ring_rows == BLOCK_ROWS else k_smem[c].at[pl.ds(0, ring_rows)]
+            plgpu.copy_gmem_to_smem(keys_ref.at[jnp.maximum(slot_ref[b], 0), pl.ds(blk * ring_rows, ring_rows),
+                                                columns], keys_dst, barriers.at[c])
+            plgpu.copy_gmem_to_smem(x_ref.at[b, pl.ds(blk * heads * head_x_rows, heads * head_x_rows), columns],
+                                    x_smem[c], barriers.at[c])
         # Rows past the stacked rings (where 64 is not a multiple of L) are never selected.
-        ring = split_bf16(plgpu.load(k_smem, layout=WGMMA).astype(F32), key_parts)
         head_of_row = plgpu.broadcasted_iota(jnp.int32, (BLOCK_ROWS, vectors), 0, layout=WGMMA) // cache_len
+        head_sums = [[] for _ in range(heads)]
+        for c in range(chunks):
+            plgpu.barrier_wait(barriers.at[c])
+            ring = split_bf16(plgpu.load(k_smem[c], layout=WGMMA).astype(F32), key_parts)
+            for i in range(heads):
+                parts = [x_smem[c].at[pl.ds((i * x_parts + p) * vectors, vectors)] for p in range(x_parts)]
+                head_sums[i].append(summed_products(ring, parts, interpret=interpret))
+        head_sums = [functools.reduce(operator.add, chunk_sums) for chunk_sums in head_sums]
         sums = zeros()
         for i in range(heads):
-            parts = [x_smem.at[pl.ds((i * x_parts + p) * vectors, vectors)] for p in range(x_parts)]
-            sums = jnp.where(head_of_row == i, summed_products(ring, parts, interpret=interpret), sums)
+            sums = jnp.where(head_of_row == i, head_sums[i], sums)
         return sums
 
     sums = lax.cond(reads_ref[b] != 0, ring_sums, zeros)
@@ -297,10 +309,14 @@ def _key_blocks_kernel(slot_ref, reads_ref, keys_ref, x_ref, out_ref, k_smem, x_
 @functools.lru_cache(maxsize=None)
 def _build_key_blocks(batch, num_k_heads, head_k_dim, cache_len, cache_dtype, x_rows, x_parts, interpret):
     heads = key_block_heads(num_k_heads, cache_len, x_rows)
-    vectors = x_rows // x_parts
-    scratch = [plgpu.SMEM((BLOCK_ROWS, head_k_dim), cache_dtype, transforms=tiled(128, cache_dtype)),
-               plgpu.SMEM((heads * x_rows, head_k_dim), jnp.bfloat16, transforms=tiled(128, jnp.bfloat16)),
-               plgpu.SMEM((vectors, BLOCK_ROWS), F32), plgpu.Barrier(num_arrivals=2)]
+    vectors, chunks = x_rows // x_parts, head_k_dim // KEY_CHUNK
+    # A buffer per chunk, not one indexed by it: a `wgmma` operand sliced by a static index
+    # does not lower (Mosaic GPU, jax 0.11.2).
+    scratch = [tuple(plgpu.SMEM((BLOCK_ROWS, KEY_CHUNK), cache_dtype, transforms=tiled(128, cache_dtype))
+                     for _ in range(chunks)),
+               tuple(plgpu.SMEM((heads * x_rows, KEY_CHUNK), jnp.bfloat16, transforms=tiled(128, jnp.bfloat16))
+                     for _ in range(chunks)),
+               plgpu.SMEM((vectors, BLOCK_ROWS), F32), plgpu.Barrier(num_arrivals=2, num_barriers=chunks)]
     body = functools.partial(_key_blocks_kernel, heads=heads, cache_len=cache_len, x_parts=x_parts,
                              key_parts=tile_parts(cache_dtype), interpret=interpret)
     return build_kernel(body, jax.ShapeDtypeStruct((batch, num_k_heads // heads, vectors, BLOCK_ROWS), F32), scratch,
