@@ -314,11 +314,11 @@ def _key_blocks_kernel(slot_ref, reads_ref, keys_ref, x_ref, out_ref, k_smem, x_
     serve_tiles(batch, blocks, 1, num_programs, issue, compute)
 
 
-def _key_blocks_scratch(head_k_dim: int, cache_dtype, heads: int, x_rows: int, vectors: int, stages: int) -> list:
+def _key_blocks_scratch(head_k_dim: int, cache_dtype, heads: int, x_rows: int, x_parts: int, stages: int) -> list:
     """`_key_blocks_kernel`'s buffers: per stage the ring's and the vectors' chunks (a buffer
     each: a `wgmma` operand sliced by a static index does not lower in Mosaic GPU, jax
     0.11.2), the transposed sums and a barrier per chunk."""
-    chunks = head_k_dim // KEY_CHUNK
+    chunks, vectors = head_k_dim // KEY_CHUNK, x_rows // x_parts
     stage = lambda make: tuple(make() for _ in range(stages))
     return [stage(lambda: tuple(plgpu.SMEM((BLOCK_ROWS, KEY_CHUNK), cache_dtype, transforms=tiled(128, cache_dtype))
                                 for _ in range(chunks))),
@@ -338,7 +338,7 @@ def key_sums_programs(batch: int, num_k_heads: int, head_k_dim: int, cache_len: 
     heads = key_block_heads(num_k_heads, cache_len, x_rows)
     if not heads:
         return 0
-    scratch = _key_blocks_scratch(head_k_dim, jnp.dtype(cache_dtype), heads, x_rows, x_rows // x_parts, STAGES)
+    scratch = _key_blocks_scratch(head_k_dim, jnp.dtype(cache_dtype), heads, x_rows, x_parts, STAGES)
     return programs_that_fit(smem_bytes(scratch), sm_count, batch * (num_k_heads // heads))
 
 
@@ -347,8 +347,7 @@ def _build_key_blocks(batch, num_k_heads, head_k_dim, cache_len, cache_dtype, x_
     heads = key_block_heads(num_k_heads, cache_len, x_rows)
     blocks = num_k_heads // heads
     num_programs = min(programs, batch * blocks)
-    scratch = _key_blocks_scratch(head_k_dim, cache_dtype, heads, x_rows, x_rows // x_parts,
-                                  STAGES if num_programs else 1)
+    scratch = _key_blocks_scratch(head_k_dim, cache_dtype, heads, x_rows, x_parts, STAGES if num_programs else 1)
     check_smem(scratch, f"window_key_values at cache_len = {cache_len}, d_k = {head_k_dim}")
     body = functools.partial(_key_blocks_kernel, batch=batch, blocks=blocks, num_programs=num_programs, heads=heads,
                              cache_len=cache_len, x_parts=x_parts, key_parts=tile_parts(cache_dtype),
