@@ -247,8 +247,7 @@ def test_verify_bench_runs_mosaic_kernel_options(tmp_path):
                                                              readout="mma", group_records=None, chunk=0,
                                                              key_side="kernel", per_tile_addresses=False, warpgroups=1,
                                                              launch_order=True, window_side="xla", window_warps=2,
-                                                             prefetch_folds=False, group_folds=False,
-                                                             key_programs=0)
+                                                             prefetch_folds=False, group_folds=False)
     assert row["backends"][variant]["nonflush_us"] > 0
     assert all(times["staggered_us"] > 0 and 0 <= times["staggered_fold_fraction"] <= 1
                for times in row["backends"].values())

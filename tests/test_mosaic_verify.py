@@ -20,11 +20,11 @@ import pytest
 from pallas_kernels import common
 from pallas_kernels.mosaic_gpu.mamba2_decode import MosaicMamba2Params
 from pallas_kernels.mosaic_gpu.readout import split_bf16, tile_parts
-from pallas_kernels.mosaic_gpu.replay_decode import MosaicReplayParams, check_no_window
+from pallas_kernels.mosaic_gpu.replay_decode import MosaicReplayParams
 from pallas_kernels.mosaic_gpu.pipeline import ctas_per_sm
 from pallas_kernels.mosaic_gpu.verify_decode import (HISTORY_PAD, check_params, history_weights, key_block_heads,
-                                                     key_sums_programs, persistent_programs, persistent_smem_bytes,
-                                                     verify_decode_mgpu, window_key_values, window_rows, window_vectors)
+                                                     persistent_programs, persistent_smem_bytes, verify_decode_mgpu,
+                                                     window_key_values, window_rows, window_vectors)
 from pallas_kernels.mosaic_gpu.verify_decode_kda import verify_decode_kda_mgpu
 
 NUM_SLOTS, H_K, H_V, D, L, T = 6, 1, 2, 64, 8, 3
@@ -140,8 +140,6 @@ def _ancestors(parents):
     # The window's records and staged vectors from their Pallas Triton kernel.
     ("gdn", MosaicReplayParams(programs=5, auto_barriers=False, readout="mma", key_side="xla",
                                window_side="kernel", window_warps=1)),
-    # The key sums on two persistent CTAs.
-    ("gdn", MosaicReplayParams(programs=5, auto_barriers=False, readout="mma", key_side="xla", key_programs=2)),
     ("kda", MosaicReplayParams(window_side="kernel")),
 ])
 def test_verify_matches_the_float64_model(rng, gate, params, state_dtype):
@@ -251,30 +249,26 @@ def test_tensor_core_fold_lowers_for_an_abstract_h200(state_dtype, cache_len, re
 @pytest.mark.parametrize("cache_dtype,qk_dtype,cache_len,num_k_heads,heads,d", [
     (jnp.float32, jnp.float32, 16, 4, 4, 128), (jnp.bfloat16, jnp.bfloat16, 16, 4, 4, 64),
     (jnp.float32, jnp.bfloat16, 32, 4, 2, 128), (jnp.bfloat16, jnp.float32, 24, 3, 1, 64)])
-@pytest.mark.parametrize("programs", [0, 2])
-def test_window_key_values_are_the_key_sums(rng, cache_dtype, qk_dtype, cache_len, num_k_heads, heads, d, programs):
+def test_window_key_values_are_the_key_sums(rng, cache_dtype, qk_dtype, cache_len, num_k_heads, heads, d):
     """`window_key_values` (its own kernel, interpret mode: the same bf16 parts and products
     as dots) against the sums written out in NumPy: `K q_j` in row j and `K k_j` in row
     T + j of each key head's block columns, over each slot's whole ring, of the raw
     vectors, zeros at and past a row's length (NaN there stays out); a padding row (slot
     -1) reads slot 0. Blocks of 4 rings of 16 (the 64 rows of the product), of 2 rings of
     32, and of one ring of 24 (24 of the 64 rows: three rings of H_k = 3 would take 72); d_k of
-    one copy chunk and of two (`KEY_CHUNK`), whose products add up; one CTA per block, and two
-    persistent CTAs walking the blocks on two stages (rows that read nothing among them)."""
-    batch, width, n = 5, 3, 5
+    one copy chunk and of two (`KEY_CHUNK`), whose products add up."""
+    batch, width, n = 3, 3, 4
     hk, L = num_k_heads, cache_len
     k_cache = rng.standard_normal((n, hk, L, d)).astype(np.float32)
     q, k = (rng.standard_normal((batch, width, hk, d)).astype(np.float32) for _ in range(2))
-    # Every row a ring of its own but the padding row's (slot 0), so a block read from the
-    # wrong stage or row shows.
-    slot, length = np.array([2, -1, 3, 1, 4], np.int32), np.array([3, 1, 0, 2, 3], np.int32)
+    slot, length = np.array([2, -1, 0], np.int32), np.array([3, 1, 0], np.int32)
     for b in range(batch):
         q[b, length[b]:], k[b, length[b]:] = np.nan, np.nan
     k_cache, q, k = (np.asarray(jnp.asarray(x, dt).astype(jnp.float32)) for x, dt in
                      ((k_cache, cache_dtype), (q, qk_dtype), (k, qk_dtype)))
     got = np.asarray(window_key_values(jnp.asarray(q, qk_dtype), jnp.asarray(k, qk_dtype),
                                        jnp.asarray(k_cache, cache_dtype), jnp.asarray(slot), jnp.asarray(length),
-                                       interpret=True, programs=programs))
+                                       interpret=True))
     assert key_block_heads(hk, L, window_rows(width) * tile_parts(qk_dtype)) == heads
     assert got.shape == (batch, hk // heads, window_rows(width), 64)
     for b in range(batch):
@@ -288,35 +282,28 @@ def test_window_key_values_are_the_key_sums(rng, cache_dtype, qk_dtype, cache_le
             # Exact products summed in fp32 in another order than the float64 ones.
             np.testing.assert_allclose(block, want[h], rtol=1e-5, atol=1e-5, err_msg=f"row {b}, key head {h}")
         assert not np.any(got[b, :, 2 * width:]), "the zero rows past 2T sum to zero"
-    # With the rows' modes only appending rows read their rings: a folding row (row 2, slot 3)
-    # and a padding row (slot 0) get zeros, even where their rings hold NaN (a read would show).
+    # With the rows' modes only appending rows read their rings: a folding row (row 2, slot 0)
+    # and a padding row get zeros, even where slot 0's ring holds NaN (a read would show it).
     poisoned = k_cache.copy()
-    poisoned[[0, 3]] = np.nan
-    modes = jnp.asarray([common.MODE_APPEND, common.MODE_PAD, common.MODE_FLUSH, common.MODE_APPEND,
-                         common.MODE_APPEND], jnp.int32)
+    poisoned[0] = np.nan
+    modes = jnp.asarray([common.MODE_APPEND, common.MODE_PAD, common.MODE_FLUSH], jnp.int32)
     skipped = np.asarray(window_key_values(jnp.asarray(q, qk_dtype), jnp.asarray(k, qk_dtype),
                                            jnp.asarray(poisoned, cache_dtype), jnp.asarray(slot), jnp.asarray(length),
-                                           interpret=True, mode=modes, programs=programs))
-    np.testing.assert_array_equal(skipped[[0, 3, 4]], got[[0, 3, 4]])
-    assert not np.any(skipped[1:3]), "rows that do not append get zeros without reading their rings"
+                                           interpret=True, mode=modes))
+    np.testing.assert_array_equal(skipped[0], got[0])
+    assert not np.any(skipped[1:]), "rows that do not append get zeros without reading their rings"
 
 
 @pytest.mark.parametrize("cache_dtype,qk_dtype,cache_len,width", [
     (jnp.float32, jnp.float32, 32, 4), (jnp.bfloat16, jnp.float32, 24, 8), (jnp.bfloat16, jnp.bfloat16, 16, 4)])
-@pytest.mark.parametrize("persistent", [False, True])
-def test_window_key_values_lower_for_an_abstract_h200(cache_dtype, qk_dtype, cache_len, width, persistent):
+def test_window_key_values_lower_for_an_abstract_h200(cache_dtype, qk_dtype, cache_len, width):
     """The key-sum kernel at the benchmark's H_k = 16, d = 128: fp32 q and k (three bf16
     parts per vector), blocks of two rings of 24 (48 of the product's 64 rows) and of four
-    rings of 16, one CTA per block and on the persistent CTAs that fit an H200; its
-    transposed store is what interpret mode cannot check."""
+    rings of 16; its transposed store is what interpret mode cannot check."""
     S, i32 = jax.ShapeDtypeStruct, jnp.int32
     b, hk, d = 8, 16, 128
     args = [S((b, width, hk, d), qk_dtype)] * 2 + [S((16, hk, cache_len, d), cache_dtype), S((b,), i32), S((b,), i32)]
-    from replayssm_jax.backends.mosaic_gpu import H200_SMS
-
-    programs = key_sums_programs(b, hk, d, cache_len, cache_dtype, qk_dtype, width, H200_SMS) if persistent else 0
-    assert programs or not persistent
-    step = lambda *a: window_key_values(*a[:5], interpret=False, mode=a[5], programs=programs)
+    step = lambda *a: window_key_values(*a[:5], interpret=False, mode=a[5])
     args.append(S((b,), i32))
     assert "mosaic_gpu" in jax.jit(step).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
@@ -358,15 +345,6 @@ def test_verify_kernels_take_only_their_options():
         MosaicReplayParams(group_folds="yes")
     with pytest.raises(ValueError, match="set one"):
         MosaicReplayParams(programs=4, prefetch_folds=True, group_folds=True)
-    # Persistent key sums: the GDN verify kernel's key side before the launch only.
-    check_params(MosaicReplayParams(key_side="xla", key_programs=4), "gdn", pipelined=True)
-    with pytest.raises(ValueError, match="key_side must be 'xla'"):
-        MosaicReplayParams(key_programs=4)
-    for bad in (-1, True, 2.0):
-        with pytest.raises(ValueError, match="key_programs must be an int >= 0"):
-            MosaicReplayParams(key_side="xla", key_programs=bad)
-    with pytest.raises(ValueError, match="key_programs must be 0"):
-        check_no_window(MosaicReplayParams(key_side="xla", key_programs=4), "replay_decode_mgpu")
     # Decode's key side on tensor cores is not verify's (its window sums are its own).
     for params in (MosaicReplayParams(key_side="mma"),
                    MosaicReplayParams(programs=6, auto_barriers=False, warpgroups=3, key_side="mma")):

@@ -194,11 +194,6 @@ class MosaicReplayParams:
         group into one buffer per CTA, copied a tile ahead (`pipeline` group copies), for
         a sixth of `prefetch_folds`' extra shared memory (an fp32 tile on a ring of 32
         keeps two CTAs per SM); the decode kernels refuse it.
-      key_programs: the GDN verify kernel's key sums before the launch (`key_side="xla"`,
-        `verify_decode.window_key_values`) only: 0 (default) one CTA per row and block of
-        key heads, which copies, waits and multiplies; n > 0 n persistent CTAs over those
-        blocks, the next block's copies in flight while one is multiplied
-        (`verify_decode.key_sums_programs` picks n for a device); the decode kernels refuse it.
     """
 
     swizzle: int = 128
@@ -216,15 +211,9 @@ class MosaicReplayParams:
     window_warps: int = 2
     prefetch_folds: bool = False
     group_folds: bool = False
-    key_programs: int = 0
 
     def __post_init__(self) -> None:
         check_shared_params(self)
-        if isinstance(self.key_programs, bool) or not isinstance(self.key_programs, int) or self.key_programs < 0:
-            raise ValueError(f"key_programs must be an int >= 0, got {self.key_programs!r}")
-        if self.key_programs and self.key_side != "xla":
-            raise ValueError(f"key_programs runs the key sums before the launch: key_side must be 'xla', got "
-                             f"{self.key_side!r}")
         for name in ("prefetch_folds", "group_folds"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -282,15 +271,13 @@ def check_own_layout(params, kernel: str, *, per_tile_addresses: bool = False, k
 
 
 def check_no_window(params, kernel: str) -> None:
-    """Raise ValueError unless `params` leaves the window to XLA (`window_side` "xla"),
-    prefetches no folds and launches no key sums: a decode kernel has no verify window."""
+    """Raise ValueError unless `params` leaves the window to XLA (`window_side` "xla") and
+    prefetches no folds: a decode kernel has no verify window."""
     if getattr(params, "window_side", "xla") != "xla":
         raise ValueError(f"{kernel} has no verify window: window_side must be 'xla', got {params.window_side!r}")
     for name in ("prefetch_folds", "group_folds"):
         if getattr(params, name, False):
             raise ValueError(f"{kernel} has no verify folds: {name} must be False")
-    if getattr(params, "key_programs", 0):
-        raise ValueError(f"{kernel} has no verify key sums: key_programs must be 0, got {params.key_programs}")
 
 
 def check_fma_readout(params, kernel: str) -> None:

@@ -262,105 +262,72 @@ def side_vectors(q: Float[Array, "B T Hk Dk"], k: Float[Array, "B T Hk Dk"], len
 
 
 def _key_blocks_kernel(slot_ref, reads_ref, keys_ref, x_ref, out_ref, k_smem, x_smem, out_smem, barriers, *,
-                       batch, blocks, num_programs, heads, cache_len, x_parts, key_parts, interpret):
-    """The sums of key heads `blk * m .. blk * m + m - 1` of row b into `out_ref[b, blk]`
-    (`window_key_values`) for every (b, blk), one per CTA or `num_programs` persistent CTAs
-    over them (`pipeline.serve_tiles`: the next block's copies into the other stage while
-    one is multiplied), as `wgmma`s: the m rings stacked as the rows of one `[64, d_k]`
-    register operand (split into exact bf16 parts), times each head's window vectors; row
-    `i L + l` of head i's product holds `K x` of entry l, and the transposed store puts them
-    at column `i L + l` of the block. The rings and vectors come in `KEY_CHUNK`-column
-    chunks, each on a barrier of its own: a chunk's split and products run while the later
-    chunks land, and only one chunk's parts hold registers. `k_smem`, `x_smem`: per stage
-    a buffer per chunk; `out_smem`, `barriers` (one per chunk): per stage. Rows with
-    `reads_ref[b]` 0 store zeros without reading the ring."""
-    chunks, ring_rows = len(k_smem[0]), heads * cache_len
-    head_x_rows = x_smem[0][0].shape[0] // heads
+                       heads, cache_len, x_parts, key_parts, interpret):
+    """CTA (b, blk): the sums of key heads `blk * m .. blk * m + m - 1` of row b into
+    `out_ref[b, blk]` (`window_key_values`), as `wgmma`s: the m rings stacked as the rows
+    of one `[64, d_k]` register operand (split into exact bf16 parts), times each head's
+    window vectors; row `i L + l` of head i's product holds `K x` of entry l, and the
+    transposed store puts them at column `i L + l` of the block. The rings and vectors come
+    in `KEY_CHUNK`-column chunks, each on a barrier of its own, all copies issued first: a
+    chunk's split and products run while the later chunks land, and only one chunk's parts
+    hold registers. Rows with `reads_ref[b]` 0 store zeros without reading the ring."""
+    b, blk = lax.axis_index("b"), lax.axis_index("blk")
+    chunks, ring_rows, head_x_rows = len(k_smem), heads * cache_len, x_smem[0].shape[0] // heads
     vectors = head_x_rows // x_parts
     zeros = lambda: plgpu.layout_cast(jnp.zeros((BLOCK_ROWS, vectors), F32), WGMMA)
 
-    def issue(b, blk, _, stage):
-        @pl.when(reads_ref[b] != 0)
-        def _copies():
-            for c in range(chunks):
-                columns = pl.ds(c * KEY_CHUNK, KEY_CHUNK)
-                keys = k_smem[stage][c] if ring_rows == BLOCK_ROWS else k_smem[stage][c].at[pl.ds(0, ring_rows)]
-                plgpu.copy_gmem_to_smem(keys_ref.at[jnp.maximum(slot_ref[b], 0), pl.ds(blk * ring_rows, ring_rows),
-                                                    columns], keys, barriers[stage].at[c])
-                plgpu.copy_gmem_to_smem(x_ref.at[b, pl.ds(blk * heads * head_x_rows, heads * head_x_rows), columns],
-                                        x_smem[stage][c], barriers[stage].at[c])
+    def ring_sums():
+        for c in range(chunks):
+            columns = pl.ds(c * KEY_CHUNK, KEY_CHUNK)
+            keys_dst = k_smem[c] if ring_rows == BLOCK_ROWS else k_smem[c].at[pl.ds(0, ring_rows)]
+            plgpu.copy_gmem_to_smem(keys_ref.at[jnp.maximum(slot_ref[b], 0), pl.ds(blk * ring_rows, ring_rows),
+                                                columns], keys_dst, barriers.at[c])
+            plgpu.copy_gmem_to_smem(x_ref.at[b, pl.ds(blk * heads * head_x_rows, heads * head_x_rows), columns],
+                                    x_smem[c], barriers.at[c])
+        # Rows past the stacked rings (where 64 is not a multiple of L) are never selected.
+        head_of_row = plgpu.broadcasted_iota(jnp.int32, (BLOCK_ROWS, vectors), 0, layout=WGMMA) // cache_len
+        head_sums = [[] for _ in range(heads)]
+        for c in range(chunks):
+            plgpu.barrier_wait(barriers.at[c])
+            ring = split_bf16(plgpu.load(k_smem[c], layout=WGMMA).astype(F32), key_parts)
+            for i in range(heads):
+                parts = [x_smem[c].at[pl.ds((i * x_parts + p) * vectors, vectors)] for p in range(x_parts)]
+                head_sums[i].append(summed_products(ring, parts, interpret=interpret))
+        head_sums = [functools.reduce(operator.add, chunk_sums) for chunk_sums in head_sums]
+        sums = zeros()
+        for i in range(heads):
+            sums = jnp.where(head_of_row == i, head_sums[i], sums)
+        return sums
 
-    def compute(b, blk, _, stage, fresh):
-        def ring_sums():
-            # Rows past the stacked rings (where 64 is not a multiple of L) are never selected.
-            head_of_row = plgpu.broadcasted_iota(jnp.int32, (BLOCK_ROWS, vectors), 0, layout=WGMMA) // cache_len
-            head_sums = [[] for _ in range(heads)]
-            for c in range(chunks):
-                plgpu.barrier_wait(barriers[stage].at[c])
-                ring = split_bf16(plgpu.load(k_smem[stage][c], layout=WGMMA).astype(F32), key_parts)
-                for i in range(heads):
-                    parts = [x_smem[stage][c].at[pl.ds((i * x_parts + p) * vectors, vectors)] for p in range(x_parts)]
-                    head_sums[i].append(summed_products(ring, parts, interpret=interpret))
-            sums = zeros()
-            for i, chunk_sums in enumerate(head_sums):
-                sums = jnp.where(head_of_row == i, functools.reduce(operator.add, chunk_sums), sums)
-            return sums
-
-        sums = lax.cond(reads_ref[b] != 0, ring_sums, zeros)
-        out_smem[stage].T[...] = plgpu.layout_cast(sums, plgpu.Layout.WGMMA_TRANSPOSED)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_smem[stage], out_ref.at[b, blk])
-
-    serve_tiles(batch, blocks, 1, num_programs, issue, compute)
-
-
-def _key_blocks_scratch(head_k_dim: int, cache_dtype, heads: int, x_rows: int, x_parts: int, stages: int) -> list:
-    """`_key_blocks_kernel`'s buffers: per stage the ring's and the vectors' chunks (a buffer
-    each: a `wgmma` operand sliced by a static index does not lower in Mosaic GPU, jax
-    0.11.2), the transposed sums and a barrier per chunk."""
-    chunks, vectors = head_k_dim // KEY_CHUNK, x_rows // x_parts
-    stage = lambda make: tuple(make() for _ in range(stages))
-    return [stage(lambda: tuple(plgpu.SMEM((BLOCK_ROWS, KEY_CHUNK), cache_dtype, transforms=tiled(128, cache_dtype))
-                                for _ in range(chunks))),
-            stage(lambda: tuple(plgpu.SMEM((heads * x_rows, KEY_CHUNK), jnp.bfloat16,
-                                           transforms=tiled(128, jnp.bfloat16)) for _ in range(chunks))),
-            stage(lambda: plgpu.SMEM((vectors, BLOCK_ROWS), F32)),
-            stage(lambda: plgpu.Barrier(num_arrivals=2, num_barriers=chunks))]
-
-
-def key_sums_programs(batch: int, num_k_heads: int, head_k_dim: int, cache_len: int, cache_dtype, qk_dtype,
-                      width: int, sm_count: int) -> int:
-    """`MosaicReplayParams.key_programs` for a device of `sm_count` SMs: as many persistent
-    CTAs of `window_key_values` per SM as their two stages fit in shared memory, at most one
-    per block; 0 where the key sums do not run before the launch (`key_block_heads`)."""
-    x_parts = tile_parts(qk_dtype)
-    x_rows = window_rows(width) * x_parts
-    heads = key_block_heads(num_k_heads, cache_len, x_rows)
-    if not heads:
-        return 0
-    scratch = _key_blocks_scratch(head_k_dim, jnp.dtype(cache_dtype), heads, x_rows, x_parts, STAGES)
-    return programs_that_fit(smem_bytes(scratch), sm_count, batch * (num_k_heads // heads))
+    sums = lax.cond(reads_ref[b] != 0, ring_sums, zeros)
+    out_smem.T[...] = plgpu.layout_cast(sums, plgpu.Layout.WGMMA_TRANSPOSED)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out_smem, out_ref.at[b, blk])
+    plgpu.wait_smem_to_gmem(0)
 
 
 @functools.lru_cache(maxsize=None)
-def _build_key_blocks(batch, num_k_heads, head_k_dim, cache_len, cache_dtype, x_rows, x_parts, programs, interpret):
+def _build_key_blocks(batch, num_k_heads, head_k_dim, cache_len, cache_dtype, x_rows, x_parts, interpret):
     heads = key_block_heads(num_k_heads, cache_len, x_rows)
-    blocks = num_k_heads // heads
-    num_programs = min(programs, batch * blocks)
-    scratch = _key_blocks_scratch(head_k_dim, cache_dtype, heads, x_rows, x_parts, STAGES if num_programs else 1)
-    check_smem(scratch, f"window_key_values at cache_len = {cache_len}, d_k = {head_k_dim}")
-    body = functools.partial(_key_blocks_kernel, batch=batch, blocks=blocks, num_programs=num_programs, heads=heads,
-                             cache_len=cache_len, x_parts=x_parts, key_parts=tile_parts(cache_dtype),
-                             interpret=interpret)
-    return build_kernel(body, jax.ShapeDtypeStruct((batch, blocks, x_rows // x_parts, BLOCK_ROWS), F32), scratch,
-                        tile_grid(batch, blocks, 1, num_programs), name="replayssm_verify_key_sums_mgpu",
-                        interpret=interpret)
+    vectors, chunks = x_rows // x_parts, head_k_dim // KEY_CHUNK
+    # A buffer per chunk, not one indexed by it: a `wgmma` operand sliced by a static index
+    # does not lower (Mosaic GPU, jax 0.11.2).
+    scratch = [tuple(plgpu.SMEM((BLOCK_ROWS, KEY_CHUNK), cache_dtype, transforms=tiled(128, cache_dtype))
+                     for _ in range(chunks)),
+               tuple(plgpu.SMEM((heads * x_rows, KEY_CHUNK), jnp.bfloat16, transforms=tiled(128, jnp.bfloat16))
+                     for _ in range(chunks)),
+               plgpu.SMEM((vectors, BLOCK_ROWS), F32), plgpu.Barrier(num_arrivals=2, num_barriers=chunks)]
+    body = functools.partial(_key_blocks_kernel, heads=heads, cache_len=cache_len, x_parts=x_parts,
+                             key_parts=tile_parts(cache_dtype), interpret=interpret)
+    return build_kernel(body, jax.ShapeDtypeStruct((batch, num_k_heads // heads, vectors, BLOCK_ROWS), F32), scratch,
+                        dict(grid=(batch, num_k_heads // heads), grid_names=("b", "blk")),
+                        name="replayssm_verify_key_sums_mgpu", interpret=interpret)
 
 
 def window_key_values(q: Float[Array, "B T Hk Dk"], k: Float[Array, "B T Hk Dk"], k_cache: Float[Array, "N Hk L Dk"],
                       slot: Int[Array, " B"], length: Int[Array, " B"], *, interpret: bool,
                       staged: Float[Array, "B Hk N Dk"] | None = None,
-                      mode: Int[Array, " B"] | None = None, programs: int = 0) -> Float[Array, "B Hb N 64"]:
+                      mode: Int[Array, " B"] | None = None) -> Float[Array, "B Hb N 64"]:
     """`window_keys`' sums of every row and key head before the verify kernel: `K x` over
     each slot's whole ring for the raw window vectors x (`masked_window`'s: q_0 .. q_{T-1},
     then k_0 .. k_{T-1}; zeros at and past a row's length; stale entries included: the
@@ -372,9 +339,7 @@ def window_key_values(q: Float[Array, "B T Hk Dk"], k: Float[Array, "B T Hk Dk"]
     fp32 q and k, the vectors split into bf16 parts). `staged`: the caller's
     `window_vectors` of q and k, if it has them (`side_vectors`). `mode`: the rows'
     `MODE_*`, if given: only `MODE_APPEND` rows read their rings, the others (folding rows,
-    which the verify kernel reads from their rebuilt tile, and padding rows) get zeros.
-    `programs`: 0 one CTA per block, else that many persistent CTAs over the blocks
-    (`MosaicReplayParams.key_programs`)."""
+    which the verify kernel reads from their rebuilt tile, and padding rows) get zeros."""
     batch, width, num_k_heads, head_k_dim = q.shape
     num_slots, _, cache_len, _ = k_cache.shape
     x = side_vectors(q, k, length, staged)
@@ -383,7 +348,7 @@ def window_key_values(q: Float[Array, "B T Hk Dk"], k: Float[Array, "B T Hk Dk"]
         raise ValueError(f"the verify key sums before the launch need cache_len <= {BLOCK_ROWS} and at most 256 "
                          f"rows of window vectors per key head, got cache_len = {cache_len}, {x_rows} rows")
     kernel = _build_key_blocks(batch, num_k_heads, head_k_dim, cache_len, k_cache.dtype, x_rows,
-                               tile_parts(q.dtype), programs, interpret)
+                               tile_parts(q.dtype), interpret)
     reads = jnp.ones((batch,), jnp.int32) if mode is None else (mode == MODE_APPEND).astype(jnp.int32)
     return kernel(slot.astype(jnp.int32), reads, k_cache.reshape(num_slots, num_k_heads * cache_len, head_k_dim),
                   x.reshape(batch, num_k_heads * x_rows, head_k_dim))
@@ -1015,7 +980,7 @@ def verify_decode_mgpu(
     vectors = [staged] if params.readout == "mma" else []
     if params.key_side == "xla":
         vectors.append(window_key_values(q, k, k_cache, slot, length, interpret=bool(interpret), staged=staged,
-                                         mode=mode, programs=params.key_programs))
+                                         mode=mode))
     y = kernel(i32(slot), i32(pos), i32(mode), length, q, k, v, coef, weights, *order, *vectors, *refs)
     checkpoint, u_cache, k_cache, g_cache = (jax.freeze(r) for r in refs)
     keys = scaled_keys(k, coef, width, GDN_VECTORS, num_v_heads // q.shape[2])
