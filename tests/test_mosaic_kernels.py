@@ -440,6 +440,7 @@ def test_tensor_core_rebuild_refusals(rng):
                                    params=MosaicReplayParams(**own), interpret=True)
     for bad, match in ((dict(warpgroups=0), r"warpgroups must be an int in \[1, 4\]"),
                        (dict(warpgroups=5), r"warpgroups must be an int in \[1, 4\]"),
+                       (dict(warpgroups=True), r"warpgroups must be an int in \[1, 4\]"),
                        (dict(warpgroups=3, auto_barriers=False), "programs must be a positive multiple"),
                        (dict(warpgroups=3, programs=10, auto_barriers=False), "programs must be a positive multiple"),
                        (dict(warpgroups=3, programs=9, key_side="xla"), "auto_barriers must be False"),
@@ -568,7 +569,7 @@ def test_persistent_programs_are_validated_and_fit_shared_memory():
     from pallas_kernels.mosaic_gpu.pipeline import programs_that_fit
     from pallas_kernels.mosaic_gpu.replay_decode import persistent_programs
 
-    for bad in (-1, 2.0):
+    for bad in (-1, 2.0, True):
         with pytest.raises(ValueError, match="programs must be an int >= 0"):
             MosaicReplayParams(programs=bad)
         with pytest.raises(ValueError, match="chunk must be an int >= 0"):
@@ -841,6 +842,7 @@ def test_the_profiler_is_on_only_where_the_environment_names_a_folder(monkeypatc
 @pytest.mark.parametrize("field,bad,message", [
     ("swizzle", 48, "swizzle must be 32, 64 or 128"), ("rebuild", "fp16", "rebuild must be one of"),
     ("programs", -1, "programs must be an int >= 0"), ("chunk", 2.0, "chunk must be an int >= 0"),
+    ("programs", True, "programs must be an int >= 0"),
     ("readout", "tma", "readout must be one of"), ("group_records", 1, "group_records must be None, True or False"),
     ("launch_order", 1, "launch_order must be a bool")])
 def test_both_params_classes_refuse_a_bad_shared_field(field, bad, message):

@@ -71,7 +71,7 @@ def check_shared_params(params) -> None:
     check_rebuild_mode(params.rebuild)
     for name in ("programs", "chunk"):
         value = getattr(params, name)
-        if not isinstance(value, int) or value < 0:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:  # True would read as 1
             raise ValueError(f"{name} must be an int >= 0, got {value!r}")
     if params.readout not in READOUTS:
         raise ValueError(f"readout must be one of {READOUTS}, got {params.readout!r}")

@@ -232,7 +232,8 @@ class MosaicReplayParams:
             raise ValueError("key_side='xla' copies the key records only to flush: group_records must not be True")
         if not isinstance(self.per_tile_addresses, bool):
             raise ValueError(f"per_tile_addresses must be a bool, got {self.per_tile_addresses!r}")
-        if not isinstance(self.warpgroups, int) or not 1 <= self.warpgroups <= MAX_WARPGROUPS:
+        if (not isinstance(self.warpgroups, int) or isinstance(self.warpgroups, bool)
+                or not 1 <= self.warpgroups <= MAX_WARPGROUPS):
             raise ValueError(f"warpgroups must be an int in [1, {MAX_WARPGROUPS}], got {self.warpgroups!r}")
         if self.warpgroups > 1 and (not self.programs or self.programs % self.warpgroups):
             raise ValueError(f"warpgroups={self.warpgroups} runs persistent programs: programs must be a positive "
