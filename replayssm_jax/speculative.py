@@ -136,11 +136,15 @@ def check_parents(parents: Array | None, batch: int, width: int) -> None:
         )
 
 
-def ancestors(parents: Int[Array, "B T"] | None, batch: int, width: int) -> Bool[Array, "B T T"]:
-    """`anc[b, i, j]`: window position j precedes i on i's branch (strict). None: a chain."""
+def ancestors(parents: Int[Array, "B T"] | None, batch: int, width: int
+              ) -> Bool[Array, "B T T"] | Bool[np.ndarray, "B T T"]:
+    """`anc[b, i, j]`: window position j precedes i on i's branch (strict). None: a chain,
+    as a NumPy array with its batch copies in memory: a constant in the compiled step (XLA
+    does not fold a broadcast, and JAX stages a NumPy array of zero strides as one, so a
+    broadcast chain mask would cost a kernel launch every step)."""
     if parents is None:
-        chain = jnp.arange(width)[None, :] < jnp.arange(width)[:, None]
-        return jnp.broadcast_to(chain, (batch, width, width))
+        chain = np.arange(width)[None, :] < np.arange(width)[:, None]
+        return np.tile(chain, (batch, 1, 1))
     parents = parents.astype(jnp.int32)
     anc = jnp.zeros((batch, width, width), bool)
     positions = jnp.arange(width)

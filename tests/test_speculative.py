@@ -480,3 +480,23 @@ def test_donated_verify_and_accept_update_the_state_in_place(rng):
         hlo = lowered.compile().as_text()
         assert aliased_parameters(hlo) >= set(range(num_leaves))
         assert not state_sized_copies(hlo, state), state_sized_copies(hlo, state)
+
+
+def test_a_chain_window_compiles_its_ancestry_as_a_constant(rng):
+    """A chain's ancestry (`parents=None`) is the strict lower triangle, the same as an
+    explicit chain's, and enters the compiled step as a constant: XLA does not fold a
+    broadcast, so a traced mask would be computed by a kernel of its own every step."""
+    from replayssm_jax.speculative import ancestors
+
+    chain = ancestors(None, BATCH, T)
+    assert isinstance(chain, np.ndarray)
+    explicit = ancestors(jnp.broadcast_to(jnp.arange(T) - 1, (BATCH, T)), BATCH, T)
+    np.testing.assert_array_equal(chain, np.asarray(explicit))
+    np.testing.assert_array_equal(chain[0], np.tril(np.ones((T, T), bool), -1))
+    config = small_config("gdn", 2 * T)
+    window = to_device(random_tokens(rng, config, (BATCH, T)))
+    step = jax.jit(functools.partial(verify_step, use_qk_l2norm=True))
+    text = step.lower(init_state(config, NUM_SLOTS), window, jnp.asarray(random_rows(rng))).as_text()
+    # JAX stages a NumPy array of zero strides as a small constant and a broadcast.
+    assert all(chain.strides)
+    assert any("stablehlo.constant" in line and f"tensor<{BATCH}x{T}x{T}xi1>" in line for line in text.splitlines())
