@@ -128,10 +128,12 @@ def kernel_runs(fn, args, iterations: int) -> list[list[tuple[str, float]]]:
 
 
 class Timer:
-    """Per-kernel GPU times (µs) of one call: CUPTI on a GPU, wall clock in smoke mode."""
+    """Per-kernel GPU times (µs) of one call: CUPTI on a GPU, wall clock in smoke mode;
+    `resident_slots`: the slot layout of the pools it times (`slot_sets`)."""
 
-    def __init__(self, smoke: bool):
+    def __init__(self, smoke: bool, resident_slots: int = 0):
         self.smoke = smoke
+        self.resident_slots = resident_slots
 
     def kernel_times(self, fn, args, name: str, iterations: int) -> list[float]:
         if self.smoke:  # one call, compile included: smoke times exercise the code, they measure nothing
@@ -226,8 +228,17 @@ def pool_layout(batch: int, slot_bytes: int, smoke: bool) -> tuple[int, int]:
     return rotations, max(2 * batch, rotations * batch)
 
 
-def slot_sets(batch: int, slot_bytes: int, rng: np.random.Generator, smoke: bool):
-    """R disjoint shuffled sets of `batch` slots `[R, B]`, and the pool size N."""
+def slot_sets(batch: int, slot_bytes: int, rng: np.random.Generator, smoke: bool, resident_slots: int = 0):
+    """R disjoint shuffled sets of `batch` slots `[R, B]`, and the pool size N.
+
+    `resident_slots` K > 0, a diagnostic: one set whose rows share a pool of K slots (row
+    r on slot r mod K, shuffled), small enough for the L2 to hold, so the kernels run
+    without HBM traffic and their time is their work's (issue, latency, L2 bandwidth):
+    what bounds them on a GPU of more HBM bandwidth with the same SMs (an H100's timing for
+    an H200). Rows of one slot read and write each other's records, so the values are
+    meaningless; only the times are kept."""
+    if resident_slots:
+        return rng.permutation(np.arange(batch) % resident_slots)[None].astype(np.int32), resident_slots
     rotations, num_slots = pool_layout(batch, slot_bytes, smoke)
     sets = rng.permutation(num_slots)[: rotations * batch].reshape(rotations, batch)
     return sets.astype(np.int32), num_slots
@@ -291,7 +302,7 @@ def time_plain_cached(timer, cfg_without_len, batch, params, iterations, smoke) 
 
 
 def time_plain(timer, cfg, batch, params, rng, iterations, smoke) -> float:
-    sets, num_slots = slot_sets(batch, cfg.state_bytes_per_slot(), rng, smoke)
+    sets, num_slots = slot_sets(batch, cfg.state_bytes_per_slot(), rng, smoke, timer.resident_slots)
     pool = random_pool(cfg, num_slots, jax.random.key(1), np.zeros(num_slots)).checkpoint
     token = random_token(cfg, batch, jax.random.key(2))
     fn = plain_steps_fn(params, 4, interpret=smoke)
@@ -309,7 +320,7 @@ def step_medians(times: list[float], rotations: int, cache_len: int) -> list[flo
 
 def replay_kernel_times(timer, cfg, batch, params, policy, rng, iterations, smoke, staggered: bool):
     """All replay-kernel µs of `iterations` cycles (launch order) and the rotation count R."""
-    sets, num_slots = slot_sets(batch, cfg.state_bytes_per_slot(), rng, smoke)
+    sets, num_slots = slot_sets(batch, cfg.state_bytes_per_slot(), rng, smoke, timer.resident_slots)
     cursors = rng.integers(0, cfg.cache_len, num_slots) if staggered else np.zeros(num_slots)
     pool = random_pool(cfg, num_slots, jax.random.key(1), cursors)
     token = random_token(cfg, batch, jax.random.key(2))

@@ -23,7 +23,10 @@ Sections:
                 mamba2-2.7b, H = 80, G = 1): --dtypes, L in --mamba2-cache-lens, B in
                 --batches (L = 16 first, then fp32 first).
 
-Each sweep section stops starting new cells --budget-s after it began. Timing as
+Each sweep section stops starting new cells --budget-s after it began. `--resident-slots K`
+(a diagnostic) puts every row on one of K slots, so the pool stays in the L2 and a sweep
+times the kernels' work without HBM traffic: on an H100, roughly a lower bound on what they
+take on an H200 (the same SMs, 1.4x the bandwidth), where they are not bandwidth-bound. Timing as
 `decode_bench.py`: CUPTI kernel times, medians, slot sets rotated past the L2; a Mosaic
 step is its kernel plus what XLA computes for it before the launch (`mosaic_xla_side_us`:
 GDN's staged vectors and key side), not the step's plan, which a model makes once for all
@@ -172,7 +175,7 @@ def time_mosaic(timer, cfg, batch, rng, iterations, smoke, staggered, params):
     before it (`time_xla_side`, timed on its own over the same slot sets and added to every
     step): `(non-flush, flush, cycle, xla_side)` for sync cursors, `(None, None, per step,
     xla_side)` for staggered ones. `params`: the kernel's (`effective_params`)."""
-    sets, num_slots = db.slot_sets(batch, cfg.state_bytes_per_slot(), rng, smoke)
+    sets, num_slots = db.slot_sets(batch, cfg.state_bytes_per_slot(), rng, smoke, timer.resident_slots)
     cursors = rng.integers(0, cfg.cache_len, num_slots) if staggered else np.zeros(num_slots)
     pool = db.random_pool(cfg, num_slots, jax.random.key(1), cursors)
     token = db.random_token(cfg, batch, jax.random.key(2))
@@ -481,12 +484,18 @@ def main(argv=None) -> None:
     p.add_argument("--cursors", default="sync,staggered", help="the sweeps' cursor sets: sync, staggered")
     p.add_argument("--budget-s", type=float, default=420.0,
                    help="each sweep section stops starting new cells this long after it began")
+    p.add_argument("--resident-slots", type=int, default=0,
+                   help="a diagnostic: every row on one of this many slots, a pool the L2 holds "
+                        "(`decode_bench.slot_sets`): the sweeps' times without HBM traffic, their floor "
+                        "fractions then not of the HBM's floor; 0 (default): slot sets rotated past the L2")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode, wall clock (CPU)")
     args = p.parse_args(argv)
+    if args.resident_slots < 0:
+        raise SystemExit(f"--resident-slots must be >= 0, got {args.resident_slots}")
     if args.smoke:
         args.batches, args.cache_lens, args.mamba2_cache_lens, args.dtypes = "2", "8", "8", "float32"
         args.kda_batches, args.kda_cache_lens, args.kda_dtypes = "2", "8", "float32"
-    timer = db.Timer(args.smoke)
+    timer = db.Timer(args.smoke, args.resident_slots)
     result = dict(versions=db.versions(), args=vars(args))
     sections = args.sections.split(",")
     bandwidth = db.copy_bandwidth_GBps(timer)

@@ -394,3 +394,29 @@ def test_mosaic_profile_smoke_leaves_the_environment_as_it_was(tmp_path, monkeyp
     assert mosaic_profile.PROFILE_DIR_ENV not in os.environ
     with pytest.raises(SystemExit):
         mosaic_profile.parse_args(["--kernel", "verify", "--gate", "mamba2"])
+
+
+def test_resident_slots_put_every_row_on_a_small_pool():
+    """`--resident-slots K`: one slot set whose B rows share K slots, each slot on B / K rows,
+    in a pool of K slots, and the sweeps' timers use it (the Mosaic step's pool has K slots)."""
+    import numpy as np
+
+    sets, num_slots = decode_bench.slot_sets(12, 1 << 20, np.random.default_rng(0), False, resident_slots=4)
+    assert sets.shape == (1, 12) and num_slots == 4
+    np.testing.assert_array_equal(np.bincount(sets[0], minlength=4), [3, 3, 3, 3])
+    rotated, rotated_slots = decode_bench.slot_sets(12, 1 << 20, np.random.default_rng(0), False)
+    assert rotated_slots >= 24 and len(set(rotated.ravel().tolist())) == rotated.size  # disjoint sets
+
+    class Recorder(decode_bench.Timer):
+        def kernel_times(self, fn, args, name, iterations):
+            self.args = args
+            return super().kernel_times(fn, args, name, iterations)
+
+    cfg = mosaic_bench.gdn_config(True, 8, "float32")
+    timer = Recorder(True, resident_slots=1)
+    params = mosaic_bench.effective_params("default", cfg, 2)
+    mosaic_bench.time_mosaic(timer, cfg, 2, np.random.default_rng(0), 1, True, False, params)
+    pool, sets = timer.args[:2]
+    assert pool.checkpoint.shape[0] == 1 and np.asarray(sets).tolist() == [[0, 0]]
+    with pytest.raises(SystemExit, match="--resident-slots must be >= 0"):
+        mosaic_bench.main(["--smoke", "--resident-slots", "-1"])
