@@ -76,9 +76,13 @@ class GridOrder(enum.Enum):
         return self in (GridOrder.LAUNCH_ORDER, GridOrder.LAUNCH_ORDER_RELOAD)
 
 
+def is_int(value: object) -> bool:
+    """An int and not a bool (True would otherwise pass as 1)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def check_power_of_two(name: str, value: object, *, zero_ok: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0 or (value == 0 and not zero_ok) \
-            or value & (value - 1):
+    if not is_int(value) or value < 0 or (value == 0 and not zero_ok) or value & (value - 1):
         allowed = "0 or a power of two" if zero_ok else "a power of two"
         raise ValueError(f"{name} must be {allowed}, got {value!r}")
 
@@ -102,7 +106,7 @@ def check_rebuild(params, dot_dims: dict[str, int]) -> None:
     if params.rebuild_precision not in PRECISIONS:
         raise ValueError(f"rebuild_precision must be one of {PRECISIONS}, got {params.rebuild_precision!r}")
     unroll = params.rebuild_unroll
-    if isinstance(unroll, bool) or not isinstance(unroll, int) or not 1 <= unroll <= MAX_REBUILD_UNROLL:
+    if not is_int(unroll) or not 1 <= unroll <= MAX_REBUILD_UNROLL:
         raise ValueError(f"rebuild_unroll must be in 1..{MAX_REBUILD_UNROLL}, got {params.rebuild_unroll!r}")
     if params.rebuild_precision == "ieee":
         return

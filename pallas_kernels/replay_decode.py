@@ -74,7 +74,7 @@ class ReplayTileParams:
     def __post_init__(self) -> None:
         common.check_launch(self, (GridOrder.ROW_FASTEST, GridOrder.ROW_SLOWEST, GridOrder.LAUNCH_ORDER))
         common.check_power_of_two("cache_chunk", self.cache_chunk)
-        if isinstance(self.num_stages, bool) or not isinstance(self.num_stages, int) or self.num_stages < 1:
+        if not common.is_int(self.num_stages) or self.num_stages < 1:
             raise ValueError(f"num_stages must be an int >= 1, got {self.num_stages!r}")
         common.check_rebuild(self, {"block_v": self.block_v, "cache_chunk": self.cache_chunk})
 

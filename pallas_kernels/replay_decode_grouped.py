@@ -65,8 +65,7 @@ class ReplayGroupedParams:
 
     def __post_init__(self) -> None:
         common.check_launch(self, tuple(GridOrder))
-        if isinstance(self.tiles_per_program, bool) or not isinstance(self.tiles_per_program, int) \
-                or self.tiles_per_program < 1:
+        if not common.is_int(self.tiles_per_program) or self.tiles_per_program < 1:
             raise ValueError(f"tiles_per_program must be an int >= 1, got {self.tiles_per_program!r}")
         common.check_rebuild(self, {"block_v": self.block_v, "column_chunk": self.column_chunk})
 

@@ -17,6 +17,7 @@ import os
 
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.common import is_int
 from pallas_kernels.mosaic_gpu.readout import READOUTS
 from pallas_kernels.mosaic_gpu.rebuild import check_rebuild_mode
 
@@ -71,7 +72,7 @@ def check_shared_params(params) -> None:
     check_rebuild_mode(params.rebuild)
     for name in ("programs", "chunk"):
         value = getattr(params, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:  # True would read as 1
+        if not is_int(value) or value < 0:
             raise ValueError(f"{name} must be an int >= 0, got {value!r}")
     if params.readout not in READOUTS:
         raise ValueError(f"readout must be one of {READOUTS}, got {params.readout!r}")

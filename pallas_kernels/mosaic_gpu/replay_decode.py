@@ -70,7 +70,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels.common import L2NORM_EPS, MODE_APPEND, MODE_FLUSH, MODE_PAD
+from pallas_kernels.common import L2NORM_EPS, MODE_APPEND, MODE_FLUSH, MODE_PAD, is_int
 from pallas_kernels.mosaic_gpu.build import build_kernel, check_shared_params
 from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA, bcast_cols, bcast_rows, check_smem,
                                                col_sum, copy_record_rows, load_transposed, record_copies,
@@ -232,8 +232,7 @@ class MosaicReplayParams:
             raise ValueError("key_side='xla' copies the key records only to flush: group_records must not be True")
         if not isinstance(self.per_tile_addresses, bool):
             raise ValueError(f"per_tile_addresses must be a bool, got {self.per_tile_addresses!r}")
-        if (not isinstance(self.warpgroups, int) or isinstance(self.warpgroups, bool)
-                or not 1 <= self.warpgroups <= MAX_WARPGROUPS):
+        if not is_int(self.warpgroups) or not 1 <= self.warpgroups <= MAX_WARPGROUPS:
             raise ValueError(f"warpgroups must be an int in [1, {MAX_WARPGROUPS}], got {self.warpgroups!r}")
         if self.warpgroups > 1 and (not self.programs or self.programs % self.warpgroups):
             raise ValueError(f"warpgroups={self.warpgroups} runs persistent programs: programs must be a positive "
