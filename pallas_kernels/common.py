@@ -101,13 +101,17 @@ def check_launch(params, allowed_orders: tuple[GridOrder, ...]) -> None:
         check_power_of_two("column_chunk", params.column_chunk, zero_ok=True)
 
 
+def check_rebuild_unroll(unroll) -> None:
+    """A rebuild's unroll: cache entries loaded per memory round trip, 1..MAX_REBUILD_UNROLL."""
+    if not is_int(unroll) or not 1 <= unroll <= MAX_REBUILD_UNROLL:
+        raise ValueError(f"rebuild_unroll must be in 1..{MAX_REBUILD_UNROLL}, got {unroll!r}")
+
+
 def check_rebuild(params, dot_dims: dict[str, int]) -> None:
     """A replay kernel's rebuild options: precision, unroll, and tensor-core dot sizes."""
     if params.rebuild_precision not in PRECISIONS:
         raise ValueError(f"rebuild_precision must be one of {PRECISIONS}, got {params.rebuild_precision!r}")
-    unroll = params.rebuild_unroll
-    if not is_int(unroll) or not 1 <= unroll <= MAX_REBUILD_UNROLL:
-        raise ValueError(f"rebuild_unroll must be in 1..{MAX_REBUILD_UNROLL}, got {params.rebuild_unroll!r}")
+    check_rebuild_unroll(params.rebuild_unroll)
     if params.rebuild_precision == "ieee":
         return
     for name, value in dot_dims.items():

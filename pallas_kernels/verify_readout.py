@@ -56,9 +56,7 @@ class VerifyReadoutParams:
 
     def __post_init__(self) -> None:
         common.check_launch(self, (GridOrder.ROW_FASTEST, GridOrder.ROW_SLOWEST))
-        unroll = self.rebuild_unroll
-        if not common.is_int(unroll) or not 1 <= unroll <= common.MAX_REBUILD_UNROLL:
-            raise ValueError(f"rebuild_unroll must be in 1..{common.MAX_REBUILD_UNROLL}, got {unroll!r}")
+        common.check_rebuild_unroll(self.rebuild_unroll)
 
 
 def _readout_kernel(
