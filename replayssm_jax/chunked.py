@@ -23,7 +23,7 @@ from jaxtyping import Array, Float, Int
 
 from replayssm_jax import gating
 from replayssm_jax.tokens import Tokens
-from replayssm_jax.validation import check_array
+from replayssm_jax.validation import check_array, check_positive_int
 
 DEFAULT_CHUNK = 64
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -78,8 +78,7 @@ def chunked_gated_delta_rule(
       ValueError: for a per-channel decay (KDA: use the token scan) or a bad chunk size.
     """
     check_array("tokens.g", tokens.g, (None,) * 3, layout="a per-head decay [B, T, H_v] (KDA: use the token scan)")
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    chunk_size = check_positive_int("chunk_size", chunk_size)
     dtype = jnp.float64 if any(x.dtype == jnp.float64 for x in jax.tree.leaves(tokens)) else jnp.float32
     batch, steps, hk = tokens.q.shape[:3]
     hv = tokens.v.shape[2]

@@ -88,6 +88,7 @@ def check_like(name: str, x: Array, want: jax.ShapeDtypeStruct, *, context: str 
 
 
 def check_positive_int(name: str, value: object) -> int:
+    """`value` as an int, if it is a positive integer (a bool is not one)."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
     return int(value)

@@ -106,8 +106,9 @@ def test_chunked_prefill_rejects_per_channel_decays_and_bad_chunks(rng):
     with pytest.raises(ValueError, match="per-head decay"):
         chunked_gated_delta_rule(tokens, jnp.zeros((1, 4, 8, 16)))
     gdn = R.Tokens(**{n: jnp.asarray(a) for n, a in _fla_inputs(rng, 1, 4).items()})
-    with pytest.raises(ValueError, match="chunk_size"):
-        chunked_gated_delta_rule(gdn, jnp.zeros((1, 4, 8, 16)), chunk_size=0)
+    for bad in (0, True):
+        with pytest.raises(ValueError, match=f"chunk_size must be a positive integer, got {bad}"):
+            chunked_gated_delta_rule(gdn, jnp.zeros((1, 4, 8, 16)), chunk_size=bad)
     with pytest.raises(ValueError, match="cu_seqlens"):
         fla.chunk_gated_delta_rule(**_fla_inputs(rng, 2, 4), cu_seqlens=np.array([0, 4]))
     with pytest.raises(ValueError, match="initial_state must be"):

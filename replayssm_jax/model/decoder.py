@@ -43,7 +43,7 @@ from replayssm_jax.config import ReplayConfig
 from replayssm_jax.decode import check_backend
 from replayssm_jax.plan import FlushPolicy, StepPlan, advance_write_pos, as_policy, default_flush_policy, plan_step
 from replayssm_jax import speculative
-from replayssm_jax.validation import check_array, check_slots, concrete_or_none, debug_check
+from replayssm_jax.validation import check_array, check_positive_int, check_slots, concrete_or_none, debug_check
 from replayssm_jax.model import slots as slot_ops
 from replayssm_jax.model.layer import (
     GDNDims,
@@ -112,8 +112,7 @@ class DecoderConfig:
             value = getattr(self, field.name)
             if field.name == "layers":
                 continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{field.name} must be a positive int, got {value!r}")
+            check_positive_int(field.name, value)
         if self.num_v_heads % self.num_k_heads:
             raise ValueError(
                 f"num_v_heads ({self.num_v_heads}) must be a multiple of num_k_heads "

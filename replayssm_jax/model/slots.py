@@ -45,7 +45,7 @@ from replayssm_jax.model.state import (
 from replayssm_jax.plan import plan_step
 from replayssm_jax.state import ReplayState
 from replayssm_jax.tokens import Mamba2Params
-from replayssm_jax.validation import check_array, concrete_or_none, debug_check, debug_check_slots
+from replayssm_jax.validation import check_array, check_positive_int, concrete_or_none, debug_check, debug_check_slots
 
 
 def check_slots_arg(name: str, slots: Array, num_slots: int, *, unique: bool) -> Int[Array, " B"]:
@@ -280,8 +280,7 @@ def track_flush(seq_lens: Int[Array, " B"], track_interval: int) -> Bool[Array, 
     `seq_lens % track_interval == 0` therefore writes the state at each track position.
     Rows with `seq_lens <= 0` (padding) never flush.
     """
-    if isinstance(track_interval, bool) or not isinstance(track_interval, int) or track_interval < 1:
-        raise ValueError(f"track_interval must be a positive int, got {track_interval!r}")
+    track_interval = check_positive_int("track_interval", track_interval)
     seq_lens = jnp.asarray(seq_lens)
     check_array("seq_lens", seq_lens, (None,), int, layout="a 1-D [B] array")
     return (seq_lens > 0) & (seq_lens % track_interval == 0)

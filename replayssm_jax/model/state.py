@@ -36,13 +36,12 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jaxtyping import Array, Float, Int
 
 from replayssm_jax.config import ReplayConfig
 from replayssm_jax.plan import StepPlan
 from replayssm_jax.state import ReplayState, state_shapes
-from replayssm_jax.validation import check_array, check_like
+from replayssm_jax.validation import check_array, check_like, check_positive_int
 
 _REPLAY_FIELDS = ("checkpoint", "u_cache", "k_cache", "g_cache")
 
@@ -84,12 +83,6 @@ class Snapshot:
     conv_state: Float[Array, "Y B Km1 C"]
 
 
-def _positive(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
-
-
 def init_model_state(
     config: ReplayConfig,
     num_layers: int,
@@ -103,10 +96,10 @@ def init_model_state(
     Raises:
       ValueError: on a non-positive size or a conv kernel < 2.
     """
-    num_layers = _positive("num_layers", num_layers)
-    num_slots = _positive("num_slots", num_slots)
-    conv_channels = _positive("conv_channels", conv_channels)
-    if _positive("conv_kernel", conv_kernel) < 2:
+    num_layers = check_positive_int("num_layers", num_layers)
+    num_slots = check_positive_int("num_slots", num_slots)
+    conv_channels = check_positive_int("conv_channels", conv_channels)
+    if check_positive_int("conv_kernel", conv_kernel) < 2:
         raise ValueError(f"conv_kernel must be >= 2, got {conv_kernel}")
     shapes = state_shapes(config, num_slots)
     arrays = {
@@ -255,15 +248,15 @@ def init_hybrid_state(
                          f"{[c.cache_len for c in configs]}")
     if len(conv_channels) != len(configs):
         raise ValueError(f"conv_channels needs one entry per layer ({len(configs)}), got {conv_channels}")
-    num_slots = _positive("num_slots", num_slots)
-    if _positive("conv_kernel", conv_kernel) < 2:
+    num_slots = check_positive_int("num_slots", num_slots)
+    if check_positive_int("conv_kernel", conv_kernel) < 2:
         raise ValueError(f"conv_kernel must be >= 2, got {conv_kernel}")
     layers = []
     for config, channels in zip(configs, conv_channels):
         shapes = state_shapes(config, num_slots)
         layers.append(HybridLayer(
             **{name: jnp.zeros(shapes[name].shape, shapes[name].dtype) for name in _REPLAY_FIELDS},
-            conv_state=jnp.zeros((num_slots, conv_kernel - 1, _positive("conv_channels", channels)), conv_dtype),
+            conv_state=jnp.zeros((num_slots, conv_kernel - 1, check_positive_int("conv_channels", channels)), conv_dtype),
             config=config,
         ))
     return HybridState(layers=tuple(layers), write_pos=jnp.zeros((num_slots,), jnp.int32))

@@ -67,6 +67,10 @@ def test_config_state_and_params_follow_the_layer_kinds(hparams):
         dataclasses.replace(TINY, layers=("gdn", "attention"))
     with pytest.raises(ValueError, match="layers names 3 layers, num_layers is 2"):
         dataclasses.replace(TINY, layers=KINDS)
+    with pytest.raises(ValueError, match="num_layers must be a positive integer, got True"):
+        dataclasses.replace(TINY, num_layers=True)
+    with pytest.raises(ValueError, match="vocab_size must be a positive integer, got 0"):
+        dataclasses.replace(TINY, vocab_size=0)
     with pytest.raises(ValueError, match="params and state must both be"):
         decoder.decode_step(decoder.init_params(TINY, 0), state, jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32))
     other = decoder.init_params(dataclasses.replace(HYBRID, layers=("mamba2", "gdn", "gdn")), 0)

@@ -47,8 +47,9 @@ def test_track_flush_semantics():
         track_flush(seq_lens, 4), [False, False, False, True, False, True, False]
     )
     np.testing.assert_array_equal(track_flush(seq_lens, 1), seq_lens > 0)
-    with pytest.raises(ValueError, match="track_interval"):
-        track_flush(seq_lens, 0)
+    for bad in (0, True, 2.0):
+        with pytest.raises(ValueError, match=f"track_interval must be a positive integer, got {bad}"):
+            track_flush(seq_lens, bad)
 
 
 def test_forced_flush_at_track_position_matches_reference(params, rng):
