@@ -34,6 +34,9 @@ write and L entries read. The byte floor is bytes / copy bandwidth (measured at 
 
 Timing: CUPTI kernel times of a jitted `lax.scan` over R disjoint slot sets (R * B * slot
 bytes >= 3x the L2), as `decode_bench.py`; a verify step's time is the sum of its kernels.
+`--resident-slots K` (a diagnostic, as `mosaic_bench.py`'s) puts every row on one of K slots,
+a pool the L2 holds: the kernels' time without HBM traffic (on an H100, about what these
+work-bound kernels take on an H200); its floor fractions are then not of the HBM's floor.
 
 Check (before timing): each backend against xla on a state whose rows mix appending,
 folding, empty and padding rows, per `--checks` pair of state dtype and L (default
@@ -256,7 +259,7 @@ def bench_row(timer, shape, dtype, cache_len, width, batch, bandwidth, iteration
               staggered: bool = False) -> dict:
     cfg = shape.config(cache_len, dtype)
     rng = np.random.default_rng(batch * 100 + cache_len * 10 + width)
-    sets, num_slots = slot_sets(batch, cfg.state_bytes_per_slot(), rng, smoke)
+    sets, num_slots = slot_sets(batch, cfg.state_bytes_per_slot(), rng, smoke, timer.resident_slots)
     window = random_window(cfg, batch, width, jax.random.key(2))
     reps = 1 if smoke else max(1, -(-8 // len(sets)))  # >= 8 steps per run: one-off copies stand out
     row = dict(gate=shape.gate, state_dtype=jnp.dtype(dtype).name, L=cache_len, T=width, B=batch,
@@ -406,10 +409,15 @@ def main(argv=None) -> dict:
                    help="state dtype:L pairs checked against xla before timing, e.g. float32:16,bfloat16:32")
     p.add_argument("--staggered", action="store_true",
                    help="also time a step of slots at random cursors (folding and appending rows mixed)")
+    p.add_argument("--resident-slots", type=int, default=0,
+                   help="a diagnostic: every row on one of this many slots, a pool the L2 holds "
+                        "(`decode_bench.slot_sets`); 0 (default): slot sets rotated past the L2")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode, wall clock (CPU)")
     args = p.parse_args(argv)
+    if args.resident_slots < 0:
+        raise SystemExit(f"--resident-slots must be >= 0, got {args.resident_slots}")
     start = time.time()
-    timer = Timer(args.smoke)
+    timer = Timer(args.smoke, args.resident_slots)
     ints = lambda s: [int(x) for x in s.split(",") if x]
     # d = 64 (Mamba-2: P = N = 64): the Mosaic kernels' smallest tile
     if args.gate == "mamba2":
@@ -419,7 +427,9 @@ def main(argv=None) -> dict:
     meta = versions()
     meta["copy_bandwidth_GBps"] = 1000.0 if args.smoke else copy_bandwidth_GBps(timer)
     meta["timing"] = ("wall clock, interpret mode (smoke)" if args.smoke else
-                      "CUPTI kernel times summed per verify step; slot sets rotated past 3x L2")
+                      "CUPTI kernel times summed per verify step; " + (
+                          f"every row on one of {args.resident_slots} slots (L2-resident)" if args.resident_slots
+                          else "slot sets rotated past 3x L2"))
     meta["conventional"] = "plain decode kernel launched T times, launch t on its own state buffer"
     print(f"meta {meta}", flush=True)
     backends = (args.backends.split(",") if args.backends else

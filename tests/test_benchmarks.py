@@ -420,3 +420,27 @@ def test_resident_slots_put_every_row_on_a_small_pool():
     assert pool.checkpoint.shape[0] == 1 and np.asarray(sets).tolist() == [[0, 0]]
     with pytest.raises(SystemExit, match="--resident-slots must be >= 0"):
         mosaic_bench.main(["--smoke", "--resident-slots", "-1"])
+
+
+def test_verify_bench_resident_slots_time_one_small_pool():
+    """`verify_bench --resident-slots K`: the conventional baseline and every verify step time
+    one slot set on a pool of K slots (one row per slot here: K = B)."""
+    import numpy as np
+
+    calls = []
+
+    class Recorder(decode_bench.Timer):
+        def kernel_times(self, fn, args, name, iterations):
+            calls.append(args)
+            return super().kernel_times(fn, args, name, iterations)
+
+    shape = decode_bench.Shape(1, 2, 64)
+    row = verify_bench.bench_row(Recorder(True, resident_slots=2), shape, jnp.float32, 8, 2, 2, 1000.0, 1, True,
+                                 ["mosaic_gpu"])
+    assert row["slot_sets"] == 1 and len(calls) == 3  # conventional, non-flush, flush
+    conventional, *steps = calls
+    assert all(buffer.shape[0] == 2 for buffer in conventional[0])
+    for state, sets, *_ in steps:
+        assert state.checkpoint.shape[0] == 2 and sorted(np.asarray(sets).ravel().tolist()) == [0, 1]
+    with pytest.raises(SystemExit, match="--resident-slots must be >= 0"):
+        verify_bench.main(["--smoke", "--resident-slots", "-1"])
