@@ -35,6 +35,11 @@ The KDA program works on `[P, d_k]` and `[P]` blocks, P the next power of two >=
 block shapes), one position at a time: rows and lanes at and past T are masked on every
 load and store.
 
+The GDN program also writes its key head's `k_scale [T]` into `key_scales [B, T, H_k]`
+(zeros at and past the length): the factors that scale the window's key records, in the
+order of the records themselves, so the wrapper's scatter takes them without a transpose
+of the records' lanes (a launch of its own in XLA).
+
 With `history=(g_cache, slot, pos)` the GDN program also writes each of its value heads'
 history weights (`verify_decode.history_weights`' record, `[history_len]` fp32): `W_j =
 e^{sum_{j<i<pos} g_i}` for each cache entry j < pos (0 at and past it), `e^{sum_{i<pos} g_i}`
@@ -261,6 +266,13 @@ def _store_lanes(coef_ref, b, h, start, x, count: int):
     plgpu.store(coef_ref.at[b, h, jnp.where(inside, start + lanes, coef_ref.shape[2])], x, mask=inside)
 
 
+def _store_key_scales(kscale_ref, b, hk, scales, lanes, width: int):
+    """`kscale_ref[b, :, hk]` `[T]`: the k_scale lanes T .. 2T-1 of `scales`; the other
+    lanes are masked and address position T, past the block (as `_stage_vectors`' rows)."""
+    is_k = (lanes >= width) & (lanes < 2 * width)
+    plgpu.store(kscale_ref.at[b, jnp.where(is_k, lanes - width, width), hk], scales, mask=is_k)
+
+
 def _gate_records(gcache_ref, h, slot, pos):
     """`(newer, first)`: head h's gate records of `slot` newest first as `[L']` lanes (L' the
     next power of two >= L), shifted by one lane (lane k holds `g_{L'-k}`, lane 0 none), so
@@ -291,12 +303,12 @@ def _store_history_weights(weights_ref, b, h, newer, first, pos, cache_len: int)
 
 def _kernel(length_ref, q_ref, k_ref, g_ref, beta_ref, anc_ref, *refs, width, group_size, use_qk_l2norm, scale,
             lanes_len, chunk, history):
-    # refs: `[slot, pos, g_cache]` with `history`, then the records, the staged vectors and
-    # with `history` the weights.
+    # refs: `[slot, pos, g_cache]` with `history`, then the records, the staged vectors, the
+    # key scales and with `history` the weights.
     if history:
-        slot_ref, pos_ref, gcache_ref, coef_ref, vec_ref, weights_ref = refs
+        slot_ref, pos_ref, gcache_ref, coef_ref, vec_ref, kscale_ref, weights_ref = refs
     else:
-        coef_ref, vec_ref = refs
+        coef_ref, vec_ref, kscale_ref = refs
     b, hk = pl.program_id(0), pl.program_id(1)
     T, R, record_len = width, lanes_len, coef_ref.shape[2]
     lanes = jnp.arange(R, dtype=jnp.int32)
@@ -311,6 +323,7 @@ def _kernel(length_ref, q_ref, k_ref, g_ref, beta_ref, anc_ref, *refs, width, gr
     factor = jnp.where(is_q, scale, 1.0)
     scales = _scales(gram, valid, factor, use_qk_l2norm, 1)
     normed = gram * (scales[:, None] * _scales(gram, valid, factor, use_qk_l2norm, 0)[None, :])
+    _store_key_scales(kscale_ref, b, hk, scales, lanes, T)
     in_record, seen, keep = _record_blocks(anc_ref, b, pos, valid, T)
     offsets = _record_offsets(in_record, T, record_len)
     base = 2 * T * T  # the per-position vectors, after A and M
@@ -383,9 +396,10 @@ def verify_coefficients(
     history_len: int | None = None,
     params: VerifyCoefficientsParams = VerifyCoefficientsParams(),
     interpret: bool | None = None,
-) -> tuple[Float[Array, "B Hv C"], Float[Array, "B Hk N Dk"], Float[Array, "B Hv Lw"] | None]:
-    """The window's coefficient records, staged vectors and history weights (module doc),
-    one launch.
+) -> tuple[Float[Array, "B Hv C"], Float[Array, "B Hk N Dk"], Float[Array, "B T Hk"],
+           Float[Array, "B Hv Lw"] | None]:
+    """The window's coefficient records, staged vectors, key scales and history weights
+    (module doc), one launch.
 
     Args:
       q, k: `[B, T, H_k, d_k]` raw window vectors (d_k a power of two).
@@ -403,7 +417,8 @@ def verify_coefficients(
       interpret: run in the Pallas interpreter (default: off GPU).
 
     Returns:
-      `(records [B, H_v, C] fp32, vectors [B, H_k, N, d_k] in q's dtype, weights
+      `(records [B, H_v, C] fp32, vectors [B, H_k, N, d_k] in q's dtype, key_scales
+      [B, T, H_k] fp32 (each record's k_scale run, zeros at and past the length), weights
       [B, H_v, history_len] fp32 or None without history)`.
     """
     batch, width, num_k_heads, head_k_dim = q.shape
@@ -426,6 +441,7 @@ def verify_coefficients(
         raise ValueError(f"g and beta must be [B, T, H_v] with H_k | H_v, got {g.shape}, {beta.shape} "
                          f"for q {q.shape}")
     vectors_out = jax.ShapeDtypeStruct((batch, num_k_heads, vector_rows, head_k_dim), q.dtype)
+    key_scales_out = jax.ShapeDtypeStruct((batch, width, num_k_heads), jnp.float32)
     # X's rows, q's and k's stacked (a power of two: Triton's blocks). 2-byte X is one
     # tensor-core dot, whose M is at least 16; fp32 X a CUDA-core dot (IEEE fp32) with its
     # operands in registers: chunks of channels keep each to 16 floats a thread (32 a warp).
@@ -435,12 +451,12 @@ def verify_coefficients(
         lanes_len = max(common.MIN_DOT_DIM, lanes_len)
     else:
         chunk = min(head_k_dim, max(common.MIN_DOT_DIM, 16 * 32 * params.num_warps // lanes_len))
-    records, vectors, *weights = _launch(
+    records, vectors, key_scales, *weights = _launch(
         functools.partial(_kernel, chunk=chunk, history=history is not None), q, k, g, beta, anc, length,
-        (vectors_out, *more_outs), vectors=VECTORS, record_len=record_len, lanes_len=lanes_len,
+        (vectors_out, key_scales_out, *more_outs), vectors=VECTORS, record_len=record_len, lanes_len=lanes_len,
         use_qk_l2norm=use_qk_l2norm, scale=scale, params=params, interpret=interpret, name="verify_coefficients",
         more_operands=more_operands)
-    return records, vectors, (weights[0] if weights else None)
+    return records, vectors, key_scales, (weights[0] if weights else None)
 
 
 def _kda_kernel(length_ref, q_ref, k_ref, g_ref, beta_ref, anc_ref, coef_ref, decay_ref, *, width, group_size,

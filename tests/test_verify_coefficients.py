@@ -19,10 +19,11 @@ import numpy as np
 import pytest
 
 from pallas_kernels.mosaic_gpu.verify_decode import (HISTORY_PAD, coefficient_count, history_weights,
-                                                     window_coefficients, window_rows, window_vectors)
+                                                     record_key_scales, window_coefficients, window_rows,
+                                                     window_vectors)
 from pallas_kernels.mosaic_gpu.verify_decode_kda import kda_window_coefficients
-from pallas_kernels.verify_coefficients import (KDA_VECTORS, VerifyCoefficientsParams, kda_verify_coefficients,
-                                                verify_coefficients)
+from pallas_kernels.verify_coefficients import (KDA_VECTORS, VECTORS, VerifyCoefficientsParams,
+                                                kda_verify_coefficients, verify_coefficients)
 from replayssm_jax.speculative import ancestors
 
 L2NORM_EPS = 1e-6  # the kernels' (pallas_kernels.common), restated: the model is written independently
@@ -116,7 +117,7 @@ def test_records_and_vectors_match_the_model_and_xla(rng, width, num_k_heads, nu
     record_len = coefficient_count(width)
     g_cache, g_model, slot, pos = random_history(rng, batch, num_v_heads, cache_len)
     history_len = cache_len + HISTORY_PAD
-    records, vectors, weights = verify_coefficients(
+    records, vectors, key_scales, weights = verify_coefficients(
         q, k, g, beta, jnp.asarray(anc), length, record_len=record_len, vector_rows=window_rows(width),
         use_qk_l2norm=use_qk_l2norm, scale=scale, history=(g_cache, jnp.asarray(slot), jnp.asarray(pos)),
         history_len=history_len, interpret=True)
@@ -130,6 +131,14 @@ def test_records_and_vectors_match_the_model_and_xla(rng, width, num_k_heads, nu
     np.testing.assert_allclose(np.asarray(records), want, rtol=2e-5, atol=2e-6)
     xla = window_coefficients(q, k, g, beta, jnp.asarray(anc), length, use_qk_l2norm=use_qk_l2norm, scale=scale)
     np.testing.assert_allclose(np.asarray(records), np.asarray(xla).reshape(records.shape), rtol=2e-5, atol=2e-6)
+    # The key scales are the records' k_scale runs (each key head's first value head), bit
+    # for bit, in the key records' [B, T, H_k] order.
+    np.testing.assert_array_equal(np.asarray(key_scales),
+                                  np.asarray(record_key_scales(records, width, VECTORS, num_v_heads // num_k_heads)))
+    k64 = f64(k)
+    norms = 1 / np.sqrt(np.sum(k64 * k64, axis=-1) + L2NORM_EPS) if use_qk_l2norm else np.ones(k64.shape[:3])
+    live = np.arange(width)[None, :, None] < np.asarray(length)[:, None, None]
+    np.testing.assert_allclose(np.asarray(key_scales), np.where(live, norms, 0.0), rtol=2e-6)
     # The staged vectors are the raw rows, bit for bit.
     np.testing.assert_array_equal(np.asarray(vectors.astype(jnp.float32)),
                                   np.asarray(window_vectors(q, k, length).astype(jnp.float32)))

@@ -401,15 +401,22 @@ def append_folding_records(key_cache: Float[Array, "N Hk L *Dk"], gate_cache: Fl
                                                                              in_window & fold))
 
 
-def scaled_keys(k: Float[Array, "B T Hk Dk"], coef: Float[Array, "B Hv R Lanes"], width: int, vectors: int,
-                group_size: int) -> Float[Array, "B T Hk Dk"]:
-    """The window's key records in fp32: k times its norm factor `k_scale` (the records'
-    last vector, `pack_coefficients`, read from each key head's first value head), as the
-    kernel's own appends scale them."""
+def record_key_scales(coef: Float[Array, "B Hv R Lanes"], width: int, vectors: int,
+                      group_size: int) -> Float[Array, "B T Hk"]:
+    """Each window key's norm factor `k_scale` (the records' last vector,
+    `pack_coefficients`, read from each key head's first value head), in the key records'
+    order (a transpose of the records' lanes: the GDN window kernel writes them in this
+    order itself, `verify_coefficients`' key scales)."""
     batch, num_v_heads = coef.shape[:2]
     start = 2 * width * width + (vectors - 1) * width
-    k_scale = jnp.swapaxes(coef.reshape(batch, num_v_heads, -1)[:, ::group_size, start:start + width], 1, 2)
-    return k.astype(F32) * k_scale[..., None]
+    return jnp.swapaxes(coef.reshape(batch, num_v_heads, -1)[:, ::group_size, start:start + width], 1, 2)
+
+
+def scaled_keys(k: Float[Array, "B T Hk Dk"], coef: Float[Array, "B Hv R Lanes"], width: int, vectors: int,
+                group_size: int) -> Float[Array, "B T Hk Dk"]:
+    """The window's key records in fp32: k times its norm factor (`record_key_scales`), as
+    the kernel's own appends scale them."""
+    return k.astype(F32) * record_key_scales(coef, width, vectors, group_size)[..., None]
 
 
 def masked_window(q: Float[Array, "B T Hk Dk"], k: Float[Array, "B T Hk Dk"],
@@ -959,7 +966,7 @@ def verify_decode_mgpu(
         raise ValueError(f"q and k must share a dtype, got {q.dtype} and {k.dtype}")
     scale = float(head_k_dim ** -0.5 if scale is None else scale)
     if params.window_side == "kernel":
-        coef, staged, weights = verify_coefficients(
+        coef, staged, key_scales, weights = verify_coefficients(
             q, k, g, beta, anc.astype(bool), length, record_len=coefficient_count(width),
             vector_rows=window_rows(width), use_qk_l2norm=bool(use_qk_l2norm), scale=scale,
             history=(g_cache, slot, pos), history_len=cache_len + HISTORY_PAD,
@@ -970,6 +977,7 @@ def verify_decode_mgpu(
                                    scale=scale)
         staged = window_vectors(q, k, length)
         weights = history_weights(g_cache, slot.astype(jnp.int32), pos.astype(jnp.int32))
+        key_scales = record_key_scales(coef, width, GDN_VECTORS, num_v_heads // q.shape[2])
     kernel = _build(batch, width, num_v_heads, head_v_dim, head_k_dim, cache_len, checkpoint.dtype, u_cache.dtype,
                     q.dtype, v.dtype, num_v_heads // q.shape[2], params.swizzle, params.programs,
                     params.auto_barriers, params.readout, params.rebuild, params.chunk, params.per_tile_addresses,
@@ -983,6 +991,6 @@ def verify_decode_mgpu(
                                          mode=mode))
     y = kernel(i32(slot), i32(pos), i32(mode), length, q, k, v, coef, weights, *order, *vectors, *refs)
     checkpoint, u_cache, k_cache, g_cache = (jax.freeze(r) for r in refs)
-    keys = scaled_keys(k, coef, width, GDN_VECTORS, num_v_heads // q.shape[2])
+    keys = k.astype(F32) * key_scales[..., None]
     return (y, checkpoint, u_cache, *append_folding_records(k_cache, g_cache, keys, g, slot, mode, length,
                                                             pos if params.readout == "mma" else None))
