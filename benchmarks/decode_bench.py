@@ -228,6 +228,21 @@ def pool_layout(batch: int, slot_bytes: int, smoke: bool) -> tuple[int, int]:
     return rotations, max(2 * batch, rotations * batch)
 
 
+def add_resident_slots_option(parser) -> None:
+    """`--resident-slots K` (`slot_sets`' diagnostic), for the sweeps that take it."""
+    parser.add_argument("--resident-slots", type=int, default=0,
+                        help="a diagnostic: every row on one of this many slots, a pool the L2 holds "
+                             "(`decode_bench.slot_sets`): the times without HBM traffic, their floor fractions "
+                             "then not of the HBM's floor; 0 (default): slot sets rotated past the L2")
+
+
+def option_timer(args) -> Timer:
+    """The `Timer` of parsed `--smoke` and `--resident-slots` (refused below 0)."""
+    if args.resident_slots < 0:
+        raise SystemExit(f"--resident-slots must be >= 0, got {args.resident_slots}")
+    return Timer(args.smoke, args.resident_slots)
+
+
 def slot_sets(batch: int, slot_bytes: int, rng: np.random.Generator, smoke: bool, resident_slots: int = 0):
     """R disjoint shuffled sets of `batch` slots `[R, B]`, and the pool size N.
 

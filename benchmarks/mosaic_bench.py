@@ -484,18 +484,13 @@ def main(argv=None) -> None:
     p.add_argument("--cursors", default="sync,staggered", help="the sweeps' cursor sets: sync, staggered")
     p.add_argument("--budget-s", type=float, default=420.0,
                    help="each sweep section stops starting new cells this long after it began")
-    p.add_argument("--resident-slots", type=int, default=0,
-                   help="a diagnostic: every row on one of this many slots, a pool the L2 holds "
-                        "(`decode_bench.slot_sets`): the sweeps' times without HBM traffic, their floor "
-                        "fractions then not of the HBM's floor; 0 (default): slot sets rotated past the L2")
+    db.add_resident_slots_option(p)
     p.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode, wall clock (CPU)")
     args = p.parse_args(argv)
-    if args.resident_slots < 0:
-        raise SystemExit(f"--resident-slots must be >= 0, got {args.resident_slots}")
+    timer = db.option_timer(args)
     if args.smoke:
         args.batches, args.cache_lens, args.mamba2_cache_lens, args.dtypes = "2", "8", "8", "float32"
         args.kda_batches, args.kda_cache_lens, args.kda_dtypes = "2", "8", "float32"
-    timer = db.Timer(args.smoke, args.resident_slots)
     result = dict(versions=db.versions(), args=vars(args))
     sections = args.sections.split(",")
     bandwidth = db.copy_bandwidth_GBps(timer)

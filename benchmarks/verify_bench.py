@@ -70,10 +70,11 @@ from decode_bench import (  # noqa: E402
     NEMOTRON_H_8B,
     PLAIN_KERNEL,
     Shape,
-    Timer,
+    add_resident_slots_option,
     copy_bandwidth_GBps,
     kernel_runs,
     mamba2_params,
+    option_timer,
     plain_params,
     random_pool,
     slot_sets,
@@ -409,15 +410,11 @@ def main(argv=None) -> dict:
                    help="state dtype:L pairs checked against xla before timing, e.g. float32:16,bfloat16:32")
     p.add_argument("--staggered", action="store_true",
                    help="also time a step of slots at random cursors (folding and appending rows mixed)")
-    p.add_argument("--resident-slots", type=int, default=0,
-                   help="a diagnostic: every row on one of this many slots, a pool the L2 holds "
-                        "(`decode_bench.slot_sets`); 0 (default): slot sets rotated past the L2")
+    add_resident_slots_option(p)
     p.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode, wall clock (CPU)")
     args = p.parse_args(argv)
-    if args.resident_slots < 0:
-        raise SystemExit(f"--resident-slots must be >= 0, got {args.resident_slots}")
+    timer = option_timer(args)
     start = time.time()
-    timer = Timer(args.smoke, args.resident_slots)
     ints = lambda s: [int(x) for x in s.split(",") if x]
     # d = 64 (Mamba-2: P = N = 64): the Mosaic kernels' smallest tile
     if args.gate == "mamba2":
