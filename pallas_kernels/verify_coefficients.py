@@ -35,7 +35,7 @@ The KDA program works on `[P, d_k]` and `[P]` blocks, P the next power of two >=
 block shapes), one position at a time: rows and lanes at and past T are masked on every
 load and store.
 
-The GDN program also writes its key head's `k_scale [T]` into `key_scales [B, T, H_k]`
+Both programs also write their key head's `k_scale [T]` into `key_scales [B, T, H_k]`
 (zeros at and past the length): the factors that scale the window's key records, in the
 order of the records themselves, so the wrapper's scatter takes them without a transpose
 of the records' lanes (a launch of its own in XLA).
@@ -48,8 +48,8 @@ at index L, then zeros; the suffix sums as one running sum over the records newe
 one weight per entry instead of forming the decays in every tile, with no launch of its own.
 
 `kda_verify_coefficients` is the same for a KDA window (per-channel decays): its records
-(`A`, `M`, beta and the norms) and the decays `e^{G}` `[B, T, H_v, d_k]` that the KDA
-verify kernel takes, in place of XLA's channel sums over `[B, T, T, H_v, d_k]`.
+(`A`, `M`, beta and the norms), the key scales and the decays `e^{G}` `[B, T, H_v, d_k]`
+that the KDA verify kernel takes, in place of XLA's channel sums over `[B, T, T, H_v, d_k]`.
 """
 
 from __future__ import annotations
@@ -266,11 +266,12 @@ def _store_lanes(coef_ref, b, h, start, x, count: int):
     plgpu.store(coef_ref.at[b, h, jnp.where(inside, start + lanes, coef_ref.shape[2])], x, mask=inside)
 
 
-def _store_key_scales(kscale_ref, b, hk, scales, lanes, width: int):
-    """`kscale_ref[b, :, hk]` `[T]`: the k_scale lanes T .. 2T-1 of `scales`; the other
-    lanes are masked and address position T, past the block (as `_stage_vectors`' rows)."""
-    is_k = (lanes >= width) & (lanes < 2 * width)
-    plgpu.store(kscale_ref.at[b, jnp.where(is_k, lanes - width, width), hk], scales, mask=is_k)
+def _store_key_scales(kscale_ref, b, hk, scales, lanes, width: int, first: int):
+    """`kscale_ref[b, :, hk]` `[T]`: the k_scale lanes `first .. first + T - 1` of
+    `scales`; the other lanes are masked and address position T, past the block (as
+    `_stage_vectors`' rows)."""
+    is_k = (lanes >= first) & (lanes < first + width)
+    plgpu.store(kscale_ref.at[b, jnp.where(is_k, lanes - first, width), hk], scales, mask=is_k)
 
 
 def _gate_records(gcache_ref, h, slot, pos):
@@ -323,7 +324,7 @@ def _kernel(length_ref, q_ref, k_ref, g_ref, beta_ref, anc_ref, *refs, width, gr
     factor = jnp.where(is_q, scale, 1.0)
     scales = _scales(gram, valid, factor, use_qk_l2norm, 1)
     normed = gram * (scales[:, None] * _scales(gram, valid, factor, use_qk_l2norm, 0)[None, :])
-    _store_key_scales(kscale_ref, b, hk, scales, lanes, T)
+    _store_key_scales(kscale_ref, b, hk, scales, lanes, T, first=T)
     in_record, seen, keep = _record_blocks(anc_ref, b, pos, valid, T)
     offsets = _record_offsets(in_record, T, record_len)
     base = 2 * T * T  # the per-position vectors, after A and M
@@ -459,13 +460,15 @@ def verify_coefficients(
     return records, vectors, key_scales, (weights[0] if weights else None)
 
 
-def _kda_kernel(length_ref, q_ref, k_ref, g_ref, beta_ref, anc_ref, coef_ref, decay_ref, *, width, group_size,
-                use_qk_l2norm, scale, lanes_len):
+def _kda_kernel(length_ref, q_ref, k_ref, g_ref, beta_ref, anc_ref, coef_ref, kscale_ref, decay_ref, *, width,
+                group_size, use_qk_l2norm, scale, lanes_len):
     b, hk = pl.program_id(0), pl.program_id(1)
     T = width
     w = _load_window(length_ref, q_ref, k_ref, b, hk, width=width, lanes_len=lanes_len,
                      use_qk_l2norm=use_qk_l2norm, scale=scale)
     length, lanes = w.length, w.lanes
+    k_scales = _lane_vector(w.k_scale, lanes)
+    _store_key_scales(kscale_ref, b, hk, k_scales, lanes, T, first=0)
     qn = [w.qs[t] * w.q_scale[t] for t in range(T)]
     kn = [w.ks[t] * w.k_scale[t] for t in range(T)]
     keys = _stacked(kn, lanes)  # [P, d_k], row j = normalised k_j
@@ -489,7 +492,7 @@ def _kda_kernel(length_ref, q_ref, k_ref, g_ref, beta_ref, anc_ref, coef_ref, de
             store(h, i * T, jnp.where(strict[i], beta[i] * kk, 0.0))
             store(h, T * T + i * T, qk)
             decay_ref[b, i, h, :] = jnp.where(i < length, jnp.exp(G[i]), 0.0)
-        finish(h, (_lane_vector(beta, lanes), _lane_vector(w.q_scale, lanes), _lane_vector(w.k_scale, lanes)))
+        finish(h, (_lane_vector(beta, lanes), _lane_vector(w.q_scale, lanes), k_scales))
 
 
 def kda_verify_coefficients(
@@ -505,8 +508,8 @@ def kda_verify_coefficients(
     scale: float,
     params: VerifyCoefficientsParams = VerifyCoefficientsParams(),
     interpret: bool | None = None,
-) -> tuple[Float[Array, "B Hv C"], Float[Array, "B T Hv Dk"]]:
-    """A KDA window's coefficient records and per-channel decays (`mosaic_gpu.
+) -> tuple[Float[Array, "B Hv C"], Float[Array, "B T Hk"], Float[Array, "B T Hv Dk"]]:
+    """A KDA window's coefficient records, key scales and per-channel decays (`mosaic_gpu.
     verify_decode_kda.kda_window_coefficients`' layout), one launch, grid `(B, H_k)`.
 
     Record of `(b, h)` (fp32, `record_len` floats): `A [T, T]`, `M [T, T]`, then `beta [T]`,
@@ -516,7 +519,8 @@ def kda_verify_coefficients(
         M_ij = sum_c q_i[c] e^{G_i[c] - G_j[c]} k_j[c]           for j in anc(i) + {i}, else 0
         G_i  = sum of g_j over j in anc(i) + {i}, per channel
 
-    with q, k normalised (`use_qk_l2norm`) and q scaled. Second result: `e^{G_i}`
+    with q, k normalised (`use_qk_l2norm`) and q scaled. Second result: the key scales
+    `[B, T, H_k]` (each record's k_scale run, as `verify_coefficients`'); third: `e^{G_i}`
     `[B, T, H_v, d_k]`. Zeros at and past each row's length (inputs there, NaN included,
     never reach a product).
 
@@ -532,7 +536,9 @@ def kda_verify_coefficients(
             or beta.shape[:2] != (batch, width)):
         raise ValueError(f"g must be [B, T, H_v, d_k] and beta [B, T, H_v] with H_k | H_v, got {g.shape}, "
                          f"{beta.shape} for q {q.shape}")
+    key_scales_out = jax.ShapeDtypeStruct((batch, width, num_k_heads), jnp.float32)
     decays_out = jax.ShapeDtypeStruct((batch, width, num_v_heads, head_k_dim), jnp.float32)
-    return _launch(_kda_kernel, q, k, g, beta, anc, length, (decays_out,), vectors=KDA_VECTORS, record_len=record_len,
-                   lanes_len=max(2, common.next_power_of_two(width)), use_qk_l2norm=use_qk_l2norm, scale=scale,
-                   params=params, interpret=interpret, name="kda_verify_coefficients")
+    return _launch(_kda_kernel, q, k, g, beta, anc, length, (key_scales_out, decays_out), vectors=KDA_VECTORS,
+                   record_len=record_len, lanes_len=max(2, common.next_power_of_two(width)),
+                   use_qk_l2norm=use_qk_l2norm, scale=scale, params=params, interpret=interpret,
+                   name="kda_verify_coefficients")

@@ -102,6 +102,15 @@ def model_history(g_cache, slot, pos, history_len):
     return out
 
 
+def assert_key_scales(key_scales, k64, length, use_qk_l2norm: bool) -> None:
+    """`key_scales [B, T, H_k]` against float64 norms of the raw keys `k64`: 1 / |k| (one
+    without the norm) below each row's length, 0 past it. fp32: a sum of d_k squares and
+    one rsqrt, a few ulps."""
+    norms = 1 / np.sqrt(np.sum(k64 * k64, axis=-1) + L2NORM_EPS) if use_qk_l2norm else np.ones(k64.shape[:3])
+    live = np.arange(k64.shape[1])[None, :, None] < np.asarray(length)[:, None, None]
+    np.testing.assert_allclose(np.asarray(key_scales), np.where(live, norms, 0.0), rtol=2e-6)
+
+
 @pytest.mark.parametrize("width,num_k_heads,num_v_heads,dtype,use_qk_l2norm,tree,cache_len", [
     (1, 1, 2, jnp.bfloat16, True, False, 8),
     (3, 2, 4, jnp.bfloat16, True, True, 24),   # R = 16 > 2T: masked lanes; L' = 32 > L
@@ -135,10 +144,7 @@ def test_records_and_vectors_match_the_model_and_xla(rng, width, num_k_heads, nu
     # for bit, in the key records' [B, T, H_k] order.
     np.testing.assert_array_equal(np.asarray(key_scales),
                                   np.asarray(record_key_scales(records, width, VECTORS, num_v_heads // num_k_heads)))
-    k64 = f64(k)
-    norms = 1 / np.sqrt(np.sum(k64 * k64, axis=-1) + L2NORM_EPS) if use_qk_l2norm else np.ones(k64.shape[:3])
-    live = np.arange(width)[None, :, None] < np.asarray(length)[:, None, None]
-    np.testing.assert_allclose(np.asarray(key_scales), np.where(live, norms, 0.0), rtol=2e-6)
+    assert_key_scales(key_scales, f64(k), length, use_qk_l2norm)
     # The staged vectors are the raw rows, bit for bit.
     np.testing.assert_array_equal(np.asarray(vectors.astype(jnp.float32)),
                                   np.asarray(window_vectors(q, k, length).astype(jnp.float32)))
@@ -199,9 +205,10 @@ def test_kda_records_and_decays_match_the_model_and_xla(rng, width, num_k_heads,
     g = jnp.asarray(np.where(past[:, :, None, None], np.nan, g), jnp.float32)
     anc = np.asarray(ancestors(random_parents(rng, batch, width) if tree else None, batch, width))
     record_len = coefficient_count(width, KDA_VECTORS)
-    records, decays = kda_verify_coefficients(q, k, g, beta, jnp.asarray(anc), length, record_len=record_len,
-                                              use_qk_l2norm=use_qk_l2norm, scale=scale, interpret=True)
-    assert records.shape == (batch, num_v_heads, record_len)
+    records, key_scales, decays = kda_verify_coefficients(q, k, g, beta, jnp.asarray(anc), length,
+                                                          record_len=record_len, use_qk_l2norm=use_qk_l2norm,
+                                                          scale=scale, interpret=True)
+    assert records.shape == (batch, num_v_heads, record_len) and key_scales.shape == (batch, width, num_k_heads)
     assert decays.shape == (batch, width, num_v_heads, head_dim)
     assert not np.isnan(np.asarray(records)).any() and not np.isnan(np.asarray(decays)).any()
     f64 = lambda x: np.asarray(x.astype(jnp.float32), np.float64)
@@ -210,6 +217,10 @@ def test_kda_records_and_decays_match_the_model_and_xla(rng, width, num_k_heads,
     # fp32 sums over d_k = 64 channel products, each with one exp: a few ulps of the scale.
     np.testing.assert_allclose(np.asarray(records), want, rtol=2e-5, atol=2e-6)
     np.testing.assert_allclose(np.asarray(decays), want_decays, rtol=2e-6, atol=1e-7)
+    # The key scales are the records' k_scale runs, bit for bit, in the key records' order.
+    np.testing.assert_array_equal(np.asarray(key_scales),
+                                  np.asarray(record_key_scales(records, width, KDA_VECTORS, num_v_heads // num_k_heads)))
+    assert_key_scales(key_scales, f64(k), length, use_qk_l2norm)
     xla, xla_decays = kda_window_coefficients(q, k, g, beta, jnp.asarray(anc), length,
                                               use_qk_l2norm=use_qk_l2norm, scale=scale)
     np.testing.assert_allclose(np.asarray(records), np.asarray(xla).reshape(records.shape), rtol=2e-5, atol=2e-6)

@@ -405,18 +405,11 @@ def record_key_scales(coef: Float[Array, "B Hv R Lanes"], width: int, vectors: i
                       group_size: int) -> Float[Array, "B T Hk"]:
     """Each window key's norm factor `k_scale` (the records' last vector,
     `pack_coefficients`, read from each key head's first value head), in the key records'
-    order (a transpose of the records' lanes: the GDN window kernel writes them in this
-    order itself, `verify_coefficients`' key scales)."""
+    order: a transpose of the records' lanes, for the window formed by XLA (the window
+    kernels write them in this order themselves, `verify_coefficients`' key scales)."""
     batch, num_v_heads = coef.shape[:2]
     start = 2 * width * width + (vectors - 1) * width
     return jnp.swapaxes(coef.reshape(batch, num_v_heads, -1)[:, ::group_size, start:start + width], 1, 2)
-
-
-def scaled_keys(k: Float[Array, "B T Hk Dk"], coef: Float[Array, "B Hv R Lanes"], width: int, vectors: int,
-                group_size: int) -> Float[Array, "B T Hk Dk"]:
-    """The window's key records in fp32: k times its norm factor (`record_key_scales`), as
-    the kernel's own appends scale them."""
-    return k.astype(F32) * record_key_scales(coef, width, vectors, group_size)[..., None]
 
 
 def masked_window(q: Float[Array, "B T Hk Dk"], k: Float[Array, "B T Hk Dk"],

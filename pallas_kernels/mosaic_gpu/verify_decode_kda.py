@@ -56,9 +56,9 @@ from pallas_kernels.mosaic_gpu.replay_decode import MosaicReplayParams
 from pallas_kernels.mosaic_gpu.replay_decode_kda import (channel_layout, check_kda_shapes, decay_weights,
                                                          rebuild_exact, weighted_keys)
 from pallas_kernels.mosaic_gpu.verify_decode import (MAX_WIDTH, append_folding_records, check_params,
-                                                     coefficient_count, coefficient_shape,
-                                                     pack_coefficients, prepare_window, scaled_keys, select_if,
-                                                     solve_positions, store_zeros, unpack_coefficients)
+                                                     coefficient_count, coefficient_shape, pack_coefficients,
+                                                     prepare_window, record_key_scales, select_if, solve_positions,
+                                                     store_zeros, unpack_coefficients)
 from pallas_kernels.verify_coefficients import KDA_VECTORS, VerifyCoefficientsParams, kda_verify_coefficients
 
 
@@ -308,20 +308,20 @@ def verify_decode_kda_mgpu(
     length = length.astype(jnp.int32)
     scale = float(head_k_dim ** -0.5 if scale is None else scale)
     if params.window_side == "kernel":
-        coef, decay = kda_verify_coefficients(q, k, g, beta, anc.astype(bool), length,
-                                              record_len=coefficient_count(width, KDA_VECTORS),
-                                              use_qk_l2norm=bool(use_qk_l2norm), scale=scale,
-                                              params=VerifyCoefficientsParams(num_warps=params.window_warps),
-                                              interpret=interpret)
+        coef, key_scales, decay = kda_verify_coefficients(
+            q, k, g, beta, anc.astype(bool), length, record_len=coefficient_count(width, KDA_VECTORS),
+            use_qk_l2norm=bool(use_qk_l2norm), scale=scale,
+            params=VerifyCoefficientsParams(num_warps=params.window_warps), interpret=interpret)
         coef = coef.reshape(batch, num_v_heads, *coefficient_shape(width, KDA_VECTORS))
     else:
         coef, decay = kda_window_coefficients(q, k, g, beta, anc.astype(bool), length,
                                               use_qk_l2norm=bool(use_qk_l2norm), scale=scale)
+        key_scales = record_key_scales(coef, width, KDA_VECTORS, num_v_heads // q.shape[2])
     kernel = _build(batch, width, num_v_heads, head_v_dim, head_k_dim, cache_len, checkpoint.dtype, u_cache.dtype,
                     q.dtype, v.dtype, g.dtype, num_v_heads // q.shape[2], params.swizzle, bool(interpret))
     refs = [jax.new_ref(x) for x in (checkpoint, u_cache, k_cache, g_cache)]
     i32 = lambda x: x.astype(jnp.int32)
     y = kernel(i32(slot), i32(pos), i32(mode), length, q, k, v, g, decay, coef, *refs)
     checkpoint, u_cache, k_cache, g_cache = (jax.freeze(r) for r in refs)
-    keys = scaled_keys(k, coef, width, KDA_VECTORS, num_v_heads // q.shape[2])
+    keys = k.astype(F32) * key_scales[..., None]
     return (y, checkpoint, u_cache, *append_folding_records(k_cache, g_cache, keys, g, slot, mode, length))
