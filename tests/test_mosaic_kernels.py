@@ -105,6 +105,7 @@ _STEP_CONFIGS = [
     ("gdn", 6, D, "fma", None, dict(warpgroups=3, auto_barriers=False, key_side="xla")),
     ("gdn", 6, D, "mma", None, dict(warpgroups=3, auto_barriers=False, key_side="xla")),
     ("gdn", 3, D, "mma", None, dict(key_side="xla", per_tile_addresses=True, warpgroups=3, auto_barriers=False)),
+    ("gdn", 8, D, "mma", None, dict(key_side="xla", per_tile_addresses=True, warpgroups=4, auto_barriers=False)),
     ("gdn", 0, D, "fma", None, dict(launch_order=True)),
     ("gdn", 3, D, "mma", None, dict(key_side="xla", warpgroups=3, auto_barriers=False, launch_order=True)),
     ("gdn", 0, D, "mma", None, dict(key_side="mma")),
@@ -142,6 +143,8 @@ def test_step_matches_the_float64_model(rng, gate, programs, d_v, readout, group
     GDN's "mma" readout takes bf16 q and k (the model gets the same rounded values): its
     `wgmma`s run in interpret mode as dots of the same bf16 parts (a bf16 tile from its
     buffer), so the staging, the product's columns and the flush's tile load are tested.
+    `warpgroups`: three or four programs per CTA (four: the 512-thread CTA of
+    `MAX_WARPGROUPS`, two CTAs of 8 programs over the 10 tiles, some with none).
     `launch_order`: the rows served in a random order (`row_order`), by persistent programs
     (a row's tiles then follow another row's in a chunk) or one CTA per tile. The key side on
     tensor cores (`key_side="mma"`) runs its `wgmma`s as dots of the same bf16 operands and
@@ -263,6 +266,9 @@ def test_lowers_for_an_abstract_h200(state_dtype, cache_dtype, cache_len, raw, p
                                           key_side="xla", per_tile_addresses=True, warpgroups=3, launch_order=True)),
     (jnp.bfloat16, 16, MosaicReplayParams(programs=396, auto_barriers=False, rebuild="3xtf32", readout="mma",
                                           key_side="xla", warpgroups=3)),
+    # Four warpgroups: the only buffers that fit four programs per SM (`persistent_programs`).
+    (jnp.bfloat16, 16, MosaicReplayParams(programs=528, auto_barriers=False, rebuild="exact", readout="mma",
+                                          key_side="xla", per_tile_addresses=True, warpgroups=4)),
     # The key side on tensor cores: register A operands against the key records, its
     # products shared through shared memory, by one warpgroup per CTA or three.
     pytest.param(jnp.bfloat16, 16, MosaicReplayParams(programs=396, auto_barriers=False, rebuild="3xtf32",
