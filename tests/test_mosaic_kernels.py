@@ -12,6 +12,7 @@ a GPU, and run the backend against xla over steps that cross natural and forced 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +23,8 @@ from pallas_kernels import common
 from pallas_kernels.mosaic_gpu import build
 from pallas_kernels.mosaic_gpu.readout import pair_box, vector_pairs
 from pallas_kernels.mosaic_gpu.rebuild import keys_exact, operand_entries, operand_parts, tf32_split
-from pallas_kernels.mosaic_gpu.replay_decode import MosaicReplayParams, check_shapes, replay_decode_mgpu
+from pallas_kernels.mosaic_gpu.replay_decode import (MosaicReplayParams, check_own_layout, check_shapes,
+                                                     replay_decode_mgpu)
 from pallas_kernels.mosaic_gpu.replay_decode_kda import check_kda_shapes, replay_decode_kda_mgpu
 
 NUM_SLOTS, H_K, H_V, D, L = 6, 1, 2, 64, 8
@@ -266,9 +268,13 @@ def test_lowers_for_an_abstract_h200(state_dtype, cache_dtype, cache_len, raw, p
                                           key_side="xla", per_tile_addresses=True, warpgroups=3, launch_order=True)),
     (jnp.bfloat16, 16, MosaicReplayParams(programs=396, auto_barriers=False, rebuild="3xtf32", readout="mma",
                                           key_side="xla", warpgroups=3)),
-    # Four warpgroups: the only buffers that fit four programs per SM (`persistent_programs`).
+    # Four warpgroups: buffers that fit four programs per SM (`persistent_programs`), with the
+    # key side from XLA and exact folds, or with the default's (key side and 3xTF32 folds on
+    # tensor cores) once the fold operands share each program's tile (`operands_in_tile`).
     (jnp.bfloat16, 16, MosaicReplayParams(programs=528, auto_barriers=False, rebuild="exact", readout="mma",
                                           key_side="xla", per_tile_addresses=True, warpgroups=4)),
+    (jnp.bfloat16, 16, MosaicReplayParams(programs=528, auto_barriers=False, rebuild="3xtf32", readout="mma",
+                                          key_side="mma", warpgroups=4, operands_in_tile=True)),
     # The key side on tensor cores: register A operands against the key records, its
     # products shared through shared memory, by one warpgroup per CTA or three.
     pytest.param(jnp.bfloat16, 16, MosaicReplayParams(programs=396, auto_barriers=False, rebuild="3xtf32",
@@ -444,6 +450,10 @@ def test_tensor_core_rebuild_refusals(rng):
             arrays = [jnp.asarray(x) for x in _inputs(rng, jnp.float32, jnp.float32, True)]
             replay_decode_kda_mgpu(*arrays, jnp.asarray(SLOTS), jnp.asarray(POS), jnp.asarray(MODES),
                                    params=MosaicReplayParams(**own), interpret=True)
+    with pytest.raises(ValueError, match="operands_in_tile must be False"):  # the other kernels' checks
+        check_own_layout(MosaicReplayParams(programs=6, auto_barriers=False, warpgroups=3, key_side="xla",
+                                            rebuild="3xtf32", operands_in_tile=True), "replay_decode_kda_mgpu",
+                         warpgroups=True, key_side=True)
     for bad, match in ((dict(warpgroups=0), r"warpgroups must be an int in \[1, 4\]"),
                        (dict(warpgroups=5), r"warpgroups must be an int in \[1, 4\]"),
                        (dict(warpgroups=True), r"warpgroups must be an int in \[1, 4\]"),
@@ -452,7 +462,12 @@ def test_tensor_core_rebuild_refusals(rng):
                        (dict(warpgroups=3, programs=9, key_side="xla"), "auto_barriers must be False"),
                        # Its own key side would share the CTA's one cross-warp reduction scratch.
                        (dict(warpgroups=3, programs=9, auto_barriers=False), "key_side must be 'xla' or 'mma'"),
-                       (dict(key_side="tensor"), "key_side must be one of")):
+                       (dict(key_side="tensor"), "key_side must be one of"),
+                       # Stacked operands share several programs' tiles: a tensor-core rebuild's, w > 1.
+                       (dict(operands_in_tile=True, rebuild="3xtf32"), "needs warpgroups > 1"),
+                       (dict(warpgroups=3, programs=9, auto_barriers=False, key_side="xla", operands_in_tile=True),
+                        "needs warpgroups > 1 and a tensor-core rebuild"),
+                       (dict(operands_in_tile=1), "operands_in_tile must be a bool")):
         with pytest.raises(ValueError, match=match):
             MosaicReplayParams(**bad)
     with pytest.raises(ValueError, match="per_tile_addresses must be a bool"):
@@ -722,6 +737,53 @@ def test_program_axis_keeps_the_layout(rebuild, xla_side, programs):
                                        2, "mma", xla_side=xla_side), programs)
     rows = jnp.arange(512)
     assert not np.any(np.asarray(opaque_zero(rows, 512)))
+
+
+def test_stacked_operands_share_each_programs_tile():
+    """`operands_in_tile`: a fold's operands stacked into one buffer of the bf16 tile's
+    bytes, their row ranges the shapes of the buffers of their own (`rebuild_operands`),
+    disjoint and inside it; `with_program_axis` gives the union (two members of equal bytes)
+    a program axis, so four programs' stages take one tile's bytes each and four programs
+    fit per SM with the key side on tensor cores (without it, none); a union of unequal
+    members, or of a group, is refused."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from pallas_kernels.mosaic_gpu.layouts import smem_bytes
+    from pallas_kernels.mosaic_gpu.pipeline import with_program_axis
+    from pallas_kernels.mosaic_gpu.rebuild import operand_views, rebuild_operands, stacked_operands
+    from pallas_kernels.mosaic_gpu.replay_decode import _scratch, persistent_programs
+
+    bf16 = jnp.bfloat16
+    tile = plgpu.SMEM((64, 128), bf16)
+    own = rebuild_operands(tile, 64, 128, 16, "3xtf32", bf16)
+    stack = stacked_operands(tile, 64, 128, 16, "3xtf32", bf16)
+    assert math.prod(stack.shape) * 4 == 64 * 128 * 2 and stack.dtype == jnp.float32
+    assert stack.transforms == own[0].transforms
+
+    class Rows:  # stands in for a ref: `.at[pl.ds(start, n)]` gives the row range
+        at = property(lambda self: self)
+        __getitem__ = lambda self, rows: (rows.start, rows.size)
+
+    ranges = operand_views(Rows(), 64, 128, "3xtf32", bf16)
+    assert [n for _, n in ranges] == [b.shape[0] for b in own] and all(b.shape[1] == stack.shape[1] for b in own)
+    starts = [start for start, _ in ranges]
+    assert starts == sorted(starts) and all(a + n <= b for (a, n), b in zip(ranges, starts[1:] + [stack.shape[0]]))
+    scratch = _scratch(128, 16, bf16, bf16, bf16, bf16, 128, "3xtf32", 2, "mma", grouped=True, mma_side=True,
+                       operands_in_tile=True)
+    stacked = with_program_axis(scratch, 4)
+    union = stacked[0][0][0]
+    assert isinstance(union, plgpu.RefUnion) and [m.shape for m in union.refs] == [(4, 64, 128), (4, *stack.shape)]
+    assert smem_bytes(stacked) < smem_bytes(with_program_axis(
+        _scratch(128, 16, bf16, bf16, bf16, bf16, 128, "3xtf32", 2, "mma", grouped=True, mma_side=True,
+                 own_operands=True), 4))
+    fits = lambda operands_in_tile: persistent_programs(512, 32, 128, 128, 16, bf16, bf16, bf16, 132,
+                                                        rebuild="3xtf32", readout="mma", key_side="mma",
+                                                        max_ctas=None, warpgroups=4, operands_in_tile=operands_in_tile)
+    assert (fits(False), fits(True)) == (0, 528)
+    with pytest.raises(ValueError, match="members of equal bytes"):
+        with_program_axis(plgpu.RefUnion(tile, plgpu.SMEM((64, 64), bf16)), 4)
+    with pytest.raises(ValueError, match="single buffers, not groups"):
+        with_program_axis(plgpu.RefUnion(tile, own), 4)
 
 
 @pytest.mark.parametrize("kernel,per_channel,params", [

@@ -124,10 +124,12 @@ def with_program_axis(scratch, programs: int = 1):
     a leading axis of `programs` on every buffer (a union's members each), for
     `program_view`. With one program the bytes and the alignment are `scratch`'s and the
     barriers are left as they are; with more, every barrier array also gets the axis, and a
-    union is refused: its members' slices would be laid out at different strides, so one
-    program's smaller member would overlap another program's larger one. A barrier array's
-    programs are laid end to end on its one axis (`BarrierRange`), and a buffer's first axis
-    is padded so that each program's slice starts where TMA may write (`padded_rows`)."""
+    union only where its members are single buffers of equal bytes per program (as
+    `rebuild.stacked_operands` makes them): members of other sizes would be laid out at
+    different strides, so one program's smaller member would overlap another program's
+    larger one. A barrier array's programs are laid end to end on its one axis
+    (`BarrierRange`), and a buffer's first axis is padded so that each program's slice
+    starts where TMA may write (`padded_rows`)."""
     if isinstance(scratch, (list, tuple)):
         return [with_program_axis(item, programs) for item in scratch]
     if isinstance(scratch, plgpu.Barrier):
@@ -138,10 +140,22 @@ def with_program_axis(scratch, programs: int = 1):
         return dataclasses.replace(scratch, num_barriers=(programs * math.prod(scratch.num_barriers),))
     if isinstance(scratch, plgpu.RefUnion):
         if programs != 1:
-            raise ValueError("a plgpu.RefUnion cannot be split between programs: give each program its own buffers")
-        return plgpu.RefUnion(*with_program_axis(list(scratch.refs)))
+            check_program_union(scratch)
+        return plgpu.RefUnion(*with_program_axis(list(scratch.refs), programs))
     rows = scratch.shape[0] if programs == 1 else padded_rows(scratch)
     return plgpu.SMEM((programs, rows, *scratch.shape[1:]), scratch.dtype, transforms=scratch.transforms)
+
+
+def check_program_union(union) -> None:
+    """Raise ValueError unless `union`'s members are single buffers of equal bytes per
+    program (after `padded_rows`), the unions `with_program_axis` can split between programs."""
+    members = list(union.refs)
+    if any(isinstance(m, (list, tuple, plgpu.RefUnion)) for m in members):
+        raise ValueError("a plgpu.RefUnion split between programs takes single buffers, not groups: stack a "
+                         "group into one buffer")
+    sizes = {padded_rows(m) * math.prod(m.shape[1:]) * jnp.dtype(m.dtype).itemsize for m in members}
+    if len(sizes) > 1:
+        raise ValueError(f"a plgpu.RefUnion split between programs needs members of equal bytes, got {sorted(sizes)}")
 
 
 def padded_rows(buffer) -> int:
@@ -171,7 +185,7 @@ def program_view(refs, scratch, index, programs: int = 1):
             return BarrierRange(refs, index * scratch.num_barriers[0])
         return refs.at[index]
     if isinstance(scratch, plgpu.RefUnion):
-        return tuple(program_view(member, item, index) for member, item in zip(tuple(refs), scratch.refs))
+        return tuple(program_view(member, item, index, programs) for member, item in zip(tuple(refs), scratch.refs))
     if programs > 1 and padded_rows(scratch) != scratch.shape[0]:
         return refs.at[index, pl.ds(0, scratch.shape[0])]
     return refs.at[index]

@@ -97,6 +97,33 @@ def rebuild_operands(tile, rows: int, width: int, cache_len: int, rebuild: str, 
             for n, parts in zip((rows, width), operand_parts(rebuild, keys_dtype)) for _ in range(parts)]
 
 
+def stacked_operands(tile, rows: int, width: int, cache_len: int, rebuild: str, keys_dtype=None):
+    """`rebuild_operands`' buffers stacked into one, `[R, n]` of exactly the checkpoint
+    tile's bytes (the parts as row ranges, `operand_views`; they share one dtype, one width
+    n and one swizzle), for a union with the tile whose two members a kernel of several
+    programs can give a program axis each (`pipeline.with_program_axis`): equal bytes, so
+    program p's slice of either starts at the same offset."""
+    operand = REBUILD_DTYPES[rebuild]
+    tile_bytes = math.prod(tile.shape) * jnp.dtype(tile.dtype).itemsize
+    entries = operand_entries(cache_len, rows, width, rebuild, tile_bytes, keys_dtype)
+    row_bytes = entries * jnp.dtype(operand).itemsize
+    if tile_bytes % (8 * row_bytes):
+        raise ValueError(f"the tile's {tile_bytes} bytes are not whole 8-row blocks of [{entries}] "
+                         f"{jnp.dtype(operand).name} operand rows")
+    return plgpu.SMEM((tile_bytes // row_bytes, entries), operand, transforms=tiled(min(128, row_bytes), operand))
+
+
+def operand_views(stack, rows: int, width: int, rebuild: str, keys_dtype=None) -> list:
+    """The operand buffers of `rebuild_operands`, in its order, as row ranges of `stack`
+    (`stacked_operands`: the A parts' `rows` rows each, then the B parts' `width`)."""
+    views, start = [], 0
+    for n, parts in zip((rows, width), operand_parts(rebuild, keys_dtype)):
+        for _ in range(parts):
+            views.append(stack.at[pl.ds(start, n)])
+            start += n
+    return views
+
+
 def operand_entries(cache_len: int, rows: int, width: int, rebuild: str, tile_bytes: int, keys_dtype=None) -> int:
     """Ring entries in one chunk of the rebuild's operands `A [rows, n]`, `B^T [width, n]`
     (the K extent of its `wgmma`s): the most, up to `OPERAND_ENTRIES`, that divide the ring
@@ -113,13 +140,16 @@ def operand_entries(cache_len: int, rows: int, width: int, rebuild: str, tile_by
     return entries
 
 
-def split_tile_buffer(tile_buf, rebuild: str, own_operands: bool = False):
-    """`(checkpoint tile ref, operand refs)` of a buffer made by `tile_with_operands`
-    (operands `()` where the buffer is the tile alone: the exact rebuild, or operands in
-    buffers of their own)."""
+def split_tile_buffer(tile_buf, rebuild: str, own_operands: bool = False, keys_dtype=None):
+    """`(checkpoint tile ref, operand refs)` of a buffer made by `tile_with_operands`, or of
+    a union of the tile with `stacked_operands` (the operands its row ranges,
+    `operand_views`; `keys_dtype` the key-side records'); operands `()` where the buffer is
+    the tile alone: the exact rebuild, or operands in buffers of their own."""
     if rebuild == "exact" or own_operands:
         return tile_buf, ()
     t_smem, operands = tuple(tile_buf)
+    if not isinstance(operands, (list, tuple)):  # one stacked buffer
+        operands = operand_views(operands, t_smem.shape[0], t_smem.shape[1], rebuild, keys_dtype)
     return t_smem, operands
 
 

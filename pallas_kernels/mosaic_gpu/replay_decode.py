@@ -80,8 +80,8 @@ from pallas_kernels.mosaic_gpu.pipeline import (STAGES, group_shared, grouped_fi
                                                 tile_grid)
 from pallas_kernels.mosaic_gpu.readout import (buffer_products, column, pair_box, summed_products, tile_parts,
                                                tile_products, vector_pairs, vector_rows)
-from pallas_kernels.mosaic_gpu.rebuild import (check_rebuild, rebuild_mma, rebuild_operands,
-                                               split_tile_buffer, tile_with_operands)
+from pallas_kernels.mosaic_gpu.rebuild import (check_rebuild, rebuild_mma, rebuild_operands, split_tile_buffer,
+                                               stacked_operands, tile_with_operands)
 
 BLOCK_V = BLOCK_ROWS
 # Persistent CTAs resident per SM at most (`pipeline.ctas_per_sm`): ptxas gives this kernel
@@ -166,7 +166,7 @@ class MosaicReplayParams:
         `key_side` "xla" or "mma" ("kernel" sums across warps through the one reduction
         scratch of the CTA, which the warpgroups would share: wrong results on the GPU); a
         tensor-core rebuild's operands get a buffer per program instead of the union
-        with the tile (programs cannot share a union).
+        with the tile, unless `operands_in_tile`.
       launch_order: False (default) serves the rows in their order; True in the caller's
         `row_order` (the backends pass the plan's launch order, the costliest rows first:
         flushing rows in decode, folding rows in verify), so that those rows (about twice
@@ -187,6 +187,13 @@ class MosaicReplayParams:
         program); True gives each stage buffers of their own for them, copied with a
         folding row's tile one tile ahead (more shared memory per CTA; the exact rebuild on
         one warpgroup per CTA; the decode kernels refuse it).
+      operands_in_tile: the GDN decode kernel with `warpgroups` > 1 and a tensor-core
+        rebuild only: True stacks each program's rebuild operands into one buffer of the
+        checkpoint tile's bytes in a union with its tile (`rebuild.stacked_operands`: the
+        union's two members of equal bytes per program, which `pipeline.with_program_axis`
+        can split between programs), as one warpgroup's share the tile, instead of buffers
+        of their own: 16 KiB less a program with a bf16 tile, so four programs fit with the
+        key side on tensor cores (opt-in; False, the default, keeps the own buffers).
       group_folds: the GDN verify kernel's persistent programs with exact folds on one
         warpgroup per CTA only (not with `prefetch_folds`): True takes a folding row's
         value records with its tile, untiled, into the stage's value-record buffer (a
@@ -211,10 +218,11 @@ class MosaicReplayParams:
     window_warps: int = 2
     prefetch_folds: bool = False
     group_folds: bool = False
+    operands_in_tile: bool = False
 
     def __post_init__(self) -> None:
         check_shared_params(self)
-        for name in ("prefetch_folds", "group_folds"):
+        for name in ("prefetch_folds", "group_folds", "operands_in_tile"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.prefetch_folds and self.group_folds:
@@ -246,6 +254,10 @@ class MosaicReplayParams:
         if self.warpgroups > 1 and self.auto_barriers:
             raise ValueError(f"warpgroups={self.warpgroups} keeps each program's own barriers: auto_barriers must "
                              "be False")
+        if self.operands_in_tile and (self.warpgroups == 1 or self.rebuild == "exact"):
+            raise ValueError("operands_in_tile puts several programs' tensor-core rebuild operands in their tiles' "
+                             f"union: it needs warpgroups > 1 and a tensor-core rebuild, got warpgroups="
+                             f"{self.warpgroups}, rebuild={self.rebuild!r}")
 
 
 def check_own_layout(params, kernel: str, *, per_tile_addresses: bool = False, key_side: bool = False,
@@ -254,7 +266,11 @@ def check_own_layout(params, kernel: str, *, per_tile_addresses: bool = False, k
     decode kernels that a kernel with its own record layout (KDA decode, verify) ignores,
     or `per_tile_addresses`, `key_side`, `warpgroups` or `launch_order` unless the kernel
     takes it (the GDN verify kernel takes all four, KDA decode the last); `window_side`
-    other than "xla" only in the verify kernels that take it."""
+    other than "xla" only in the verify kernels that take it; `operands_in_tile` (the GDN
+    decode kernel's) never."""
+    if getattr(params, "operands_in_tile", False):
+        raise ValueError(f"{kernel} gives several programs' rebuild operands buffers of their own: "
+                         "operands_in_tile must be False")
     if getattr(params, "group_records", None) is not None:
         raise ValueError(f"{kernel} lays out its records itself: group_records must be None, got "
                          f"{params.group_records!r}")
@@ -526,7 +542,7 @@ def copy_token(token_refs, bufs, b, h, hk, rows, barrier) -> None:
 
 def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a_log_ref, dt_bias_ref, *refs,
             group_size, tiles, use_qk_l2norm, scale, raw_gates, rebuild, num_programs, chunk, readout, parts, grouped,
-            xla_side, mma_side, program_scratch, per_tile, warpgroups, ordered, interpret):
+            xla_side, mma_side, program_scratch, per_tile, warpgroups, ordered, operands_in_tile, interpret):
     # Inputs, the row order, the raw q and k staged for the "mma" readout and the key side
     # from XLA first; outputs; scratch.
     order_ref, *refs = refs if ordered else (None, *refs)
@@ -535,7 +551,8 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a
     (ckpt_ref, ucache_ref, kcache_ref, gcache_ref, y_ref,
      *all_scratch) = refs
     batch, num_heads = y_ref.shape[:2]
-    own_operands = warpgroups > 1  # a tensor-core rebuild's operands in their own buffers, not the tile's union
+    # A tensor-core rebuild's operands in their own buffers, not the tile's union.
+    own_operands = warpgroups > 1 and not operands_in_tile
 
     def buffers(b):
         """`(stages, group keys, shared, rebuild buffers or own operands, barriers, group
@@ -546,7 +563,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a
         """Start the tile's copies into `stages[stage]` (none for padding rows)."""
         stages, _, _, _, barriers, _, _ = buffers(b)
         tile_buf, u_smem, g_smem, _, qk_smem, v_smem, stage_keys, x_smem, side_smem = stages[stage]
-        t_smem, _ = split_tile_buffer(tile_buf, rebuild, own_operands)
+        t_smem, _ = split_tile_buffer(tile_buf, rebuild, own_operands, kcache_ref.dtype)
         barrier, slot, rows = barriers.at[stage], slot_ref[b], pl.ds(tile * BLOCK_V, BLOCK_V)
 
         @pl.when(mode_ref[b] != MODE_PAD)
@@ -575,7 +592,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a
         stages, group_keys, shared_smem, rebuild_bufs, barriers, group_barrier, rows_barrier = buffers(b)
         tile_buf, u_smem, g_smem, o_smem, qk_smem, v_smem, stage_keys, x_smem, side_smem = stages[stage]
         k_smem = group_keys[0] if grouped or xla_side and group_keys else stage_keys[0] if stage_keys else None
-        t_smem, operands = split_tile_buffer(tile_buf, rebuild, own_operands)
+        t_smem, operands = split_tile_buffer(tile_buf, rebuild, own_operands, kcache_ref.dtype)
         operands = rebuild_bufs if own_operands else operands
         rows = pl.ds(tile * BLOCK_V, BLOCK_V)
         mode = mode_ref[b]
@@ -685,7 +702,8 @@ def _kernel(slot_ref, pos_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, a
 
 
 def _scratch(head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, v_dtype, swizzle, rebuild, stages,
-             readout="fma", grouped=False, xla_side=False, own_operands=False, mma_side=False) -> list:
+             readout="fma", grouped=False, xla_side=False, own_operands=False, mma_side=False,
+             operands_in_tile=False) -> list:
     """`[stages, group keys, shared, rebuild buffers, barriers, group barrier, rows
     barrier]`: `stages` sets of the replay buffers (the key records among them `[k]` unless
     `grouped`, else `[]`), the token's (`copy_token`) and, for the "mma" readout, `[x]` the
@@ -698,13 +716,18 @@ def _scratch(head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, v_dtype,
     Tensor-core rebuilds keep their `wgmma` operands (K-major: `U^T diag(W)` `[BV, L]` and
     `K^T` `[d_k, L]`, hi and lo parts for "3xtf32") in a union with each stage's
     checkpoint-tile buffer instead, or, with `own_operands` (several warpgroups, which cannot
-    share a union), in the rebuild buffers' place. With the key side from XLA (`xla_side`), each stage
+    share a union of unequal members), in the rebuild buffers' place, or, with
+    `operands_in_tile`, stacked into one buffer of the tile's bytes in the tile's union
+    (`rebuild.stacked_operands`). With the key side from XLA (`xla_side`), each stage
     takes `[side]` (`[3, L]` fp32, `key_side_values`) in place of the key records, which a
     tensor-core rebuild copies into one buffer per CTA (the group keys') when it flushes."""
     def stage():
         tile, u, keys, g, y = replay_scratch(BLOCK_V, head_k_dim, cache_len, state_dtype, cache_dtype, (BLOCK_V,),
                                              v_dtype, swizzle)
-        tile = tile if own_operands else tile_with_operands(tile, BLOCK_V, head_k_dim, cache_len, rebuild, cache_dtype)
+        if operands_in_tile:
+            tile = plgpu.RefUnion(tile, stacked_operands(tile, BLOCK_V, head_k_dim, cache_len, rebuild, cache_dtype))
+        elif not own_operands:
+            tile = tile_with_operands(tile, BLOCK_V, head_k_dim, cache_len, rebuild, cache_dtype)
         vectors = ([plgpu.SMEM((vector_rows(DECODE_VECTORS), head_k_dim), qk_dtype, transforms=tiled(128, qk_dtype))]
                    if readout == "mma" else [])
         side = [plgpu.SMEM((3, cache_len), F32)] if xla_side else []
@@ -729,20 +752,23 @@ def _scratch(head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, v_dtype,
 def persistent_programs(batch: int, num_v_heads: int, head_v_dim: int, head_k_dim: int, cache_len: int,
                         state_dtype, cache_dtype, token_dtype, sm_count: int, *, swizzle: int = 128,
                         rebuild: str = "exact", readout: str = "fma", key_side: str = "kernel", scratch_of=None,
-                        max_ctas: int | None = RESIDENT_CTAS, warpgroups: int = 1) -> int:
+                        max_ctas: int | None = RESIDENT_CTAS, warpgroups: int = 1,
+                        operands_in_tile: bool = False) -> int:
     """`MosaicReplayParams.programs` for a device of `sm_count` SMs: as many persistent CTAs
     per SM as the two-stage buffers fit in shared memory, at most `max_ctas` (`token_dtype`:
     q, k and v's; the key records grouped where that fits more, `group_records=None`, unless
     `key_side="xla"`), times `warpgroups` (GDN: a CTA of w > 1 warpgroups holds w programs'
     buffers and, its threads taking up to 65,536 / (128 w) registers each, is the one CTA
-    resident per SM; 0 where its buffers do not fit). `scratch_of`: the kernel's scratch
+    resident per SM; 0 where its buffers do not fit; `operands_in_tile` as
+    `MosaicReplayParams`'). `scratch_of`: the kernel's scratch
     builder, this module's by default (the KDA kernel's takes the same arguments but
     `readout`, `key_side` and `grouped`)."""
     args = (head_k_dim, cache_len, state_dtype, cache_dtype, token_dtype, token_dtype, swizzle, rebuild, STAGES)
     xla_side = key_side == "xla"
     scratch = (scratch_of(*args) if scratch_of
-               else _scratch(*args, readout, grouped=not xla_side, xla_side=xla_side, own_operands=warpgroups > 1,
-                             mma_side=key_side == "mma"))
+               else _scratch(*args, readout, grouped=not xla_side, xla_side=xla_side,
+                             own_operands=warpgroups > 1 and not operands_in_tile, mma_side=key_side == "mma",
+                             operands_in_tile=operands_in_tile))
     cta_scratch, _ = kernel_scratch(scratch, per_tile=False, warpgroups=warpgroups)
     return programs_that_fit(smem_bytes(cta_scratch), sm_count, batch * num_v_heads * (head_v_dim // BLOCK_V),
                              max_ctas, warpgroups)
@@ -751,14 +777,16 @@ def persistent_programs(batch: int, num_v_heads: int, head_v_dim: int, head_k_di
 @functools.lru_cache(maxsize=None)
 def _build(batch, num_v_heads, head_v_dim, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y_dtype,
            group_size, use_qk_l2norm, scale, raw_gates, swizzle, rebuild, programs, auto_barriers, readout,
-           group_records, chunk, key_side, per_tile_addresses, warpgroups, ordered, interpret):
+           group_records, chunk, key_side, per_tile_addresses, warpgroups, ordered, operands_in_tile, interpret):
     tiles = head_v_dim // BLOCK_V
     num_tiles = batch * num_v_heads * tiles
     warpgroups = min(warpgroups, num_tiles)  # every program serves at least one tile
+    operands_in_tile = operands_in_tile and warpgroups > 1
     xla_side = key_side == "xla"
     scratch_of = functools.partial(_scratch, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y_dtype,
                                    swizzle, rebuild, STAGES if programs else 1, readout, xla_side=xla_side,
-                                   own_operands=warpgroups > 1, mma_side=key_side == "mma")
+                                   own_operands=warpgroups > 1 and not operands_in_tile, mma_side=key_side == "mma",
+                                   operands_in_tile=operands_in_tile)
     grouped = (not xla_side and group_records if group_records is not None
                else not xla_side and bool(programs) and grouped_fits_more(scratch_of))
     program_scratch = scratch_of(grouped)
@@ -770,7 +798,8 @@ def _build(batch, num_v_heads, head_v_dim, head_k_dim, cache_len, state_dtype, c
                              scale=scale, raw_gates=raw_gates, rebuild=rebuild, num_programs=num_programs,
                              chunk=chunk, readout=readout, parts=tile_parts(state_dtype), grouped=grouped,
                              xla_side=xla_side, mma_side=key_side == "mma", program_scratch=view,
-                             per_tile=per_tile_addresses, warpgroups=warpgroups, ordered=ordered, interpret=interpret)
+                             per_tile=per_tile_addresses, warpgroups=warpgroups, ordered=ordered,
+                             operands_in_tile=operands_in_tile, interpret=interpret)
     return build_kernel(body, jax.ShapeDtypeStruct((batch, num_v_heads, head_v_dim), y_dtype), scratch,
                         tile_grid(batch, num_v_heads, tiles, num_programs, warpgroups),
                         name="replayssm_replay_decode_mgpu", interpret=interpret, auto_barriers=auto_barriers)
@@ -825,7 +854,7 @@ def replay_decode_mgpu(
         num_v_heads // q.shape[1], bool(use_qk_l2norm), float(head_k_dim ** -0.5 if scale is None else scale),
         gate_params is not None, params.swizzle, params.rebuild, params.programs, params.auto_barriers,
         params.readout, params.group_records, params.chunk, params.key_side, params.per_tile_addresses,
-        params.warpgroups, bool(order), bool(interpret),
+        params.warpgroups, bool(order), params.operands_in_tile, bool(interpret),
     )
     k = k.astype(q.dtype)
     vectors = xla_side_inputs(q, k, k_cache, slot, params=params, use_qk_l2norm=bool(use_qk_l2norm), scale=scale)
