@@ -110,10 +110,11 @@ def compile_variant(spec: str) -> None:
     defaults = (mosaic_gpu.verify_default_params(cfg, batch, width, jnp.bfloat16) if verify
                 else mosaic_gpu.default_params(cfg, batch, jnp.bfloat16))
     params = defaults
-    if rest:  # the named fields replace the defaults' ("programs=fit" resolved as by mosaic_bench)
-        named = mb.mosaic_params(rest[0], cfg, batch)
-        params = dataclasses.replace(defaults, **{item.split("=")[0]: getattr(named, item.split("=")[0])
-                                                  for item in rest[0].split(",")})
+    if rest:  # the named fields replace the defaults' (a leading `default,` says the same)
+        _, fields = db.variant_fields(rest[0].split(","))
+        if fields.get("programs") == "fit":  # resolved as by mosaic_bench, from the merged fields
+            fields["programs"] = mb.mosaic_params(rest[0].removeprefix("default,"), cfg, batch).programs
+        params = dataclasses.replace(defaults, **fields)
     state = db.random_pool(cfg, 2 * batch, jax.random.key(0), jnp.zeros((2 * batch,), jnp.int32))
     if verify:
         keys = jax.random.split(jax.random.key(1), 5)

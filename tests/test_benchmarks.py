@@ -247,7 +247,8 @@ def test_verify_bench_runs_mosaic_kernel_options(tmp_path):
                                                              readout="mma", group_records=None, chunk=0,
                                                              key_side="kernel", per_tile_addresses=False, warpgroups=1,
                                                              launch_order=True, window_side="xla", window_warps=2,
-                                                             prefetch_folds=False, group_folds=False)
+                                                             prefetch_folds=False, group_folds=False,
+                                                             operands_in_tile=False)
     assert row["backends"][variant]["nonflush_us"] > 0
     assert all(times["staggered_us"] > 0 and 0 <= times["staggered_fold_fraction"] <= 1
                for times in row["backends"].values())
@@ -354,7 +355,11 @@ def test_mosaic_registers_on_the_gdn_kernel_dumped_on_the_h200(tmp_path):
     assert row["ctas_per_sm=1"]["spill_store_bytes"] == 0 < row["ctas_per_sm=3"]["spill_store_bytes"]
 
 
-@pytest.mark.parametrize("spec", ["mamba2:float32:8:4:chunk=1,readout=fma", "verify:float32:16:8"])
+@pytest.mark.parametrize("spec", ["mamba2:float32:8:4:chunk=1,readout=fma", "verify:float32:16:8",
+                                  # Fields valid only with the defaults' others (four warpgroups
+                                  # need their auto_barriers=False), with or without `default,`.
+                                  "gdn:bfloat16:16:512:warpgroups=4,programs=528,operands_in_tile=true,rebuild=3xtf32",
+                                  "gdn:bfloat16:16:512:default,warpgroups=4,operands_in_tile=true,rebuild=3xtf32"])
 def test_mosaic_registers_builds_each_variant_up_to_the_gpu_compile(spec):
     """`--dump`'s compile step parses the variant, merges its fields into the backend's
     defaults and lowers the kernel; off GPU Mosaic stops there (it compiles on a GPU only)."""
