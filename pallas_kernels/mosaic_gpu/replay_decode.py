@@ -193,9 +193,8 @@ class MosaicReplayParams:
         union's two members of equal bytes per program, which `pipeline.with_program_axis`
         can split between programs), as a single warpgroup's operands share its tile,
         instead of buffers of their own: 16 KiB less a program with a bf16 tile, so four
-        programs fit with the key side on tensor cores (opt-in; measured equal to the
-        default on the GPU, and on an H100 2.7% faster at bf16 L = 16 B = 512 with the pool
-        L2-resident; NOTES "four programs per SM with tensor-core folds").
+        programs fit with the key side on tensor cores (opt-in: NOTES "four programs per SM
+        with tensor-core folds").
       group_folds: the GDN verify kernel's persistent programs with exact folds on one
         warpgroup per CTA only (not with `prefetch_folds`): True takes a folding row's
         value records with its tile, untiled, into the stage's value-record buffer (a
