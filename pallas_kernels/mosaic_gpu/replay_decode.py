@@ -717,11 +717,13 @@ def _scratch(head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, v_dtype,
     Tensor-core rebuilds keep their `wgmma` operands (K-major: `U^T diag(W)` `[BV, L]` and
     `K^T` `[d_k, L]`, hi and lo parts for "3xtf32") in a union with each stage's
     checkpoint-tile buffer instead, or, with `own_operands` (several warpgroups, which cannot
-    share a union of unequal members), in the rebuild buffers' place, or, with
-    `operands_in_tile`, stacked into one buffer of the tile's bytes in the tile's union
+    share a union of unequal members), in the rebuild buffers' place, unless
+    `operands_in_tile` stacks them into one buffer of the tile's bytes in the tile's union
     (`rebuild.stacked_operands`). With the key side from XLA (`xla_side`), each stage
     takes `[side]` (`[3, L]` fp32, `key_side_values`) in place of the key records, which a
     tensor-core rebuild copies into one buffer per CTA (the group keys') when it flushes."""
+    own_operands = own_operands and not operands_in_tile  # stacked in the tile's union instead
+
     def stage():
         tile, u, keys, g, y = replay_scratch(BLOCK_V, head_k_dim, cache_len, state_dtype, cache_dtype, (BLOCK_V,),
                                              v_dtype, swizzle)
@@ -767,9 +769,8 @@ def persistent_programs(batch: int, num_v_heads: int, head_v_dim: int, head_k_di
     args = (head_k_dim, cache_len, state_dtype, cache_dtype, token_dtype, token_dtype, swizzle, rebuild, STAGES)
     xla_side = key_side == "xla"
     scratch = (scratch_of(*args) if scratch_of
-               else _scratch(*args, readout, grouped=not xla_side, xla_side=xla_side,
-                             own_operands=warpgroups > 1 and not operands_in_tile, mma_side=key_side == "mma",
-                             operands_in_tile=operands_in_tile))
+               else _scratch(*args, readout, grouped=not xla_side, xla_side=xla_side, own_operands=warpgroups > 1,
+                             mma_side=key_side == "mma", operands_in_tile=operands_in_tile))
     cta_scratch, _ = kernel_scratch(scratch, per_tile=False, warpgroups=warpgroups)
     return programs_that_fit(smem_bytes(cta_scratch), sm_count, batch * num_v_heads * (head_v_dim // BLOCK_V),
                              max_ctas, warpgroups)
@@ -786,7 +787,7 @@ def _build(batch, num_v_heads, head_v_dim, head_k_dim, cache_len, state_dtype, c
     xla_side = key_side == "xla"
     scratch_of = functools.partial(_scratch, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y_dtype,
                                    swizzle, rebuild, STAGES if programs else 1, readout, xla_side=xla_side,
-                                   own_operands=warpgroups > 1 and not operands_in_tile, mma_side=key_side == "mma",
+                                   own_operands=warpgroups > 1, mma_side=key_side == "mma",
                                    operands_in_tile=operands_in_tile)
     grouped = (not xla_side and group_records if group_records is not None
                else not xla_side and bool(programs) and grouped_fits_more(scratch_of))
