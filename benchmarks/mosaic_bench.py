@@ -211,19 +211,25 @@ def mosaic_params(spec: str, cfg: R.ReplayConfig, batch: int):
     `default_params`), or comma-separated fields of the gate's params class (`programs=N`
     or `programs=fit`, `rebuild=tf32`, `swizzle=64`, `auto_barriers=false`, `readout=mma`),
     the others at the class's defaults, or after `default,` at the backend's
-    `default_params` for the cell (`default,programs=264`: only the programs differ)."""
+    `default_params` for the cell (`default,programs=264`: only the programs differ).
+    `programs=fit`: as many persistent programs as the merged fields' buffers fit."""
     if spec == "default":
         return None
     cls = MosaicMamba2Params if cfg.gate_kind.additive else MosaicReplayParams
     on_defaults, fields = db.variant_fields(spec.split(","))
-    if on_defaults:
-        return dataclasses.replace(mosaic_gpu.default_params(cfg, batch, jnp.bfloat16), **fields)
+    base = mosaic_gpu.default_params(cfg, batch, jnp.bfloat16) if on_defaults else cls()
     if fields.get("programs") == "fit":
-        fields["programs"] = mosaic_gpu.fitting_programs(cfg, batch, jnp.bfloat16,
-                                                        rebuild=fields.get("rebuild", "exact"),
-                                                        readout=fields.get("readout", "fma"),
-                                                        key_side=fields.get("key_side", "kernel"))
-    return cls(**fields)
+        fields["programs"] = fit_programs(lambda name: fields.get(name, getattr(base, name)), cfg, batch)
+    return dataclasses.replace(base, **fields)
+
+
+def fit_programs(field, cfg: R.ReplayConfig, batch: int) -> int:
+    """`mosaic_gpu.fitting_programs` for the buffers that the params fields `field(name)`
+    ask for."""
+    gdn_fields = ({} if cfg.gate_kind.additive else  # the KDA kernel's buffers ignore them
+                  {name: field(name) for name in ("key_side", "warpgroups", "operands_in_tile")})
+    return mosaic_gpu.fitting_programs(cfg, batch, jnp.bfloat16, rebuild=field("rebuild"), readout=field("readout"),
+                                       **gdn_fields)
 
 
 def effective_params(spec: str, cfg: R.ReplayConfig, batch: int):

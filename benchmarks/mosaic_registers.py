@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import os
 import re
 import subprocess
@@ -98,7 +97,6 @@ def compile_variant(spec: str) -> None:
     import decode_bench as db
     import mosaic_bench as mb
     import replayssm_jax as R
-    from replayssm_jax.backends import mosaic_gpu
 
     gate, dtype, cache_len, batch, *rest = spec.split(":")
     cache_len, batch, state_dtype = int(cache_len), int(batch), jnp.dtype(dtype)
@@ -107,14 +105,15 @@ def compile_variant(spec: str) -> None:
     gate = "verify" if verify else gate
     configs = {"gdn": mb.gdn_config, "verify": mb.gdn_config, "kda": mb.kda_config, "mamba2": mb.mamba2_config}
     cfg = configs[gate](False, cache_len, state_dtype)
-    defaults = (mosaic_gpu.verify_default_params(cfg, batch, width, jnp.bfloat16) if verify
-                else mosaic_gpu.default_params(cfg, batch, jnp.bfloat16))
-    params = defaults
-    if rest:  # the named fields replace the defaults' (a leading `default,` says the same)
-        _, fields = db.variant_fields(rest[0].split(","))
-        if fields.get("programs") == "fit":  # resolved as by mosaic_bench, from the merged fields
-            fields["programs"] = mb.mosaic_params(rest[0].removeprefix("default,"), cfg, batch).programs
-        params = dataclasses.replace(defaults, **fields)
+    # the named fields replace the defaults' (a leading `default,` says the same), as the
+    # benchmarks read them (`programs=fit` from the merged fields)
+    items = ["default", *filter(None, rest[0].removeprefix("default").split(","))] if rest else ["default"]
+    if verify:
+        import verify_bench as vb
+
+        params = vb.backend_params("mosaic_gpu:" + "+".join(items), cfg, batch, width)[1]
+    else:
+        params = mb.mosaic_params(",".join(items), cfg, batch)
     state = db.random_pool(cfg, 2 * batch, jax.random.key(0), jnp.zeros((2 * batch,), jnp.int32))
     if verify:
         keys = jax.random.split(jax.random.key(1), 5)

@@ -160,6 +160,16 @@ def test_mosaic_variant_specs_parse_to_params():
     on_defaults = mosaic_bench.mosaic_params("default,programs=7", nemotron, 512)
     assert on_defaults == dataclasses.replace(mosaic_gpu.default_params(nemotron, 512, jnp.bfloat16), programs=7)
     assert not on_defaults.auto_barriers and MosaicMamba2Params(programs=7).auto_barriers
+    # `programs=fit` counts the buffers of the merged fields: with `default,` too, and four
+    # bf16 programs per CTA fit (one CTA an SM) with the GPU's tensor-core folds only with
+    # their fold operands in the tile.
+    bf16 = R.ReplayConfig(16, 32, 128, 128, 16, state_dtype=jnp.bfloat16, cache_dtype=jnp.bfloat16)
+    four = "default,warpgroups=4,rebuild=3xtf32,programs=fit"
+    with pytest.raises(ValueError, match="programs must be a positive multiple of it, got 0"):
+        mosaic_bench.mosaic_params(four, bf16, 512)
+    assert mosaic_bench.mosaic_params(four + ",operands_in_tile=true", bf16, 512).programs == 4 * 132
+    assert mosaic_bench.mosaic_params("default,programs=fit", bf16, 512).programs == (
+        mosaic_gpu.default_params(bf16, 512, jnp.bfloat16).programs)
 
 
 @pytest.mark.heavy

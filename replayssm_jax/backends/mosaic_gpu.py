@@ -76,11 +76,12 @@ def mamba2_ctas_per_sm(kind: str | None = None) -> int:
 
 
 def fitting_programs(cfg, batch: int, token_dtype, *, rebuild: str = "exact", readout: str = "fma",
-                     key_side: str = "kernel", warpgroups: int = 1, sm_count: int | None = None) -> int:
+                     key_side: str = "kernel", warpgroups: int = 1, operands_in_tile: bool = False,
+                     sm_count: int | None = None) -> int:
     """Persistent programs for a step of `batch` rows: as many CTAs per SM as the kernel's
     two-stage buffers fit in shared memory, on `sm_count` SMs (default: the device's), times
-    their `warpgroups`; `readout`: the GDN and Mamba-2 kernels'; `key_side`, `warpgroups`:
-    the GDN kernel's (0 where w warpgroups' buffers do not fit a CTA)."""
+    their `warpgroups`; `readout`: the GDN and Mamba-2 kernels'; `key_side`, `warpgroups`,
+    `operands_in_tile`: the GDN kernel's (0 where w warpgroups' buffers do not fit a CTA)."""
     sms = device_sm_count() if sm_count is None else sm_count
     shape = (batch, cfg.num_v_heads, cfg.head_v_dim, cfg.head_k_dim, cfg.cache_len, cfg.state_dtype,
              cfg.cache_dtype, token_dtype, sms)
@@ -89,7 +90,8 @@ def fitting_programs(cfg, batch: int, token_dtype, *, rebuild: str = "exact", re
                                                  max_ctas=mamba2_ctas_per_sm())
     if cfg.per_channel_gate:
         return replay_decode_kda.persistent_programs(*shape, rebuild=rebuild)
-    return persistent_programs(*shape, rebuild=rebuild, readout=readout, key_side=key_side, warpgroups=warpgroups)
+    return persistent_programs(*shape, rebuild=rebuild, readout=readout, key_side=key_side, warpgroups=warpgroups,
+                               operands_in_tile=operands_in_tile)
 
 
 def gpu_rebuild(cfg, token_dtype) -> str:
