@@ -51,17 +51,20 @@ Row modes:
   the u records with the tile into the stage's u buffer and the key records once per
   key-head group into one buffer per CTA, a tile ahead); the window is
   read out from that stored value (so its records agree with what the next step replays)
-  and its u records go to `0 .. length - 1`. The kernel does not write a folding row's key
-  and gate records: other CTAs of the same slot may still be reading the history they
-  would overwrite (the wrapper writes them after the launch, `append_folding_records`).
+  and its u and gate records go to `0 .. length - 1` (the fold reads the history's gates
+  as the weights formed before the launch, never the gate records). The kernel does not
+  write a folding row's key records: other CTAs of the same slot may still be reading the
+  history they would overwrite (the wrapper writes them after the launch,
+  `append_folding_records`). Given the pool's cursors, it sets a folding row's to 0.
 - `MODE_PAD`: y = 0, nothing written.
 Window positions at and past `length` give y = 0 and no records; their inputs are replaced
 by zeros before use, so garbage there (NaN included) reaches nothing.
 
 Writes in place (`jax.new_ref`): u records `[L, BV]` rows of this tile; g records (tile 0)
-of appending rows and, with readout "fma", their k records (tile 0 of each key head's first
+of live rows and, with readout "fma", the appending rows' k records (tile 0 of each key head's first
 value head; with "mma" no key is in registers, and XLA writes every live row's k records
-after the launch, `append_folding_records`); the folded checkpoint tile. y `[B, T, H_v, d_v]`
+after the launch, `append_folding_records`); the folded checkpoint tile; a folding row's cursor (tile 0 of head 0).
+y `[B, T, H_v, d_v]`
 leaves through shared memory and one TMA copy.
 
 KDA (per-channel decay) has its own kernel, `verify_decode_kda.py`, sharing this file's
@@ -379,26 +382,32 @@ def store_zeros(o_smem, y_ref, b, h, rows, width):
 
 def append_folding_records(key_cache: Float[Array, "N Hk L *Dk"], gate_cache: Float[Array, "N Hv L *C"],
                            keys: Float[Array, "B T Hk *Dk"], gates: Float[Array, "B T Hv *C"], slot: Int[Array, " B"],
-                           mode: Int[Array, " B"], length: Int[Array, " B"],
-                           appending_keys_at: Int[Array, " B"] | None = None) -> tuple:
+                           mode: Int[Array, " B"], length: Int[Array, " B"]) -> tuple:
     """`(key_cache, gate_cache)` with each folding row's key and gate records (Mamba-2: B
     and dt) at `0 .. length - 1`, rounded to the caches' dtypes: written after the launch,
     since until it ends the kernel's other CTAs of the slot may read the history they
-    overwrite. With `appending_keys_at` (the rows' cursors), the appending rows' key records
-    too, at `pos .. pos + length - 1`: the GDN verify kernel with the tensor-core readout
-    holds no key in registers, and loading each from global memory on the tile that stores
-    it cost that tile a memory round trip per position. Other rows and positions are
-    untouched."""
-    batch, width = keys.shape[:2]
+    overwrite. Other rows and positions are untouched."""
+    return tuple(append_records(cache, records, slot, mode, length) for cache, records in
+                 ((key_cache, keys), (gate_cache, gates)))
+
+
+def append_records(cache: Float[Array, "N H L *C"], records: Float[Array, "B T H *C"], slot: Int[Array, " B"],
+                   mode: Int[Array, " B"], length: Int[Array, " B"],
+                   appending_at: Int[Array, " B"] | None = None) -> Float[Array, "N H L *C"]:
+    """`cache` with each folding row's `records` at `0 .. length - 1`, rounded to its
+    dtype (`append_folding_records`); with `appending_at` (the rows' cursors), the
+    appending rows' too, at `pos .. pos + length - 1` (the GDN verify kernel with the
+    tensor-core readout holds no key in registers, and loading each from global memory on
+    the tile that stores it cost that tile a memory round trip per position). Other rows
+    and positions are untouched."""
+    batch, width = records.shape[:2]
     in_window = jnp.arange(width)[None, :] < length[:, None]
     fold = (mode == MODE_FLUSH)[:, None]
     at = jnp.broadcast_to(jnp.arange(width)[None, :], (batch, width))
-    key_at, key_rows = at, in_window & fold
-    if appending_keys_at is not None:
-        key_at = jnp.where(fold, 0, appending_keys_at[:, None]) + at
-        key_rows = in_window & (mode != MODE_PAD)[:, None]
-    return (set_records(key_cache, slot, key_at, keys, key_rows), set_records(gate_cache, slot, at, gates,
-                                                                             in_window & fold))
+    if appending_at is None:
+        return set_records(cache, slot, at, records, in_window & fold)
+    return set_records(cache, slot, jnp.where(fold, 0, appending_at[:, None]) + at, records,
+                       in_window & (mode != MODE_PAD)[:, None])
 
 
 def record_key_scales(coef: Float[Array, "B Hv R Lanes"], width: int, vectors: int,
@@ -574,13 +583,14 @@ def stage_copies(readout: str, xla_side: bool = False) -> int:
 
 def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_ref, weights_ref, *refs,
             width, group_size, tiles, num_programs, chunk, readout, parts, rebuild, xla_side, program_scratch, per_tile,
-            warpgroups, ordered, prefetch_folds, group_folds, interpret):
+            warpgroups, ordered, prefetch_folds, group_folds, with_cursors, interpret):
     # Inputs, the row order, the window's raw vectors with the "mma" readout and the key
     # sums computed before the launch first; outputs; scratch.
     order_ref, *refs = refs if ordered else (None, *refs)
     xw_ref, *refs = refs if readout == "mma" else (None, *refs)
     side_ref, *refs = refs if xla_side else (None, *refs)
-    ckpt_ref, ucache_ref, kcache_ref, gcache_ref, y_ref, *all_scratch = refs
+    ckpt_ref, ucache_ref, kcache_ref, gcache_ref, *refs = refs
+    cursor_ref, y_ref, *all_scratch = refs if with_cursors else (None, *refs)
     batch, num_v_heads = y_ref.shape[0], y_ref.shape[2]
     own_fold_buffers = warpgroups > 1  # not in a union with the tile (`_scratch`)
 
@@ -726,6 +736,11 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
                 history_len = jnp.where(fold, 0, pos)
                 decay_eff = jnp.where(fold, 1.0, decay_total)
 
+            if with_cursors:
+                @pl.when(fold & (h == 0) & (tile == 0))
+                def _reset_cursor():  # no CTA reads the cursors
+                    cursor_ref[slot] = jnp.int32(0)
+
             @pl.when(fold)
             def _store_checkpoint():
                 with jax.named_scope("store_checkpoint"):
@@ -780,7 +795,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
                     def _append_u():
                         ucache_ref[slot, h, base + i, rows] = u_i.astype(ucache_ref.dtype)
 
-                    @pl.when(in_window & (mode == MODE_APPEND) & (tile == 0))
+                    @pl.when(in_window & (tile == 0))
                     def _append_gate():
                         gcache_ref[slot, h, base + i] = g(i)
 
@@ -858,7 +873,7 @@ def persistent_programs(batch: int, width: int, num_v_heads: int, head_v_dim: in
 @functools.lru_cache(maxsize=None)
 def _build(batch, width, num_v_heads, head_v_dim, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y_dtype,
            group_size, swizzle, programs, auto_barriers, readout, rebuild, chunk, per_tile_addresses, xla_side,
-           warpgroups, ordered, prefetch_folds, group_folds, interpret):
+           warpgroups, ordered, prefetch_folds, group_folds, with_cursors, interpret):
     tiles = head_v_dim // BLOCK_ROWS
     num_tiles = batch * num_v_heads * tiles
     warpgroups = min(warpgroups, num_tiles)  # every program serves at least one tile
@@ -873,7 +888,8 @@ def _build(batch, width, num_v_heads, head_v_dim, head_k_dim, cache_len, state_d
                              chunk=chunk, readout=readout, parts=tile_parts(state_dtype), rebuild=rebuild,
                              xla_side=xla_side, program_scratch=view,
                              per_tile=per_tile_addresses, warpgroups=warpgroups, ordered=ordered,
-                             prefetch_folds=prefetch_folds, group_folds=group_folds, interpret=interpret)
+                             prefetch_folds=prefetch_folds, group_folds=group_folds, with_cursors=with_cursors,
+                             interpret=interpret)
     return build_kernel(body, jax.ShapeDtypeStruct((batch, width, num_v_heads, head_v_dim), y_dtype), scratch,
                         tile_grid(batch, num_v_heads, tiles, num_programs, warpgroups),
                         name="replayssm_verify_decode_mgpu", interpret=interpret, auto_barriers=auto_barriers)
@@ -895,6 +911,7 @@ def verify_decode_mgpu(
     length: Int[Array, " B"],
     anc: Bool[Array, "B T T"],
     *,
+    cursors: Int[Array, " N"] | None = None,
     use_qk_l2norm: bool = False,
     scale: float | None = None,
     params: MosaicReplayParams = MosaicReplayParams(),
@@ -912,6 +929,8 @@ def verify_decode_mgpu(
         history into the checkpoint first).
       length: per row the valid window length in [0, T] (`pos + length <= L` unless folding).
       anc: `[B, T, T]` bool, True where position j precedes position i on i's branch.
+      cursors: optional `[N]` int32, the pool's cursors: the kernel sets each folding row's
+        to 0 in place (a launch fewer than XLA's update after the step).
       use_qk_l2norm, scale: as `replay_decode_mgpu`.
       params: the checkpoint tile's swizzle, persistent CTAs, automatic barriers, the folds'
         rebuild and the readout (`MosaicReplayParams`; tensor-core rebuilds need a GPU;
@@ -921,10 +940,10 @@ def verify_decode_mgpu(
       interpret: run in Mosaic GPU interpret mode (default: off GPU).
 
     Returns:
-      `(y [B, T, H_v, d_v] in v's dtype, checkpoint, u_cache, k_cache, g_cache)` with every
-      row's window records appended, the state arrays updated in place when the caller
-      donates them (a folding row's key and gate records, and with readout "mma" every
-      row's key records, by XLA after the launch, see the module doc).
+      `(y [B, T, H_v, d_v] in v's dtype, checkpoint, u_cache, k_cache, g_cache)`, then
+      `cursors` if given, with every row's window records appended, the state arrays
+      updated in place when the caller donates them (a folding row's key records, and with
+      readout "mma" every row's key records, by XLA after the launch, see the module doc).
     """
     batch, width, num_v_heads, head_v_dim = v.shape
     head_k_dim = q.shape[-1]
@@ -936,6 +955,9 @@ def verify_decode_mgpu(
                          f"got T = {width}")
     if anc.shape != (batch, width, width):
         raise ValueError(f"anc must have shape {(batch, width, width)}, got {anc.shape}")
+    if cursors is not None and (cursors.shape != checkpoint.shape[:1] or cursors.dtype != jnp.int32):
+        raise ValueError(f"cursors must be int32 of shape {checkpoint.shape[:1]} (one per slot), got "
+                         f"{cursors.dtype} {cursors.shape}")
     check_shapes(head_k_dim, head_v_dim, cache_len, checkpoint.dtype.itemsize, params.swizzle)
     check_params(params, "verify_decode_mgpu", pipelined=True)
     exact_fold = params.rebuild == "exact"
@@ -975,15 +997,16 @@ def verify_decode_mgpu(
                     q.dtype, v.dtype, num_v_heads // q.shape[2], params.swizzle, params.programs,
                     params.auto_barriers, params.readout, params.rebuild, params.chunk, params.per_tile_addresses,
                     params.key_side == "xla", params.warpgroups, bool(order), params.prefetch_folds,
-                    params.group_folds, bool(interpret))
-    refs = [jax.new_ref(x) for x in (checkpoint, u_cache, k_cache, g_cache)]
+                    params.group_folds, cursors is not None, bool(interpret))
+    pools = (checkpoint, u_cache, k_cache, g_cache) + (() if cursors is None else (cursors,))
+    refs = [jax.new_ref(x) for x in pools]
     i32 = lambda x: x.astype(jnp.int32)
     vectors = [staged] if params.readout == "mma" else []
     if params.key_side == "xla":
         vectors.append(window_key_values(q, k, k_cache, slot, length, interpret=bool(interpret), staged=staged,
                                          mode=mode))
     y = kernel(i32(slot), i32(pos), i32(mode), length, q, k, v, coef, weights, *order, *vectors, *refs)
-    checkpoint, u_cache, k_cache, g_cache = (jax.freeze(r) for r in refs)
+    checkpoint, u_cache, k_cache, g_cache, *cursors = (jax.freeze(r) for r in refs)
     keys = k.astype(F32) * key_scales[..., None]
-    return (y, checkpoint, u_cache, *append_folding_records(k_cache, g_cache, keys, g, slot, mode, length,
-                                                            pos if params.readout == "mma" else None))
+    k_cache = append_records(k_cache, keys, slot, mode, length, pos if params.readout == "mma" else None)
+    return (y, checkpoint, u_cache, k_cache, g_cache, *cursors)
