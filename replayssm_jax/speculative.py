@@ -245,8 +245,7 @@ def verify_step(
         readouts, the T x T solve or masked sum, the outputs, the records and the folds)
         after the window's T x T scalars in XLA, plus XLA's scatter of the folding rows' key
         and gate records (Mamba-2: B and dt; GDN: the key records only, with the
-        tensor-core readout every row's) and of the folding rows' cursors (not GDN's); or
-        "auto" (`backends.auto.verify_backend`:
+        tensor-core readout every row's; the kernel resets their cursors); or "auto" (`backends.auto.verify_backend`:
         "mosaic_gpu" on a Hopper GPU, "xla" elsewhere).
       lengths: optional `[B]` int in [0, T]: positions >= lengths[b] are padding (output 0,
         no record written, no effect on the capacity rule). Default: T for every row.
@@ -477,14 +476,12 @@ def _mosaic_verify(state, window: Tokens, plan, fold, length, anc, *, use_qk_l2n
     # decode flush's); the KDA kernel refuses `launch_order`.
     order = (dict(row_order=launch_order(plan.valid, plan.pos, fold, cfg.cache_len))
              if kernel_params.launch_order and not cfg.per_channel_gate else {})
-    # The GDN kernel resets the folding rows' cursors itself (one XLA launch fewer).
-    cursors = {} if cfg.per_channel_gate else dict(cursors=state.write_pos)
-    y, checkpoint, u_cache, k_cache, g_cache, *write_pos = kernel(
+    # The kernel resets the folding rows' cursors itself (one XLA launch fewer).
+    y, checkpoint, u_cache, k_cache, g_cache, write_pos = kernel(
         state.checkpoint, state.u_cache, state.k_cache, state.g_cache,
         window.q, window.k, window.v, window.g, window.beta,
-        plan.slot, plan.pos, common.row_modes(plan.valid, fold), length, anc,
-        use_qk_l2norm=use_qk_l2norm, scale=scale, params=kernel_params, interpret=interpret, **order, **cursors)
-    (write_pos,) = write_pos or (_fold_cursors(state, plan, fold),)
+        plan.slot, plan.pos, common.row_modes(plan.valid, fold), length, anc, cursors=state.write_pos,
+        use_qk_l2norm=use_qk_l2norm, scale=scale, params=kernel_params, interpret=interpret, **order)
     return y, dataclasses.replace(state, checkpoint=checkpoint, u_cache=u_cache, k_cache=k_cache, g_cache=g_cache,
                                   write_pos=write_pos)
 
@@ -494,13 +491,13 @@ def _mosaic_mamba2_verify(state, window: Mamba2Tokens, params: Mamba2Params, pla
     """`verify_step` for gate "mamba2" on the Mosaic GPU kernel: `(y, new_state)`."""
     dt = gating.mamba2_dt(window.dt, params.dt_bias, dt_softplus=params.dt_softplus,
                           dt_limit=params.dt_limit)  # [B, T, H], as the xla backend's records
-    y, checkpoint, x_cache, b_cache, dt_cache = mamba2_verify_decode_mgpu(
+    y, checkpoint, x_cache, b_cache, dt_cache, write_pos = mamba2_verify_decode_mgpu(
         state.checkpoint, state.u_cache, state.k_cache, state.g_cache,
         window.x, window.B, window.C, dt, params.A, params.D,
         plan.slot, plan.pos, common.row_modes(plan.valid, fold), length, anc,
-        z=window.z, params=kernel_params, interpret=interpret)
+        z=window.z, cursors=state.write_pos, params=kernel_params, interpret=interpret)
     return y, dataclasses.replace(state, checkpoint=checkpoint, u_cache=x_cache, k_cache=b_cache, g_cache=dt_cache,
-                                  write_pos=_fold_cursors(state, plan, fold))
+                                  write_pos=write_pos)
 
 
 def _pallas_window(state, plan, fold, q, k, v, g, beta, anc, params, interpret):

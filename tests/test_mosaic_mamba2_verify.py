@@ -114,11 +114,15 @@ def _inputs(rng, groups, state_dtype, with_z):
 ])
 def test_verify_matches_the_float64_model(rng, groups, state_dtype, with_z):
     ckpt, x_c, b_c, dt_c, x, B, C, dt, z, A, D, parents = _inputs(rng, groups, state_dtype, with_z)
-    out = mamba2_verify_decode_mgpu(
+    cursors = rng.integers(1, L, NUM_SLOTS).astype(np.int32)
+    *out, got_cursors = mamba2_verify_decode_mgpu(
         jnp.asarray(ckpt, state_dtype), jnp.asarray(x_c, state_dtype), jnp.asarray(b_c, state_dtype),
         jnp.asarray(dt_c), *(jnp.asarray(a) for a in (x, B, C, dt, A, D)),
         jnp.asarray(SLOTS), jnp.asarray(POS), jnp.asarray(MODES), jnp.asarray(LENGTHS),
-        jnp.asarray(_ancestors(parents)), z=None if z is None else jnp.asarray(z), interpret=True)
+        jnp.asarray(_ancestors(parents)), z=None if z is None else jnp.asarray(z), cursors=jnp.asarray(cursors),
+        interpret=True)
+    # the kernel resets the folding rows' cursors in place
+    np.testing.assert_array_equal(got_cursors, np.where(np.isin(np.arange(NUM_SLOTS), SLOTS[FOLD]), 0, cursors))
     want = _model(ckpt, x_c, b_c, dt_c, x, B, C, dt, z, A, D, parents, state_dtype=state_dtype)
     # fp32: float64 sums vs fp32 FMAs in another order (~1e-6 of the largest entry).
     # bf16 state: the inputs are the rounded values in both and the folded state's rounding
@@ -147,14 +151,15 @@ def _lower_for_h200(state_dtype, *, heads=128, head_dim=64, state_size=128, grou
             S((n, groups, cache_len, state_size), state_dtype), S((n, heads, cache_len), f32),
             S((b, width, heads, head_dim), bf16), S((b, width, groups, state_size), bf16),
             S((b, width, groups, state_size), bf16), S((b, width, heads), f32), S((heads,), f32), S((heads,), f32),
-            S((b,), i32), S((b,), i32), S((b,), i32), S((b,), i32), S((b, width, width), jnp.bool_)]
+            S((b,), i32), S((b,), i32), S((b,), i32), S((b,), i32), S((b, width, width), jnp.bool_),
+            S((n,), i32)]  # the pool's cursors, donated as the state arrays
     if with_z:
         args.append(S((b, width, heads, head_dim), bf16))
 
     def step(*a):
-        return mamba2_verify_decode_mgpu(*a[:15], z=a[15] if with_z else None, interpret=False)
+        return mamba2_verify_decode_mgpu(*a[:15], cursors=a[15], z=a[16] if with_z else None, interpret=False)
 
-    return jax.jit(step, donate_argnums=(0, 1, 2, 3)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    return jax.jit(step, donate_argnums=(0, 1, 2, 3, 15)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 @pytest.mark.parametrize("state_dtype,with_z", [(jnp.float32, True), (jnp.bfloat16, False)])

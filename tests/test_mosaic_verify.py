@@ -156,18 +156,17 @@ def test_verify_matches_the_float64_model(rng, gate, params, state_dtype):
     ckpt, u_c, k_c, g_c, q, k, v, g, beta, parents = _inputs(rng, state_dtype, state_dtype, gate == "kda")
     qk_dtype = jnp.bfloat16 if params.readout == "mma" else jnp.float32
     q, k = (np.asarray(jnp.asarray(x, qk_dtype).astype(jnp.float32)) for x in (q, k))  # the model sees the rounding
-    # The GDN kernel resets the folding rows' cursors in place.
+    # The kernel resets the folding rows' cursors in place.
     cursors = rng.integers(1, L, NUM_SLOTS).astype(np.int32)
     out = kernel(
         jnp.asarray(ckpt, state_dtype), jnp.asarray(u_c, state_dtype), jnp.asarray(k_c, state_dtype),
         jnp.asarray(g_c), jnp.asarray(q, qk_dtype), jnp.asarray(k, qk_dtype), *(jnp.asarray(x) for x in (v, g, beta)),
         jnp.asarray(SLOTS), jnp.asarray(POS), jnp.asarray(MODES), jnp.asarray(LENGTHS),
         jnp.asarray(_ancestors(parents), bool), use_qk_l2norm=True, params=params, interpret=True,
-        **(dict(row_order=jnp.asarray(rng.permutation(len(SLOTS)), jnp.int32)) if params.launch_order else {}),
-        **({} if gate == "kda" else dict(cursors=jnp.asarray(cursors))))
-    if gate == "gdn":
-        out, got_cursors = out[:5], out[5]
-        np.testing.assert_array_equal(got_cursors, np.where(np.isin(np.arange(NUM_SLOTS), SLOTS[FOLD]), 0, cursors))
+        cursors=jnp.asarray(cursors),
+        **(dict(row_order=jnp.asarray(rng.permutation(len(SLOTS)), jnp.int32)) if params.launch_order else {}))
+    out, got_cursors = out[:5], out[5]
+    np.testing.assert_array_equal(got_cursors, np.where(np.isin(np.arange(NUM_SLOTS), SLOTS[FOLD]), 0, cursors))
     want = _model(ckpt, u_c, k_c, g_c, q, k, v, g, beta, parents, state_dtype=state_dtype)
     # fp32: float64 sums vs fp32 FMAs in another order (~1e-6 of the largest entry).
     # bf16 state and caches: the inputs are the rounded values in both, the stores round
@@ -197,14 +196,11 @@ def _lower_for_h200(gate, state_dtype, cache_len, width, head_dim=128, params=Mo
             S((b, width, hk, d), jnp.bfloat16), S((b, width, hk, d), jnp.bfloat16), S((b, width, hv, d), jnp.bfloat16),
             S((b, width, hv, *channels), jnp.float32), S((b, width, hv), jnp.float32),
             S((b,), i32), S((b,), i32), S((b,), i32), S((b,), i32), S((b, width, width), jnp.bool_)]
-    if gate == "kda":
-        step = lambda *a: verify_decode_kda_mgpu(*a, use_qk_l2norm=True, params=params, interpret=False)
-    else:  # with the pool's cursors, donated as the state arrays
-        args.append(S((n,), i32))
-        step = lambda *a: verify_decode_mgpu(*a[:-1], cursors=a[-1], use_qk_l2norm=True, params=params,
-                                             interpret=False)
-    donated = (0, 1, 2, 3) + ((len(args) - 1,) if gate == "gdn" else ())
-    return jax.jit(step, donate_argnums=donated).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    kernel = verify_decode_kda_mgpu if gate == "kda" else verify_decode_mgpu
+    # with the pool's cursors, donated as the state arrays
+    step = lambda *a: kernel(*a[:-1], cursors=a[-1], use_qk_l2norm=True, params=params, interpret=False)
+    args.append(S((n,), i32))
+    return jax.jit(step, donate_argnums=(0, 1, 2, 3, 14)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 SLOW = pytest.mark.slow  # a second shape or option of a path that a faster lowering here also reaches
@@ -622,6 +618,9 @@ def test_refuses_shapes_it_cannot_take():
                            params=MosaicReplayParams(readout="mma"), interpret=True)
     with pytest.raises(ValueError, match="readout must be one of"):
         MosaicReplayParams(readout="wgmma")
+    for cursors in (jnp.zeros((3,), jnp.int32), jnp.zeros((2,), jnp.float32)):  # one int32 per slot
+        with pytest.raises(ValueError, match="cursors must be int32 of shape"):
+            verify_decode_mgpu(*args, *window(2), *rows, jnp.zeros((1, 2, 2), bool), cursors=cursors)
     for params in (MosaicReplayParams(prefetch_folds=True),  # one CTA per tile
                    MosaicReplayParams(programs=2, rebuild="3xtf32", prefetch_folds=True),  # fetches no keys
                    MosaicReplayParams(programs=3, auto_barriers=False, warpgroups=3, key_side="xla",

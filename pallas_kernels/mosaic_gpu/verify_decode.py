@@ -380,6 +380,13 @@ def store_zeros(o_smem, y_ref, b, h, rows, width):
     plgpu.copy_smem_to_gmem(o_smem, y_ref.at[b, :, h, rows])
 
 
+def check_cursors(cursors: Int[Array, " N"] | None, num_slots: int) -> None:
+    """ValueError unless `cursors` is None or int32 `[N]`, one per slot of the pools."""
+    if cursors is not None and (cursors.shape != (num_slots,) or cursors.dtype != jnp.int32):
+        raise ValueError(f"cursors must be int32 of shape {(num_slots,)} (one per slot), got {cursors.dtype} "
+                         f"{cursors.shape}")
+
+
 def append_folding_records(key_cache: Float[Array, "N Hk L *Dk"], gate_cache: Float[Array, "N Hv L *C"],
                            keys: Float[Array, "B T Hk *Dk"], gates: Float[Array, "B T Hv *C"], slot: Int[Array, " B"],
                            mode: Int[Array, " B"], length: Int[Array, " B"]) -> tuple:
@@ -955,9 +962,7 @@ def verify_decode_mgpu(
                          f"got T = {width}")
     if anc.shape != (batch, width, width):
         raise ValueError(f"anc must have shape {(batch, width, width)}, got {anc.shape}")
-    if cursors is not None and (cursors.shape != checkpoint.shape[:1] or cursors.dtype != jnp.int32):
-        raise ValueError(f"cursors must be int32 of shape {checkpoint.shape[:1]} (one per slot), got "
-                         f"{cursors.dtype} {cursors.shape}")
+    check_cursors(cursors, checkpoint.shape[0])
     check_shapes(head_k_dim, head_v_dim, cache_len, checkpoint.dtype.itemsize, params.swizzle)
     check_params(params, "verify_decode_mgpu", pipelined=True)
     exact_fold = params.rebuild == "exact"

@@ -55,7 +55,7 @@ from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA,
 from pallas_kernels.mosaic_gpu.replay_decode import MosaicReplayParams
 from pallas_kernels.mosaic_gpu.replay_decode_kda import (channel_layout, check_kda_shapes, decay_weights,
                                                          rebuild_exact, weighted_keys)
-from pallas_kernels.mosaic_gpu.verify_decode import (MAX_WIDTH, append_folding_records, check_params,
+from pallas_kernels.mosaic_gpu.verify_decode import (MAX_WIDTH, append_folding_records, check_cursors, check_params,
                                                      coefficient_count, coefficient_shape, pack_coefficients,
                                                      prepare_window, record_key_scales, select_if, solve_positions,
                                                      store_zeros, unpack_coefficients)
@@ -106,11 +106,10 @@ def kda_window_coefficients(
 
 
 def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, g_ref, decay_ref, coef_ref,
-            ckpt_ref, ucache_ref, kcache_ref, gcache_ref,
-            y_ref,
-            t_smem, u_smem, k_smem, g_smem, w_smem, chan_smem, o_smem, c_smem, rows_or_gates, window_smem,
-            barrier, rows_barrier, gate_barrier,
-            *, width, group_size, tiles):
+            ckpt_ref, ucache_ref, kcache_ref, gcache_ref, *refs, width, group_size, tiles, with_cursors):
+    cursor_ref, *refs = refs if with_cursors else (None, *refs)
+    (y_ref, t_smem, u_smem, k_smem, g_smem, w_smem, chan_smem, o_smem, c_smem, rows_or_gates, window_smem,
+     barrier, rows_barrier, gate_barrier) = refs
     b = lax.axis_index("b")
     hv = lax.axis_index("hv")
     h, tile = hv // tiles, hv % tiles
@@ -173,6 +172,11 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, g_ref,
         history_len = jnp.where(fold, 0, pos)
         decay_eff = select_if(jnp.logical_not(fold), decay_total, COL, 1.0)
 
+        if with_cursors:
+            @pl.when(fold & (h == 0) & (tile == 0))
+            def _reset_cursor():  # no CTA reads the cursors
+                cursor_ref[slot] = jnp.int32(0)
+
         @pl.when(fold)
         def _store_checkpoint():
             t_smem[...] = s_eff.astype(t_smem.dtype)
@@ -229,9 +233,9 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, g_ref,
 
 @functools.lru_cache(maxsize=None)
 def _build(batch, width, num_v_heads, head_v_dim, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y_dtype,
-           gate_dtype, group_size, swizzle, interpret):
+           gate_dtype, group_size, swizzle, with_cursors, interpret):
     tiles = head_v_dim // BLOCK_ROWS
-    body = functools.partial(_kernel, width=width, group_size=group_size, tiles=tiles)
+    body = functools.partial(_kernel, width=width, group_size=group_size, tiles=tiles, with_cursors=with_cursors)
     scratch = [
         plgpu.SMEM((BLOCK_ROWS, head_k_dim), state_dtype, transforms=tiled(swizzle, state_dtype)),
         records_buffer(cache_len, BLOCK_ROWS, cache_dtype),
@@ -272,6 +276,7 @@ def verify_decode_kda_mgpu(
     length: Int[Array, " B"],
     anc: Bool[Array, "B T T"],
     *,
+    cursors: Int[Array, " N"] | None = None,
     use_qk_l2norm: bool = False,
     scale: float | None = None,
     params: MosaicReplayParams = MosaicReplayParams(),
@@ -283,9 +288,10 @@ def verify_decode_kda_mgpu(
 
     Args and returns as `verify_decode.verify_decode_mgpu` with a per-channel decay: g
     `[B, T, H_v, d_k]` (activated log-decays) and g records `[N, H_v, L, d_k]` fp32. Returns
-    `(y [B, T, H_v, d_v] in v's dtype, checkpoint, u_cache, k_cache, g_cache)`, the state
-    arrays updated in place when the caller donates them (a folding row's key and gate
-    records by XLA after the launch, see the module doc).
+    `(y [B, T, H_v, d_v] in v's dtype, checkpoint, u_cache, k_cache, g_cache)`, then
+    `cursors` if given (each folding row's at 0), the state arrays updated in place when
+    the caller donates them (a folding row's key and gate records by XLA after the launch:
+    this kernel reads the gate records, see the module doc).
     """
     batch, width, num_v_heads, head_v_dim = v.shape
     head_k_dim = q.shape[-1]
@@ -300,6 +306,7 @@ def verify_decode_kda_mgpu(
         raise ValueError(f"anc must have shape {(batch, width, width)}, got {anc.shape}")
     if q.dtype != k.dtype:
         raise ValueError(f"q and k must share a dtype, got {q.dtype} and {k.dtype}")
+    check_cursors(cursors, checkpoint.shape[0])
     check_kda_shapes(head_k_dim, head_v_dim, cache_len, checkpoint.dtype.itemsize, u_cache.dtype.itemsize,
                      params.swizzle)
     check_params(params, "verify_decode_kda_mgpu", window_side=True)
@@ -318,10 +325,12 @@ def verify_decode_kda_mgpu(
                                               use_qk_l2norm=bool(use_qk_l2norm), scale=scale)
         key_scales = record_key_scales(coef, width, KDA_VECTORS, num_v_heads // q.shape[2])
     kernel = _build(batch, width, num_v_heads, head_v_dim, head_k_dim, cache_len, checkpoint.dtype, u_cache.dtype,
-                    q.dtype, v.dtype, g.dtype, num_v_heads // q.shape[2], params.swizzle, bool(interpret))
-    refs = [jax.new_ref(x) for x in (checkpoint, u_cache, k_cache, g_cache)]
+                    q.dtype, v.dtype, g.dtype, num_v_heads // q.shape[2], params.swizzle, cursors is not None,
+                    bool(interpret))
+    pools = (checkpoint, u_cache, k_cache, g_cache) + (() if cursors is None else (cursors,))
+    refs = [jax.new_ref(x) for x in pools]
     i32 = lambda x: x.astype(jnp.int32)
     y = kernel(i32(slot), i32(pos), i32(mode), length, q, k, v, g, decay, coef, *refs)
-    checkpoint, u_cache, k_cache, g_cache = (jax.freeze(r) for r in refs)
+    checkpoint, u_cache, k_cache, g_cache, *cursors = (jax.freeze(r) for r in refs)
     keys = k.astype(F32) * key_scales[..., None]
-    return (y, checkpoint, u_cache, *append_folding_records(k_cache, g_cache, keys, g, slot, mode, length))
+    return (y, checkpoint, u_cache, *append_folding_records(k_cache, g_cache, keys, g, slot, mode, length), *cursors)

@@ -51,7 +51,7 @@ from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA,
                                                check_smem, copy_record_rows, copy_replay_tile, load_transposed,
                                                record_copies, replay_scratch, row_sum)
 from pallas_kernels.mosaic_gpu.mamba2_decode import MosaicMamba2Params, check_shapes, rebuild_exact, window_weights
-from pallas_kernels.mosaic_gpu.verify_decode import (MAX_WIDTH, append_folding_records, check_params,
+from pallas_kernels.mosaic_gpu.verify_decode import (MAX_WIDTH, append_folding_records, check_cursors, check_params,
                                                      coefficient_shape, pack_coefficients, select_if, store_zeros,
                                                      unpack_coefficients)
 
@@ -95,10 +95,10 @@ def mamba2_window_coefficients(
 
 
 def _kernel(slot_ref, pos_ref, mode_ref, length_ref, x_ref, b_ref, c_ref, z_ref, a_ref, coef_ref,
-            ckpt_ref, xcache_ref, bcache_ref, dtcache_ref,
-            y_ref,
-            t_smem, xrec_smem, brec_smem, dt_smem, o_smem, c_smem, x_rows, b_rows, window_smem, barrier, rows_barrier,
-            *, width, group_size, tiles, has_z):
+            ckpt_ref, xcache_ref, bcache_ref, dtcache_ref, *refs, width, group_size, tiles, has_z, with_cursors):
+    cursor_ref, *refs = refs if with_cursors else (None, *refs)
+    (y_ref, t_smem, xrec_smem, brec_smem, dt_smem, o_smem, c_smem, x_rows, b_rows, window_smem, barrier,
+     rows_barrier) = refs
     b = lax.axis_index("b")
     hp = lax.axis_index("hp")
     h, tile = hp // tiles, hp % tiles
@@ -148,6 +148,11 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, x_ref, b_ref, c_ref, z_ref,
         s_eff = rebuilt.astype(t_smem.dtype).astype(F32)
         history_len = jnp.where(fold, 0, pos)
         decay_eff = jnp.where(fold, 1.0, decay_total)
+
+        if with_cursors:
+            @pl.when(fold & (h == 0) & (tile == 0))
+            def _reset_cursor():  # no CTA reads the cursors
+                cursor_ref[slot] = jnp.int32(0)
 
         @pl.when(fold)
         def _store_checkpoint():
@@ -220,9 +225,10 @@ def _scratch(width, head_dim_tile, state_size, cache_len, state_dtype, cache_dty
 
 @functools.lru_cache(maxsize=None)
 def _build(batch, width, heads, head_dim, state_size, cache_len, state_dtype, cache_dtype, c_dtype, x_dtype, z_dtype,
-           group_size, swizzle, interpret):
+           group_size, swizzle, with_cursors, interpret):
     tiles = head_dim // BLOCK_ROWS
-    body = functools.partial(_kernel, width=width, group_size=group_size, tiles=tiles, has_z=z_dtype is not None)
+    body = functools.partial(_kernel, width=width, group_size=group_size, tiles=tiles, has_z=z_dtype is not None,
+                             with_cursors=with_cursors)
     scratch = _scratch(width, BLOCK_ROWS, state_size, cache_len, state_dtype, cache_dtype, c_dtype, x_dtype, z_dtype,
                        x_dtype, swizzle)
     check_smem(scratch, f"mamba2_verify_decode_mgpu at T = {width}, cache_len = {cache_len}, N = {state_size}")
@@ -249,6 +255,7 @@ def mamba2_verify_decode_mgpu(
     anc: Bool[Array, "B T T"],
     *,
     z: Float[Array, "B T H P"] | None = None,
+    cursors: Int[Array, " N"] | None = None,
     params: MosaicMamba2Params = MosaicMamba2Params(),
     interpret: bool | None = None,
 ):
@@ -265,12 +272,14 @@ def mamba2_verify_decode_mgpu(
         history into the checkpoint first).
       length: per row the valid window length in [0, T] (`pos + length <= L` unless folding).
       anc: `[B, T, T]` bool, True where position j precedes position i on i's branch.
+      cursors: optional `[N]` int32, the pool's cursors: the kernel sets each folding row's
+        to 0 in place (a launch fewer than XLA's update after the step).
       params: the checkpoint tile's swizzle (`MosaicMamba2Params`; one CTA per tile).
       interpret: run in Mosaic GPU interpret mode (default: off GPU).
 
     Returns:
-      `(y [B, T, H, P] in x's dtype, checkpoint, x_cache, b_cache, dt_cache)` with every
-      row's window records appended, the state arrays updated in place when the caller
+      `(y [B, T, H, P] in x's dtype, checkpoint, x_cache, b_cache, dt_cache)`, then
+      `cursors` if given, with every row's window records appended, the state arrays updated in place when the caller
       donates them (a folding row's B and dt records by XLA after the launch, see the
       module doc).
 
@@ -296,6 +305,7 @@ def mamba2_verify_decode_mgpu(
         raise ValueError(f"anc must have shape {(batch, width, width)}, got {anc.shape}")
     if z is not None and z.shape != x.shape:
         raise ValueError(f"z must have x's shape {x.shape}, got {z.shape}")
+    check_cursors(cursors, checkpoint.shape[0])
     check_shapes(head_dim, state_size, cache_len, checkpoint.dtype.itemsize, x_cache.dtype.itemsize,
                  x.dtype.itemsize, params.swizzle)
     check_params(params, "mamba2_verify_decode_mgpu")
@@ -304,10 +314,12 @@ def mamba2_verify_decode_mgpu(
     length = length.astype(jnp.int32)
     coef = mamba2_window_coefficients(B, C, dt, A, D, anc.astype(bool), length)
     kernel = _build(batch, width, heads, head_dim, state_size, cache_len, checkpoint.dtype, x_cache.dtype, C.dtype,
-                    x.dtype, None if z is None else z.dtype, heads // num_groups, params.swizzle, bool(interpret))
+                    x.dtype, None if z is None else z.dtype, heads // num_groups, params.swizzle, cursors is not None,
+                    bool(interpret))
     z = jnp.zeros((1,), x.dtype) if z is None else z
-    refs = [jax.new_ref(a) for a in (checkpoint, x_cache, b_cache, dt_cache)]
+    pools = (checkpoint, x_cache, b_cache, dt_cache) + (() if cursors is None else (cursors,))
+    refs = [jax.new_ref(a) for a in pools]
     i32 = lambda a: a.astype(jnp.int32)
     y = kernel(i32(slot), i32(pos), i32(mode), length, x, B, C, z, A, coef, *refs)
-    checkpoint, x_cache, b_cache, dt_cache = (jax.freeze(r) for r in refs)
-    return (y, checkpoint, x_cache, *append_folding_records(b_cache, dt_cache, B, dt, slot, mode, length))
+    checkpoint, x_cache, b_cache, dt_cache, *cursors = (jax.freeze(r) for r in refs)
+    return (y, checkpoint, x_cache, *append_folding_records(b_cache, dt_cache, B, dt, slot, mode, length), *cursors)
