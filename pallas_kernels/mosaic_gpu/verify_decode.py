@@ -61,11 +61,11 @@ Window positions at and past `length` give y = 0 and no records; their inputs ar
 by zeros before use, so garbage there (NaN included) reaches nothing.
 
 Writes in place (`jax.new_ref`): u records `[L, BV]` rows of this tile; g records (tile 0)
-of live rows and, with readout "fma", the appending rows' k records (tile 0 of each key head's first
-value head; with "mma" no key is in registers, and XLA writes every live row's k records
-after the launch, `append_folding_records`); the folded checkpoint tile; a folding row's cursor (tile 0 of head 0).
-y `[B, T, H_v, d_v]`
-leaves through shared memory and one TMA copy.
+of live rows and, with readout "fma", the appending rows' k records (tile 0 of each key
+head's first value head; with "mma" no key is in registers, and XLA writes every live
+row's k records after the launch, `append_folding_records`); the folded checkpoint tile; a
+folding row's cursor (tile 0 of head 0). y `[B, T, H_v, d_v]` leaves through shared memory
+and one TMA copy.
 
 KDA (per-channel decay) has its own kernel, `verify_decode_kda.py`, sharing this file's
 window preparation, coefficient packing and per-position solve; so has Mamba-2

@@ -31,7 +31,8 @@ the live state `S_c diag(e^{G_h}) + sum_j u_j (W_j * k_j)^T` on chip in exact fp
 records' buffer), stores it rounded to the checkpoint's dtype in place, reads the window
 out from that stored value and writes its u records at `0 .. length - 1` (the wrapper
 writes its key and gate records after the launch: other CTAs of the slot may still read
-the history they overwrite); `MODE_PAD` gives y = 0 and writes nothing. Window positions
+the history they overwrite) and, given the pool's cursors, sets the row's to 0;
+`MODE_PAD` gives y = 0 and writes nothing. Window positions
 at and past `length` give y = 0 and no records; their inputs are replaced by zeros before
 use.
 """

@@ -28,7 +28,7 @@ Row modes as in the GDN kernel:
   in place; the window is read out from that stored value and its x records go to
   `0 .. length - 1`. Its B and dt records are written by the wrapper after the launch
   (`verify_decode.append_folding_records`): other CTAs of the slot may still be reading
-  the history they would overwrite.
+  the history they would overwrite. Given the pool's cursors, it sets the row's to 0.
 - `MODE_PAD`: y = 0, nothing written.
 Window positions at and past `length` give y = 0 and no records; their inputs are replaced
 by zeros before use (in XLA for the scalars, by selects for the vectors).
