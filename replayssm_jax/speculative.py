@@ -313,7 +313,7 @@ def verify_step(
     plan, fold, length, in_window = _window_plan(state, slots, lengths, batch, width)
     anc = ancestors(parents, batch, width)
     if backend == "mosaic_gpu" and cfg.gate_kind.additive:
-        return _mosaic_mamba2_verify(state, window, gate_params, plan, fold, length, anc,
+        return _mosaic_mamba2_verify(state, window, gate_params, plan, length, anc,
                                      kernel_params=kernel_params, interpret=interpret)
     if backend == "mosaic_gpu":
         return _mosaic_verify(state, window, plan, fold, length, anc, use_qk_l2norm=use_qk_l2norm, scale=scale,
@@ -480,13 +480,13 @@ def _mosaic_verify(state, window: Tokens, plan, fold, length, anc, *, use_qk_l2n
     y, checkpoint, u_cache, k_cache, g_cache, write_pos = kernel(
         state.checkpoint, state.u_cache, state.k_cache, state.g_cache,
         window.q, window.k, window.v, window.g, window.beta,
-        plan.slot, plan.pos, common.row_modes(plan.valid, fold), length, anc, cursors=state.write_pos,
+        plan.slot, plan.pos, length, anc, cursors=state.write_pos,
         use_qk_l2norm=use_qk_l2norm, scale=scale, params=kernel_params, interpret=interpret, **order)
     return y, dataclasses.replace(state, checkpoint=checkpoint, u_cache=u_cache, k_cache=k_cache, g_cache=g_cache,
                                   write_pos=write_pos)
 
 
-def _mosaic_mamba2_verify(state, window: Mamba2Tokens, params: Mamba2Params, plan, fold, length, anc, *,
+def _mosaic_mamba2_verify(state, window: Mamba2Tokens, params: Mamba2Params, plan, length, anc, *,
                           kernel_params, interpret):
     """`verify_step` for gate "mamba2" on the Mosaic GPU kernel: `(y, new_state)`."""
     dt = gating.mamba2_dt(window.dt, params.dt_bias, dt_softplus=params.dt_softplus,
@@ -494,7 +494,7 @@ def _mosaic_mamba2_verify(state, window: Mamba2Tokens, params: Mamba2Params, pla
     y, checkpoint, x_cache, b_cache, dt_cache, write_pos = mamba2_verify_decode_mgpu(
         state.checkpoint, state.u_cache, state.k_cache, state.g_cache,
         window.x, window.B, window.C, dt, params.A, params.D,
-        plan.slot, plan.pos, common.row_modes(plan.valid, fold), length, anc,
+        plan.slot, plan.pos, length, anc,
         z=window.z, cursors=state.write_pos, params=kernel_params, interpret=interpret)
     return y, dataclasses.replace(state, checkpoint=checkpoint, u_cache=x_cache, k_cache=b_cache, g_cache=dt_cache,
                                   write_pos=write_pos)

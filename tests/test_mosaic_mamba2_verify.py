@@ -18,17 +18,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import common
 from pallas_kernels.mosaic_gpu.mamba2_decode import MosaicMamba2Params
 from pallas_kernels.mosaic_gpu.verify_decode_mamba2 import mamba2_verify_decode_mgpu
 
 NUM_SLOTS, H, P, N, L, T = 6, 2, 64, 64, 8, 3
 SLOTS = np.array([4, 0, 2, 5], np.int32)
 POS = np.array([5, 3, 7, 2], np.int32)
-LENGTHS = np.array([3, 3, 2, 1], np.int32)  # row 1 is padding, row 2 folds (7 + 2 > 8)
+# Row 1 pads (length 0: the kernel derives each row's mode from its cursor and length), row 2
+# folds (7 + 2 > 8).
+LENGTHS = np.array([3, 0, 2, 1], np.int32)
 PAD = np.array([False, True, False, False])
 FOLD = ~PAD & (POS + LENGTHS > L)
-MODES = np.where(PAD, common.MODE_PAD, np.where(FOLD, common.MODE_FLUSH, common.MODE_APPEND)).astype(np.int32)
 
 
 def _branch(parents, i):
@@ -118,7 +118,7 @@ def test_verify_matches_the_float64_model(rng, groups, state_dtype, with_z):
     *out, got_cursors = mamba2_verify_decode_mgpu(
         jnp.asarray(ckpt, state_dtype), jnp.asarray(x_c, state_dtype), jnp.asarray(b_c, state_dtype),
         jnp.asarray(dt_c), *(jnp.asarray(a) for a in (x, B, C, dt, A, D)),
-        jnp.asarray(SLOTS), jnp.asarray(POS), jnp.asarray(MODES), jnp.asarray(LENGTHS),
+        jnp.asarray(SLOTS), jnp.asarray(POS), jnp.asarray(LENGTHS),
         jnp.asarray(_ancestors(parents)), z=None if z is None else jnp.asarray(z), cursors=jnp.asarray(cursors),
         interpret=True)
     # the kernel resets the folding rows' cursors in place
@@ -151,15 +151,15 @@ def _lower_for_h200(state_dtype, *, heads=128, head_dim=64, state_size=128, grou
             S((n, groups, cache_len, state_size), state_dtype), S((n, heads, cache_len), f32),
             S((b, width, heads, head_dim), bf16), S((b, width, groups, state_size), bf16),
             S((b, width, groups, state_size), bf16), S((b, width, heads), f32), S((heads,), f32), S((heads,), f32),
-            S((b,), i32), S((b,), i32), S((b,), i32), S((b,), i32), S((b, width, width), jnp.bool_),
+            S((b,), i32), S((b,), i32), S((b,), i32), S((b, width, width), jnp.bool_),
             S((n,), i32)]  # the pool's cursors, donated as the state arrays
     if with_z:
         args.append(S((b, width, heads, head_dim), bf16))
 
     def step(*a):
-        return mamba2_verify_decode_mgpu(*a[:15], cursors=a[15], z=a[16] if with_z else None, interpret=False)
+        return mamba2_verify_decode_mgpu(*a[:14], cursors=a[14], z=a[15] if with_z else None, interpret=False)
 
-    return jax.jit(step, donate_argnums=(0, 1, 2, 3, 15)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    return jax.jit(step, donate_argnums=(0, 1, 2, 3, 14)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 @pytest.mark.parametrize("state_dtype,with_z", [(jnp.float32, True), (jnp.bfloat16, False)])
@@ -174,7 +174,7 @@ def test_refuses_shapes_it_cannot_take():
                                         z(2, 2, length)]
     window = lambda t, groups=1, p=64: [z(1, t, 2, p), z(1, t, groups, 64), z(1, t, groups, 64), z(1, t, 2),
                                         z(2), z(2)]
-    rows = [jnp.zeros((1,), jnp.int32)] * 4
+    rows = [jnp.zeros((1,), jnp.int32)] * 3
     anc = lambda t: jnp.zeros((1, t, t), bool)
     with pytest.raises(ValueError, match="window width T"):
         mamba2_verify_decode_mgpu(*state(), *window(9), *rows, anc(9))

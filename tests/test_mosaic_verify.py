@@ -17,7 +17,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import common
 from pallas_kernels.mosaic_gpu.mamba2_decode import MosaicMamba2Params
 from pallas_kernels.mosaic_gpu.readout import split_bf16, tile_parts
 from pallas_kernels.mosaic_gpu.replay_decode import MosaicReplayParams
@@ -30,10 +29,11 @@ from pallas_kernels.mosaic_gpu.verify_decode_kda import verify_decode_kda_mgpu
 NUM_SLOTS, H_K, H_V, D, L, T = 6, 1, 2, 64, 8, 3
 SLOTS = np.array([4, 0, 2, 5, 1, 3], np.int32)
 POS = np.array([5, 3, 7, 0, 6, 2], np.int32)
-LENGTHS = np.array([3, 3, 2, 0, 3, 2], np.int32)  # row 5 reads history on the CTA that served row 0
+# Row 1 pads (length 0: the kernels derive each row's mode from its cursor and length),
+# row 3 verifies nothing; row 5 reads history on the CTA that served row 0.
+LENGTHS = np.array([3, 0, 2, 0, 3, 2], np.int32)
 PAD = np.array([False, True, False, False, False, False])
 FOLD = ~PAD & (POS + LENGTHS > L)
-MODES = np.where(PAD, common.MODE_PAD, np.where(FOLD, common.MODE_FLUSH, common.MODE_APPEND)).astype(np.int32)
 EPS = 1e-6
 
 
@@ -161,7 +161,7 @@ def test_verify_matches_the_float64_model(rng, gate, params, state_dtype):
     out = kernel(
         jnp.asarray(ckpt, state_dtype), jnp.asarray(u_c, state_dtype), jnp.asarray(k_c, state_dtype),
         jnp.asarray(g_c), jnp.asarray(q, qk_dtype), jnp.asarray(k, qk_dtype), *(jnp.asarray(x) for x in (v, g, beta)),
-        jnp.asarray(SLOTS), jnp.asarray(POS), jnp.asarray(MODES), jnp.asarray(LENGTHS),
+        jnp.asarray(SLOTS), jnp.asarray(POS), jnp.asarray(LENGTHS),
         jnp.asarray(_ancestors(parents), bool), use_qk_l2norm=True, params=params, interpret=True,
         cursors=jnp.asarray(cursors),
         **(dict(row_order=jnp.asarray(rng.permutation(len(SLOTS)), jnp.int32)) if params.launch_order else {}))
@@ -195,12 +195,12 @@ def _lower_for_h200(gate, state_dtype, cache_len, width, head_dim=128, params=Mo
             S((n, hk, cache_len, d), state_dtype), S((n, hv, cache_len, *channels), jnp.float32),
             S((b, width, hk, d), jnp.bfloat16), S((b, width, hk, d), jnp.bfloat16), S((b, width, hv, d), jnp.bfloat16),
             S((b, width, hv, *channels), jnp.float32), S((b, width, hv), jnp.float32),
-            S((b,), i32), S((b,), i32), S((b,), i32), S((b,), i32), S((b, width, width), jnp.bool_)]
+            S((b,), i32), S((b,), i32), S((b,), i32), S((b, width, width), jnp.bool_)]
     kernel = verify_decode_kda_mgpu if gate == "kda" else verify_decode_mgpu
     # with the pool's cursors, donated as the state arrays
     step = lambda *a: kernel(*a[:-1], cursors=a[-1], use_qk_l2norm=True, params=params, interpret=False)
     args.append(S((n,), i32))
-    return jax.jit(step, donate_argnums=(0, 1, 2, 3, 14)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    return jax.jit(step, donate_argnums=(0, 1, 2, 3, 13)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 SLOW = pytest.mark.slow  # a second shape or option of a path that a faster lowering here also reaches
@@ -274,8 +274,8 @@ def test_window_key_values_are_the_key_sums(rng, cache_dtype, qk_dtype, cache_le
     k_cache, q, k = (np.asarray(jnp.asarray(x, dt).astype(jnp.float32)) for x, dt in
                      ((k_cache, cache_dtype), (q, qk_dtype), (k, qk_dtype)))
     got = np.asarray(window_key_values(jnp.asarray(q, qk_dtype), jnp.asarray(k, qk_dtype),
-                                       jnp.asarray(k_cache, cache_dtype), jnp.asarray(slot), jnp.asarray(length),
-                                       interpret=True))
+                                       jnp.asarray(k_cache, cache_dtype), jnp.asarray(slot),
+                                       jnp.zeros((batch,), jnp.int32), jnp.asarray(length), interpret=True))
     assert key_block_heads(hk, L, window_rows(width) * tile_parts(qk_dtype)) == heads
     assert got.shape == (batch, hk // heads, window_rows(width), 64)
     for b in range(batch):
@@ -289,14 +289,15 @@ def test_window_key_values_are_the_key_sums(rng, cache_dtype, qk_dtype, cache_le
             # Exact products summed in fp32 in another order than the float64 ones.
             np.testing.assert_allclose(block, want[h], rtol=1e-5, atol=1e-5, err_msg=f"row {b}, key head {h}")
         assert not np.any(got[b, :, 2 * width:]), "the zero rows past 2T sum to zero"
-    # With the rows' modes only appending rows read their rings: a folding row (row 2, slot 0)
-    # and a padding row get zeros, even where slot 0's ring holds NaN (a read would show it).
+    # Only appending rows read their rings: a padding row (length 0) and a folding row (row
+    # 2, slot 0: pos + length > L) get zeros, even where slot 0's ring holds NaN and the
+    # folding row's vectors are NaN (a read would show either).
     poisoned = k_cache.copy()
     poisoned[0] = np.nan
-    modes = jnp.asarray([common.MODE_APPEND, common.MODE_PAD, common.MODE_FLUSH], jnp.int32)
+    pos, length = jnp.asarray([0, 0, L - 1], jnp.int32), jnp.asarray([3, 0, 2], jnp.int32)
     skipped = np.asarray(window_key_values(jnp.asarray(q, qk_dtype), jnp.asarray(k, qk_dtype),
-                                           jnp.asarray(poisoned, cache_dtype), jnp.asarray(slot), jnp.asarray(length),
-                                           interpret=True, mode=modes))
+                                           jnp.asarray(poisoned, cache_dtype), jnp.asarray(slot), pos, length,
+                                           interpret=True))
     np.testing.assert_array_equal(skipped[0], got[0])
     assert not np.any(skipped[1:]), "rows that do not append get zeros without reading their rings"
 
@@ -309,9 +310,8 @@ def test_window_key_values_lower_for_an_abstract_h200(cache_dtype, qk_dtype, cac
     rings of 16; its transposed store is what interpret mode cannot check."""
     S, i32 = jax.ShapeDtypeStruct, jnp.int32
     b, hk, d = 8, 16, 128
-    args = [S((b, width, hk, d), qk_dtype)] * 2 + [S((16, hk, cache_len, d), cache_dtype), S((b,), i32), S((b,), i32)]
-    step = lambda *a: window_key_values(*a[:5], interpret=False, mode=a[5])
-    args.append(S((b,), i32))
+    args = [S((b, width, hk, d), qk_dtype)] * 2 + [S((16, hk, cache_len, d), cache_dtype)] + [S((b,), i32)] * 3
+    step = lambda *a: window_key_values(*a, interpret=False)
     assert "mosaic_gpu" in jax.jit(step).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
@@ -432,7 +432,7 @@ def test_tensor_core_fold_needs_a_gpu():
     z = lambda *s: jnp.zeros(s)
     args = [z(2, 2, 64, 64), z(2, 2, 8, 64), z(2, 1, 8, 64), z(2, 2, 8)]
     window = [z(1, 2, 1, 64), z(1, 2, 1, 64), z(1, 2, 2, 64), z(1, 2, 2), z(1, 2, 2)]
-    rows = [jnp.zeros((1,), jnp.int32)] * 4
+    rows = [jnp.zeros((1,), jnp.int32)] * 3
     with pytest.raises(ValueError, match="Mosaic GPU interpret"):
         verify_decode_mgpu(*args, *window, *rows, jnp.zeros((1, 2, 2), bool),
                            params=MosaicReplayParams(rebuild="3xtf32"), interpret=True)
@@ -606,7 +606,7 @@ def test_refuses_shapes_it_cannot_take():
     z = lambda *s: jnp.zeros(s)
     args = [z(2, 2, 64, 64), z(2, 2, 8, 64), z(2, 1, 8, 64), z(2, 2, 8)]
     window = lambda t: [z(1, t, 1, 64), z(1, t, 1, 64), z(1, t, 2, 64), z(1, t, 2), z(1, t, 2)]
-    rows = [jnp.zeros((1,), jnp.int32)] * 4
+    rows = [jnp.zeros((1,), jnp.int32)] * 3
     with pytest.raises(ValueError, match="window width T"):
         verify_decode_mgpu(*args, *window(9), *rows, jnp.zeros((1, 9, 9), bool))
     with pytest.raises(ValueError, match="anc must have shape"):
@@ -633,7 +633,7 @@ def test_kda_refuses_shapes_it_cannot_take():
     z = lambda *s: jnp.zeros(s)
     state = lambda d, length=8: [z(2, 2, 64, d), z(2, 2, length, 64), z(2, 1, length, d), z(2, 2, length, d)]
     window = lambda t, d=64: [z(1, t, 1, d), z(1, t, 1, d), z(1, t, 2, 64), z(1, t, 2, d), z(1, t, 2)]
-    rows = [jnp.zeros((1,), jnp.int32)] * 4
+    rows = [jnp.zeros((1,), jnp.int32)] * 3
     anc = lambda t: jnp.zeros((1, t, t), bool)
     with pytest.raises(ValueError, match="window width T"):
         verify_decode_kda_mgpu(*state(64), *window(9), *rows, anc(9))

@@ -301,7 +301,7 @@ def test_mosaic_verify_with_the_kernel_window_lowers_for_an_abstract_h200():
             S((n, hk, cache_len, d), jnp.float32), S((n, hv, cache_len), jnp.float32),
             S((b, width, hk, d), jnp.bfloat16), S((b, width, hk, d), jnp.bfloat16), S((b, width, hv, d), jnp.bfloat16),
             S((b, width, hv), jnp.float32), S((b, width, hv), jnp.float32),
-            S((b,), i32), S((b,), i32), S((b,), i32), S((b,), i32), S((b, width, width), jnp.bool_)]
+            S((b,), i32), S((b,), i32), S((b,), i32), S((b, width, width), jnp.bool_)]
     params = MosaicReplayParams(programs=264, auto_barriers=False, readout="mma", key_side="xla",
                                 window_side="kernel")
     step = lambda *a: verify_decode_mgpu(*a, use_qk_l2norm=True, params=params, interpret=False)
@@ -330,7 +330,7 @@ def test_kda_window_kernel_compiles_and_its_verify_step_lowers_for_an_abstract_h
             S((n, hk, cache_len, d), jnp.float32), S((n, hv, cache_len, d), jnp.float32),
             S((b, width, hk, d), jnp.bfloat16), S((b, width, hk, d), jnp.bfloat16), S((b, width, hv, d), jnp.bfloat16),
             S((b, width, hv, d), jnp.float32), S((b, width, hv), jnp.float32),
-            S((b,), i32), S((b,), i32), S((b,), i32), S((b,), i32), S((b, width, width), jnp.bool_)]
+            S((b,), i32), S((b,), i32), S((b,), i32), S((b, width, width), jnp.bool_)]
     params = MosaicReplayParams(window_side="kernel")
     step = lambda *a: verify_decode_kda_mgpu(*a, use_qk_l2norm=True, params=params, interpret=False)
     with kernel_registers.captured_triton_ir() as modules, jax.sharding.use_abstract_mesh(kernel_registers._H200):

@@ -7,7 +7,7 @@ round robin from two stages of shared buffers, the next tile's copies in flight
 (`pipeline.serve_tiles`, as the decode kernels; a key head's tiles compute the window's
 `K k_i`, `K q_i` once, `window_keys`), one per CTA or `MosaicReplayParams.warpgroups` per
 CTA. Per row, `[B]`
-arrays give its slot, cursor `pos`, mode and valid window length; `anc [B, T, T]` says which
+arrays give its slot, cursor `pos` and valid window length; `anc [B, T, T]` says which
 window positions precede each position on its branch (a chain or a tree).
 
 Math (as `replayssm_jax.speculative`, GDN: per-head decays, so every exponential is a
@@ -36,7 +36,7 @@ The tile's part `S_c x` is a row reduction per vector (`MosaicReplayParams.reado
 default) or, with "mma", one product `S_c X^T` for all 2T raw bf16 vectors on tensor cores
 (`tile_products`; the raw vectors staged by XLA, `window_vectors`).
 
-Row modes:
+Row modes (`window_mode` of the cursor and length, derived in the kernels):
 - `MODE_APPEND`: the window's records go to `pos .. pos + length - 1`; the checkpoint is
   not written.
 - `MODE_FLUSH` (the capacity rule folds the row): the live state S is rebuilt on chip
@@ -105,6 +105,16 @@ MAX_WIDTH = 16  # the window is unrolled in the kernel: code size grows as T^2
 # Persistent CTAs resident per SM at most (`pipeline.ctas_per_sm`): ptxas gives this kernel
 # 222 (exact folds) and 242 (3xTF32) registers per thread at fp32, L = 16, T = 4 (H200).
 RESIDENT_CTAS = 2
+
+
+def window_mode(pos, length, cache_len: int):
+    """A verify row's `common.MODE_*` from its cursor and window length (arrays, or a
+    kernel's scalars): `MODE_PAD` at length 0 (a padding row, or one with no position to
+    verify: either writes nothing and outputs zeros), `MODE_FLUSH` where the ring cannot
+    hold the history and the window (`pos + length > L`, the capacity rule), else
+    `MODE_APPEND`. The kernels derive it from what they read anyway, so no `[B]` mode
+    buffer is formed before the launch."""
+    return jnp.where(length == 0, MODE_PAD, jnp.where(pos + length > cache_len, MODE_FLUSH, MODE_APPEND))
 
 
 def select_if(flag, x, layout, other=0.0):
@@ -264,8 +274,8 @@ def side_vectors(q: Float[Array, "B T Hk Dk"], k: Float[Array, "B T Hk Dk"], len
     return jnp.concatenate([stage_vectors(part) for part in split_bf16(x, tile_parts(q.dtype))], axis=2)
 
 
-def _key_blocks_kernel(slot_ref, reads_ref, keys_ref, x_ref, out_ref, k_smem, x_smem, out_smem, barriers, *,
-                       heads, cache_len, x_parts, key_parts, interpret):
+def _key_blocks_kernel(slot_ref, pos_ref, length_ref, keys_ref, x_ref, out_ref, k_smem, x_smem, out_smem, barriers,
+                       *, heads, cache_len, x_parts, key_parts, interpret):
     """CTA (b, blk): the sums of key heads `blk * m .. blk * m + m - 1` of row b into
     `out_ref[b, blk]` (`window_key_values`), as `wgmma`s: the m rings stacked as the rows
     of one `[64, d_k]` register operand (split into exact bf16 parts), times each head's
@@ -273,7 +283,8 @@ def _key_blocks_kernel(slot_ref, reads_ref, keys_ref, x_ref, out_ref, k_smem, x_
     transposed store puts them at column `i L + l` of the block. The rings and vectors come
     in `KEY_CHUNK`-column chunks, each on a barrier of its own, all copies issued first: a
     chunk's split and products run while the later chunks land, and only one chunk's parts
-    hold registers. Rows with `reads_ref[b]` 0 store zeros without reading the ring."""
+    hold registers. Rows other than appending ones (`window_mode`) store zeros without
+    reading the ring."""
     b, blk = lax.axis_index("b"), lax.axis_index("blk")
     chunks, ring_rows, head_x_rows = len(k_smem), heads * cache_len, x_smem[0].shape[0] // heads
     vectors = head_x_rows // x_parts
@@ -302,7 +313,8 @@ def _key_blocks_kernel(slot_ref, reads_ref, keys_ref, x_ref, out_ref, k_smem, x_
             sums = jnp.where(head_of_row == i, head_sums[i], sums)
         return sums
 
-    sums = lax.cond(reads_ref[b] != 0, ring_sums, zeros)
+    reads = window_mode(pos_ref[b], length_ref[b], cache_len) == MODE_APPEND
+    sums = lax.cond(reads, ring_sums, zeros)
     out_smem.T[...] = plgpu.layout_cast(sums, plgpu.Layout.WGMMA_TRANSPOSED)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(out_smem, out_ref.at[b, blk])
@@ -328,9 +340,8 @@ def _build_key_blocks(batch, num_k_heads, head_k_dim, cache_len, cache_dtype, x_
 
 
 def window_key_values(q: Float[Array, "B T Hk Dk"], k: Float[Array, "B T Hk Dk"], k_cache: Float[Array, "N Hk L Dk"],
-                      slot: Int[Array, " B"], length: Int[Array, " B"], *, interpret: bool,
-                      staged: Float[Array, "B Hk N Dk"] | None = None,
-                      mode: Int[Array, " B"] | None = None) -> Float[Array, "B Hb N 64"]:
+                      slot: Int[Array, " B"], pos: Int[Array, " B"], length: Int[Array, " B"], *, interpret: bool,
+                      staged: Float[Array, "B Hk N Dk"] | None = None) -> Float[Array, "B Hb N 64"]:
     """`window_keys`' sums of every row and key head before the verify kernel: `K x` over
     each slot's whole ring for the raw window vectors x (`masked_window`'s: q_0 .. q_{T-1},
     then k_0 .. k_{T-1}; zeros at and past a row's length; stale entries included: the
@@ -340,9 +351,9 @@ def window_key_values(q: Float[Array, "B T Hk Dk"], k: Float[Array, "B T Hk Dk"]
     (`side_block`). A small kernel of its own, one CTA per block, on tensor cores: the
     products of fp32 key records and bf16 vectors are exact in fp32 (the records and, for
     fp32 q and k, the vectors split into bf16 parts). `staged`: the caller's
-    `window_vectors` of q and k, if it has them (`side_vectors`). `mode`: the rows'
-    `MODE_*`, if given: only `MODE_APPEND` rows read their rings, the others (folding rows,
-    which the verify kernel reads from their rebuilt tile, and padding rows) get zeros."""
+    `window_vectors` of q and k, if it has them (`side_vectors`). Only appending rows
+    (`window_mode` of `pos` and `length`) read their rings; the others (folding rows, which
+    the verify kernel reads from their rebuilt tile, and rows of length 0) get zeros."""
     batch, width, num_k_heads, head_k_dim = q.shape
     num_slots, _, cache_len, _ = k_cache.shape
     x = side_vectors(q, k, length, staged)
@@ -352,8 +363,8 @@ def window_key_values(q: Float[Array, "B T Hk Dk"], k: Float[Array, "B T Hk Dk"]
                          f"rows of window vectors per key head, got cache_len = {cache_len}, {x_rows} rows")
     kernel = _build_key_blocks(batch, num_k_heads, head_k_dim, cache_len, k_cache.dtype, x_rows,
                                tile_parts(q.dtype), interpret)
-    reads = jnp.ones((batch,), jnp.int32) if mode is None else (mode == MODE_APPEND).astype(jnp.int32)
-    return kernel(slot.astype(jnp.int32), reads, k_cache.reshape(num_slots, num_k_heads * cache_len, head_k_dim),
+    i32 = lambda a: a.astype(jnp.int32)
+    return kernel(i32(slot), i32(pos), i32(length), k_cache.reshape(num_slots, num_k_heads * cache_len, head_k_dim),
                   x.reshape(batch, num_k_heads * x_rows, head_k_dim))
 
 
@@ -588,7 +599,7 @@ def stage_copies(readout: str, xla_side: bool = False) -> int:
     return (6 if xla_side else 8) + (1 if readout == "mma" else 2)
 
 
-def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_ref, weights_ref, *refs,
+def _kernel(slot_ref, pos_ref, length_ref, q_ref, k_ref, v_ref, coef_ref, weights_ref, *refs,
             width, group_size, tiles, num_programs, chunk, readout, parts, rebuild, xla_side, program_scratch, per_tile,
             warpgroups, ordered, prefetch_folds, group_folds, with_cursors, interpret):
     # Inputs, the row order, the window's raw vectors with the "mma" readout and the key
@@ -599,6 +610,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
     ckpt_ref, ucache_ref, kcache_ref, gcache_ref, *refs = refs
     cursor_ref, y_ref, *all_scratch = refs if with_cursors else (None, *refs)
     batch, num_v_heads = y_ref.shape[0], y_ref.shape[2]
+    row_mode = lambda b: window_mode(pos_ref[b], length_ref[b], ucache_ref.shape[2])
     own_fold_buffers = warpgroups > 1  # not in a union with the tile (`_scratch`)
 
     # `(stages, shared, fold keys, fold buffers, barriers, rows barrier, fold keys barrier)`
@@ -611,6 +623,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
         tile_buf, u_smem, k_smem, w_smem, _, c_smem, qk_rows, *window_smem = stages[stage]
         t_smem = tile_buf if own_fold_buffers else tuple(tile_buf)[0]
         barrier, slot, hk, rows = barriers.at[stage], slot_ref[b], h // group_size, pl.ds(tile * BLOCK_ROWS, BLOCK_ROWS)
+        mode = row_mode(b)
 
         def replay_copies(u_dst):
             copy_replay_tile((ckpt_ref, ucache_ref, kcache_ref, gcache_ref), (t_smem, u_dst, k_smem, w_smem),
@@ -618,12 +631,12 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
                              keys=side_block(side_ref, b, hk, q_ref.shape[2], width, u_dst.shape[0]) if xla_side
                              else None)
 
-        @pl.when(mode_ref[b] != MODE_PAD)
+        @pl.when(mode != MODE_PAD)
         def _copies():
             if group_folds:  # a folding row's value records untiled, for its fold; others' swizzled
                 swizzled, untiled = tuple(u_smem)
-                pl.when(mode_ref[b] == MODE_FLUSH)(lambda: replay_copies(untiled))
-                pl.when(mode_ref[b] == MODE_APPEND)(lambda: replay_copies(swizzled))
+                pl.when(mode == MODE_FLUSH)(lambda: replay_copies(untiled))
+                pl.when(mode == MODE_APPEND)(lambda: replay_copies(swizzled))
             else:
                 replay_copies(u_smem)
             plgpu.copy_gmem_to_smem(coef_ref.at[b, h], c_smem, barrier)
@@ -636,7 +649,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
                 plgpu.copy_gmem_to_smem(src, dst, barrier)
 
         if prefetch_folds:
-            @pl.when(mode_ref[b] == MODE_FLUSH)
+            @pl.when(mode == MODE_FLUSH)
             def _fold_records():
                 if rebuild == "exact":
                     copy_record_rows((ucache_ref, kcache_ref), tuple(tile_buf)[1], slot, h, hk, rows,
@@ -648,7 +661,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
         """With `group_folds`: a folding row's key records for its key-head group's tiles."""
         _, _, fold_keys, _, _, _, fold_barrier = buffers(b)
 
-        @pl.when(mode_ref[b] == MODE_FLUSH)
+        @pl.when(row_mode(b) == MODE_FLUSH)
         def _fold_keys():
             plgpu.copy_gmem_to_smem(kcache_ref.at[slot_ref[b], h // group_size], fold_keys[0], fold_barrier[0])
 
@@ -671,7 +684,7 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, coef_r
             fold_bufs = (u_untiled, fold_keys)
         hk = h // group_size
         rows = pl.ds(tile * BLOCK_ROWS, BLOCK_ROWS)
-        mode = mode_ref[b]
+        mode = row_mode(b)
         cache_len = u_smem.shape[0]
 
         @pl.when(mode == MODE_PAD)
@@ -914,7 +927,6 @@ def verify_decode_mgpu(
     beta: Float[Array, "B T Hv"],
     slot: Int[Array, " B"],
     pos: Int[Array, " B"],
-    mode: Int[Array, " B"],
     length: Int[Array, " B"],
     anc: Bool[Array, "B T T"],
     *,
@@ -932,9 +944,10 @@ def verify_decode_mgpu(
       checkpoint, u_cache, k_cache, g_cache: the layer's state pools (GDN: per-head decays).
       q, k, v: the window's tokens, raw q/k (normalised when `use_qk_l2norm`).
       g, beta: activated gates (log-decay and write strength).
-      slot, pos, mode: per row its slot, cursor and `common.MODE_*` (`MODE_FLUSH`: fold the
-        history into the checkpoint first).
-      length: per row the valid window length in [0, T] (`pos + length <= L` unless folding).
+      slot, pos: per row its slot and cursor (a padding row: any slot in range, length 0).
+      length: per row the valid window length in [0, T]; with `pos`, its mode
+        (`window_mode`: 0 pads the row; `pos + length > L` folds the history into the
+        checkpoint first).
       anc: `[B, T, T]` bool, True where position j precedes position i on i's branch.
       cursors: optional `[N]` int32, the pool's cursors: the kernel sets each folding row's
         to 0 in place (a launch fewer than XLA's update after the step).
@@ -1008,10 +1021,10 @@ def verify_decode_mgpu(
     i32 = lambda x: x.astype(jnp.int32)
     vectors = [staged] if params.readout == "mma" else []
     if params.key_side == "xla":
-        vectors.append(window_key_values(q, k, k_cache, slot, length, interpret=bool(interpret), staged=staged,
-                                         mode=mode))
-    y = kernel(i32(slot), i32(pos), i32(mode), length, q, k, v, coef, weights, *order, *vectors, *refs)
+        vectors.append(window_key_values(q, k, k_cache, slot, pos, length, interpret=bool(interpret), staged=staged))
+    y = kernel(i32(slot), i32(pos), length, q, k, v, coef, weights, *order, *vectors, *refs)
     checkpoint, u_cache, k_cache, g_cache, *cursors = (jax.freeze(r) for r in refs)
     keys = k.astype(F32) * key_scales[..., None]
+    mode = window_mode(pos, length, cache_len)  # XLA fuses it into the records' scatter
     k_cache = append_records(k_cache, keys, slot, mode, length, pos if params.readout == "mma" else None)
     return (y, checkpoint, u_cache, k_cache, g_cache, *cursors)

@@ -59,7 +59,7 @@ from pallas_kernels.mosaic_gpu.replay_decode_kda import (channel_layout, check_k
 from pallas_kernels.mosaic_gpu.verify_decode import (MAX_WIDTH, append_folding_records, check_cursors, check_params,
                                                      coefficient_count, coefficient_shape, pack_coefficients,
                                                      prepare_window, record_key_scales, select_if, solve_positions,
-                                                     store_zeros, unpack_coefficients)
+                                                     store_zeros, unpack_coefficients, window_mode)
 from pallas_kernels.verify_coefficients import KDA_VECTORS, VerifyCoefficientsParams, kda_verify_coefficients
 
 
@@ -106,7 +106,7 @@ def kda_window_coefficients(
     return pack_coefficients([A, M, beta_t, *scales], width, KDA_VECTORS), e_G
 
 
-def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, g_ref, decay_ref, coef_ref,
+def _kernel(slot_ref, pos_ref, length_ref, q_ref, k_ref, v_ref, g_ref, decay_ref, coef_ref,
             ckpt_ref, ucache_ref, kcache_ref, gcache_ref, *refs, width, group_size, tiles, with_cursors):
     cursor_ref, *refs = refs if with_cursors else (None, *refs)
     (y_ref, t_smem, u_smem, k_smem, g_smem, w_smem, chan_smem, o_smem, c_smem, rows_or_gates, window_smem,
@@ -116,8 +116,8 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, q_ref, k_ref, v_ref, g_ref,
     h, tile = hv // tiles, hv % tiles
     hk = h // group_size
     rows = pl.ds(tile * BLOCK_ROWS, BLOCK_ROWS)
-    mode = mode_ref[b]
     cache_len, head_k_dim = g_smem.shape
+    mode = window_mode(pos_ref[b], length_ref[b], cache_len)
     u_rows, gate_rows = tuple(rows_or_gates)  # a folding row's u records, or an appending row's gates
     channels = channel_layout(head_k_dim)
 
@@ -273,7 +273,6 @@ def verify_decode_kda_mgpu(
     beta: Float[Array, "B T Hv"],
     slot: Int[Array, " B"],
     pos: Int[Array, " B"],
-    mode: Int[Array, " B"],
     length: Int[Array, " B"],
     anc: Bool[Array, "B T T"],
     *,
@@ -331,7 +330,8 @@ def verify_decode_kda_mgpu(
     pools = (checkpoint, u_cache, k_cache, g_cache) + (() if cursors is None else (cursors,))
     refs = [jax.new_ref(x) for x in pools]
     i32 = lambda x: x.astype(jnp.int32)
-    y = kernel(i32(slot), i32(pos), i32(mode), length, q, k, v, g, decay, coef, *refs)
+    y = kernel(i32(slot), i32(pos), length, q, k, v, g, decay, coef, *refs)
     checkpoint, u_cache, k_cache, g_cache, *cursors = (jax.freeze(r) for r in refs)
     keys = k.astype(F32) * key_scales[..., None]
+    mode = window_mode(pos, length, cache_len)  # XLA fuses it into the records' scatters
     return (y, checkpoint, u_cache, *append_folding_records(k_cache, g_cache, keys, g, slot, mode, length), *cursors)

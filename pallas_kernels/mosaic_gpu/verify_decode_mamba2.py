@@ -53,7 +53,7 @@ from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA,
 from pallas_kernels.mosaic_gpu.mamba2_decode import MosaicMamba2Params, check_shapes, rebuild_exact, window_weights
 from pallas_kernels.mosaic_gpu.verify_decode import (MAX_WIDTH, append_folding_records, check_cursors, check_params,
                                                      coefficient_shape, pack_coefficients, select_if, store_zeros,
-                                                     unpack_coefficients)
+                                                     unpack_coefficients, window_mode)
 
 MAMBA2_VECTORS = 2  # e^{A Gamma}, dt per position
 MAMBA2_MATRICES = 1  # M
@@ -94,7 +94,7 @@ def mamba2_window_coefficients(
     return pack_coefficients([M, e_a, dt_t], width, MAMBA2_VECTORS, MAMBA2_MATRICES)
 
 
-def _kernel(slot_ref, pos_ref, mode_ref, length_ref, x_ref, b_ref, c_ref, z_ref, a_ref, coef_ref,
+def _kernel(slot_ref, pos_ref, length_ref, x_ref, b_ref, c_ref, z_ref, a_ref, coef_ref,
             ckpt_ref, xcache_ref, bcache_ref, dtcache_ref, *refs, width, group_size, tiles, has_z, with_cursors):
     cursor_ref, *refs = refs if with_cursors else (None, *refs)
     (y_ref, t_smem, xrec_smem, brec_smem, dt_smem, o_smem, c_smem, x_rows, b_rows, window_smem, barrier,
@@ -104,8 +104,8 @@ def _kernel(slot_ref, pos_ref, mode_ref, length_ref, x_ref, b_ref, c_ref, z_ref,
     h, tile = hp // tiles, hp % tiles
     grp = h // group_size
     rows = pl.ds(tile * BLOCK_ROWS, BLOCK_ROWS)
-    mode = mode_ref[b]
     cache_len = xrec_smem.shape[0]
+    mode = window_mode(pos_ref[b], length_ref[b], cache_len)
 
     @pl.when(mode == MODE_PAD)
     def _padding_row():
@@ -250,7 +250,6 @@ def mamba2_verify_decode_mgpu(
     D: Float[Array, " H"],
     slot: Int[Array, " B"],
     pos: Int[Array, " B"],
-    mode: Int[Array, " B"],
     length: Int[Array, " B"],
     anc: Bool[Array, "B T T"],
     *,
@@ -268,9 +267,8 @@ def mamba2_verify_decode_mgpu(
       x, B, C: the window's tokens; z: the optional output gate (`y * silu(z)`).
       dt: the window's time steps after the softplus and clamp (float32).
       A, D: `[H]` the decay rate and the skip.
-      slot, pos, mode: per row its slot, cursor and `common.MODE_*` (`MODE_FLUSH`: fold the
-        history into the checkpoint first).
-      length: per row the valid window length in [0, T] (`pos + length <= L` unless folding).
+      slot, pos, length: per row its slot, cursor and valid window length in [0, T], and with
+        them its mode (`verify_decode.window_mode`; a padding row: length 0).
       anc: `[B, T, T]` bool, True where position j precedes position i on i's branch.
       cursors: optional `[N]` int32, the pool's cursors: the kernel sets each folding row's
         to 0 in place (a launch fewer than XLA's update after the step).
@@ -279,9 +277,9 @@ def mamba2_verify_decode_mgpu(
 
     Returns:
       `(y [B, T, H, P] in x's dtype, checkpoint, x_cache, b_cache, dt_cache)`, then
-      `cursors` if given, with every row's window records appended, the state arrays updated in place when the caller
-      donates them (a folding row's B and dt records by XLA after the launch, see the
-      module doc).
+      `cursors` if given, with every row's window records appended, the state arrays
+      updated in place when the caller donates them (a folding row's B and dt records by
+      XLA after the launch, see the module doc).
 
     Raises:
       ValueError: on shapes the kernel cannot take (`mamba2_decode.check_shapes`, a width
@@ -320,6 +318,7 @@ def mamba2_verify_decode_mgpu(
     pools = (checkpoint, x_cache, b_cache, dt_cache) + (() if cursors is None else (cursors,))
     refs = [jax.new_ref(a) for a in pools]
     i32 = lambda a: a.astype(jnp.int32)
-    y = kernel(i32(slot), i32(pos), i32(mode), length, x, B, C, z, A, coef, *refs)
+    y = kernel(i32(slot), i32(pos), length, x, B, C, z, A, coef, *refs)
     checkpoint, x_cache, b_cache, dt_cache, *cursors = (jax.freeze(r) for r in refs)
+    mode = window_mode(pos, length, cache_len)  # XLA fuses it into the records' scatters
     return (y, checkpoint, x_cache, *append_folding_records(b_cache, dt_cache, B, dt, slot, mode, length), *cursors)
