@@ -245,8 +245,8 @@ def verify_step(
         readouts, the T x T solve or masked sum, the outputs, the records and the folds)
         after the window's T x T scalars in XLA, plus XLA's scatter of the folding rows' key
         and gate records (Mamba-2: B and dt; GDN: the key records only, with the
-        tensor-core readout every row's; the kernel resets their cursors); or "auto" (`backends.auto.verify_backend`:
-        "mosaic_gpu" on a Hopper GPU, "xla" elsewhere).
+        tensor-core readout every row's; the kernel resets their cursors); or "auto"
+        (`backends.auto.verify_backend`: "mosaic_gpu" on a Hopper GPU, "xla" elsewhere).
       lengths: optional `[B]` int in [0, T]: positions >= lengths[b] are padding (output 0,
         no record written, no effect on the capacity rule). Default: T for every row.
       parents: optional `[B, T]` int tree: `parents[b, i]` in [-1, i), -1 for a child of

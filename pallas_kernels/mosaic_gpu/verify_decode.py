@@ -391,6 +391,24 @@ def store_zeros(o_smem, y_ref, b, h, rows, width):
     plgpu.copy_smem_to_gmem(o_smem, y_ref.at[b, :, h, rows])
 
 
+def state_refs(pools: tuple, cursors: Int[Array, " N"] | None) -> list:
+    """`jax.new_ref` of each state pool and, when given, of the pool's cursors: the arrays
+    a verify kernel updates in place (in place of a copy when the caller donates them)."""
+    return [jax.new_ref(x) for x in (*pools, *(() if cursors is None else (cursors,)))]
+
+
+def reset_cursor(cursor_ref, slot, first_folding_tile) -> None:
+    """In a verify kernel given the pool's cursors (`cursor_ref`; None: nothing), a folding
+    row's cursor to 0, stored by one tile of the row (`first_folding_tile`): no CTA reads
+    the cursors, so no other tile has to wait for it."""
+    if cursor_ref is None:
+        return
+
+    @pl.when(first_folding_tile)
+    def _reset():
+        cursor_ref[slot] = jnp.int32(0)
+
+
 def check_cursors(cursors: Int[Array, " N"] | None, num_slots: int) -> None:
     """ValueError unless `cursors` is None or int32 `[N]`, one per slot of the pools."""
     if cursors is not None and (cursors.shape != (num_slots,) or cursors.dtype != jnp.int32):
@@ -756,10 +774,7 @@ def _kernel(slot_ref, pos_ref, length_ref, q_ref, k_ref, v_ref, coef_ref, weight
                 history_len = jnp.where(fold, 0, pos)
                 decay_eff = jnp.where(fold, 1.0, decay_total)
 
-            if with_cursors:
-                @pl.when(fold & (h == 0) & (tile == 0))
-                def _reset_cursor():  # no CTA reads the cursors
-                    cursor_ref[slot] = jnp.int32(0)
+            reset_cursor(cursor_ref, slot, fold & (h == 0) & (tile == 0))
 
             @pl.when(fold)
             def _store_checkpoint():
@@ -1016,8 +1031,7 @@ def verify_decode_mgpu(
                     params.auto_barriers, params.readout, params.rebuild, params.chunk, params.per_tile_addresses,
                     params.key_side == "xla", params.warpgroups, bool(order), params.prefetch_folds,
                     params.group_folds, cursors is not None, bool(interpret))
-    pools = (checkpoint, u_cache, k_cache, g_cache) + (() if cursors is None else (cursors,))
-    refs = [jax.new_ref(x) for x in pools]
+    refs = state_refs((checkpoint, u_cache, k_cache, g_cache), cursors)
     i32 = lambda x: x.astype(jnp.int32)
     vectors = [staged] if params.readout == "mma" else []
     if params.key_side == "xla":

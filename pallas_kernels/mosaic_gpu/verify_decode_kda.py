@@ -58,8 +58,9 @@ from pallas_kernels.mosaic_gpu.replay_decode_kda import (channel_layout, check_k
                                                          rebuild_exact, weighted_keys)
 from pallas_kernels.mosaic_gpu.verify_decode import (MAX_WIDTH, append_folding_records, check_cursors, check_params,
                                                      coefficient_count, coefficient_shape, pack_coefficients,
-                                                     prepare_window, record_key_scales, select_if, solve_positions,
-                                                     store_zeros, unpack_coefficients, window_mode)
+                                                     prepare_window, record_key_scales, reset_cursor, select_if,
+                                                     solve_positions, state_refs, store_zeros, unpack_coefficients,
+                                                     window_mode)
 from pallas_kernels.verify_coefficients import KDA_VECTORS, VerifyCoefficientsParams, kda_verify_coefficients
 
 
@@ -173,10 +174,7 @@ def _kernel(slot_ref, pos_ref, length_ref, q_ref, k_ref, v_ref, g_ref, decay_ref
         history_len = jnp.where(fold, 0, pos)
         decay_eff = select_if(jnp.logical_not(fold), decay_total, COL, 1.0)
 
-        if with_cursors:
-            @pl.when(fold & (h == 0) & (tile == 0))
-            def _reset_cursor():  # no CTA reads the cursors
-                cursor_ref[slot] = jnp.int32(0)
+        reset_cursor(cursor_ref, slot, fold & (h == 0) & (tile == 0))
 
         @pl.when(fold)
         def _store_checkpoint():
@@ -327,8 +325,7 @@ def verify_decode_kda_mgpu(
     kernel = _build(batch, width, num_v_heads, head_v_dim, head_k_dim, cache_len, checkpoint.dtype, u_cache.dtype,
                     q.dtype, v.dtype, g.dtype, num_v_heads // q.shape[2], params.swizzle, cursors is not None,
                     bool(interpret))
-    pools = (checkpoint, u_cache, k_cache, g_cache) + (() if cursors is None else (cursors,))
-    refs = [jax.new_ref(x) for x in pools]
+    refs = state_refs((checkpoint, u_cache, k_cache, g_cache), cursors)
     i32 = lambda x: x.astype(jnp.int32)
     y = kernel(i32(slot), i32(pos), length, q, k, v, g, decay, coef, *refs)
     checkpoint, u_cache, k_cache, g_cache, *cursors = (jax.freeze(r) for r in refs)

@@ -52,8 +52,8 @@ from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA,
                                                record_copies, replay_scratch, row_sum)
 from pallas_kernels.mosaic_gpu.mamba2_decode import MosaicMamba2Params, check_shapes, rebuild_exact, window_weights
 from pallas_kernels.mosaic_gpu.verify_decode import (MAX_WIDTH, append_folding_records, check_cursors, check_params,
-                                                     coefficient_shape, pack_coefficients, select_if, store_zeros,
-                                                     unpack_coefficients, window_mode)
+                                                     coefficient_shape, pack_coefficients, reset_cursor, select_if,
+                                                     state_refs, store_zeros, unpack_coefficients, window_mode)
 
 MAMBA2_VECTORS = 2  # e^{A Gamma}, dt per position
 MAMBA2_MATRICES = 1  # M
@@ -149,10 +149,7 @@ def _kernel(slot_ref, pos_ref, length_ref, x_ref, b_ref, c_ref, z_ref, a_ref, co
         history_len = jnp.where(fold, 0, pos)
         decay_eff = jnp.where(fold, 1.0, decay_total)
 
-        if with_cursors:
-            @pl.when(fold & (h == 0) & (tile == 0))
-            def _reset_cursor():  # no CTA reads the cursors
-                cursor_ref[slot] = jnp.int32(0)
+        reset_cursor(cursor_ref, slot, fold & (h == 0) & (tile == 0))
 
         @pl.when(fold)
         def _store_checkpoint():
@@ -315,8 +312,7 @@ def mamba2_verify_decode_mgpu(
                     x.dtype, None if z is None else z.dtype, heads // num_groups, params.swizzle, cursors is not None,
                     bool(interpret))
     z = jnp.zeros((1,), x.dtype) if z is None else z
-    pools = (checkpoint, x_cache, b_cache, dt_cache) + (() if cursors is None else (cursors,))
-    refs = [jax.new_ref(a) for a in pools]
+    refs = state_refs((checkpoint, x_cache, b_cache, dt_cache), cursors)
     i32 = lambda a: a.astype(jnp.int32)
     y = kernel(i32(slot), i32(pos), length, x, B, C, z, A, coef, *refs)
     checkpoint, x_cache, b_cache, dt_cache, *cursors = (jax.freeze(r) for r in refs)
