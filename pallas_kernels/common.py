@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import warnings
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -364,6 +364,26 @@ def launch_row(row_ref, launch, grid_order: GridOrder):
     `GridOrder.LAUNCH_ORDER_RELOAD` beside `LAUNCH_ORDER` (benchmarks/NOTES.md).
     """
     return row_ref[launch] if grid_order.reorders else launch
+
+
+class VerifyRows(NamedTuple):
+    """A verify step's rows as its kernels read them, `[B]` int32 each: the row's slot, its
+    cursor and its window length, all 0 on a padding row (`verify_rows`)."""
+
+    slot: Int[Array, " B"]
+    pos: Int[Array, " B"]
+    length: Int[Array, " B"]
+
+
+def verify_rows(slots: Int[Array, " B"], cursors: Int[Array, " N"], lengths: Int[Array, " B"]) -> VerifyRows:
+    """The rows of a verify step from what its caller holds: `slots` (negative or >= N: a
+    padding row), the pool's `cursors` and the requested window `lengths`. The window
+    kernels form the same rows in-kernel (`verify_coefficients`); this is the XLA form."""
+    slots = slots.astype(jnp.int32)
+    valid = (slots >= 0) & (slots < cursors.shape[0])
+    slot = jnp.where(valid, slots, 0)
+    return VerifyRows(slot, jnp.where(valid, cursors[slot], 0).astype(jnp.int32),
+                      jnp.where(valid, lengths, 0).astype(jnp.int32))
 
 
 def row_modes(valid, flush):

@@ -40,7 +40,13 @@ Both programs also write their key head's `k_scale [T]` into `key_scales [B, T, 
 order of the records themselves, so the wrapper's scatter takes them without a transpose
 of the records' lanes (a launch of its own in XLA).
 
-With `history=(g_cache, slot, pos)` the GDN program also writes each of its value heads'
+Both programs take the step's rows as their caller holds them, `slots [B]` (negative or >= N:
+a padding row), the pool's `cursors [N]` and the requested `lengths [B]`, form each row's
+slot, cursor and length (`common.verify_rows`), and the row's first program stores them:
+the kernels after this one read them from there, with no XLA launch of their own to form
+them.
+
+With `history=g_cache` the GDN program also writes each of its value heads'
 history weights (`verify_decode.history_weights`' record, `[history_len]` fp32): `W_j =
 e^{sum_{j<i<pos} g_i}` for each cache entry j < pos (0 at and past it), `e^{sum_{i<pos} g_i}`
 at index L, then zeros; the suffix sums as one running sum over the records newest first
@@ -117,9 +123,8 @@ class _Window(NamedTuple):
     k_scale: list
 
 
-def _load_window(length_ref, q_ref, k_ref, b, hk, *, width, lanes_len, use_qk_l2norm, scale) -> _Window:
+def _load_window(length, q_ref, k_ref, b, hk, *, width, lanes_len, use_qk_l2norm, scale) -> _Window:
     T = width
-    length = length_ref[b]
     # The window's vectors, zero at and past the length (a select: NaN there stays out).
     qs = [jnp.where(t < length, q_ref[b, t, hk, :].astype(jnp.float32), 0.0) for t in range(T)]
     ks = [jnp.where(t < length, k_ref[b, t, hk, :].astype(jnp.float32), 0.0) for t in range(T)]
@@ -302,22 +307,43 @@ def _store_history_weights(weights_ref, b, h, newer, first, pos, cache_len: int)
     _store_lanes(weights_ref, b, h, cache_len, total, weights_ref.shape[2] - cache_len)
 
 
-def _kernel(length_ref, q_ref, k_ref, g_ref, beta_ref, anc_ref, *refs, width, group_size, use_qk_l2norm, scale,
-            lanes_len, chunk, history):
-    # refs: `[slot, pos, g_cache]` with `history`, then the records, the staged vectors, the
-    # key scales and with `history` the weights.
+def _row(slots_ref, cursors_ref, lengths_ref, b):
+    """Row b's `(slot, pos, length)` scalars, `common.verify_rows`' rule: a slot outside
+    [0, N) pads the row (slot, cursor and length 0)."""
+    requested = slots_ref[b]
+    valid = (requested >= 0) & (requested < cursors_ref.shape[0])
+    slot = jnp.where(valid, requested, 0)
+    return slot, jnp.where(valid, cursors_ref[slot], 0), jnp.where(valid, lengths_ref[b], 0)
+
+
+def _store_row(row_refs, b, hk, row) -> None:
+    """Row b's `(slot, pos, length)` into the rows' outputs, by the row's first program."""
+
+    @pl.when(hk == 0)
+    def _store():
+        for ref, x in zip(row_refs, row):
+            ref[b] = x.astype(jnp.int32)
+
+
+def _kernel(slots_ref, cursors_ref, lengths_ref, q_ref, k_ref, g_ref, beta_ref, anc_ref, *refs, width, group_size,
+            use_qk_l2norm, scale, lanes_len, chunk, history):
+    # refs: `[g_cache]` with `history`, then the records, the staged vectors, the key
+    # scales, with `history` the weights, then the rows' slot, cursor and length.
+    *refs, slot_out, pos_out, length_out = refs
     if history:
-        slot_ref, pos_ref, gcache_ref, coef_ref, vec_ref, kscale_ref, weights_ref = refs
+        gcache_ref, coef_ref, vec_ref, kscale_ref, weights_ref = refs
     else:
         coef_ref, vec_ref, kscale_ref = refs
     b, hk = pl.program_id(0), pl.program_id(1)
+    row_slot, row_pos, row_length = row = _row(slots_ref, cursors_ref, lengths_ref, b)
+    _store_row((slot_out, pos_out, length_out), b, hk, row)
     T, R, record_len = width, lanes_len, coef_ref.shape[2]
     lanes = jnp.arange(R, dtype=jnp.int32)
     is_q = lanes < T
-    pos, valid = _window_rows(length_ref[b], lanes, T)
+    pos, valid = _window_rows(row_length, lanes, T)
     # The gate records first: their loads are in flight while the window's products run.
-    # A padding row (slot < 0) reads slot 0's; the verify kernel skips it.
-    records = ([_gate_records(gcache_ref, hk * group_size + v, jnp.maximum(slot_ref[b], 0), pos_ref[b])
+    # A padding row reads slot 0's (cursor 0: every record masked); the verify kernel skips it.
+    records = ([_gate_records(gcache_ref, hk * group_size + v, row_slot, row_pos)
                 for v in range(group_size)] if history else [])
     gram = _window_gram(q_ref, k_ref, vec_ref, b, hk, pos, valid, is_q, chunk)
     # q_scale in rows < T, k_scale in rows T .. 2T-1, as rows and as columns of the Gram.
@@ -347,18 +373,23 @@ def _kernel(length_ref, q_ref, k_ref, g_ref, beta_ref, anc_ref, *refs, width, gr
         for start in range(base + VECTORS * T, record_len, R):
             _store_lanes(coef_ref, b, h, start, jnp.zeros((R,), jnp.float32), record_len - start)
         if history:
-            _store_history_weights(weights_ref, b, h, *records[v], pos_ref[b], gcache_ref.shape[2])
+            _store_history_weights(weights_ref, b, h, *records[v], row_pos, gcache_ref.shape[2])
 
 
-def _launch(body, q, k, g, beta, anc, length, more_outs: tuple, *, vectors: int, record_len: int, lanes_len: int,
-            use_qk_l2norm: bool, scale: float, params: VerifyCoefficientsParams, interpret, name: str,
+def _launch(body, q, k, g, beta, anc, rows: tuple, more_outs: tuple, *, vectors: int, record_len: int,
+            lanes_len: int, use_qk_l2norm: bool, scale: float, params: VerifyCoefficientsParams, interpret, name: str,
             more_operands: tuple = ()):
-    """The checks both window kernels share (the record's length for `vectors` per-position
-    scalars, a power-of-two d_k), then one `pallas_call` of `body` over `(B, H_k)` with
-    every operand and result in global memory: `(records [B, H_v, C] fp32, *more_outs)`;
-    `body` works on `lanes_len`-lane blocks. The caller has checked that H_k divides H_v."""
+    """The checks both window kernels share (the rows, the record's length for `vectors`
+    per-position scalars, a power-of-two d_k), then one `pallas_call` of `body` over
+    `(B, H_k)` with every operand and result in global memory: `(records [B, H_v, C] fp32,
+    *more_outs, common.VerifyRows)`; `body` works on `lanes_len`-lane blocks and takes the
+    rows `(slots, cursors, lengths)` first. The caller has checked that H_k divides H_v."""
     batch, width, num_k_heads, head_k_dim = q.shape
     num_v_heads = beta.shape[2]
+    slots, cursors, lengths = rows
+    if slots.shape != (batch,) or lengths.shape != (batch,) or cursors.ndim != 1:
+        raise ValueError(f"the rows must be slots [B], cursors [N] and lengths [B] with B = {batch}, got "
+                         f"{slots.shape}, {cursors.shape}, {lengths.shape}")
     if record_len < 2 * width * width + vectors * width:
         raise ValueError(f"record_len {record_len} is too short for T = {width} "
                          f"(needs {2 * width * width + vectors * width})")
@@ -367,18 +398,21 @@ def _launch(body, q, k, g, beta, anc, length, more_outs: tuple, *, vectors: int,
     kernel = functools.partial(body, width=width, group_size=num_v_heads // num_k_heads,
                                use_qk_l2norm=bool(use_qk_l2norm), scale=float(scale),
                                lanes_len=lanes_len)
-    operands = (length.astype(jnp.int32), q, k, g, beta, anc.astype(jnp.int32), *more_operands)
+    i32 = lambda x: x.astype(jnp.int32)
+    operands = (i32(slots), i32(cursors), i32(lengths), q, k, g, beta, i32(anc), *more_operands)
+    row_outs = (jax.ShapeDtypeStruct((batch,), jnp.int32),) * 3
     spec = common.any_spec()
-    return pl.pallas_call(
+    *outs, slot, pos, length = pl.pallas_call(
         kernel,
-        out_shape=(jax.ShapeDtypeStruct((batch, num_v_heads, record_len), jnp.float32), *more_outs),
+        out_shape=(jax.ShapeDtypeStruct((batch, num_v_heads, record_len), jnp.float32), *more_outs, *row_outs),
         grid=(batch, num_k_heads),
         in_specs=[spec] * len(operands),
-        out_specs=[spec] * (1 + len(more_outs)),
+        out_specs=[spec] * (1 + len(more_outs) + len(row_outs)),
         compiler_params=plgpu.CompilerParams(num_warps=params.num_warps, num_stages=1),
         interpret=common.default_interpret() if interpret is None else interpret,
         name=f"replayssm_{name}",
     )(*operands)
+    return (*outs, common.VerifyRows(slot, pos, length))
 
 
 def verify_coefficients(
@@ -387,32 +421,35 @@ def verify_coefficients(
     g: Float[Array, "B T Hv"],
     beta: Float[Array, "B T Hv"],
     anc: Bool[Array, "B T T"],
-    length: Int[Array, " B"],
+    slots: Int[Array, " B"],
+    cursors: Int[Array, " N"],
+    lengths: Int[Array, " B"],
     *,
     record_len: int,
     vector_rows: int,
     use_qk_l2norm: bool,
     scale: float,
-    history: tuple[Float[Array, "Ns Hv L"], Int[Array, " B"], Int[Array, " B"]] | None = None,
+    history: Float[Array, "N Hv L"] | None = None,
     history_len: int | None = None,
     params: VerifyCoefficientsParams = VerifyCoefficientsParams(),
     interpret: bool | None = None,
 ) -> tuple[Float[Array, "B Hv C"], Float[Array, "B Hk N Dk"], Float[Array, "B T Hk"],
-           Float[Array, "B Hv Lw"] | None]:
+           Float[Array, "B Hv Lw"] | None, common.VerifyRows]:
     """The window's coefficient records, staged vectors, key scales and history weights
-    (module doc), one launch.
+    (module doc), and the step's rows, one launch.
 
     Args:
       q, k: `[B, T, H_k, d_k]` raw window vectors (d_k a power of two).
       g, beta: `[B, T, H_v]` per-head log-decay and beta of each position.
       anc: `[B, T, T]` bool, `anc[b, i, j]` when j is a strict ancestor of i (a chain:
         j < i).
-      length: `[B]` int32 in [0, T], the valid positions of each row.
+      slots: `[B]` int, each row's slot (negative or >= N: a padding row, length 0).
+      cursors: `[N]` int32, the pool's cursors (in [0, L]).
+      lengths: `[B]` int in [0, T], the valid positions each row asks for.
       record_len: C, floats per record (>= 2 T^2 + 5 T).
       vector_rows: N, rows of each staged `[N, d_k]` block (>= 2 T).
       use_qk_l2norm, scale: as the verify kernel's.
-      history: optional `(g_cache [N_slots, H_v, L], slot [B], pos [B])`: the gate records
-        and each row's slot (< 0 a padding row) and cursor (in [0, L]).
+      history: optional `g_cache [N, H_v, L]`: the gate records the history weights sum.
       history_len: floats per history record (> L), with `history` only.
       params: warps per program.
       interpret: run in the Pallas interpreter (default: off GPU).
@@ -420,7 +457,9 @@ def verify_coefficients(
     Returns:
       `(records [B, H_v, C] fp32, vectors [B, H_k, N, d_k] in q's dtype, key_scales
       [B, T, H_k] fp32 (each record's k_scale run, zeros at and past the length), weights
-      [B, H_v, history_len] fp32 or None without history)`.
+      [B, H_v, history_len] fp32 or None without history, rows)`: `rows` the step's
+      `common.VerifyRows` (`common.verify_rows` of slots, cursors and lengths), formed by
+      the kernel so that no XLA launch forms them for the kernels after it.
     """
     batch, width, num_k_heads, head_k_dim = q.shape
     if (history is None) != (history_len is None):
@@ -428,13 +467,12 @@ def verify_coefficients(
                          f"history {'absent' if history is None else 'given'}")
     more_operands, more_outs = (), ()
     if history is not None:
-        g_cache, slot, pos = history
-        if g_cache.ndim != 3 or g_cache.shape[1] != g.shape[2] or slot.shape != (batch,) or pos.shape != (batch,):
-            raise ValueError(f"history must be (g_cache [N, H_v, L], slot [B], pos [B]) with H_v = {g.shape[2]}, "
-                             f"B = {batch}, got {g_cache.shape}, {slot.shape}, {pos.shape}")
-        if history_len <= g_cache.shape[2]:
-            raise ValueError(f"history_len {history_len} must exceed L = {g_cache.shape[2]} (e^G sits at index L)")
-        more_operands = (slot.astype(jnp.int32), pos.astype(jnp.int32), g_cache)
+        if history.ndim != 3 or history.shape[1] != g.shape[2] or history.shape[0] != cursors.shape[0]:
+            raise ValueError(f"history must be g_cache [N, H_v, L] with N = {cursors.shape[0]} (one cursor per "
+                             f"slot), H_v = {g.shape[2]}, got {history.shape}")
+        if history_len <= history.shape[2]:
+            raise ValueError(f"history_len {history_len} must exceed L = {history.shape[2]} (e^G sits at index L)")
+        more_operands = (history,)
         more_outs = (jax.ShapeDtypeStruct((batch, g.shape[2], history_len), jnp.float32),)
     if vector_rows < 2 * width:
         raise ValueError(f"vector_rows {vector_rows} is fewer than 2 T = {2 * width}")
@@ -452,19 +490,21 @@ def verify_coefficients(
         lanes_len = max(common.MIN_DOT_DIM, lanes_len)
     else:
         chunk = min(head_k_dim, max(common.MIN_DOT_DIM, 16 * 32 * params.num_warps // lanes_len))
-    records, vectors, key_scales, *weights = _launch(
-        functools.partial(_kernel, chunk=chunk, history=history is not None), q, k, g, beta, anc, length,
-        (vectors_out, key_scales_out, *more_outs), vectors=VECTORS, record_len=record_len, lanes_len=lanes_len,
-        use_qk_l2norm=use_qk_l2norm, scale=scale, params=params, interpret=interpret, name="verify_coefficients",
-        more_operands=more_operands)
-    return records, vectors, key_scales, (weights[0] if weights else None)
+    records, vectors, key_scales, *weights, rows = _launch(
+        functools.partial(_kernel, chunk=chunk, history=history is not None), q, k, g, beta, anc,
+        (slots, cursors, lengths), (vectors_out, key_scales_out, *more_outs), vectors=VECTORS, record_len=record_len,
+        lanes_len=lanes_len, use_qk_l2norm=use_qk_l2norm, scale=scale, params=params, interpret=interpret,
+        name="verify_coefficients", more_operands=more_operands)
+    return records, vectors, key_scales, (weights[0] if weights else None), rows
 
 
-def _kda_kernel(length_ref, q_ref, k_ref, g_ref, beta_ref, anc_ref, coef_ref, kscale_ref, decay_ref, *, width,
-                group_size, use_qk_l2norm, scale, lanes_len):
+def _kda_kernel(slots_ref, cursors_ref, lengths_ref, q_ref, k_ref, g_ref, beta_ref, anc_ref, coef_ref, kscale_ref,
+                decay_ref, slot_out, pos_out, length_out, *, width, group_size, use_qk_l2norm, scale, lanes_len):
     b, hk = pl.program_id(0), pl.program_id(1)
     T = width
-    w = _load_window(length_ref, q_ref, k_ref, b, hk, width=width, lanes_len=lanes_len,
+    row = _row(slots_ref, cursors_ref, lengths_ref, b)
+    _store_row((slot_out, pos_out, length_out), b, hk, row)
+    w = _load_window(row[2], q_ref, k_ref, b, hk, width=width, lanes_len=lanes_len,
                      use_qk_l2norm=use_qk_l2norm, scale=scale)
     length, lanes = w.length, w.lanes
     k_scales = _lane_vector(w.k_scale, lanes)
@@ -501,14 +541,16 @@ def kda_verify_coefficients(
     g: Float[Array, "B T Hv Dk"],
     beta: Float[Array, "B T Hv"],
     anc: Bool[Array, "B T T"],
-    length: Int[Array, " B"],
+    slots: Int[Array, " B"],
+    cursors: Int[Array, " N"],
+    lengths: Int[Array, " B"],
     *,
     record_len: int,
     use_qk_l2norm: bool,
     scale: float,
     params: VerifyCoefficientsParams = VerifyCoefficientsParams(),
     interpret: bool | None = None,
-) -> tuple[Float[Array, "B Hv C"], Float[Array, "B T Hk"], Float[Array, "B T Hv Dk"]]:
+) -> tuple[Float[Array, "B Hv C"], Float[Array, "B T Hk"], Float[Array, "B T Hv Dk"], common.VerifyRows]:
     """A KDA window's coefficient records, key scales and per-channel decays (`mosaic_gpu.
     verify_decode_kda.kda_window_coefficients`' layout), one launch, grid `(B, H_k)`.
 
@@ -521,13 +563,14 @@ def kda_verify_coefficients(
 
     with q, k normalised (`use_qk_l2norm`) and q scaled. Second result: the key scales
     `[B, T, H_k]` (each record's k_scale run, as `verify_coefficients`'); third: `e^{G_i}`
-    `[B, T, H_v, d_k]`. Zeros at and past each row's length (inputs there, NaN included,
-    never reach a product).
+    `[B, T, H_v, d_k]`; fourth: the step's rows (`common.VerifyRows`). Zeros at and past
+    each row's length (inputs there, NaN included, never reach a product).
 
     Args:
       q, k: `[B, T, H_k, d_k]` raw window vectors (d_k a power of two).
       g: `[B, T, H_v, d_k]` activated per-channel log-decays; beta: `[B, T, H_v]`.
-      anc, length, use_qk_l2norm, scale, params, interpret: as `verify_coefficients`.
+      anc, slots, cursors, lengths, use_qk_l2norm, scale, params, interpret: as
+        `verify_coefficients`.
       record_len: C, floats per record (>= 2 T^2 + 3 T).
     """
     batch, width, num_k_heads, head_k_dim = q.shape
@@ -538,7 +581,8 @@ def kda_verify_coefficients(
                          f"{beta.shape} for q {q.shape}")
     key_scales_out = jax.ShapeDtypeStruct((batch, width, num_k_heads), jnp.float32)
     decays_out = jax.ShapeDtypeStruct((batch, width, num_v_heads, head_k_dim), jnp.float32)
-    return _launch(_kda_kernel, q, k, g, beta, anc, length, (key_scales_out, decays_out), vectors=KDA_VECTORS,
+    return _launch(_kda_kernel, q, k, g, beta, anc, (slots, cursors, lengths), (key_scales_out, decays_out),
+                   vectors=KDA_VECTORS,
                    record_len=record_len, lanes_len=max(2, common.next_power_of_two(width)),
                    use_qk_l2norm=use_qk_l2norm, scale=scale, params=params, interpret=interpret,
                    name="kda_verify_coefficients")

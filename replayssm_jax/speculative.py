@@ -310,14 +310,16 @@ def verify_step(
         kernel_params = kernel_params or mosaic_gpu.verify_default_params(cfg, batch, width, token_dtype,
                                                                           interpret=interpret)
 
-    plan, fold, length, in_window = _window_plan(state, slots, lengths, batch, width)
     anc = ancestors(parents, batch, width)
-    if backend == "mosaic_gpu" and cfg.gate_kind.additive:
-        return _mosaic_mamba2_verify(state, window, gate_params, plan, length, anc,
-                                     kernel_params=kernel_params, interpret=interpret)
     if backend == "mosaic_gpu":
-        return _mosaic_verify(state, window, plan, fold, length, anc, use_qk_l2norm=use_qk_l2norm, scale=scale,
+        # The kernels form the rows from the caller's slots, cursors and lengths themselves.
+        requested = np.full((batch,), width, np.int32) if lengths is None else lengths
+        if cfg.gate_kind.additive:
+            return _mosaic_mamba2_verify(state, window, gate_params, slots, requested, anc,
+                                         kernel_params=kernel_params, interpret=interpret)
+        return _mosaic_verify(state, window, slots, requested, anc, use_qk_l2norm=use_qk_l2norm, scale=scale,
                               gate_params=gate_params, kernel_params=kernel_params, interpret=interpret)
+    plan, fold, in_window = _window_plan(state, slots, lengths, batch, width)
     if cfg.gate_kind.additive:
         y, records, checkpoint, pools = _mamba2_window(state, window, gate_params, plan, fold, in_window, anc)
     else:
@@ -329,16 +331,15 @@ def verify_step(
 
 
 def _window_plan(state: ReplayState, slots, lengths, batch: int, width: int):
-    """`(plan, fold [B], length [B], in_window [B, T])`: the rows' plan, the rows the
-    capacity rule folds, each row's window length (0 on padding rows) and the positions
-    that are not padding."""
+    """`(plan, fold [B], in_window [B, T])`: the rows' plan, the rows the capacity rule
+    folds and the positions that are not padding (none on padding rows)."""
     cfg = state.config
     plan = plan_step(state.write_pos, slots, None, cfg.cache_len)
     length = jnp.full((batch,), width, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
     length = jnp.where(plan.valid, length, 0)
     fold = plan.valid & (plan.pos + length > cfg.cache_len)
     in_window = jnp.arange(width)[None, :] < length[:, None]  # [B, T]
-    return plan, fold, length, in_window
+    return plan, fold, in_window
 
 
 def _keeper(in_window: Bool[Array, "B T"]):
@@ -466,36 +467,36 @@ def _fold_cursors(state: ReplayState, plan, fold) -> Int[Array, " N"]:
     return state.write_pos.at[jnp.where(fold, plan.slot, state.num_slots)].set(0, mode="drop")
 
 
-def _mosaic_verify(state, window: Tokens, plan, fold, length, anc, *, use_qk_l2norm, scale, gate_params,
-                   kernel_params, interpret):
+def _mosaic_verify(state, window: Tokens, slots, lengths, anc, *, use_qk_l2norm, scale, gate_params, kernel_params,
+                   interpret):
     """`verify_step` on the Mosaic GPU kernel: `(y, new_state)`."""
     cfg = state.config
     window = xla.gate_tokens(cfg, window, gate_params)
     kernel = verify_decode_kda_mgpu if cfg.per_channel_gate else verify_decode_mgpu
-    # The GDN kernel's rows in a launch order, folding rows first (the plan's order is the
-    # decode flush's); the KDA kernel refuses `launch_order`.
-    order = (dict(row_order=launch_order(plan.valid, plan.pos, fold, cfg.cache_len))
-             if kernel_params.launch_order and not cfg.per_channel_gate else {})
+    order = {}
+    if kernel_params.launch_order and not cfg.per_channel_gate:
+        # The GDN kernel's rows in a launch order, folding rows first (the plan's order is
+        # the decode flush's); the KDA kernel refuses `launch_order`.
+        plan, fold, _ = _window_plan(state, slots, lengths, *anc.shape[:2])
+        order = dict(row_order=launch_order(plan.valid, plan.pos, fold, cfg.cache_len))
     # The kernel resets the folding rows' cursors itself (one XLA launch fewer).
     y, checkpoint, u_cache, k_cache, g_cache, write_pos = kernel(
         state.checkpoint, state.u_cache, state.k_cache, state.g_cache,
-        window.q, window.k, window.v, window.g, window.beta,
-        plan.slot, plan.pos, length, anc, cursors=state.write_pos,
+        window.q, window.k, window.v, window.g, window.beta, slots, state.write_pos, lengths, anc,
         use_qk_l2norm=use_qk_l2norm, scale=scale, params=kernel_params, interpret=interpret, **order)
     return y, dataclasses.replace(state, checkpoint=checkpoint, u_cache=u_cache, k_cache=k_cache, g_cache=g_cache,
                                   write_pos=write_pos)
 
 
-def _mosaic_mamba2_verify(state, window: Mamba2Tokens, params: Mamba2Params, plan, length, anc, *,
+def _mosaic_mamba2_verify(state, window: Mamba2Tokens, params: Mamba2Params, slots, lengths, anc, *,
                           kernel_params, interpret):
     """`verify_step` for gate "mamba2" on the Mosaic GPU kernel: `(y, new_state)`."""
     dt = gating.mamba2_dt(window.dt, params.dt_bias, dt_softplus=params.dt_softplus,
                           dt_limit=params.dt_limit)  # [B, T, H], as the xla backend's records
     y, checkpoint, x_cache, b_cache, dt_cache, write_pos = mamba2_verify_decode_mgpu(
         state.checkpoint, state.u_cache, state.k_cache, state.g_cache,
-        window.x, window.B, window.C, dt, params.A, params.D,
-        plan.slot, plan.pos, length, anc,
-        z=window.z, cursors=state.write_pos, params=kernel_params, interpret=interpret)
+        window.x, window.B, window.C, dt, params.A, params.D, slots, state.write_pos, lengths, anc,
+        z=window.z, params=kernel_params, interpret=interpret)
     return y, dataclasses.replace(state, checkpoint=checkpoint, u_cache=x_cache, k_cache=b_cache, g_cache=dt_cache,
                                   write_pos=write_pos)
 

@@ -114,13 +114,16 @@ def _inputs(rng, groups, state_dtype, with_z):
 ])
 def test_verify_matches_the_float64_model(rng, groups, state_dtype, with_z):
     ckpt, x_c, b_c, dt_c, x, B, C, dt, z, A, D, parents = _inputs(rng, groups, state_dtype, with_z)
+    # The padding row's slot out of range with a full requested length (its inputs NaN);
+    # the live rows' cursors at POS, the unused slots' drawn.
+    slots = np.where(PAD, rng.choice([-1, NUM_SLOTS]), SLOTS).astype(np.int32)
     cursors = rng.integers(1, L, NUM_SLOTS).astype(np.int32)
+    cursors[SLOTS[~PAD]] = POS[~PAD]
     *out, got_cursors = mamba2_verify_decode_mgpu(
         jnp.asarray(ckpt, state_dtype), jnp.asarray(x_c, state_dtype), jnp.asarray(b_c, state_dtype),
         jnp.asarray(dt_c), *(jnp.asarray(a) for a in (x, B, C, dt, A, D)),
-        jnp.asarray(SLOTS), jnp.asarray(POS), jnp.asarray(LENGTHS),
-        jnp.asarray(_ancestors(parents)), z=None if z is None else jnp.asarray(z), cursors=jnp.asarray(cursors),
-        interpret=True)
+        jnp.asarray(slots), jnp.asarray(cursors), jnp.asarray(np.where(PAD, T, LENGTHS).astype(np.int32)),
+        jnp.asarray(_ancestors(parents)), z=None if z is None else jnp.asarray(z), interpret=True)
     # the kernel resets the folding rows' cursors in place
     np.testing.assert_array_equal(got_cursors, np.where(np.isin(np.arange(NUM_SLOTS), SLOTS[FOLD]), 0, cursors))
     want = _model(ckpt, x_c, b_c, dt_c, x, B, C, dt, z, A, D, parents, state_dtype=state_dtype)
@@ -151,15 +154,15 @@ def _lower_for_h200(state_dtype, *, heads=128, head_dim=64, state_size=128, grou
             S((n, groups, cache_len, state_size), state_dtype), S((n, heads, cache_len), f32),
             S((b, width, heads, head_dim), bf16), S((b, width, groups, state_size), bf16),
             S((b, width, groups, state_size), bf16), S((b, width, heads), f32), S((heads,), f32), S((heads,), f32),
-            S((b,), i32), S((b,), i32), S((b,), i32), S((b, width, width), jnp.bool_),
-            S((n,), i32)]  # the pool's cursors, donated as the state arrays
+            S((b,), i32), S((n,), i32), S((b,), i32), S((b, width, width), jnp.bool_)]
     if with_z:
         args.append(S((b, width, heads, head_dim), bf16))
 
     def step(*a):
-        return mamba2_verify_decode_mgpu(*a[:14], cursors=a[14], z=a[15] if with_z else None, interpret=False)
+        return mamba2_verify_decode_mgpu(*a[:14], z=a[14] if with_z else None, interpret=False)
 
-    return jax.jit(step, donate_argnums=(0, 1, 2, 3, 14)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    # the pool's cursors (argument 11) donated as the state arrays
+    return jax.jit(step, donate_argnums=(0, 1, 2, 3, 11)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 @pytest.mark.parametrize("state_dtype,with_z", [(jnp.float32, True), (jnp.bfloat16, False)])
@@ -174,7 +177,7 @@ def test_refuses_shapes_it_cannot_take():
                                         z(2, 2, length)]
     window = lambda t, groups=1, p=64: [z(1, t, 2, p), z(1, t, groups, 64), z(1, t, groups, 64), z(1, t, 2),
                                         z(2), z(2)]
-    rows = [jnp.zeros((1,), jnp.int32)] * 3
+    rows = [jnp.zeros((1,), jnp.int32), jnp.zeros((2,), jnp.int32), jnp.zeros((1,), jnp.int32)]
     anc = lambda t: jnp.zeros((1, t, t), bool)
     with pytest.raises(ValueError, match="window width T"):
         mamba2_verify_decode_mgpu(*state(), *window(9), *rows, anc(9))

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels.common import VerifyRows
 from pallas_kernels.mosaic_gpu.mamba2_decode import MosaicMamba2Params
 from pallas_kernels.mosaic_gpu.readout import split_bf16, tile_parts
 from pallas_kernels.mosaic_gpu.replay_decode import MosaicReplayParams
@@ -104,6 +105,17 @@ def _inputs(rng, state_dtype, cache_dtype, per_channel=False):
     return ckpt, u_c, k_c, g_c, q, k, v, g, beta, parents
 
 
+def _rows(rng):
+    """`(slots, cursors, lengths)` as a verify step's caller holds them: the padding row's
+    slot out of range (negative or >= N, drawn) with a full requested length and NaN
+    inputs (`_inputs`), which the kernels must not read; the live rows' cursors at `POS`,
+    the unused slot's drawn."""
+    slots = np.where(PAD, rng.choice([-1, NUM_SLOTS]), SLOTS).astype(np.int32)
+    cursors = np.full(NUM_SLOTS, rng.integers(0, L + 1), np.int32)
+    cursors[SLOTS[~PAD]] = POS[~PAD]
+    return slots, cursors, np.where(PAD, T, LENGTHS).astype(np.int32)
+
+
 def _ancestors(parents):
     anc = np.zeros((len(parents), T, T), np.int32)
     for b, row in enumerate(parents):
@@ -156,16 +168,15 @@ def test_verify_matches_the_float64_model(rng, gate, params, state_dtype):
     ckpt, u_c, k_c, g_c, q, k, v, g, beta, parents = _inputs(rng, state_dtype, state_dtype, gate == "kda")
     qk_dtype = jnp.bfloat16 if params.readout == "mma" else jnp.float32
     q, k = (np.asarray(jnp.asarray(x, qk_dtype).astype(jnp.float32)) for x in (q, k))  # the model sees the rounding
-    # The kernel resets the folding rows' cursors in place.
-    cursors = rng.integers(1, L, NUM_SLOTS).astype(np.int32)
+    slots, cursors, lengths = _rows(rng)
     out = kernel(
         jnp.asarray(ckpt, state_dtype), jnp.asarray(u_c, state_dtype), jnp.asarray(k_c, state_dtype),
         jnp.asarray(g_c), jnp.asarray(q, qk_dtype), jnp.asarray(k, qk_dtype), *(jnp.asarray(x) for x in (v, g, beta)),
-        jnp.asarray(SLOTS), jnp.asarray(POS), jnp.asarray(LENGTHS),
+        jnp.asarray(slots), jnp.asarray(cursors), jnp.asarray(lengths),
         jnp.asarray(_ancestors(parents), bool), use_qk_l2norm=True, params=params, interpret=True,
-        cursors=jnp.asarray(cursors),
         **(dict(row_order=jnp.asarray(rng.permutation(len(SLOTS)), jnp.int32)) if params.launch_order else {}))
     out, got_cursors = out[:5], out[5]
+    # The kernel resets the folding rows' cursors in place, and no other.
     np.testing.assert_array_equal(got_cursors, np.where(np.isin(np.arange(NUM_SLOTS), SLOTS[FOLD]), 0, cursors))
     want = _model(ckpt, u_c, k_c, g_c, q, k, v, g, beta, parents, state_dtype=state_dtype)
     # fp32: float64 sums vs fp32 FMAs in another order (~1e-6 of the largest entry).
@@ -195,12 +206,11 @@ def _lower_for_h200(gate, state_dtype, cache_len, width, head_dim=128, params=Mo
             S((n, hk, cache_len, d), state_dtype), S((n, hv, cache_len, *channels), jnp.float32),
             S((b, width, hk, d), jnp.bfloat16), S((b, width, hk, d), jnp.bfloat16), S((b, width, hv, d), jnp.bfloat16),
             S((b, width, hv, *channels), jnp.float32), S((b, width, hv), jnp.float32),
-            S((b,), i32), S((b,), i32), S((b,), i32), S((b, width, width), jnp.bool_)]
+            S((b,), i32), S((n,), i32), S((b,), i32), S((b, width, width), jnp.bool_)]
     kernel = verify_decode_kda_mgpu if gate == "kda" else verify_decode_mgpu
-    # with the pool's cursors, donated as the state arrays
-    step = lambda *a: kernel(*a[:-1], cursors=a[-1], use_qk_l2norm=True, params=params, interpret=False)
-    args.append(S((n,), i32))
-    return jax.jit(step, donate_argnums=(0, 1, 2, 3, 13)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    step = lambda *a: kernel(*a, use_qk_l2norm=True, params=params, interpret=False)
+    # the pool's cursors donated as the state arrays
+    return jax.jit(step, donate_argnums=(0, 1, 2, 3, 10)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 SLOW = pytest.mark.slow  # a second shape or option of a path that a faster lowering here also reaches
@@ -260,26 +270,27 @@ def test_window_key_values_are_the_key_sums(rng, cache_dtype, qk_dtype, cache_le
     """`window_key_values` (its own kernel, interpret mode: the same bf16 parts and products
     as dots) against the sums written out in NumPy: `K q_j` in row j and `K k_j` in row
     T + j of each key head's block columns, over each slot's whole ring, of the raw
-    vectors, zeros at and past a row's length (NaN there stays out); a padding row (slot
-    -1) reads slot 0. Blocks of 4 rings of 16 (the 64 rows of the product), of 2 rings of
-    32, and of one ring of 24 (24 of the 64 rows: three rings of H_k = 3 would take 72); d_k of
-    one copy chunk and of two (`KEY_CHUNK`), whose products add up."""
+    vectors, zeros at and past a row's length (NaN there stays out). Blocks of 4 rings of
+    16 (the 64 rows of the product), of 2 rings of 32, and of one ring of 24 (24 of the 64
+    rows: three rings of H_k = 3 would take 72); d_k of one copy chunk and of two
+    (`KEY_CHUNK`), whose products add up."""
     batch, width, n = 3, 3, 4
     hk, L = num_k_heads, cache_len
     k_cache = rng.standard_normal((n, hk, L, d)).astype(np.float32)
     q, k = (rng.standard_normal((batch, width, hk, d)).astype(np.float32) for _ in range(2))
-    slot, length = np.array([2, -1, 0], np.int32), np.array([3, 1, 0], np.int32)
+    slot, length = np.array([2, 0, 0], np.int32), np.array([3, 1, 0], np.int32)
     for b in range(batch):
         q[b, length[b]:], k[b, length[b]:] = np.nan, np.nan
     k_cache, q, k = (np.asarray(jnp.asarray(x, dt).astype(jnp.float32)) for x, dt in
                      ((k_cache, cache_dtype), (q, qk_dtype), (k, qk_dtype)))
     got = np.asarray(window_key_values(jnp.asarray(q, qk_dtype), jnp.asarray(k, qk_dtype),
-                                       jnp.asarray(k_cache, cache_dtype), jnp.asarray(slot),
-                                       jnp.zeros((batch,), jnp.int32), jnp.asarray(length), interpret=True))
+                                       jnp.asarray(k_cache, cache_dtype),
+                                       VerifyRows(jnp.asarray(slot), jnp.zeros((batch,), jnp.int32),
+                                                  jnp.asarray(length)), interpret=True))
     assert key_block_heads(hk, L, window_rows(width) * tile_parts(qk_dtype)) == heads
     assert got.shape == (batch, hk // heads, window_rows(width), 64)
     for b in range(batch):
-        keys = k_cache[max(slot[b], 0)].astype(np.float64)  # [hk, L, d]
+        keys = k_cache[slot[b]].astype(np.float64)  # [hk, L, d]
         want = np.zeros((hk, 2 * width, L))
         for i in range(length[b]):
             want[:, i] = np.einsum("hld,hd->hl", keys, q[b, i])
@@ -296,8 +307,8 @@ def test_window_key_values_are_the_key_sums(rng, cache_dtype, qk_dtype, cache_le
     poisoned[0] = np.nan
     pos, length = jnp.asarray([0, 0, L - 1], jnp.int32), jnp.asarray([3, 0, 2], jnp.int32)
     skipped = np.asarray(window_key_values(jnp.asarray(q, qk_dtype), jnp.asarray(k, qk_dtype),
-                                           jnp.asarray(poisoned, cache_dtype), jnp.asarray(slot), pos, length,
-                                           interpret=True))
+                                           jnp.asarray(poisoned, cache_dtype),
+                                           VerifyRows(jnp.asarray(slot), pos, length), interpret=True))
     np.testing.assert_array_equal(skipped[0], got[0])
     assert not np.any(skipped[1:]), "rows that do not append get zeros without reading their rings"
 
@@ -311,7 +322,7 @@ def test_window_key_values_lower_for_an_abstract_h200(cache_dtype, qk_dtype, cac
     S, i32 = jax.ShapeDtypeStruct, jnp.int32
     b, hk, d = 8, 16, 128
     args = [S((b, width, hk, d), qk_dtype)] * 2 + [S((16, hk, cache_len, d), cache_dtype)] + [S((b,), i32)] * 3
-    step = lambda *a: window_key_values(*a, interpret=False)
+    step = lambda q, k, keys, *rows: window_key_values(q, k, keys, VerifyRows(*rows), interpret=False)
     assert "mosaic_gpu" in jax.jit(step).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
@@ -432,7 +443,7 @@ def test_tensor_core_fold_needs_a_gpu():
     z = lambda *s: jnp.zeros(s)
     args = [z(2, 2, 64, 64), z(2, 2, 8, 64), z(2, 1, 8, 64), z(2, 2, 8)]
     window = [z(1, 2, 1, 64), z(1, 2, 1, 64), z(1, 2, 2, 64), z(1, 2, 2), z(1, 2, 2)]
-    rows = [jnp.zeros((1,), jnp.int32)] * 3
+    rows = [jnp.zeros((1,), jnp.int32), jnp.zeros((2,), jnp.int32), jnp.zeros((1,), jnp.int32)]
     with pytest.raises(ValueError, match="Mosaic GPU interpret"):
         verify_decode_mgpu(*args, *window, *rows, jnp.zeros((1, 2, 2), bool),
                            params=MosaicReplayParams(rebuild="3xtf32"), interpret=True)
@@ -606,7 +617,7 @@ def test_refuses_shapes_it_cannot_take():
     z = lambda *s: jnp.zeros(s)
     args = [z(2, 2, 64, 64), z(2, 2, 8, 64), z(2, 1, 8, 64), z(2, 2, 8)]
     window = lambda t: [z(1, t, 1, 64), z(1, t, 1, 64), z(1, t, 2, 64), z(1, t, 2), z(1, t, 2)]
-    rows = [jnp.zeros((1,), jnp.int32)] * 3
+    rows = [jnp.zeros((1,), jnp.int32), jnp.zeros((2,), jnp.int32), jnp.zeros((1,), jnp.int32)]
     with pytest.raises(ValueError, match="window width T"):
         verify_decode_mgpu(*args, *window(9), *rows, jnp.zeros((1, 9, 9), bool))
     with pytest.raises(ValueError, match="anc must have shape"):
@@ -618,9 +629,16 @@ def test_refuses_shapes_it_cannot_take():
                            params=MosaicReplayParams(readout="mma"), interpret=True)
     with pytest.raises(ValueError, match="readout must be one of"):
         MosaicReplayParams(readout="wgmma")
-    for cursors in (jnp.zeros((3,), jnp.int32), jnp.zeros((2,), jnp.float32)):  # one int32 per slot
-        with pytest.raises(ValueError, match="cursors must be int32 of shape"):
-            verify_decode_mgpu(*args, *window(2), *rows, jnp.zeros((1, 2, 2), bool), cursors=cursors)
+    # one int32 cursor per slot, one slot and one length per row
+    for i, x, name in ((1, jnp.zeros((3,), jnp.int32), "cursors must be integer of shape"),
+                       (1, jnp.zeros((2,), jnp.float32), "cursors must be integer of shape"),
+                       (1, jnp.zeros((2,), jnp.int16), "cursors must be int32"),
+                       (0, jnp.zeros((2,), jnp.int32), "slots must be integer of shape"),
+                       (2, jnp.zeros((1,), jnp.float32), "lengths must be integer of shape")):
+        bad = list(rows)
+        bad[i] = x
+        with pytest.raises(ValueError, match=name):
+            verify_decode_mgpu(*args, *window(2), *bad, jnp.zeros((1, 2, 2), bool))
     for params in (MosaicReplayParams(prefetch_folds=True),  # one CTA per tile
                    MosaicReplayParams(programs=2, rebuild="3xtf32", prefetch_folds=True),  # fetches no keys
                    MosaicReplayParams(programs=3, auto_barriers=False, warpgroups=3, key_side="xla",
@@ -633,7 +651,7 @@ def test_kda_refuses_shapes_it_cannot_take():
     z = lambda *s: jnp.zeros(s)
     state = lambda d, length=8: [z(2, 2, 64, d), z(2, 2, length, 64), z(2, 1, length, d), z(2, 2, length, d)]
     window = lambda t, d=64: [z(1, t, 1, d), z(1, t, 1, d), z(1, t, 2, 64), z(1, t, 2, d), z(1, t, 2)]
-    rows = [jnp.zeros((1,), jnp.int32)] * 3
+    rows = [jnp.zeros((1,), jnp.int32), jnp.zeros((2,), jnp.int32), jnp.zeros((1,), jnp.int32)]
     anc = lambda t: jnp.zeros((1, t, t), bool)
     with pytest.raises(ValueError, match="window width T"):
         verify_decode_kda_mgpu(*state(64), *window(9), *rows, anc(9))

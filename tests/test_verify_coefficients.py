@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels.common import VerifyRows
 from pallas_kernels.mosaic_gpu.verify_decode import (HISTORY_PAD, coefficient_count, history_weights,
                                                      record_key_scales, window_coefficients, window_rows,
                                                      window_vectors)
@@ -71,35 +72,54 @@ def random_window(rng, batch, width, num_k_heads, num_v_heads, head_dim, dtype):
     return (*(nan_past(x) for x in (q, k, g, beta)), length)
 
 
-def random_history(rng, batch, num_v_heads, cache_len):
-    """`(g_cache [N, H_v, L] with NaN in every stale entry, the same in float64 without them,
-    slot [B] with row 1 padding, pos [B] in [0, L] with row 0 at L and row 3 at 0: an empty
-    history whose every record, entry 0's included, is stale)`."""
+def random_rows(rng, batch, cache_len):
+    """`(slots [B], cursors [N], slot [B], pos [B])` with N = B + 2: distinct slots, row 1
+    padding (its slot out of range, negative or >= N, drawn), every slot's cursor in
+    [0, L] with row 0's at L and row 3's at 0 (an empty history), and the rows' slot and
+    cursor as the kernels read them (`common.verify_rows`, written out: 0 on the padding
+    row)."""
     num_slots = batch + 2
     slot = rng.permutation(num_slots)[:batch].astype(np.int32)
-    slot[1] = -1
-    pos = rng.integers(0, cache_len + 1, batch).astype(np.int32)
-    pos[0], pos[3] = cache_len, 0
+    cursors = rng.integers(0, cache_len + 1, num_slots).astype(np.int32)
+    cursors[slot[0]], cursors[slot[3]] = cache_len, 0
+    slots = slot.copy()
+    slots[1] = rng.choice([-1, num_slots])
+    slot[1] = 0
+    pos = np.where(np.arange(batch) == 1, 0, cursors[slot])
+    return slots, cursors, slot, pos
+
+
+def random_history(rng, slot, pos, num_slots, num_v_heads, cache_len):
+    """`(g_cache [N, H_v, L] with NaN in every stale entry of the rows' slots (at and past
+    their cursors: row 3's entry 0 included), the same in float64 without them)`."""
     g_cache = -rng.uniform(0.0, 2.0, (num_slots, num_v_heads, cache_len))
     stale = g_cache.copy()
-    for s, p in zip(slot, pos):
-        if s >= 0:
+    for b, (s, p) in enumerate(zip(slot, pos)):
+        if b != 1:  # the padding row reads nothing
             stale[s, :, p:] = np.nan
-    return jnp.asarray(stale, jnp.float32), g_cache, slot, pos
+    return jnp.asarray(stale, jnp.float32), g_cache
 
 
 def model_history(g_cache, slot, pos, history_len):
     """Per (row, value head) in float64: the product of e^{g_i} over the entries after j and
-    before pos for each j < pos, then over all of them, then zeros (padding rows zero)."""
+    before pos for each j < pos, then over all of them, then zeros."""
     out = np.zeros((len(slot), g_cache.shape[1], history_len))
     for b, (s, p) in enumerate(zip(slot, pos)):
-        if s < 0:
-            continue
         decays = np.exp(g_cache[s])
         for j in range(p):
             out[b, :, j] = np.prod(decays[:, j + 1:p], axis=1)
         out[b, :, g_cache.shape[2]] = np.prod(decays[:, :p], axis=1)
     return out
+
+
+def assert_rows(rows, slot, pos, requested) -> jax.Array:
+    """The kernel's rows equal the model's (`random_rows`; the padding row 1 of length 0)
+    and XLA's (`common.verify_rows`), exactly; returns their lengths."""
+    length = jnp.asarray(requested).at[1].set(0)
+    for name, got, want in zip(VerifyRows._fields, rows, (slot, pos, length)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=name)
+        assert got.dtype == jnp.int32, name
+    return length
 
 
 def assert_key_scales(key_scales, k64, length, use_qk_l2norm: bool) -> None:
@@ -121,15 +141,17 @@ def assert_key_scales(key_scales, k64, length, use_qk_l2norm: bool) -> None:
 def test_records_and_vectors_match_the_model_and_xla(rng, width, num_k_heads, num_v_heads, dtype, use_qk_l2norm,
                                                      tree, cache_len):
     batch, head_dim, scale = 4, 64, 0.7
-    q, k, g, beta, length = random_window(rng, batch, width, num_k_heads, num_v_heads, head_dim, dtype)
+    q, k, g, beta, requested = random_window(rng, batch, width, num_k_heads, num_v_heads, head_dim, dtype)
     anc = np.asarray(ancestors(random_parents(rng, batch, width) if tree else None, batch, width))
     record_len = coefficient_count(width)
-    g_cache, g_model, slot, pos = random_history(rng, batch, num_v_heads, cache_len)
+    slots, cursors, slot, pos = random_rows(rng, batch, cache_len)
+    g_cache, g_model = random_history(rng, slot, pos, len(cursors), num_v_heads, cache_len)
     history_len = cache_len + HISTORY_PAD
-    records, vectors, key_scales, weights = verify_coefficients(
-        q, k, g, beta, jnp.asarray(anc), length, record_len=record_len, vector_rows=window_rows(width),
-        use_qk_l2norm=use_qk_l2norm, scale=scale, history=(g_cache, jnp.asarray(slot), jnp.asarray(pos)),
+    records, vectors, key_scales, weights, rows = verify_coefficients(
+        q, k, g, beta, jnp.asarray(anc), jnp.asarray(slots), jnp.asarray(cursors), requested, record_len=record_len,
+        vector_rows=window_rows(width), use_qk_l2norm=use_qk_l2norm, scale=scale, history=g_cache,
         history_len=history_len, interpret=True)
+    length = assert_rows(rows, slot, pos, requested)
     assert records.shape == (batch, num_v_heads, record_len) and vectors.shape[:3] == (batch, num_k_heads,
                                                                                        window_rows(width))
     assert not np.isnan(np.asarray(records)).any()
@@ -151,7 +173,7 @@ def test_records_and_vectors_match_the_model_and_xla(rng, width, num_k_heads, nu
     # History weights (a padding row's are never read) against float64 products and XLA's
     # form: an fp32 sum of at most L log-decays, then one exp2, errs by a few ulps of the
     # sum's magnitude |ln W|, which the exponential turns into that much relative error.
-    real = slot >= 0
+    real = np.arange(batch) != 1
     weights = np.asarray(weights)[real]
     assert weights.shape[1:] == (num_v_heads, history_len) and not np.isnan(weights).any()
     xla_weights = np.asarray(history_weights(g_cache, jnp.asarray(slot), jnp.asarray(pos)))[real]
@@ -198,16 +220,18 @@ def model_kda_record(q, k, g, beta, anc, length, *, use_qk_l2norm, scale, record
 ])
 def test_kda_records_and_decays_match_the_model_and_xla(rng, width, num_k_heads, num_v_heads, dtype,
                                                         use_qk_l2norm, tree):
-    batch, head_dim, scale = 3, 64, 0.7
-    q, k, _, beta, length = random_window(rng, batch, width, num_k_heads, num_v_heads, head_dim, dtype)
-    past = np.arange(width)[None, :] >= np.asarray(length)[:, None]
+    batch, head_dim, scale = 4, 64, 0.7
+    q, k, _, beta, requested = random_window(rng, batch, width, num_k_heads, num_v_heads, head_dim, dtype)
+    past = np.arange(width)[None, :] >= np.asarray(requested)[:, None]
     g = -np.log1p(np.exp(rng.standard_normal((batch, width, num_v_heads, head_dim))))
     g = jnp.asarray(np.where(past[:, :, None, None], np.nan, g), jnp.float32)
     anc = np.asarray(ancestors(random_parents(rng, batch, width) if tree else None, batch, width))
     record_len = coefficient_count(width, KDA_VECTORS)
-    records, key_scales, decays = kda_verify_coefficients(q, k, g, beta, jnp.asarray(anc), length,
-                                                          record_len=record_len, use_qk_l2norm=use_qk_l2norm,
-                                                          scale=scale, interpret=True)
+    slots, cursors, slot, pos = random_rows(rng, batch, 8)
+    records, key_scales, decays, rows = kda_verify_coefficients(
+        q, k, g, beta, jnp.asarray(anc), jnp.asarray(slots), jnp.asarray(cursors), requested, record_len=record_len,
+        use_qk_l2norm=use_qk_l2norm, scale=scale, interpret=True)
+    length = assert_rows(rows, slot, pos, requested)
     assert records.shape == (batch, num_v_heads, record_len) and key_scales.shape == (batch, width, num_k_heads)
     assert decays.shape == (batch, width, num_v_heads, head_dim)
     assert not np.isnan(np.asarray(records)).any() and not np.isnan(np.asarray(decays)).any()
@@ -218,8 +242,9 @@ def test_kda_records_and_decays_match_the_model_and_xla(rng, width, num_k_heads,
     np.testing.assert_allclose(np.asarray(records), want, rtol=2e-5, atol=2e-6)
     np.testing.assert_allclose(np.asarray(decays), want_decays, rtol=2e-6, atol=1e-7)
     # The key scales are the records' k_scale runs, bit for bit, in the key records' order.
+    group = num_v_heads // num_k_heads
     np.testing.assert_array_equal(np.asarray(key_scales),
-                                  np.asarray(record_key_scales(records, width, KDA_VECTORS, num_v_heads // num_k_heads)))
+                                  np.asarray(record_key_scales(records, width, KDA_VECTORS, group)))
     assert_key_scales(key_scales, f64(k), length, use_qk_l2norm)
     xla, xla_decays = kda_window_coefficients(q, k, g, beta, jnp.asarray(anc), length,
                                               use_qk_l2norm=use_qk_l2norm, scale=scale)
@@ -230,10 +255,11 @@ def test_kda_records_and_decays_match_the_model_and_xla(rng, width, num_k_heads,
 def test_refuses_what_it_cannot_take():
     q = jnp.zeros((1, 4, 1, 64), jnp.bfloat16)
     g = jnp.zeros((1, 4, 2), jnp.float32)
-    anc, length = jnp.zeros((1, 4, 4), bool), jnp.array([4], jnp.int32)
-    call = lambda q=q, g=g, record_len=64, vector_rows=8, **history: verify_coefficients(
-        q, q, g, g, anc, length, record_len=record_len, vector_rows=vector_rows, use_qk_l2norm=True, scale=1.0,
-        interpret=True, **history)
+    anc, slots, cursors, length = (jnp.zeros((1, 4, 4), bool), jnp.zeros((1,), jnp.int32),
+                                   jnp.zeros((2,), jnp.int32), jnp.array([4], jnp.int32))
+    call = lambda q=q, g=g, record_len=64, vector_rows=8, slots=slots, **history: verify_coefficients(
+        q, q, g, g, anc, slots, cursors, length, record_len=record_len, vector_rows=vector_rows, use_qk_l2norm=True,
+        scale=1.0, interpret=True, **history)
     with pytest.raises(ValueError, match="record_len 40 is too short"):
         call(record_len=40)
     with pytest.raises(ValueError, match="vector_rows 6 is fewer than 2 T"):
@@ -242,18 +268,22 @@ def test_refuses_what_it_cannot_take():
         call(q=jnp.zeros((1, 4, 1, 192), jnp.bfloat16))
     with pytest.raises(ValueError, match="H_k \\| H_v"):
         call(q=jnp.zeros((1, 4, 2, 64), jnp.bfloat16), g=jnp.zeros((1, 4, 3), jnp.float32))
-    g_cache, slot = jnp.zeros((2, 2, 8), jnp.float32), jnp.zeros((1,), jnp.int32)
+    with pytest.raises(ValueError, match="the rows must be slots \\[B\\], cursors \\[N\\] and lengths \\[B\\]"):
+        call(slots=jnp.zeros((2,), jnp.int32))
+    g_cache = jnp.zeros((2, 2, 8), jnp.float32)
     with pytest.raises(ValueError, match="history and history_len come together"):
         call(history_len=12)
-    with pytest.raises(ValueError, match="history must be \\(g_cache \\[N, H_v, L\\]"):
-        call(history=(g_cache[:, :1], slot, slot), history_len=12)
+    for bad in (g_cache[:, :1], g_cache[:1]):  # H_v heads, one slot per cursor
+        with pytest.raises(ValueError, match="history must be g_cache \\[N, H_v, L\\]"):
+            call(history=bad, history_len=12)
     with pytest.raises(ValueError, match="history_len 8 must exceed L = 8"):
-        call(history=(g_cache, slot, slot), history_len=8)
+        call(history=g_cache, history_len=8)
     with pytest.raises(ValueError, match="num_warps"):
         VerifyCoefficientsParams(num_warps=3)
     g_kda = jnp.zeros((1, 4, 2, 64), jnp.float32)
     kda = lambda g=g_kda, record_len=64: kda_verify_coefficients(
-        q, q, g, g_kda[..., 0], anc, length, record_len=record_len, use_qk_l2norm=True, scale=1.0, interpret=True)
+        q, q, g, g_kda[..., 0], anc, slots, cursors, length, record_len=record_len, use_qk_l2norm=True, scale=1.0,
+        interpret=True)
     with pytest.raises(ValueError, match="record_len 40 is too short"):
         kda(record_len=40)
     with pytest.raises(ValueError, match="g must be \\[B, T, H_v, d_k\\]"):
@@ -274,11 +304,11 @@ def test_compiles_for_sm90a_without_spills(num_warps):
     batch, width, cache_len = 8, 4, 32
     args = (sds((batch, width, 16, 128), jnp.bfloat16), sds((batch, width, 16, 128), jnp.bfloat16),
             sds((batch, width, 32), jnp.float32), sds((batch, width, 32), jnp.float32),
-            sds((batch, width, width), jnp.bool_), sds((batch,), jnp.int32), sds((16, 32, cache_len), jnp.float32),
-            sds((batch,), jnp.int32), sds((batch,), jnp.int32))
+            sds((batch, width, width), jnp.bool_), sds((batch,), jnp.int32), sds((16,), jnp.int32),
+            sds((batch,), jnp.int32), sds((16, 32, cache_len), jnp.float32))
     params = VerifyCoefficientsParams(num_warps=num_warps)
-    step = lambda *a: verify_coefficients(*a[:6], record_len=coefficient_count(width), vector_rows=window_rows(width),
-                                          use_qk_l2norm=True, scale=128 ** -0.5, history=a[6:],
+    step = lambda *a: verify_coefficients(*a[:8], record_len=coefficient_count(width), vector_rows=window_rows(width),
+                                          use_qk_l2norm=True, scale=128 ** -0.5, history=a[8],
                                           history_len=cache_len + HISTORY_PAD, params=params, interpret=False)
     with kernel_registers.captured_triton_ir() as modules, jax.sharding.use_abstract_mesh(kernel_registers._H200):
         jax.jit(step).trace(*args).lower(lowering_platforms=("cuda",))
@@ -301,12 +331,12 @@ def test_mosaic_verify_with_the_kernel_window_lowers_for_an_abstract_h200():
             S((n, hk, cache_len, d), jnp.float32), S((n, hv, cache_len), jnp.float32),
             S((b, width, hk, d), jnp.bfloat16), S((b, width, hk, d), jnp.bfloat16), S((b, width, hv, d), jnp.bfloat16),
             S((b, width, hv), jnp.float32), S((b, width, hv), jnp.float32),
-            S((b,), i32), S((b,), i32), S((b,), i32), S((b, width, width), jnp.bool_)]
+            S((b,), i32), S((n,), i32), S((b,), i32), S((b, width, width), jnp.bool_)]
     params = MosaicReplayParams(programs=264, auto_barriers=False, readout="mma", key_side="xla",
                                 window_side="kernel")
     step = lambda *a: verify_decode_mgpu(*a, use_qk_l2norm=True, params=params, interpret=False)
     with jax.sharding.use_abstract_mesh(kernel_registers._H200):
-        text = jax.jit(step, donate_argnums=(0, 1, 2, 3)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        text = jax.jit(step, donate_argnums=(0, 1, 2, 3, 10)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     calls = re.findall(r"custom_call @([\w$.]+)", text)
     # The window kernel, then the key sums' and the verify kernel's Mosaic calls.
     assert calls == ["__gpu$xla.gpu.triton", "mosaic_gpu_v2", "mosaic_gpu_v2"], calls
@@ -330,11 +360,11 @@ def test_kda_window_kernel_compiles_and_its_verify_step_lowers_for_an_abstract_h
             S((n, hk, cache_len, d), jnp.float32), S((n, hv, cache_len, d), jnp.float32),
             S((b, width, hk, d), jnp.bfloat16), S((b, width, hk, d), jnp.bfloat16), S((b, width, hv, d), jnp.bfloat16),
             S((b, width, hv, d), jnp.float32), S((b, width, hv), jnp.float32),
-            S((b,), i32), S((b,), i32), S((b,), i32), S((b, width, width), jnp.bool_)]
+            S((b,), i32), S((n,), i32), S((b,), i32), S((b, width, width), jnp.bool_)]
     params = MosaicReplayParams(window_side="kernel")
     step = lambda *a: verify_decode_kda_mgpu(*a, use_qk_l2norm=True, params=params, interpret=False)
     with kernel_registers.captured_triton_ir() as modules, jax.sharding.use_abstract_mesh(kernel_registers._H200):
-        text = jax.jit(step, donate_argnums=(0, 1, 2, 3)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        text = jax.jit(step, donate_argnums=(0, 1, 2, 3, 10)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert re.findall(r"custom_call @([\w$.]+)", text) == ["__gpu$xla.gpu.triton", "mosaic_gpu_v2"]
     assert "stablehlo.reduce" not in text and "dot_general" not in text
     (module,) = modules

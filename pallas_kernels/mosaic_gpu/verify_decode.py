@@ -6,8 +6,10 @@ Grid `(B, H_v * d_v / BV)`, one warpgroup per CTA, BV = 64: CTA (b, h, t) serves
 round robin from two stages of shared buffers, the next tile's copies in flight
 (`pipeline.serve_tiles`, as the decode kernels; a key head's tiles compute the window's
 `K k_i`, `K q_i` once, `window_keys`), one per CTA or `MosaicReplayParams.warpgroups` per
-CTA. Per row, `[B]`
-arrays give its slot, cursor `pos` and valid window length; `anc [B, T, T]` says which
+CTA. The caller gives the step's rows as it holds them: `slots [B]` (negative or >= N: a
+padding row), the pool's `cursors [N]` and the window `lengths [B]`; each row's slot,
+cursor `pos` and length (`common.verify_rows`) come from the window kernel, which forms
+them in-kernel (or from XLA for the window formed there). `anc [B, T, T]` says which
 window positions precede each position on its branch (a chain or a tree).
 
 Math (as `replayssm_jax.speculative`, GDN: per-head decays, so every exponential is a
@@ -55,7 +57,8 @@ Row modes (`window_mode` of the cursor and length, derived in the kernels):
   as the weights formed before the launch, never the gate records). The kernel does not
   write a folding row's key records: other CTAs of the same slot may still be reading the
   history they would overwrite (the wrapper writes them after the launch,
-  `append_folding_records`). Given the pool's cursors, it sets a folding row's to 0.
+  `append_folding_records`). It sets a folding row's cursor to 0 in place (no kernel
+  reads the cursors after the window kernel).
 - `MODE_PAD`: y = 0, nothing written.
 Window positions at and past `length` give y = 0 and no records; their inputs are replaced
 by zeros before use, so garbage there (NaN included) reaches nothing.
@@ -84,7 +87,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxtyping import Array, Bool, Float, Int
 
-from pallas_kernels.common import L2NORM_EPS, MODE_APPEND, MODE_FLUSH, MODE_PAD, set_records
+from pallas_kernels.common import L2NORM_EPS, MODE_APPEND, MODE_FLUSH, MODE_PAD, VerifyRows, set_records, verify_rows
 from pallas_kernels.mosaic_gpu.build import build_kernel
 from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA, bcast_cols, bcast_rows, check_smem,
                                                col_sum, copy_record_rows, copy_replay_tile, load_transposed,
@@ -294,7 +297,7 @@ def _key_blocks_kernel(slot_ref, pos_ref, length_ref, keys_ref, x_ref, out_ref, 
         for c in range(chunks):
             columns = pl.ds(c * KEY_CHUNK, KEY_CHUNK)
             keys_dst = k_smem[c] if ring_rows == BLOCK_ROWS else k_smem[c].at[pl.ds(0, ring_rows)]
-            plgpu.copy_gmem_to_smem(keys_ref.at[jnp.maximum(slot_ref[b], 0), pl.ds(blk * ring_rows, ring_rows),
+            plgpu.copy_gmem_to_smem(keys_ref.at[slot_ref[b], pl.ds(blk * ring_rows, ring_rows),
                                                 columns], keys_dst, barriers.at[c])
             plgpu.copy_gmem_to_smem(x_ref.at[b, pl.ds(blk * heads * head_x_rows, heads * head_x_rows), columns],
                                     x_smem[c], barriers.at[c])
@@ -340,22 +343,24 @@ def _build_key_blocks(batch, num_k_heads, head_k_dim, cache_len, cache_dtype, x_
 
 
 def window_key_values(q: Float[Array, "B T Hk Dk"], k: Float[Array, "B T Hk Dk"], k_cache: Float[Array, "N Hk L Dk"],
-                      slot: Int[Array, " B"], pos: Int[Array, " B"], length: Int[Array, " B"], *, interpret: bool,
+                      rows: VerifyRows, *, interpret: bool,
                       staged: Float[Array, "B Hk N Dk"] | None = None) -> Float[Array, "B Hb N 64"]:
     """`window_keys`' sums of every row and key head before the verify kernel: `K x` over
     each slot's whole ring for the raw window vectors x (`masked_window`'s: q_0 .. q_{T-1},
     then k_0 .. k_{T-1}; zeros at and past a row's length; stale entries included: the
-    verify kernel masks them; a padding row reads slot 0's), in blocks of m =
+    verify kernel masks them), in blocks of m =
     `key_block_heads` key heads: `[B, H_k / m, N, 64]` with N = `window_rows(T)`, the sums
     of key head hk, vector j, ring entry l at `[b, hk // m, j, (hk % m) L + l]`
     (`side_block`). A small kernel of its own, one CTA per block, on tensor cores: the
     products of fp32 key records and bf16 vectors are exact in fp32 (the records and, for
     fp32 q and k, the vectors split into bf16 parts). `staged`: the caller's
-    `window_vectors` of q and k, if it has them (`side_vectors`). Only appending rows
-    (`window_mode` of `pos` and `length`) read their rings; the others (folding rows, which
-    the verify kernel reads from their rebuilt tile, and rows of length 0) get zeros."""
+    `window_vectors` of q and k, if it has them (`side_vectors`). `rows`: the step's slot,
+    cursor and length per row (`common.VerifyRows`). Only appending rows (`window_mode` of
+    the cursor and length) read their rings; the others (folding rows, which the verify
+    kernel reads from their rebuilt tile, and rows of length 0) get zeros."""
     batch, width, num_k_heads, head_k_dim = q.shape
     num_slots, _, cache_len, _ = k_cache.shape
+    slot, pos, length = (x.astype(jnp.int32) for x in rows)
     x = side_vectors(q, k, length, staged)
     x_rows = x.shape[2]
     if not key_block_heads(num_k_heads, cache_len, x_rows):
@@ -363,8 +368,7 @@ def window_key_values(q: Float[Array, "B T Hk Dk"], k: Float[Array, "B T Hk Dk"]
                          f"rows of window vectors per key head, got cache_len = {cache_len}, {x_rows} rows")
     kernel = _build_key_blocks(batch, num_k_heads, head_k_dim, cache_len, k_cache.dtype, x_rows,
                                tile_parts(q.dtype), interpret)
-    i32 = lambda a: a.astype(jnp.int32)
-    return kernel(i32(slot), i32(pos), i32(length), k_cache.reshape(num_slots, num_k_heads * cache_len, head_k_dim),
+    return kernel(slot, pos, length, k_cache.reshape(num_slots, num_k_heads * cache_len, head_k_dim),
                   x.reshape(batch, num_k_heads * x_rows, head_k_dim))
 
 
@@ -391,29 +395,32 @@ def store_zeros(o_smem, y_ref, b, h, rows, width):
     plgpu.copy_smem_to_gmem(o_smem, y_ref.at[b, :, h, rows])
 
 
-def state_refs(pools: tuple, cursors: Int[Array, " N"] | None) -> list:
-    """`jax.new_ref` of each state pool and, when given, of the pool's cursors: the arrays
-    a verify kernel updates in place (in place of a copy when the caller donates them)."""
-    return [jax.new_ref(x) for x in (*pools, *(() if cursors is None else (cursors,)))]
+def state_refs(pools: tuple, cursors: Int[Array, " N"]) -> list:
+    """`jax.new_ref` of each state pool and of the pool's cursors: the arrays a verify
+    kernel updates in place (in place of a copy when the caller donates them)."""
+    return [jax.new_ref(x) for x in (*pools, cursors)]
 
 
 def reset_cursor(cursor_ref, slot, first_folding_tile) -> None:
-    """In a verify kernel given the pool's cursors (`cursor_ref`; None: nothing), a folding
-    row's cursor to 0, stored by one tile of the row (`first_folding_tile`): no CTA reads
-    the cursors, so no other tile has to wait for it."""
-    if cursor_ref is None:
-        return
+    """In a verify kernel, a folding row's cursor to 0, stored by one tile of the row
+    (`first_folding_tile`): no CTA reads the cursors (the rows come from before the
+    launch), so no other tile has to wait for it."""
 
     @pl.when(first_folding_tile)
     def _reset():
         cursor_ref[slot] = jnp.int32(0)
 
 
-def check_cursors(cursors: Int[Array, " N"] | None, num_slots: int) -> None:
-    """ValueError unless `cursors` is None or int32 `[N]`, one per slot of the pools."""
-    if cursors is not None and (cursors.shape != (num_slots,) or cursors.dtype != jnp.int32):
-        raise ValueError(f"cursors must be int32 of shape {(num_slots,)} (one per slot), got {cursors.dtype} "
-                         f"{cursors.shape}")
+def check_rows(slots: Int[Array, " B"], cursors: Int[Array, " N"], lengths: Int[Array, " B"], batch: int,
+               num_slots: int) -> None:
+    """ValueError unless `slots` and `lengths` are integer `[B]` and `cursors` int32 `[N]`,
+    one per slot of the pools."""
+    for name, x, shape in (("slots", slots, (batch,)), ("lengths", lengths, (batch,)),
+                           ("cursors", cursors, (num_slots,))):
+        if x.shape != shape or not jnp.issubdtype(x.dtype, jnp.integer):
+            raise ValueError(f"{name} must be integer of shape {shape}, got {x.dtype} {x.shape}")
+    if cursors.dtype != jnp.int32:
+        raise ValueError(f"cursors must be int32 (updated in place), got {cursors.dtype}")
 
 
 def append_folding_records(key_cache: Float[Array, "N Hk L *Dk"], gate_cache: Float[Array, "N Hv L *C"],
@@ -619,14 +626,14 @@ def stage_copies(readout: str, xla_side: bool = False) -> int:
 
 def _kernel(slot_ref, pos_ref, length_ref, q_ref, k_ref, v_ref, coef_ref, weights_ref, *refs,
             width, group_size, tiles, num_programs, chunk, readout, parts, rebuild, xla_side, program_scratch, per_tile,
-            warpgroups, ordered, prefetch_folds, group_folds, with_cursors, interpret):
+            warpgroups, ordered, prefetch_folds, group_folds, interpret):
     # Inputs, the row order, the window's raw vectors with the "mma" readout and the key
     # sums computed before the launch first; outputs; scratch.
     order_ref, *refs = refs if ordered else (None, *refs)
     xw_ref, *refs = refs if readout == "mma" else (None, *refs)
     side_ref, *refs = refs if xla_side else (None, *refs)
     ckpt_ref, ucache_ref, kcache_ref, gcache_ref, *refs = refs
-    cursor_ref, y_ref, *all_scratch = refs if with_cursors else (None, *refs)
+    cursor_ref, y_ref, *all_scratch = refs
     batch, num_v_heads = y_ref.shape[0], y_ref.shape[2]
     row_mode = lambda b: window_mode(pos_ref[b], length_ref[b], ucache_ref.shape[2])
     own_fold_buffers = warpgroups > 1  # not in a union with the tile (`_scratch`)
@@ -908,7 +915,7 @@ def persistent_programs(batch: int, width: int, num_v_heads: int, head_v_dim: in
 @functools.lru_cache(maxsize=None)
 def _build(batch, width, num_v_heads, head_v_dim, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y_dtype,
            group_size, swizzle, programs, auto_barriers, readout, rebuild, chunk, per_tile_addresses, xla_side,
-           warpgroups, ordered, prefetch_folds, group_folds, with_cursors, interpret):
+           warpgroups, ordered, prefetch_folds, group_folds, interpret):
     tiles = head_v_dim // BLOCK_ROWS
     num_tiles = batch * num_v_heads * tiles
     warpgroups = min(warpgroups, num_tiles)  # every program serves at least one tile
@@ -923,8 +930,7 @@ def _build(batch, width, num_v_heads, head_v_dim, head_k_dim, cache_len, state_d
                              chunk=chunk, readout=readout, parts=tile_parts(state_dtype), rebuild=rebuild,
                              xla_side=xla_side, program_scratch=view,
                              per_tile=per_tile_addresses, warpgroups=warpgroups, ordered=ordered,
-                             prefetch_folds=prefetch_folds, group_folds=group_folds, with_cursors=with_cursors,
-                             interpret=interpret)
+                             prefetch_folds=prefetch_folds, group_folds=group_folds, interpret=interpret)
     return build_kernel(body, jax.ShapeDtypeStruct((batch, width, num_v_heads, head_v_dim), y_dtype), scratch,
                         tile_grid(batch, num_v_heads, tiles, num_programs, warpgroups),
                         name="replayssm_verify_decode_mgpu", interpret=interpret, auto_barriers=auto_barriers)
@@ -940,12 +946,11 @@ def verify_decode_mgpu(
     v: Float[Array, "B T Hv Dv"],
     g: Float[Array, "B T Hv"],
     beta: Float[Array, "B T Hv"],
-    slot: Int[Array, " B"],
-    pos: Int[Array, " B"],
-    length: Int[Array, " B"],
+    slots: Int[Array, " B"],
+    cursors: Int[Array, " N"],
+    lengths: Int[Array, " B"],
     anc: Bool[Array, "B T T"],
     *,
-    cursors: Int[Array, " N"] | None = None,
     use_qk_l2norm: bool = False,
     scale: float | None = None,
     params: MosaicReplayParams = MosaicReplayParams(),
@@ -959,13 +964,13 @@ def verify_decode_mgpu(
       checkpoint, u_cache, k_cache, g_cache: the layer's state pools (GDN: per-head decays).
       q, k, v: the window's tokens, raw q/k (normalised when `use_qk_l2norm`).
       g, beta: activated gates (log-decay and write strength).
-      slot, pos: per row its slot and cursor (a padding row: any slot in range, length 0).
-      length: per row the valid window length in [0, T]; with `pos`, its mode
-        (`window_mode`: 0 pads the row; `pos + length > L` folds the history into the
-        checkpoint first).
+      slots: `[B]` int, each row's slot (negative or >= N: a padding row).
+      cursors: `[N]` int32, the pool's cursors (each slot's records before it are live);
+        the kernel sets each folding row's to 0 in place.
+      lengths: `[B]` int, each row's valid window length in [0, T]; with the row's cursor
+        its mode (`window_mode`: 0 or a padding row verifies nothing; `pos + length > L`
+        folds the history into the checkpoint first).
       anc: `[B, T, T]` bool, True where position j precedes position i on i's branch.
-      cursors: optional `[N]` int32, the pool's cursors: the kernel sets each folding row's
-        to 0 in place (a launch fewer than XLA's update after the step).
       use_qk_l2norm, scale: as `replay_decode_mgpu`.
       params: the checkpoint tile's swizzle, persistent CTAs, automatic barriers, the folds'
         rebuild and the readout (`MosaicReplayParams`; tensor-core rebuilds need a GPU;
@@ -975,9 +980,9 @@ def verify_decode_mgpu(
       interpret: run in Mosaic GPU interpret mode (default: off GPU).
 
     Returns:
-      `(y [B, T, H_v, d_v] in v's dtype, checkpoint, u_cache, k_cache, g_cache)`, then
-      `cursors` if given, with every row's window records appended, the state arrays
-      updated in place when the caller donates them (a folding row's key records, and with
+      `(y [B, T, H_v, d_v] in v's dtype, checkpoint, u_cache, k_cache, g_cache, cursors)`
+      with every row's window records appended and each folding row's cursor at 0, the
+      state arrays updated in place when the caller donates them (a folding row's key records, and with
       readout "mma" every row's key records, by XLA after the launch, see the module doc).
     """
     batch, width, num_v_heads, head_v_dim = v.shape
@@ -990,7 +995,7 @@ def verify_decode_mgpu(
                          f"got T = {width}")
     if anc.shape != (batch, width, width):
         raise ValueError(f"anc must have shape {(batch, width, width)}, got {anc.shape}")
-    check_cursors(cursors, checkpoint.shape[0])
+    check_rows(slots, cursors, lengths, batch, checkpoint.shape[0])
     check_shapes(head_k_dim, head_v_dim, cache_len, checkpoint.dtype.itemsize, params.swizzle)
     check_params(params, "verify_decode_mgpu", pipelined=True)
     exact_fold = params.rebuild == "exact"
@@ -1009,36 +1014,36 @@ def verify_decode_mgpu(
     check_rebuild(params.rebuild, cache_len, interpret)
     check_mma_readout(params, q.dtype, "verify_decode_mgpu")
     order = launch_order_input(params, row_order, batch, "verify_decode_mgpu")
-    length = length.astype(jnp.int32)
     if q.dtype != k.dtype:
         raise ValueError(f"q and k must share a dtype, got {q.dtype} and {k.dtype}")
     scale = float(head_k_dim ** -0.5 if scale is None else scale)
     if params.window_side == "kernel":
-        coef, staged, key_scales, weights = verify_coefficients(
-            q, k, g, beta, anc.astype(bool), length, record_len=coefficient_count(width),
+        coef, staged, key_scales, weights, rows = verify_coefficients(
+            q, k, g, beta, anc.astype(bool), slots, cursors, lengths, record_len=coefficient_count(width),
             vector_rows=window_rows(width), use_qk_l2norm=bool(use_qk_l2norm), scale=scale,
-            history=(g_cache, slot, pos), history_len=cache_len + HISTORY_PAD,
+            history=g_cache, history_len=cache_len + HISTORY_PAD,
             params=VerifyCoefficientsParams(num_warps=params.window_warps), interpret=interpret)
         coef = coef.reshape(batch, num_v_heads, *coefficient_shape(width))
     else:
-        coef = window_coefficients(q, k, g, beta, anc.astype(bool), length, use_qk_l2norm=bool(use_qk_l2norm),
+        rows = verify_rows(slots, cursors, lengths)
+        coef = window_coefficients(q, k, g, beta, anc.astype(bool), rows.length, use_qk_l2norm=bool(use_qk_l2norm),
                                    scale=scale)
-        staged = window_vectors(q, k, length)
-        weights = history_weights(g_cache, slot.astype(jnp.int32), pos.astype(jnp.int32))
+        staged = window_vectors(q, k, rows.length)
+        weights = history_weights(g_cache, rows.slot, rows.pos)
         key_scales = record_key_scales(coef, width, GDN_VECTORS, num_v_heads // q.shape[2])
+    slot, pos, length = rows
     kernel = _build(batch, width, num_v_heads, head_v_dim, head_k_dim, cache_len, checkpoint.dtype, u_cache.dtype,
                     q.dtype, v.dtype, num_v_heads // q.shape[2], params.swizzle, params.programs,
                     params.auto_barriers, params.readout, params.rebuild, params.chunk, params.per_tile_addresses,
                     params.key_side == "xla", params.warpgroups, bool(order), params.prefetch_folds,
-                    params.group_folds, cursors is not None, bool(interpret))
+                    params.group_folds, bool(interpret))
     refs = state_refs((checkpoint, u_cache, k_cache, g_cache), cursors)
-    i32 = lambda x: x.astype(jnp.int32)
     vectors = [staged] if params.readout == "mma" else []
     if params.key_side == "xla":
-        vectors.append(window_key_values(q, k, k_cache, slot, pos, length, interpret=bool(interpret), staged=staged))
-    y = kernel(i32(slot), i32(pos), length, q, k, v, coef, weights, *order, *vectors, *refs)
-    checkpoint, u_cache, k_cache, g_cache, *cursors = (jax.freeze(r) for r in refs)
+        vectors.append(window_key_values(q, k, k_cache, rows, interpret=bool(interpret), staged=staged))
+    y = kernel(slot, pos, length, q, k, v, coef, weights, *order, *vectors, *refs)
+    checkpoint, u_cache, k_cache, g_cache, cursors = (jax.freeze(r) for r in refs)
     keys = k.astype(F32) * key_scales[..., None]
     mode = window_mode(pos, length, cache_len)  # XLA fuses it into the records' scatter
     k_cache = append_records(k_cache, keys, slot, mode, length, pos if params.readout == "mma" else None)
-    return (y, checkpoint, u_cache, k_cache, g_cache, *cursors)
+    return y, checkpoint, u_cache, k_cache, g_cache, cursors

@@ -31,7 +31,7 @@ the live state `S_c diag(e^{G_h}) + sum_j u_j (W_j * k_j)^T` on chip in exact fp
 records' buffer), stores it rounded to the checkpoint's dtype in place, reads the window
 out from that stored value and writes its u records at `0 .. length - 1` (the wrapper
 writes its key and gate records after the launch: other CTAs of the slot may still read
-the history they overwrite) and, given the pool's cursors, sets the row's to 0;
+the history they overwrite) and sets the row's cursor to 0 in place;
 `MODE_PAD` gives y = 0 and writes nothing. Window positions
 at and past `length` give y = 0 and no records; their inputs are replaced by zeros before
 use.
@@ -48,7 +48,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxtyping import Array, Bool, Float, Int
 
-from pallas_kernels.common import MODE_APPEND, MODE_FLUSH, MODE_PAD
+from pallas_kernels.common import MODE_APPEND, MODE_FLUSH, MODE_PAD, verify_rows
 from pallas_kernels.mosaic_gpu.build import build_kernel
 from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA, bcast_cols, bcast_rows, col_sum,
                                               check_smem, copy_replay_tile, load_transposed, records_buffer, row_sum,
@@ -56,7 +56,7 @@ from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA,
 from pallas_kernels.mosaic_gpu.replay_decode import MosaicReplayParams
 from pallas_kernels.mosaic_gpu.replay_decode_kda import (channel_layout, check_kda_shapes, decay_weights,
                                                          rebuild_exact, weighted_keys)
-from pallas_kernels.mosaic_gpu.verify_decode import (MAX_WIDTH, append_folding_records, check_cursors, check_params,
+from pallas_kernels.mosaic_gpu.verify_decode import (MAX_WIDTH, append_folding_records, check_params, check_rows,
                                                      coefficient_count, coefficient_shape, pack_coefficients,
                                                      prepare_window, record_key_scales, reset_cursor, select_if,
                                                      solve_positions, state_refs, store_zeros, unpack_coefficients,
@@ -108,8 +108,7 @@ def kda_window_coefficients(
 
 
 def _kernel(slot_ref, pos_ref, length_ref, q_ref, k_ref, v_ref, g_ref, decay_ref, coef_ref,
-            ckpt_ref, ucache_ref, kcache_ref, gcache_ref, *refs, width, group_size, tiles, with_cursors):
-    cursor_ref, *refs = refs if with_cursors else (None, *refs)
+            ckpt_ref, ucache_ref, kcache_ref, gcache_ref, cursor_ref, *refs, width, group_size, tiles):
     (y_ref, t_smem, u_smem, k_smem, g_smem, w_smem, chan_smem, o_smem, c_smem, rows_or_gates, window_smem,
      barrier, rows_barrier, gate_barrier) = refs
     b = lax.axis_index("b")
@@ -232,9 +231,9 @@ def _kernel(slot_ref, pos_ref, length_ref, q_ref, k_ref, v_ref, g_ref, decay_ref
 
 @functools.lru_cache(maxsize=None)
 def _build(batch, width, num_v_heads, head_v_dim, head_k_dim, cache_len, state_dtype, cache_dtype, qk_dtype, y_dtype,
-           gate_dtype, group_size, swizzle, with_cursors, interpret):
+           gate_dtype, group_size, swizzle, interpret):
     tiles = head_v_dim // BLOCK_ROWS
-    body = functools.partial(_kernel, width=width, group_size=group_size, tiles=tiles, with_cursors=with_cursors)
+    body = functools.partial(_kernel, width=width, group_size=group_size, tiles=tiles)
     scratch = [
         plgpu.SMEM((BLOCK_ROWS, head_k_dim), state_dtype, transforms=tiled(swizzle, state_dtype)),
         records_buffer(cache_len, BLOCK_ROWS, cache_dtype),
@@ -269,12 +268,11 @@ def verify_decode_kda_mgpu(
     v: Float[Array, "B T Hv Dv"],
     g: Float[Array, "B T Hv Dk"],
     beta: Float[Array, "B T Hv"],
-    slot: Int[Array, " B"],
-    pos: Int[Array, " B"],
-    length: Int[Array, " B"],
+    slots: Int[Array, " B"],
+    cursors: Int[Array, " N"],
+    lengths: Int[Array, " B"],
     anc: Bool[Array, "B T T"],
     *,
-    cursors: Int[Array, " N"] | None = None,
     use_qk_l2norm: bool = False,
     scale: float | None = None,
     params: MosaicReplayParams = MosaicReplayParams(),
@@ -286,8 +284,8 @@ def verify_decode_kda_mgpu(
 
     Args and returns as `verify_decode.verify_decode_mgpu` with a per-channel decay: g
     `[B, T, H_v, d_k]` (activated log-decays) and g records `[N, H_v, L, d_k]` fp32. Returns
-    `(y [B, T, H_v, d_v] in v's dtype, checkpoint, u_cache, k_cache, g_cache)`, then
-    `cursors` if given (each folding row's at 0), the state arrays updated in place when
+    `(y [B, T, H_v, d_v] in v's dtype, checkpoint, u_cache, k_cache, g_cache, cursors)`
+    (each folding row's cursor at 0), the state arrays updated in place when
     the caller donates them (a folding row's key and gate records by XLA after the launch:
     this kernel reads the gate records, see the module doc).
     """
@@ -304,31 +302,30 @@ def verify_decode_kda_mgpu(
         raise ValueError(f"anc must have shape {(batch, width, width)}, got {anc.shape}")
     if q.dtype != k.dtype:
         raise ValueError(f"q and k must share a dtype, got {q.dtype} and {k.dtype}")
-    check_cursors(cursors, checkpoint.shape[0])
+    check_rows(slots, cursors, lengths, batch, checkpoint.shape[0])
     check_kda_shapes(head_k_dim, head_v_dim, cache_len, checkpoint.dtype.itemsize, u_cache.dtype.itemsize,
                      params.swizzle)
     check_params(params, "verify_decode_kda_mgpu", window_side=True)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    length = length.astype(jnp.int32)
     scale = float(head_k_dim ** -0.5 if scale is None else scale)
     if params.window_side == "kernel":
-        coef, key_scales, decay = kda_verify_coefficients(
-            q, k, g, beta, anc.astype(bool), length, record_len=coefficient_count(width, KDA_VECTORS),
+        coef, key_scales, decay, rows = kda_verify_coefficients(
+            q, k, g, beta, anc.astype(bool), slots, cursors, lengths, record_len=coefficient_count(width, KDA_VECTORS),
             use_qk_l2norm=bool(use_qk_l2norm), scale=scale,
             params=VerifyCoefficientsParams(num_warps=params.window_warps), interpret=interpret)
         coef = coef.reshape(batch, num_v_heads, *coefficient_shape(width, KDA_VECTORS))
     else:
-        coef, decay = kda_window_coefficients(q, k, g, beta, anc.astype(bool), length,
+        rows = verify_rows(slots, cursors, lengths)
+        coef, decay = kda_window_coefficients(q, k, g, beta, anc.astype(bool), rows.length,
                                               use_qk_l2norm=bool(use_qk_l2norm), scale=scale)
         key_scales = record_key_scales(coef, width, KDA_VECTORS, num_v_heads // q.shape[2])
+    slot, pos, length = rows
     kernel = _build(batch, width, num_v_heads, head_v_dim, head_k_dim, cache_len, checkpoint.dtype, u_cache.dtype,
-                    q.dtype, v.dtype, g.dtype, num_v_heads // q.shape[2], params.swizzle, cursors is not None,
-                    bool(interpret))
+                    q.dtype, v.dtype, g.dtype, num_v_heads // q.shape[2], params.swizzle, bool(interpret))
     refs = state_refs((checkpoint, u_cache, k_cache, g_cache), cursors)
-    i32 = lambda x: x.astype(jnp.int32)
-    y = kernel(i32(slot), i32(pos), length, q, k, v, g, decay, coef, *refs)
-    checkpoint, u_cache, k_cache, g_cache, *cursors = (jax.freeze(r) for r in refs)
+    y = kernel(slot, pos, length, q, k, v, g, decay, coef, *refs)
+    checkpoint, u_cache, k_cache, g_cache, cursors = (jax.freeze(r) for r in refs)
     keys = k.astype(F32) * key_scales[..., None]
     mode = window_mode(pos, length, cache_len)  # XLA fuses it into the records' scatters
-    return (y, checkpoint, u_cache, *append_folding_records(k_cache, g_cache, keys, g, slot, mode, length), *cursors)
+    return (y, checkpoint, u_cache, *append_folding_records(k_cache, g_cache, keys, g, slot, mode, length), cursors)

@@ -28,7 +28,7 @@ Row modes as in the GDN kernel:
   in place; the window is read out from that stored value and its x records go to
   `0 .. length - 1`. Its B and dt records are written by the wrapper after the launch
   (`verify_decode.append_folding_records`): other CTAs of the slot may still be reading
-  the history they would overwrite. Given the pool's cursors, it sets the row's to 0.
+  the history they would overwrite. It sets the row's cursor to 0 in place.
 - `MODE_PAD`: y = 0, nothing written.
 Window positions at and past `length` give y = 0 and no records; their inputs are replaced
 by zeros before use (in XLA for the scalars, by selects for the vectors).
@@ -45,13 +45,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxtyping import Array, Bool, Float, Int
 
-from pallas_kernels.common import MODE_APPEND, MODE_FLUSH, MODE_PAD
+from pallas_kernels.common import MODE_APPEND, MODE_FLUSH, MODE_PAD, verify_rows
 from pallas_kernels.mosaic_gpu.build import build_kernel
 from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA, bcast_cols, bcast_rows, col_sum,
                                                check_smem, copy_record_rows, copy_replay_tile, load_transposed,
                                                record_copies, replay_scratch, row_sum)
 from pallas_kernels.mosaic_gpu.mamba2_decode import MosaicMamba2Params, check_shapes, rebuild_exact, window_weights
-from pallas_kernels.mosaic_gpu.verify_decode import (MAX_WIDTH, append_folding_records, check_cursors, check_params,
+from pallas_kernels.mosaic_gpu.verify_decode import (MAX_WIDTH, append_folding_records, check_params, check_rows,
                                                      coefficient_shape, pack_coefficients, reset_cursor, select_if,
                                                      state_refs, store_zeros, unpack_coefficients, window_mode)
 
@@ -95,8 +95,7 @@ def mamba2_window_coefficients(
 
 
 def _kernel(slot_ref, pos_ref, length_ref, x_ref, b_ref, c_ref, z_ref, a_ref, coef_ref,
-            ckpt_ref, xcache_ref, bcache_ref, dtcache_ref, *refs, width, group_size, tiles, has_z, with_cursors):
-    cursor_ref, *refs = refs if with_cursors else (None, *refs)
+            ckpt_ref, xcache_ref, bcache_ref, dtcache_ref, cursor_ref, *refs, width, group_size, tiles, has_z):
     (y_ref, t_smem, xrec_smem, brec_smem, dt_smem, o_smem, c_smem, x_rows, b_rows, window_smem, barrier,
      rows_barrier) = refs
     b = lax.axis_index("b")
@@ -222,10 +221,9 @@ def _scratch(width, head_dim_tile, state_size, cache_len, state_dtype, cache_dty
 
 @functools.lru_cache(maxsize=None)
 def _build(batch, width, heads, head_dim, state_size, cache_len, state_dtype, cache_dtype, c_dtype, x_dtype, z_dtype,
-           group_size, swizzle, with_cursors, interpret):
+           group_size, swizzle, interpret):
     tiles = head_dim // BLOCK_ROWS
-    body = functools.partial(_kernel, width=width, group_size=group_size, tiles=tiles, has_z=z_dtype is not None,
-                             with_cursors=with_cursors)
+    body = functools.partial(_kernel, width=width, group_size=group_size, tiles=tiles, has_z=z_dtype is not None)
     scratch = _scratch(width, BLOCK_ROWS, state_size, cache_len, state_dtype, cache_dtype, c_dtype, x_dtype, z_dtype,
                        x_dtype, swizzle)
     check_smem(scratch, f"mamba2_verify_decode_mgpu at T = {width}, cache_len = {cache_len}, N = {state_size}")
@@ -245,13 +243,12 @@ def mamba2_verify_decode_mgpu(
     dt: Float[Array, "B T H"],
     A: Float[Array, " H"],
     D: Float[Array, " H"],
-    slot: Int[Array, " B"],
-    pos: Int[Array, " B"],
-    length: Int[Array, " B"],
+    slots: Int[Array, " B"],
+    cursors: Int[Array, " N"],
+    lengths: Int[Array, " B"],
     anc: Bool[Array, "B T T"],
     *,
     z: Float[Array, "B T H P"] | None = None,
-    cursors: Int[Array, " N"] | None = None,
     params: MosaicMamba2Params = MosaicMamba2Params(),
     interpret: bool | None = None,
 ):
@@ -264,17 +261,18 @@ def mamba2_verify_decode_mgpu(
       x, B, C: the window's tokens; z: the optional output gate (`y * silu(z)`).
       dt: the window's time steps after the softplus and clamp (float32).
       A, D: `[H]` the decay rate and the skip.
-      slot, pos, length: per row its slot, cursor and valid window length in [0, T], and with
-        them its mode (`verify_decode.window_mode`; a padding row: length 0).
+      slots, cursors, lengths: the rows as `verify_decode.verify_decode_mgpu` takes them
+        (`slots [B]`, negative or >= N a padding row; the pool's `cursors [N]`, each
+        folding row's set to 0 in place; `lengths [B]` in [0, T]); the rows' slot, cursor
+        and length (`common.verify_rows`) are formed by XLA, fused with the window's
+        coefficients.
       anc: `[B, T, T]` bool, True where position j precedes position i on i's branch.
-      cursors: optional `[N]` int32, the pool's cursors: the kernel sets each folding row's
-        to 0 in place (a launch fewer than XLA's update after the step).
       params: the checkpoint tile's swizzle (`MosaicMamba2Params`; one CTA per tile).
       interpret: run in Mosaic GPU interpret mode (default: off GPU).
 
     Returns:
-      `(y [B, T, H, P] in x's dtype, checkpoint, x_cache, b_cache, dt_cache)`, then
-      `cursors` if given, with every row's window records appended, the state arrays
+      `(y [B, T, H, P] in x's dtype, checkpoint, x_cache, b_cache, dt_cache, cursors)`, with
+      every row's window records appended and each folding row's cursor at 0, the state arrays
       updated in place when the caller donates them (a folding row's B and dt records by
       XLA after the launch, see the module doc).
 
@@ -300,21 +298,19 @@ def mamba2_verify_decode_mgpu(
         raise ValueError(f"anc must have shape {(batch, width, width)}, got {anc.shape}")
     if z is not None and z.shape != x.shape:
         raise ValueError(f"z must have x's shape {x.shape}, got {z.shape}")
-    check_cursors(cursors, checkpoint.shape[0])
+    check_rows(slots, cursors, lengths, batch, checkpoint.shape[0])
     check_shapes(head_dim, state_size, cache_len, checkpoint.dtype.itemsize, x_cache.dtype.itemsize,
                  x.dtype.itemsize, params.swizzle)
     check_params(params, "mamba2_verify_decode_mgpu")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    length = length.astype(jnp.int32)
+    slot, pos, length = verify_rows(slots, cursors, lengths)
     coef = mamba2_window_coefficients(B, C, dt, A, D, anc.astype(bool), length)
     kernel = _build(batch, width, heads, head_dim, state_size, cache_len, checkpoint.dtype, x_cache.dtype, C.dtype,
-                    x.dtype, None if z is None else z.dtype, heads // num_groups, params.swizzle, cursors is not None,
-                    bool(interpret))
+                    x.dtype, None if z is None else z.dtype, heads // num_groups, params.swizzle, bool(interpret))
     z = jnp.zeros((1,), x.dtype) if z is None else z
     refs = state_refs((checkpoint, x_cache, b_cache, dt_cache), cursors)
-    i32 = lambda a: a.astype(jnp.int32)
-    y = kernel(i32(slot), i32(pos), length, x, B, C, z, A, coef, *refs)
-    checkpoint, x_cache, b_cache, dt_cache, *cursors = (jax.freeze(r) for r in refs)
+    y = kernel(slot, pos, length, x, B, C, z, A, coef, *refs)
+    checkpoint, x_cache, b_cache, dt_cache, cursors = (jax.freeze(r) for r in refs)
     mode = window_mode(pos, length, cache_len)  # XLA fuses it into the records' scatters
-    return (y, checkpoint, x_cache, *append_folding_records(b_cache, dt_cache, B, dt, slot, mode, length), *cursors)
+    return (y, checkpoint, x_cache, *append_folding_records(b_cache, dt_cache, B, dt, slot, mode, length), cursors)
