@@ -187,6 +187,14 @@ def _softplus(x):
     return jnp.where(x > SOFTPLUS_THRESHOLD, x, jnp.log1p(jnp.exp(jnp.minimum(x, SOFTPLUS_THRESHOLD))))
 
 
+def mamba2_time_step(dt_plus_bias, dt_softplus: bool, dt_limit: tuple[float, float]):
+    """Mamba-2's `dt = clip(softplus(dt_raw + dt_bias), *dt_limit)` (no softplus when
+    `dt_softplus` is False) in a kernel, from `dt_raw + dt_bias` in fp32."""
+    dt = _softplus(dt_plus_bias) if dt_softplus else dt_plus_bias
+    lo, hi = dt_limit
+    return jnp.minimum(jnp.maximum(dt, lo), hi) if (lo, hi) != (0.0, float("inf")) else dt
+
+
 # A row's d_k-sized vectors and the `[rows, d_k]` tiles of the state and caches are held as
 # tuples of column chunks (`column_slices`): `[W]` vectors, `[rows, W]` tiles.
 # A per-head gate (GDN) is one scalar for every chunk; a per-channel gate (KDA) is a tuple.

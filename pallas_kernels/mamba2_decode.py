@@ -84,13 +84,7 @@ class _Spec:
 
 def _time_step(spec: _Spec, dt_ref, dt_bias_ref, b, h):
     dt = dt_ref[b, h].astype(jnp.float32) + dt_bias_ref[h].astype(jnp.float32)
-    if spec.dt_softplus:
-        dt = jnp.where(dt > common.SOFTPLUS_THRESHOLD, dt,
-                       jnp.log1p(jnp.exp(jnp.minimum(dt, common.SOFTPLUS_THRESHOLD))))
-    lo, hi = spec.dt_limit
-    if (lo, hi) != (0.0, float("inf")):
-        dt = jnp.minimum(jnp.maximum(dt, lo), hi)
-    return dt
+    return common.mamba2_time_step(dt, spec.dt_softplus, spec.dt_limit)
 
 
 def _load_token(spec: _Spec, refs, b, h, rows):

@@ -1,4 +1,4 @@
-"""A GDN verify window's scalars and staged vectors in one launch (Pallas Triton).
+"""A verify window's scalars (GDN, KDA, Mamba-2) and staged vectors in one launch (Pallas Triton).
 
 The Mosaic GPU verify kernel (`mosaic_gpu.verify_decode`) takes, per `(row, value head)`, a
 record of the window's `T x T` products, decays and norms, and per `(row, key head)` the
@@ -56,6 +56,8 @@ one weight per entry instead of forming the decays in every tile, with no launch
 `kda_verify_coefficients` is the same for a KDA window (per-channel decays): its records
 (`A`, `M`, beta and the norms), the key scales and the decays `e^{G}` `[B, T, H_v, d_k]`
 that the KDA verify kernel takes, in place of XLA's channel sums over `[B, T, T, H_v, d_k]`.
+`mamba2_verify_coefficients` forms a Mamba-2 window's records (`M`, `e^{A Gamma}`, dt) and
+its gated time steps, grid `(B, H)`, in place of XLA's softplus, products, masks and pad.
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ from pallas_kernels.common import L2NORM_EPS
 
 VECTORS = 5  # e^{G}, beta, g, q_scale, k_scale per position, after A and M (`verify_decode.GDN_VECTORS`)
 KDA_VECTORS = 3  # beta, q_scale, k_scale per position (`verify_decode_kda.KDA_VECTORS`)
+MAMBA2_VECTORS = 2  # e^{A Gamma}, dt per position, after M (`verify_decode_mamba2.MAMBA2_VECTORS`)
 LOG2E = 1.4426950408889634  # log2(e): the GDN program's exponentials are exp2s
 
 
@@ -208,18 +211,30 @@ def _stage_vectors(vec_ref, b, hk, x, cols):
 
 
 def _window_gram(q_ref, k_ref, vec_ref, b, hk, pos, valid, is_q, chunk: int):
-    """`[R, R]` fp32 X X^T, staging X's rows on the way, one dot per `chunk` channels. A
-    2-byte X is one tensor-core dot (exact products, fp32 sums); fp32 X a CUDA-core one in
-    IEEE fp32 (the default precision would be TF32)."""
+    """`[R, R]` fp32 X X^T, staging X's rows on the way (unless `vec_ref` is None), one dot
+    per `chunk` channels. A 2-byte X is one tensor-core dot (exact products, fp32 sums);
+    fp32 X a CUDA-core one in IEEE fp32 (the default precision would be TF32)."""
     gram = None
     for first in range(0, q_ref.shape[3], chunk):
         cols = first + jnp.arange(chunk, dtype=jnp.int32)[None, :]
         x = _stacked_window(q_ref, k_ref, b, hk, pos, valid, is_q, cols)
-        _stage_vectors(vec_ref, b, hk, x, cols)
+        if vec_ref is not None:
+            _stage_vectors(vec_ref, b, hk, x, cols)
         part = jax.lax.dot_general(x, x, (((1,), (1,)), ((), ())), precision=jax.lax.Precision.HIGHEST,
                                    preferred_element_type=jnp.float32)
         gram = part if gram is None else gram + part
     return gram
+
+
+def _gram_blocks(width: int, channels: int, dtype, num_warps: int) -> tuple[int, int]:
+    """`(R, chunk)` of `_window_gram`: X's rows, the window's two vectors a position stacked
+    (a power of two: Triton's blocks), and the channels of each dot. 2-byte X is one
+    tensor-core dot, whose M is at least 16; fp32 X a CUDA-core dot (IEEE fp32) with its
+    operands in registers: chunks of channels keep each to 16 floats a thread (32 a warp)."""
+    lanes_len = common.next_power_of_two(2 * width)
+    if jnp.dtype(dtype).itemsize == 2:
+        return max(common.MIN_DOT_DIM, lanes_len), channels
+    return lanes_len, min(channels, max(common.MIN_DOT_DIM, 16 * 32 * num_warps // lanes_len))
 
 
 def _scales(gram, valid, factor, use_qk_l2norm: bool, axis: int):
@@ -481,15 +496,7 @@ def verify_coefficients(
                          f"for q {q.shape}")
     vectors_out = jax.ShapeDtypeStruct((batch, num_k_heads, vector_rows, head_k_dim), q.dtype)
     key_scales_out = jax.ShapeDtypeStruct((batch, width, num_k_heads), jnp.float32)
-    # X's rows, q's and k's stacked (a power of two: Triton's blocks). 2-byte X is one
-    # tensor-core dot, whose M is at least 16; fp32 X a CUDA-core dot (IEEE fp32) with its
-    # operands in registers: chunks of channels keep each to 16 floats a thread (32 a warp).
-    lanes_len = common.next_power_of_two(2 * width)
-    chunk = head_k_dim
-    if jnp.dtype(q.dtype).itemsize == 2:
-        lanes_len = max(common.MIN_DOT_DIM, lanes_len)
-    else:
-        chunk = min(head_k_dim, max(common.MIN_DOT_DIM, 16 * 32 * params.num_warps // lanes_len))
+    lanes_len, chunk = _gram_blocks(width, head_k_dim, q.dtype, params.num_warps)
     records, vectors, key_scales, *weights, rows = _launch(
         functools.partial(_kernel, chunk=chunk, history=history is not None), q, k, g, beta, anc,
         (slots, cursors, lengths), (vectors_out, key_scales_out, *more_outs), vectors=VECTORS, record_len=record_len,
@@ -586,3 +593,121 @@ def kda_verify_coefficients(
                    record_len=record_len, lanes_len=max(2, common.next_power_of_two(width)),
                    use_qk_l2norm=use_qk_l2norm, scale=scale, params=params, interpret=interpret,
                    name="kda_verify_coefficients")
+
+
+def _mamba2_kernel(slots_ref, cursors_ref, lengths_ref, b_ref, c_ref, dt_ref, dt_bias_ref, a_ref, d_ref, anc_ref,
+                   coef_ref, dt_out_ref, slot_out, pos_out, length_out, *, width, group_size, lanes_len, chunk,
+                   dt_softplus, dt_limit):
+    b, h = pl.program_id(0), pl.program_id(1)
+    row = _row(slots_ref, cursors_ref, lengths_ref, b)
+    _store_row((slot_out, pos_out, length_out), b, h, row)
+    T, R, record_len = width, lanes_len, coef_ref.shape[2]
+    lanes = jnp.arange(R, dtype=jnp.int32)
+    is_c = lanes < T
+    pos, valid = _window_rows(row[2], lanes, T)
+    # C_i in row i, B_j in row T + j: the Gram's entry (i, T + j) is C_i . B_j.
+    gram = _window_gram(c_ref, b_ref, None, b, h // group_size, pos, valid, is_c, chunk)
+    raw = plgpu.load(dt_ref.at[b, pos, h], mask=valid, other=0).astype(jnp.float32)
+    dt = jnp.where(valid, common.mamba2_time_step(raw + dt_bias_ref[h].astype(jnp.float32), dt_softplus, dt_limit),
+                   0.0)
+    in_record, seen, _ = _record_blocks(anc_ref, b, pos, valid, T)
+    in_m = in_record & (lanes[:, None] < T)  # M's entries: C rows, B columns
+    # A Gamma of each row's position: A dt summed over the columns on its branch.
+    log_a = jnp.sum(jnp.where(seen, (a_ref[h].astype(jnp.float32) * dt)[None, :], 0.0), axis=1)
+    # e^{A (Gamma_i - Gamma_j)} only on i's branch (<= 1 there, A < 0); elsewhere the
+    # difference can be large and positive, so it is zeroed before the exponential.
+    decay = jnp.where(seen, _exp(jnp.where(seen, log_a[:, None] - log_a[None, :], 0.0)), 0.0)
+    skip = jnp.where(seen & (pos[:, None] == pos[None, :]), d_ref[h].astype(jnp.float32), 0.0)
+    r, c = lanes[:, None], lanes[None, :]
+    offsets = jnp.where(in_m, r * T + c - T, record_len)
+    plgpu.store(coef_ref.at[b, h, offsets], jnp.where(in_m, decay * dt[None, :] * gram + skip, 0.0), mask=in_m)
+    _store_lanes(coef_ref, b, h, T * T, jnp.where(is_c & valid, _exp(log_a), 0.0), T)
+    _store_lanes(coef_ref, b, h, T * T + T, dt, T)
+    for start in range(T * T + MAMBA2_VECTORS * T, record_len, R):
+        _store_lanes(coef_ref, b, h, start, jnp.zeros((R,), jnp.float32), record_len - start)
+    # The time steps in the records' [B, T, H] order; masked lanes address position T.
+    plgpu.store(dt_out_ref.at[b, jnp.where(is_c, lanes, T), h], dt, mask=is_c)
+
+
+def mamba2_verify_coefficients(
+    B: Float[Array, "B T G Ns"],
+    C: Float[Array, "B T G Ns"],
+    dt: Float[Array, "B T H"],
+    dt_bias: Float[Array, " H"],
+    A: Float[Array, " H"],
+    D: Float[Array, " H"],
+    anc: Bool[Array, "B T T"],
+    slots: Int[Array, " B"],
+    cursors: Int[Array, " N"],
+    lengths: Int[Array, " B"],
+    *,
+    record_len: int,
+    dt_softplus: bool = True,
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
+    params: VerifyCoefficientsParams = VerifyCoefficientsParams(),
+    interpret: bool | None = None,
+) -> tuple[Float[Array, "B H C"], Float[Array, "B T H"], common.VerifyRows]:
+    """A Mamba-2 window's coefficient records (`mosaic_gpu.verify_decode_mamba2.
+    mamba2_window_coefficients`' layout), its time steps and the step's rows, one launch,
+    grid `(B, H)`.
+
+    Record of `(b, h)` (fp32, `record_len` floats): `M [T, T]`, then `e^{A Gamma} [T]`,
+    `dt [T]`, then zeros, where, below the row's length,
+
+        M_ij = e^{A_h (Gamma_i - Gamma_j)} dt_j (C_i . B_j) + D_h [i = j]   for j in anc(i) + {i}, else 0
+        Gamma_i = sum of dt_j over j in anc(i) + {i}
+
+    with `dt = clip(softplus(dt_raw + dt_bias), *dt_limit)` (no softplus when `dt_softplus`
+    is False), formed here. Each program stacks its group's C_i and B_j as one `[R, N]`
+    block and takes every `C_i . B_j` from one dot, as `verify_coefficients` does q and k.
+
+    Args:
+      B, C: `[B, T, G, N]` the window's B and C (one dtype; N a power of two).
+      dt: `[B, T, H]` raw time steps; dt_bias, A, D: `[H]`.
+      anc, slots, cursors, lengths, params, interpret: as `verify_coefficients`.
+      record_len: C, floats per record (>= T^2 + 2 T).
+      dt_softplus, dt_limit: the time step's gating.
+
+    Returns:
+      `(records [B, H, C] fp32, dt [B, T, H] fp32 (the gated time steps, zeros at and past
+      each row's length), rows)`: zeros at and past each row's length (inputs there, NaN
+      included, never reach a product); `rows` as `verify_coefficients`'.
+    """
+    batch, width, num_groups, state_size = B.shape
+    heads = dt.shape[2]
+    if C.shape != B.shape or C.dtype != B.dtype:
+        raise ValueError(f"B and C must share a shape and dtype, got {B.shape} {B.dtype} and {C.shape} {C.dtype}")
+    if dt.shape[:2] != (batch, width) or heads % num_groups:
+        raise ValueError(f"dt must be [B, T, H] with G | H, got {dt.shape} for B {B.shape}")
+    for name, x in (("dt_bias", dt_bias), ("A", A), ("D", D)):
+        if x.shape != (heads,):
+            raise ValueError(f"{name} must be [H] = {(heads,)}, got {x.shape}")
+    if slots.shape != (batch,) or lengths.shape != (batch,) or cursors.ndim != 1:
+        raise ValueError(f"the rows must be slots [B], cursors [N] and lengths [B] with B = {batch}, got "
+                         f"{slots.shape}, {cursors.shape}, {lengths.shape}")
+    if record_len < width * width + MAMBA2_VECTORS * width:
+        raise ValueError(f"record_len {record_len} is too short for T = {width} "
+                         f"(needs {width * width + MAMBA2_VECTORS * width})")
+    if state_size & (state_size - 1):
+        raise ValueError(f"mamba2_verify_coefficients needs N a power of two (Triton blocks), got {state_size}")
+    lanes_len, chunk = _gram_blocks(width, state_size, B.dtype, params.num_warps)
+    kernel = functools.partial(_mamba2_kernel, width=width, group_size=heads // num_groups, lanes_len=lanes_len,
+                               chunk=chunk, dt_softplus=bool(dt_softplus),
+                               dt_limit=tuple(float(x) for x in dt_limit))
+    i32 = lambda x: x.astype(jnp.int32)
+    operands = (i32(slots), i32(cursors), i32(lengths), B, C, dt, dt_bias, A, D, i32(anc))
+    out_shape = (jax.ShapeDtypeStruct((batch, heads, record_len), jnp.float32),
+                 jax.ShapeDtypeStruct((batch, width, heads), jnp.float32),
+                 *(jax.ShapeDtypeStruct((batch,), jnp.int32),) * 3)
+    spec = common.any_spec()
+    records, gated, slot, pos, length = pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=(batch, heads),
+        in_specs=[spec] * len(operands),
+        out_specs=[spec] * len(out_shape),
+        compiler_params=plgpu.CompilerParams(num_warps=params.num_warps, num_stages=1),
+        interpret=common.default_interpret() if interpret is None else interpret,
+        name="replayssm_mamba2_verify_coefficients",
+    )(*operands)
+    return records, gated, common.VerifyRows(slot, pos, length)

@@ -490,13 +490,13 @@ def _mosaic_verify(state, window: Tokens, slots, lengths, anc, *, use_qk_l2norm,
 
 def _mosaic_mamba2_verify(state, window: Mamba2Tokens, params: Mamba2Params, slots, lengths, anc, *,
                           kernel_params, interpret):
-    """`verify_step` for gate "mamba2" on the Mosaic GPU kernel: `(y, new_state)`."""
-    dt = gating.mamba2_dt(window.dt, params.dt_bias, dt_softplus=params.dt_softplus,
-                          dt_limit=params.dt_limit)  # [B, T, H], as the xla backend's records
+    """`verify_step` for gate "mamba2" on the Mosaic GPU kernel: `(y, new_state)`; the raw
+    time steps are gated with the window (`mamba2_verify_decode_mgpu`)."""
     y, checkpoint, x_cache, b_cache, dt_cache, write_pos = mamba2_verify_decode_mgpu(
         state.checkpoint, state.u_cache, state.k_cache, state.g_cache,
-        window.x, window.B, window.C, dt, params.A, params.D, slots, state.write_pos, lengths, anc,
-        z=window.z, params=kernel_params, interpret=interpret)
+        window.x, window.B, window.C, window.dt, params.A, params.D, params.dt_bias, slots, state.write_pos, lengths,
+        anc, z=window.z, dt_softplus=params.dt_softplus, dt_limit=params.dt_limit, params=kernel_params,
+        interpret=interpret)
     return y, dataclasses.replace(state, checkpoint=checkpoint, u_cache=x_cache, k_cache=b_cache, g_cache=dt_cache,
                                   write_pos=write_pos)
 

@@ -225,6 +225,10 @@ def test_tensor_core_rebuild_refusals():
         step(kernel_params=MosaicMamba2Params(rebuild="3xtf32"))
     with pytest.raises(ValueError, match="needs cache_len a multiple of 16"):
         step(kernel_params=MosaicMamba2Params(rebuild="bf16"))
+    with pytest.raises(ValueError, match="has no verify window: window_side must be 'xla'"):
+        step(kernel_params=MosaicMamba2Params(window_side="kernel"))
+    with pytest.raises(ValueError, match="window_side must be one of"):
+        MosaicMamba2Params(window_side="triton")
 
 
 @pytest.mark.parametrize("dims,match", [

@@ -99,7 +99,7 @@ def _inputs(rng, groups, state_dtype, with_z):
     # x and B bf16-representable so their records compare exactly in both dtypes.
     x, B = (_round(a, jnp.bfloat16).astype(np.float32) for a in (f(batch, T, H, P), f(batch, T, groups, N) * 0.3))
     C, z = f(batch, T, groups, N), f(batch, T, H, P) if with_z else None
-    dt = rng.uniform(0.01, 0.5, (batch, T, H)).astype(np.float32)
+    dt = f(batch, T, H)  # raw: gated with the window
     past = np.arange(T)[None, :] >= np.where(PAD, 0, LENGTHS)[:, None]  # padding rows and positions
     for a in (x, B, C, dt) + ((z,) if with_z else ()):
         a[past] = np.nan
@@ -109,11 +109,28 @@ def _inputs(rng, groups, state_dtype, with_z):
     return ckpt, x_c, b_c, dt_c, x, B, C, dt, z, A, D, parents
 
 
-@pytest.mark.parametrize("groups,state_dtype,with_z", [
-    (1, jnp.float32, True), (2, jnp.float32, False), (2, jnp.bfloat16, True), (1, jnp.bfloat16, False),
+def _gated(dt, dt_bias, dt_softplus, dt_limit):
+    """Mamba-2's time step in float64: `clip(softplus(dt + dt_bias), *dt_limit)` (NaN where
+    dt is: positions past a row's length)."""
+    dt = dt.astype(np.float64) + dt_bias.astype(np.float64)
+    with np.errstate(invalid="ignore"):
+        return np.clip(np.logaddexp(0.0, dt) if dt_softplus else dt, *dt_limit)
+
+
+@pytest.mark.parametrize("groups,state_dtype,with_z,window_side,dt_softplus,dt_limit", [
+    (1, jnp.float32, True, "xla", True, (0.0, float("inf"))),
+    (2, jnp.float32, False, "kernel", True, (0.0, float("inf"))),
+    (2, jnp.bfloat16, True, "xla", False, (0.05, 0.4)),
+    (1, jnp.bfloat16, False, "kernel", True, (0.1, 0.3)),
+    (2, jnp.float32, True, "kernel", False, (0.02, 0.5)),
 ])
-def test_verify_matches_the_float64_model(rng, groups, state_dtype, with_z):
+def test_verify_matches_the_float64_model(rng, groups, state_dtype, with_z, window_side, dt_softplus, dt_limit):
+    """The window's scalars formed by XLA and by their Pallas Triton kernel
+    (`window_side`), raw time steps gated with and without the softplus and the clamp."""
     ckpt, x_c, b_c, dt_c, x, B, C, dt, z, A, D, parents = _inputs(rng, groups, state_dtype, with_z)
+    dt_bias = rng.uniform(-3.0, 0.5, H).astype(np.float32)
+    if not dt_softplus:  # a positive time step without the softplus
+        dt = np.abs(dt)
     # The padding row's slot out of range with a full requested length (its inputs NaN);
     # the live rows' cursors at POS, the unused slots' drawn.
     slots = np.where(PAD, rng.choice([-1, NUM_SLOTS]), SLOTS).astype(np.int32)
@@ -121,12 +138,14 @@ def test_verify_matches_the_float64_model(rng, groups, state_dtype, with_z):
     cursors[SLOTS[~PAD]] = POS[~PAD]
     *out, got_cursors = mamba2_verify_decode_mgpu(
         jnp.asarray(ckpt, state_dtype), jnp.asarray(x_c, state_dtype), jnp.asarray(b_c, state_dtype),
-        jnp.asarray(dt_c), *(jnp.asarray(a) for a in (x, B, C, dt, A, D)),
+        jnp.asarray(dt_c), *(jnp.asarray(a) for a in (x, B, C, dt, A, D, dt_bias)),
         jnp.asarray(slots), jnp.asarray(cursors), jnp.asarray(np.where(PAD, T, LENGTHS).astype(np.int32)),
-        jnp.asarray(_ancestors(parents)), z=None if z is None else jnp.asarray(z), interpret=True)
+        jnp.asarray(_ancestors(parents)), z=None if z is None else jnp.asarray(z), dt_softplus=dt_softplus,
+        dt_limit=dt_limit, params=MosaicMamba2Params(window_side=window_side), interpret=True)
     # the kernel resets the folding rows' cursors in place
     np.testing.assert_array_equal(got_cursors, np.where(np.isin(np.arange(NUM_SLOTS), SLOTS[FOLD]), 0, cursors))
-    want = _model(ckpt, x_c, b_c, dt_c, x, B, C, dt, z, A, D, parents, state_dtype=state_dtype)
+    want = _model(ckpt, x_c, b_c, dt_c, x, B, C, _gated(dt, dt_bias, dt_softplus, dt_limit), z, A, D, parents,
+                  state_dtype=state_dtype)
     # fp32: float64 sums vs fp32 FMAs in another order (~1e-6 of the largest entry).
     # bf16 state: the inputs are the rounded values in both and the folded state's rounding
     # is modelled; a folded entry near a rounding boundary may round the other way (one
@@ -154,20 +173,21 @@ def _lower_for_h200(state_dtype, *, heads=128, head_dim=64, state_size=128, grou
             S((n, groups, cache_len, state_size), state_dtype), S((n, heads, cache_len), f32),
             S((b, width, heads, head_dim), bf16), S((b, width, groups, state_size), bf16),
             S((b, width, groups, state_size), bf16), S((b, width, heads), f32), S((heads,), f32), S((heads,), f32),
-            S((b,), i32), S((n,), i32), S((b,), i32), S((b, width, width), jnp.bool_)]
+            S((heads,), f32), S((b,), i32), S((n,), i32), S((b,), i32), S((b, width, width), jnp.bool_)]
     if with_z:
         args.append(S((b, width, heads, head_dim), bf16))
 
     def step(*a):
-        return mamba2_verify_decode_mgpu(*a[:14], z=a[14] if with_z else None, interpret=False)
+        return mamba2_verify_decode_mgpu(*a[:15], z=a[15] if with_z else None, interpret=False)
 
-    # the pool's cursors (argument 11) donated as the state arrays
-    return jax.jit(step, donate_argnums=(0, 1, 2, 3, 11)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    # the pool's cursors (argument 12) donated as the state arrays
+    return jax.jit(step, donate_argnums=(0, 1, 2, 3, 12)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 @pytest.mark.parametrize("state_dtype,with_z", [(jnp.float32, True), (jnp.bfloat16, False)])
 def test_lowers_for_an_abstract_h200(state_dtype, with_z):
-    """Nemotron-H-8B: H = 128, P = 64, N = 128, G = 8, L = 16, T = 4."""
+    """Nemotron-H-8B: H = 128, P = 64, N = 128, G = 8, L = 16, T = 4 (the window's scalars
+    from their Triton kernel: `test_verify_coefficients`)."""
     assert "mosaic_gpu" in _lower_for_h200(state_dtype, with_z=with_z)
 
 
@@ -176,7 +196,7 @@ def test_refuses_shapes_it_cannot_take():
     state = lambda length=8, groups=1: [z(2, 2, 64, 64), z(2, 2, length, 64), z(2, groups, length, 64),
                                         z(2, 2, length)]
     window = lambda t, groups=1, p=64: [z(1, t, 2, p), z(1, t, groups, 64), z(1, t, groups, 64), z(1, t, 2),
-                                        z(2), z(2)]
+                                        z(2), z(2), z(2)]
     rows = [jnp.zeros((1,), jnp.int32), jnp.zeros((2,), jnp.int32), jnp.zeros((1,), jnp.int32)]
     anc = lambda t: jnp.zeros((1, t, t), bool)
     with pytest.raises(ValueError, match="window width T"):
@@ -187,6 +207,10 @@ def test_refuses_shapes_it_cannot_take():
         mamba2_verify_decode_mgpu(*state(), *window(2), *rows, jnp.zeros((1, 2, 3), bool))
     with pytest.raises(ValueError, match="z must have x's shape"):
         mamba2_verify_decode_mgpu(*state(), *window(2), *rows, anc(2), z=z(1, 2, 2, 32))
+    with pytest.raises(ValueError, match=r"dt must be \[B, T, H\]"):
+        mamba2_verify_decode_mgpu(*state(), *window(2)[:6], z(3), *rows, anc(2))
+    with pytest.raises(ValueError, match=r"dt must be \[B, T, H\]"):
+        mamba2_verify_decode_mgpu(*state(), *window(2)[:3], z(1, 2, 3), *window(2)[4:], *rows, anc(2))
     with pytest.raises(ValueError, match="multiple of the group count"):
         mamba2_verify_decode_mgpu(*state(groups=3), *window(2, groups=3), *rows, anc(2))
     with pytest.raises(ValueError, match="head dim P a multiple of 64"):

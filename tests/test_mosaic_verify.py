@@ -610,6 +610,8 @@ def test_backend_verify_defaults():
     assert mosaic_gpu.verify_default_params(ReplayConfig(32, 32, 96, 128, 16, gate="kda"), 512, 4,
                                             jnp.bfloat16).window_side == "xla"
     assert mosaic_gpu.verify_default_params(ReplayConfig.mamba2(128, 64, 128, 8, 16), 512, 4,
+                                            jnp.bfloat16) == MosaicMamba2Params(window_side="kernel")
+    assert mosaic_gpu.verify_default_params(ReplayConfig.mamba2(128, 64, 192, 8, 16), 512, 4,
                                             jnp.bfloat16) == MosaicMamba2Params()
 
 

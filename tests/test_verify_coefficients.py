@@ -252,6 +252,78 @@ def test_kda_records_and_decays_match_the_model_and_xla(rng, width, num_k_heads,
     np.testing.assert_allclose(np.asarray(decays), np.asarray(xla_decays), rtol=2e-6, atol=1e-7)
 
 
+def model_mamba2_record(B, C, dt, A, D, anc, length, record_len):
+    """Float64 Mamba-2 record per (row, head) (`mamba2_verify_coefficients`' layout) from
+    the gated time steps `dt [B, T, H]`, zeros at and past each row's length."""
+    batch, width, groups = B.shape[:3]
+    heads = dt.shape[2]
+    out = np.zeros((batch, heads, record_len))
+    for b in range(batch):
+        n = int(length[b])
+        for h in range(heads):
+            g = h // (heads // groups)
+            branch = [anc[b, i, :n] | (np.arange(n) == i) for i in range(n)]
+            log_a = [A[h] * dt[b, :n, h][branch[i]].sum() for i in range(n)]
+            for i in range(n):
+                for j in range(n):
+                    if branch[i][j]:
+                        decay = np.exp(log_a[i] - log_a[j])
+                        out[b, h, i * width + j] = decay * dt[b, j, h] * (C[b, i, g] @ B[b, j, g]) + D[h] * (i == j)
+                out[b, h, width * width + i] = np.exp(log_a[i])
+                out[b, h, width * width + width + i] = dt[b, i, h]
+    return out
+
+
+@pytest.mark.parametrize("width,groups,heads,dtype,tree,dt_softplus,dt_limit", [
+    (1, 1, 2, jnp.bfloat16, False, True, (0.0, float("inf"))),
+    (3, 2, 4, jnp.bfloat16, True, True, (0.0, float("inf"))),
+    (4, 1, 3, jnp.float32, True, False, (0.05, 0.6)),  # fp32 B, C: the products in chunks of channels
+    (9, 2, 2, jnp.float32, False, True, (0.1, 2.0)),   # R = 32 > 2T: masked lanes
+])
+def test_mamba2_records_match_the_model_and_xla(rng, width, groups, heads, dtype, tree, dt_softplus, dt_limit):
+    """`mamba2_verify_coefficients` against a float64 model of the record and against
+    XLA's `mamba2_window_coefficients` (given XLA's gated time steps), its time steps
+    against `clip(softplus(dt + dt_bias))` in float64, and its rows against
+    `common.verify_rows`; NaN in every input past a row's length and on the padding row."""
+    from pallas_kernels.common import mamba2_time_step
+    from pallas_kernels.mosaic_gpu.verify_decode_mamba2 import MAMBA2_MATRICES, mamba2_window_coefficients
+    from pallas_kernels.verify_coefficients import MAMBA2_VECTORS, mamba2_verify_coefficients
+
+    batch, state = 4, 64
+    f = lambda *shape: rng.standard_normal(shape).astype(np.float32)
+    slots, cursors, slot, pos = random_rows(rng, batch, 8)
+    requested = rng.integers(0, width + 1, batch).astype(np.int32)
+    requested[0] = width
+    length = np.where(np.arange(batch) == 1, 0, requested)
+    past = (np.arange(width)[None, :] >= length[:, None])[..., None]  # the padding row's inputs too
+    B, C = (np.where(past[..., None], np.nan, f(batch, width, groups, state) * 0.3) for _ in range(2))
+    dt = np.where(past, np.nan, np.abs(f(batch, width, heads)) if not dt_softplus else f(batch, width, heads))
+    dt_bias, A, D = (x.astype(np.float32) for x in (rng.uniform(-3.0, 0.5, heads), -rng.uniform(0.5, 4.0, heads),
+                                                   f(heads)))
+    anc = np.asarray(ancestors(random_parents(rng, batch, width) if tree else None, batch, width))
+    record_len = coefficient_count(width, MAMBA2_VECTORS, MAMBA2_MATRICES)
+    to = lambda x, dt_=jnp.float32: jnp.asarray(x, dt_)
+    records, gated, rows = mamba2_verify_coefficients(
+        to(B, dtype), to(C, dtype), to(dt), to(dt_bias), to(A), to(D), jnp.asarray(anc), jnp.asarray(slots),
+        jnp.asarray(cursors), jnp.asarray(requested), record_len=record_len, dt_softplus=dt_softplus,
+        dt_limit=dt_limit, interpret=True)
+    assert_rows(rows, slot, pos, requested)
+    live = ~past[..., 0]
+    want_dt = np.where(live[..., None], dt, 0.0).astype(np.float64) + dt_bias
+    want_dt = np.clip(np.logaddexp(0.0, want_dt) if dt_softplus else want_dt, *dt_limit)
+    # One softplus in fp32 (log1p of exp): a few ulps.
+    np.testing.assert_allclose(np.asarray(gated), np.where(live[..., None], want_dt, 0.0), rtol=2e-6, atol=1e-7)
+    f64 = lambda x: np.asarray(to(x, dtype).astype(jnp.float32), np.float64)
+    want = model_mamba2_record(f64(B), f64(C), np.where(live[..., None], want_dt, 0.0), A.astype(np.float64),
+                               D.astype(np.float64), anc, length, record_len)
+    # fp32 sums over N = 64 products and one exp2 (6e-6 relative): a few ulps of each scale.
+    np.testing.assert_allclose(np.asarray(records), want, rtol=2e-5, atol=2e-6)
+    xla_dt = mamba2_time_step(to(dt) + to(dt_bias), dt_softplus, dt_limit)
+    xla = mamba2_window_coefficients(to(B, dtype), to(C, dtype), xla_dt, to(A), to(D), jnp.asarray(anc),
+                                     jnp.asarray(length))
+    np.testing.assert_allclose(np.asarray(records), np.asarray(xla).reshape(records.shape), rtol=2e-5, atol=2e-6)
+
+
 def test_refuses_what_it_cannot_take():
     q = jnp.zeros((1, 4, 1, 64), jnp.bfloat16)
     g = jnp.zeros((1, 4, 2), jnp.float32)
@@ -367,6 +439,32 @@ def test_kda_window_kernel_compiles_and_its_verify_step_lowers_for_an_abstract_h
         text = jax.jit(step, donate_argnums=(0, 1, 2, 3, 10)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert re.findall(r"custom_call @([\w$.]+)", text) == ["__gpu$xla.gpu.triton", "mosaic_gpu_v2"]
     assert "stablehlo.reduce" not in text and "dot_general" not in text
+    (module,) = modules
+    report = kernel_registers.ptxas_report(module, VerifyCoefficientsParams())
+    assert report["spill_store_bytes"] == 0 and report["registers"] <= 128, report
+
+
+def test_mamba2_window_kernel_compiles_and_its_verify_step_lowers_for_an_abstract_h200():
+    """The Mamba-2 verify step with `window_side="kernel"` at Nemotron-H-8B shapes (H = 128,
+    P = 64, N = 128, G = 8, fp32 state, L = 16, T = 4, bf16 B and C): the window kernel
+    compiles for sm_90a without spills, and the step lowers to its Triton call and the
+    Mosaic verify kernel, with no product or softplus left in XLA."""
+    pytest.importorskip("triton")
+    from pallas_kernels.mosaic_gpu.mamba2_decode import MosaicMamba2Params
+    from pallas_kernels.mosaic_gpu.verify_decode_mamba2 import mamba2_verify_decode_mgpu
+
+    S, i32, f32, bf16 = jax.ShapeDtypeStruct, jnp.int32, jnp.float32, jnp.bfloat16
+    n, b, heads, p, state, groups, cache_len, width = 16, 8, 128, 64, 128, 8, 16, 4
+    args = [S((n, heads, p, state), f32), S((n, heads, cache_len, p), f32), S((n, groups, cache_len, state), f32),
+            S((n, heads, cache_len), f32), S((b, width, heads, p), bf16), S((b, width, groups, state), bf16),
+            S((b, width, groups, state), bf16), S((b, width, heads), f32), S((heads,), f32), S((heads,), f32),
+            S((heads,), f32), S((b,), i32), S((n,), i32), S((b,), i32), S((b, width, width), jnp.bool_)]
+    params = MosaicMamba2Params(window_side="kernel")
+    step = lambda *a: mamba2_verify_decode_mgpu(*a, params=params, interpret=False)
+    with kernel_registers.captured_triton_ir() as modules, jax.sharding.use_abstract_mesh(kernel_registers._H200):
+        text = jax.jit(step, donate_argnums=(0, 1, 2, 3, 12)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert re.findall(r"custom_call @([\w$.]+)", text) == ["__gpu$xla.gpu.triton", "mosaic_gpu_v2"]
+    assert "stablehlo.dot_general" not in text and "stablehlo.log_plus_one" not in text
     (module,) = modules
     report = kernel_registers.ptxas_report(module, VerifyCoefficientsParams())
     assert report["spill_store_bytes"] == 0 and report["registers"] <= 128, report

@@ -63,10 +63,13 @@ def build_kernel(body, out_type, scratch_types, grid: dict, *, name: str, interp
     )
 
 
+WINDOW_SIDES = ("xla", "kernel")  # where a verify kernel's window scalars are formed
+
+
 def check_shared_params(params) -> None:
     """Raise ValueError on a bad value of the fields `MosaicReplayParams` and
     `MosaicMamba2Params` share: `swizzle`, `rebuild`, `programs`, `chunk`, `readout`,
-    `group_records`, `launch_order`."""
+    `group_records`, `launch_order`, `window_side`."""
     if params.swizzle not in (32, 64, 128):
         raise ValueError(f"swizzle must be 32, 64 or 128 bytes, got {params.swizzle!r}")
     check_rebuild_mode(params.rebuild)
@@ -80,3 +83,15 @@ def check_shared_params(params) -> None:
         raise ValueError(f"group_records must be None, True or False, got {params.group_records!r}")
     if not isinstance(params.launch_order, bool):
         raise ValueError(f"launch_order must be a bool, got {params.launch_order!r}")
+    if params.window_side not in WINDOW_SIDES:
+        raise ValueError(f"window_side must be one of {WINDOW_SIDES}, got {params.window_side!r}")
+
+
+def check_no_window(params, kernel: str) -> None:
+    """Raise ValueError unless `params` leaves the window to XLA (`window_side` "xla") and
+    prefetches no folds: a decode kernel has no verify window."""
+    if params.window_side != "xla":
+        raise ValueError(f"{kernel} has no verify window: window_side must be 'xla', got {params.window_side!r}")
+    for name in ("prefetch_folds", "group_folds"):
+        if getattr(params, name, False):
+            raise ValueError(f"{kernel} has no verify folds: {name} must be False")

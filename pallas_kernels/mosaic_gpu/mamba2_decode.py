@@ -67,7 +67,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels.common import MODE_APPEND, MODE_FLUSH, MODE_PAD
-from pallas_kernels.mosaic_gpu.build import build_kernel, check_shared_params
+from pallas_kernels.mosaic_gpu.build import build_kernel, check_no_window, check_shared_params
 from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA, bcast_cols, bcast_rows, col_sum,
                                                check_smem, copy_record_rows, load_transposed,
                                                record_copies, replay_scratch, row_sum, smem_bytes, softplus, tiled)
@@ -115,6 +115,10 @@ class MosaicMamba2Params:
       launch_order: serve the rows in the caller's `row_order` (the backend's plan's launch
         order), as `MosaicReplayParams.launch_order`; the Mamba-2 verify kernel (one CTA per
         tile) refuses it.
+      window_side: where the verify kernel's window scalars (`M`, `e^{A Gamma}`, the gated
+        dt) are formed before its launch: "xla" (default) by XLA, in several small kernels;
+        "kernel" by `pallas_kernels.verify_coefficients.mamba2_verify_coefficients`, one
+        Pallas Triton launch (N a power of two). The decode kernels refuse "kernel".
     """
 
     swizzle: int = 128
@@ -125,6 +129,7 @@ class MosaicMamba2Params:
     readout: str = "fma"
     group_records: bool | None = None
     launch_order: bool = False
+    window_side: str = "xla"
 
     def __post_init__(self) -> None:
         check_shared_params(self)
@@ -502,6 +507,7 @@ def mamba2_replay_decode_mgpu(
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     check_rebuild(params.rebuild, cache_len, interpret)
+    check_no_window(params, "mamba2_replay_decode_mgpu")
     # The token's shared buffers hold B and C in one dtype, x and z in another: promoted
     # (lossless) where the caller's differ.
     bc_dtype = jnp.result_type(B.dtype, C.dtype)

@@ -71,7 +71,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels.common import L2NORM_EPS, MODE_APPEND, MODE_FLUSH, MODE_PAD, is_int
-from pallas_kernels.mosaic_gpu.build import build_kernel, check_shared_params
+from pallas_kernels.mosaic_gpu.build import build_kernel, check_no_window, check_shared_params
 from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA, bcast_cols, bcast_rows, check_smem,
                                                col_sum, copy_record_rows, load_transposed, record_copies,
                                                replay_scratch, row_sum, smem_bytes, softplus, tiled)
@@ -89,7 +89,6 @@ BLOCK_V = BLOCK_ROWS
 RESIDENT_CTAS = 2
 DECODE_VECTORS = 2  # the "mma" readout's vectors: q, then k
 KEY_SIDES = ("kernel", "xla", "mma")
-WINDOW_SIDES = ("xla", "kernel")
 MAX_WARPGROUPS = 4  # a CTA of 512 threads, 128 registers each
 
 
@@ -228,8 +227,6 @@ class MosaicReplayParams:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.prefetch_folds and self.group_folds:
             raise ValueError("prefetch_folds and group_folds are two ways to copy a fold's records: set one")
-        if self.window_side not in WINDOW_SIDES:
-            raise ValueError(f"window_side must be one of {WINDOW_SIDES}, got {self.window_side!r}")
         if isinstance(self.window_warps, bool) or self.window_warps not in (1, 2, 4, 8):
             raise ValueError(f"window_warps must be 1, 2, 4 or 8, got {self.window_warps!r}")
         if self.window_warps != 2 and self.window_side != "kernel":
@@ -285,16 +282,6 @@ def check_own_layout(params, kernel: str, *, per_tile_addresses: bool = False, k
         raise ValueError(f"{kernel} serves its rows in their order: launch_order must be False")
     if not window_side:
         check_no_window(params, kernel)
-
-
-def check_no_window(params, kernel: str) -> None:
-    """Raise ValueError unless `params` leaves the window to XLA (`window_side` "xla") and
-    prefetches no folds: a decode kernel has no verify window."""
-    if getattr(params, "window_side", "xla") != "xla":
-        raise ValueError(f"{kernel} has no verify window: window_side must be 'xla', got {params.window_side!r}")
-    for name in ("prefetch_folds", "group_folds"):
-        if getattr(params, name, False):
-            raise ValueError(f"{kernel} has no verify folds: {name} must be False")
 
 
 def check_fma_readout(params, kernel: str) -> None:

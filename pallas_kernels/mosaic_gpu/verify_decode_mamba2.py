@@ -14,7 +14,9 @@ softplus and Gamma_i the sum of dt over position i's ancestors and i:
 
 The `T x T` scalars M and the per-position `e^{A Gamma_i}` and dt_i come packed per (row,
 head) from `mamba2_window_coefficients` in XLA (`verify_decode.pack_coefficients`, one
-block); the kernel applies them to the window's x vectors. `S C_i` is the decode kernel's
+block) or, with `MosaicMamba2Params.window_side = "kernel"`, from one Pallas Triton launch
+(`pallas_kernels.verify_coefficients.mamba2_verify_coefficients`, which also gates the raw
+time steps and forms the rows); the kernel applies them to the window's x vectors. `S C_i` is the decode kernel's
 readout without forming S: `e^{A Gamma_h} S_c C_i + X^T (w * (B C_i))` over the row's `pos`
 valid cache entries (`mamba2_decode.window_weights`), the checkpoint tile and the records
 read once for all T vectors C_i; entries at and past `pos` are selected to 0 before any
@@ -45,17 +47,18 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxtyping import Array, Bool, Float, Int
 
-from pallas_kernels.common import MODE_APPEND, MODE_FLUSH, MODE_PAD, verify_rows
+from pallas_kernels.common import MODE_APPEND, MODE_FLUSH, MODE_PAD, mamba2_time_step, verify_rows
 from pallas_kernels.mosaic_gpu.build import build_kernel
 from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA, bcast_cols, bcast_rows, col_sum,
                                                check_smem, copy_record_rows, copy_replay_tile, load_transposed,
                                                record_copies, replay_scratch, row_sum)
 from pallas_kernels.mosaic_gpu.mamba2_decode import MosaicMamba2Params, check_shapes, rebuild_exact, window_weights
 from pallas_kernels.mosaic_gpu.verify_decode import (MAX_WIDTH, append_folding_records, check_params, check_rows,
-                                                     coefficient_shape, pack_coefficients, reset_cursor, select_if,
-                                                     state_refs, store_zeros, unpack_coefficients, window_mode)
+                                                     coefficient_count, coefficient_shape, pack_coefficients,
+                                                     reset_cursor, select_if, state_refs, store_zeros,
+                                                     unpack_coefficients, window_mode)
+from pallas_kernels.verify_coefficients import MAMBA2_VECTORS, mamba2_verify_coefficients
 
-MAMBA2_VECTORS = 2  # e^{A Gamma}, dt per position
 MAMBA2_MATRICES = 1  # M
 
 
@@ -243,31 +246,38 @@ def mamba2_verify_decode_mgpu(
     dt: Float[Array, "B T H"],
     A: Float[Array, " H"],
     D: Float[Array, " H"],
+    dt_bias: Float[Array, " H"],
     slots: Int[Array, " B"],
     cursors: Int[Array, " N"],
     lengths: Int[Array, " B"],
     anc: Bool[Array, "B T T"],
     *,
     z: Float[Array, "B T H P"] | None = None,
+    dt_softplus: bool = True,
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
     params: MosaicMamba2Params = MosaicMamba2Params(),
     interpret: bool | None = None,
 ):
-    """Verify one Mamba-2 draft window per row on Mosaic GPU: `mamba2_window_coefficients`
-    in XLA, then one kernel launch.
+    """Verify one Mamba-2 draft window per row on Mosaic GPU: the window's scalars from XLA
+    (`mamba2_window_coefficients`) or their Pallas Triton kernel (`window_side="kernel"`),
+    then one kernel launch.
 
     Args:
       checkpoint, x_cache, b_cache, dt_cache: the layer's state pools (dt_cache float32,
         after the softplus).
       x, B, C: the window's tokens; z: the optional output gate (`y * silu(z)`).
-      dt: the window's time steps after the softplus and clamp (float32).
+      dt: the window's raw time steps; dt_bias `[H]`, `dt_softplus`, `dt_limit`: their
+        gating, `clip(softplus(dt + dt_bias), *dt_limit)` (no softplus when `dt_softplus`
+        is False), as `mamba2_replay_decode_mgpu`'s.
       A, D: `[H]` the decay rate and the skip.
       slots, cursors, lengths: the rows as `verify_decode.verify_decode_mgpu` takes them
         (`slots [B]`, negative or >= N a padding row; the pool's `cursors [N]`, each
         folding row's set to 0 in place; `lengths [B]` in [0, T]); the rows' slot, cursor
-        and length (`common.verify_rows`) are formed by XLA, fused with the window's
-        coefficients.
+        and length (`common.verify_rows`) are formed with the window's scalars.
       anc: `[B, T, T]` bool, True where position j precedes position i on i's branch.
-      params: the checkpoint tile's swizzle (`MosaicMamba2Params`; one CTA per tile).
+      params: the checkpoint tile's swizzle and where the window's scalars are formed
+        (`MosaicMamba2Params`; one CTA per tile; `window_side="kernel"`: by
+        `verify_coefficients.mamba2_verify_coefficients`, one Pallas Triton launch).
       interpret: run in Mosaic GPU interpret mode (default: off GPU).
 
     Returns:
@@ -298,14 +308,26 @@ def mamba2_verify_decode_mgpu(
         raise ValueError(f"anc must have shape {(batch, width, width)}, got {anc.shape}")
     if z is not None and z.shape != x.shape:
         raise ValueError(f"z must have x's shape {x.shape}, got {z.shape}")
+    if dt.shape != (batch, width, heads) or dt_bias.shape != (heads,):
+        raise ValueError(f"dt must be [B, T, H] = {(batch, width, heads)} and dt_bias [H], got {dt.shape} and "
+                         f"{dt_bias.shape}")
     check_rows(slots, cursors, lengths, batch, checkpoint.shape[0])
     check_shapes(head_dim, state_size, cache_len, checkpoint.dtype.itemsize, x_cache.dtype.itemsize,
                  x.dtype.itemsize, params.swizzle)
-    check_params(params, "mamba2_verify_decode_mgpu")
+    check_params(params, "mamba2_verify_decode_mgpu", window_side=True)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    slot, pos, length = verify_rows(slots, cursors, lengths)
-    coef = mamba2_window_coefficients(B, C, dt, A, D, anc.astype(bool), length)
+    record_len = coefficient_count(width, MAMBA2_VECTORS, MAMBA2_MATRICES)
+    if params.window_side == "kernel":
+        coef, dt, rows = mamba2_verify_coefficients(
+            B, C, dt, dt_bias, A, D, anc.astype(bool), slots, cursors, lengths, record_len=record_len,
+            dt_softplus=dt_softplus, dt_limit=dt_limit, interpret=interpret)
+        coef = coef.reshape(batch, heads, *coefficient_shape(width, MAMBA2_VECTORS, MAMBA2_MATRICES))
+    else:
+        rows = verify_rows(slots, cursors, lengths)
+        dt = mamba2_time_step(dt.astype(F32) + dt_bias.astype(F32), dt_softplus, dt_limit)
+        coef = mamba2_window_coefficients(B, C, dt, A, D, anc.astype(bool), rows.length)
+    slot, pos, length = rows
     kernel = _build(batch, width, heads, head_dim, state_size, cache_len, checkpoint.dtype, x_cache.dtype, C.dtype,
                     x.dtype, None if z is None else z.dtype, heads // num_groups, params.swizzle, bool(interpret))
     z = jnp.zeros((1,), x.dtype) if z is None else z

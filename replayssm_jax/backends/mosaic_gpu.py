@@ -189,10 +189,12 @@ def verify_default_params(cfg, batch: int, width: int, token_dtype, *, interpret
     folds' records with the tile", "tensor-core folds' key records with the tile"). KDA: one
     CTA per tile on CUDA cores, exact folds (no persistent form), the window's records from
     their own kernel where d_k is a power of two (measured faster); Mamba-2: one CTA per
-    tile, exact folds."""
-    if cfg.gate == "mamba2":
-        return MosaicMamba2Params()
+    tile, exact folds, the window's scalars and gated time steps from their own kernel where
+    N is a power of two (one launch in place of XLA's several; NOTES "the Mamba-2 verify
+    window in one launch")."""
     power_of_two_keys = cfg.head_k_dim & (cfg.head_k_dim - 1) == 0
+    if cfg.gate == "mamba2":
+        return MosaicMamba2Params(window_side="kernel" if power_of_two_keys else "xla")
     if cfg.per_channel_gate:
         return MosaicReplayParams(window_side="kernel" if power_of_two_keys else "xla")
     if interpret is None:
