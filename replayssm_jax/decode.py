@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 # Imported eagerly, not on first use: importing Pallas registers jax config options, and a
@@ -140,7 +141,7 @@ def materialize_state(state: ReplayState, slots: Int[Array, " B"], gate_params=N
     """
     check_state(state)
     check_array("slots", slots, (None,), layout="a 1-D [B] array")
-    check_slots("slots", slots, jnp.shape(slots)[0], state.num_slots)
+    check_slots("slots", slots, np.shape(slots)[0], state.num_slots)
     plan = plan_step(state.write_pos, slots, None, state.config.cache_len)
     if state.config.gate_kind.additive:
         check_gate_params(state.config, gate_params)

@@ -119,16 +119,17 @@ def plan_step(
     cache_len: int,
     policy: FlushPolicy | str = FlushPolicy.NATURAL,
 ) -> StepPlan:
-    """The step's plan for `slots` (negative or >= N: padding) under `policy`."""
+    """The step's plan for `slots` (negative or >= N: padding) under `policy`; `slots` and
+    `force_flush` may be any array-likes (lists, NumPy arrays)."""
     policy = as_policy(policy)
     num_slots = write_pos.shape[0]
-    slots = slots.astype(jnp.int32)
+    slots = jnp.asarray(slots, jnp.int32)
     valid = (slots >= 0) & (slots < num_slots)
     slot = jnp.where(valid, slots, 0)
     pos = jnp.where(valid, write_pos[slot], 0)
     flush = (pos >= cache_len - 1) | (policy is FlushPolicy.EVERY_STEP)
     if force_flush is not None:
-        flush = flush | force_flush.astype(bool)
+        flush = flush | jnp.asarray(force_flush, bool)
     flush = flush & valid
     return StepPlan(slot=slot, valid=valid, pos=pos, flush=flush,
                     launch_order=launch_order(valid, pos, flush, cache_len), policy=policy)

@@ -280,6 +280,8 @@ def verify_step(
     check_lengths(lengths, batch, width)
     check_parents(parents, batch, width)
     check_gate_params(cfg, gate_params)
+    # Array-likes (lists, NumPy int64) as the step's int32 arrays.
+    slots, lengths, parents = (None if x is None else jnp.asarray(x, jnp.int32) for x in (slots, lengths, parents))
     if backend not in VERIFY_BACKENDS:
         raise ValueError(f"backend must be one of {VERIFY_BACKENDS} for verify_step, got {backend!r}")
     if backend == "auto":
@@ -335,7 +337,7 @@ def _window_plan(state: ReplayState, slots, lengths, batch: int, width: int):
     folds and the positions that are not padding (none on padding rows)."""
     cfg = state.config
     plan = plan_step(state.write_pos, slots, None, cfg.cache_len)
-    length = jnp.full((batch,), width, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
+    length = jnp.full((batch,), width, jnp.int32) if lengths is None else lengths
     length = jnp.where(plan.valid, length, 0)
     fold = plan.valid & (plan.pos + length > cfg.cache_len)
     in_window = jnp.arange(width)[None, :] < length[:, None]  # [B, T]
@@ -542,9 +544,10 @@ def accept(
     """
     check_state(state)
     check_array("slots", slots, (None,), layout="a 1-D [B] array")
-    batch = jnp.shape(slots)[0]
+    batch = np.shape(slots)[0]
     check_slots("slots", slots, batch, state.num_slots)
     counts = _check_int_array("num_accepted", num_accepted, (batch,))
+    slots, num_accepted = jnp.asarray(slots, jnp.int32), jnp.asarray(num_accepted, jnp.int32)  # array-likes too
     plan = plan_step(state.write_pos, slots, None, state.config.cache_len)
     length = state.config.cache_len
     pos = concrete_or_none(plan.pos)
@@ -557,7 +560,7 @@ def accept(
                 f"num_accepted {counts.tolist()} moves a cursor past the ring (write_pos "
                 f"{pos.tolist()}, cache_len {length})"
             )
-    n = jnp.where(plan.valid, num_accepted.astype(jnp.int32), 0)
+    n = jnp.where(plan.valid, num_accepted, 0)
     debug_check(jnp.all(num_accepted >= 0), "num_accepted must be >= 0: {n}", n=num_accepted)
     debug_check(jnp.all(plan.pos + n <= length),
                 f"num_accepted moves a cursor past the ring (cache_len {length}): {{n}} at write_pos {{p}}",
@@ -573,7 +576,8 @@ def _compact_path(state, plan, n, path, counts, pos) -> ReplayState:
     """Copy the records at `pos + path[:, m]` to `pos + m` for m < n (all reads first)."""
     batch = plan.batch
     values = _check_int_array("path", path, (batch, None), layout=f"[B, P] with B = {batch}")
-    width = jnp.shape(path)[1]
+    path = jnp.asarray(path, jnp.int32)  # array-likes too
+    width = path.shape[1]
     if counts is not None and np.any(counts > width):
         raise ValueError(f"num_accepted {counts.tolist()} exceeds the path length {width}")
     if values is not None and counts is not None:
@@ -586,12 +590,12 @@ def _compact_path(state, plan, n, path, counts, pos) -> ReplayState:
     length = state.config.cache_len
     steps = jnp.arange(width)[None, :]
     moves = (steps < n[:, None]) & plan.valid[:, None]
-    at = path.astype(jnp.int32)
+    at = path
     rising = at > jnp.concatenate([jnp.full((batch, 1), -1, jnp.int32), at[:, :-1]], axis=1)
     debug_check(jnp.all(n <= width), f"num_accepted exceeds the path length {width}: {{n}}", n=n)
     debug_check(jnp.all(~moves | (rising & (plan.pos[:, None] + at < length))),
                 "path must list increasing window positions inside the ring: {p}", p=at)
-    src = jnp.clip(plan.pos[:, None] + path.astype(jnp.int32), 0, length - 1)
+    src = jnp.clip(plan.pos[:, None] + path, 0, length - 1)
     dst = plan.pos[:, None] + steps
     fields = {}
     for name in ("u_cache", "k_cache", "g_cache"):

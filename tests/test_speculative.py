@@ -500,3 +500,27 @@ def test_a_chain_window_compiles_its_ancestry_as_a_constant(rng):
     # JAX stages a NumPy array of zero strides as a small constant and a broadcast.
     assert all(chain.strides)
     assert any("stablehlo.constant" in line and f"tensor<{BATCH}x{T}x{T}xi1>" in line for line in text.splitlines())
+
+
+@pytest.mark.parametrize("backend", ["xla", "mosaic_gpu"])
+def test_array_likes_are_taken_as_arrays(rng, backend):
+    """Slots, lengths, parents, counts and paths given as Python lists (and flags as a list
+    of bools) give the same step as int32 / bool arrays: the validation takes array-likes,
+    so the steps must too (mosaic_gpu: its interpret mode, GDN on its kernels' shapes)."""
+    config = ReplayConfig(1, 2, 64, 64, 8)
+    state = init_state(config, NUM_SLOTS, jnp.asarray(random_checkpoint(rng, config, NUM_SLOTS)))
+    slots = [int(s) for s in random_rows(rng)]
+    _, state = decode_step(state, to_device(random_tokens(rng, config, (BATCH,))), slots,
+                           force_flush=[True, False] * (BATCH // 2) + [False] * (BATCH % 2), use_qk_l2norm=True)
+    window = to_device(random_tokens(rng, config, (BATCH, T)))
+    lengths = [int(n) for n in rng.integers(1, T + 1, BATCH)]
+    parents = [[-1] + [int(rng.integers(-1, i)) for i in range(1, T)] for _ in range(BATCH)]
+    path = [[0] * T for _ in range(BATCH)]
+    outs = []
+    for cast in (lambda x: x, lambda x: jnp.asarray(x, jnp.int32)):
+        y, after = verify_step(state, window, cast(slots), lengths=cast(lengths), parents=cast(parents),
+                               backend=backend, use_qk_l2norm=True)
+        after = accept(after, cast(slots), cast([1] * BATCH), path=cast(path))
+        outs.append((y, after.write_pos, materialize_state(after, cast(slots))))
+    for got, want in zip(*outs):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
