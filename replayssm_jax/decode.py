@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
