@@ -86,10 +86,10 @@ def _model(ckpt, x_c, b_c, dt_c, x, B, C, dt, z, A, D, parents, *, state_dtype):
     return y, ckpt, x_c, b_c, dt_c
 
 
-def _inputs(rng, groups, state_dtype, with_z):
+def _inputs(rng, groups, state_dtype, with_z, head_dim=P):
     f = lambda *s: rng.standard_normal(s).astype(np.float32)
-    ckpt = f(NUM_SLOTS, H, P, N) * 0.3
-    x_c, b_c = f(NUM_SLOTS, H, L, P), f(NUM_SLOTS, groups, L, N) * 0.3
+    ckpt = f(NUM_SLOTS, H, head_dim, N) * 0.3
+    x_c, b_c = f(NUM_SLOTS, H, L, head_dim), f(NUM_SLOTS, groups, L, N) * 0.3
     dt_c = rng.uniform(0.01, 0.3, (NUM_SLOTS, H, L)).astype(np.float32)
     for slot, pos in zip(SLOTS, POS):  # stale entries: never read
         x_c[slot, :, pos:], b_c[slot, :, pos:], dt_c[slot, :, pos:] = np.nan, np.inf, np.nan
@@ -97,8 +97,9 @@ def _inputs(rng, groups, state_dtype, with_z):
     x_c, b_c = (_round(a, state_dtype).astype(np.float32) for a in (x_c, b_c))
     batch = len(SLOTS)
     # x and B bf16-representable so their records compare exactly in both dtypes.
-    x, B = (_round(a, jnp.bfloat16).astype(np.float32) for a in (f(batch, T, H, P), f(batch, T, groups, N) * 0.3))
-    C, z = f(batch, T, groups, N), f(batch, T, H, P) if with_z else None
+    x, B = (_round(a, jnp.bfloat16).astype(np.float32)
+            for a in (f(batch, T, H, head_dim), f(batch, T, groups, N) * 0.3))
+    C, z = f(batch, T, groups, N), f(batch, T, H, head_dim) if with_z else None
     dt = f(batch, T, H)  # raw: gated with the window
     past = np.arange(T)[None, :] >= np.where(PAD, 0, LENGTHS)[:, None]  # padding rows and positions
     for a in (x, B, C, dt) + ((z,) if with_z else ()):
@@ -117,17 +118,21 @@ def _gated(dt, dt_bias, dt_softplus, dt_limit):
         return np.clip(np.logaddexp(0.0, dt) if dt_softplus else dt, *dt_limit)
 
 
-@pytest.mark.parametrize("groups,state_dtype,with_z,window_side,dt_softplus,dt_limit", [
-    (1, jnp.float32, True, "xla", True, (0.0, float("inf"))),
-    (2, jnp.float32, False, "kernel", True, (0.0, float("inf"))),
-    (2, jnp.bfloat16, True, "xla", False, (0.05, 0.4)),
-    (1, jnp.bfloat16, False, "kernel", True, (0.1, 0.3)),
-    (2, jnp.float32, True, "kernel", False, (0.02, 0.5)),
+@pytest.mark.parametrize("groups,state_dtype,with_z,window_side,dt_softplus,dt_limit,head_dim", [
+    (1, jnp.float32, True, "xla", True, (0.0, float("inf")), P),
+    (2, jnp.float32, False, "kernel", True, (0.0, float("inf")), P),
+    (2, jnp.bfloat16, True, "xla", False, (0.05, 0.4), P),
+    (1, jnp.bfloat16, False, "kernel", True, (0.1, 0.3), P),
+    (2, jnp.float32, True, "kernel", False, (0.02, 0.5), P),
+    (1, jnp.float32, True, "kernel", True, (0.0, float("inf")), 2 * P),  # two tiles a head
 ])
-def test_verify_matches_the_float64_model(rng, groups, state_dtype, with_z, window_side, dt_softplus, dt_limit):
+def test_verify_matches_the_float64_model(rng, groups, state_dtype, with_z, window_side, dt_softplus, dt_limit,
+                                          head_dim):
     """The window's scalars formed by XLA and by their Pallas Triton kernel
-    (`window_side`), raw time steps gated with and without the softplus and the clamp."""
-    ckpt, x_c, b_c, dt_c, x, B, C, dt, z, A, D, parents = _inputs(rng, groups, state_dtype, with_z)
+    (`window_side`), raw time steps gated with and without the softplus and the clamp; one
+    tile a head (a folding row's dt records written by its CTA) and two (by XLA after the
+    launch: the head's other tile may still read them)."""
+    ckpt, x_c, b_c, dt_c, x, B, C, dt, z, A, D, parents = _inputs(rng, groups, state_dtype, with_z, head_dim)
     dt_bias = rng.uniform(-3.0, 0.5, H).astype(np.float32)
     if not dt_softplus:  # a positive time step without the softplus
         dt = np.abs(dt)

@@ -28,9 +28,11 @@ Row modes as in the GDN kernel:
 - `MODE_FLUSH` (the capacity rule folds the row): the live state is rebuilt on chip in
   exact fp32 (`mamba2_decode.rebuild_exact`), rounded to the checkpoint's dtype and stored
   in place; the window is read out from that stored value and its x records go to
-  `0 .. length - 1`. Its B and dt records are written by the wrapper after the launch
-  (`verify_decode.append_folding_records`): other CTAs of the slot may still be reading
-  the history they would overwrite. It sets the row's cursor to 0 in place.
+  `0 .. length - 1`. Its B records are written by the wrapper after the launch
+  (`verify_decode.append_records`): other heads' CTAs of the slot may still be reading
+  the history they would overwrite; so are its dt records where a head has several tiles
+  (P > 64); with one tile a head (P = 64) its CTA alone reads them, from its own copy, and
+  writes them itself. It sets the row's cursor to 0 in place.
 - `MODE_PAD`: y = 0, nothing written.
 Window positions at and past `length` give y = 0 and no records; their inputs are replaced
 by zeros before use (in XLA for the scalars, by selects for the vectors).
@@ -53,7 +55,7 @@ from pallas_kernels.mosaic_gpu.layouts import (BLOCK_ROWS, COL, F32, ROW, WGMMA,
                                                check_smem, copy_record_rows, copy_replay_tile, load_transposed,
                                                record_copies, replay_scratch, row_sum)
 from pallas_kernels.mosaic_gpu.mamba2_decode import MosaicMamba2Params, check_shapes, rebuild_exact, window_weights
-from pallas_kernels.mosaic_gpu.verify_decode import (MAX_WIDTH, append_folding_records, check_params, check_rows,
+from pallas_kernels.mosaic_gpu.verify_decode import (MAX_WIDTH, append_records, check_params, check_rows,
                                                      coefficient_count, coefficient_shape, pack_coefficients,
                                                      reset_cursor, select_if, state_refs, store_zeros,
                                                      unpack_coefficients, window_mode)
@@ -188,7 +190,9 @@ def _kernel(slot_ref, pos_ref, length_ref, x_ref, b_ref, c_ref, z_ref, a_ref, co
             def _append_x():
                 xcache_ref[slot, h, base + i, rows] = xs[i].astype(xcache_ref.dtype)
 
-            @pl.when(in_window & (mode == MODE_APPEND) & (tile == 0))
+            # With one tile a head, this CTA alone reads the head's dt records, and its copy
+            # of them has landed: a folding row's records are written here too.
+            @pl.when(in_window & ((mode == MODE_APPEND) | (fold & (tiles == 1))) & (tile == 0))
             def _append_dt():
                 dtcache_ref[slot, h, base + i] = dt(i)
 
@@ -283,8 +287,8 @@ def mamba2_verify_decode_mgpu(
     Returns:
       `(y [B, T, H, P] in x's dtype, checkpoint, x_cache, b_cache, dt_cache, cursors)`, with
       every row's window records appended and each folding row's cursor at 0, the state arrays
-      updated in place when the caller donates them (a folding row's B and dt records by
-      XLA after the launch, see the module doc).
+      updated in place when the caller donates them (a folding row's B records, and its dt
+      records where P > 64, by XLA after the launch, see the module doc).
 
     Raises:
       ValueError: on shapes the kernel cannot take (`mamba2_decode.check_shapes`, a width
@@ -335,4 +339,7 @@ def mamba2_verify_decode_mgpu(
     y = kernel(slot, pos, length, x, B, C, z, A, coef, *refs)
     checkpoint, x_cache, b_cache, dt_cache, cursors = (jax.freeze(r) for r in refs)
     mode = window_mode(pos, length, cache_len)  # XLA fuses it into the records' scatters
-    return (y, checkpoint, x_cache, *append_folding_records(b_cache, dt_cache, B, dt, slot, mode, length), cursors)
+    b_cache = append_records(b_cache, B, slot, mode, length)
+    if head_dim > BLOCK_ROWS:  # several tiles a head: the kernel writes no folding row's dt records
+        dt_cache = append_records(dt_cache, dt, slot, mode, length)
+    return y, checkpoint, x_cache, b_cache, dt_cache, cursors
