@@ -57,7 +57,7 @@ Row modes (`window_mode` of the cursor and length, derived in the kernels):
   as the weights formed before the launch, never the gate records). The kernel does not
   write a folding row's key records: other CTAs of the same slot may still be reading the
   history they would overwrite (the wrapper writes them after the launch,
-  `append_folding_records`). It sets a folding row's cursor to 0 in place (no kernel
+  `append_records`). It sets a folding row's cursor to 0 in place (no kernel
   reads the cursors after the window kernel).
 - `MODE_PAD`: y = 0, nothing written.
 Window positions at and past `length` give y = 0 and no records; their inputs are replaced
@@ -66,7 +66,7 @@ by zeros before use, so garbage there (NaN included) reaches nothing.
 Writes in place (`jax.new_ref`): u records `[L, BV]` rows of this tile; g records (tile 0)
 of live rows and, with readout "fma", the appending rows' k records (tile 0 of each key
 head's first value head; with "mma" no key is in registers, and XLA writes every live
-row's k records after the launch, `append_folding_records`); the folded checkpoint tile; a
+row's k records after the launch, `append_records`); the folded checkpoint tile; a
 folding row's cursor (tile 0 of head 0). y `[B, T, H_v, d_v]` leaves through shared memory
 and one TMA copy.
 
