@@ -417,6 +417,21 @@ def test_mosaic_verify_with_the_kernel_window_lowers_for_an_abstract_h200():
     assert "stablehlo.dot_general" not in text
 
 
+def lower_with_window_kernel(step, args, *, cursors: int) -> str:
+    """`step` (a verify wrapper on its window kernel) jitted with the state arrays and the
+    cursors (argument `cursors`) donated, lowered for an abstract H200: asserts the window
+    kernel's Triton call then the Mosaic verify kernel, and the window kernel compiled for
+    sm_90a without spills; returns the module text."""
+    with kernel_registers.captured_triton_ir() as modules, jax.sharding.use_abstract_mesh(kernel_registers._H200):
+        lowered = jax.jit(step, donate_argnums=(0, 1, 2, 3, cursors)).trace(*args).lower(lowering_platforms=("cuda",))
+    text = lowered.as_text()
+    assert re.findall(r"custom_call @([\w$.]+)", text) == ["__gpu$xla.gpu.triton", "mosaic_gpu_v2"]
+    (module,) = modules
+    report = kernel_registers.ptxas_report(module, VerifyCoefficientsParams())
+    assert report["spill_store_bytes"] == 0 and report["registers"] <= 128, report
+    return text
+
+
 def test_kda_window_kernel_compiles_and_its_verify_step_lowers_for_an_abstract_h200():
     """The KDA verify step with `window_side="kernel"` at the benchmark shapes (H_k = H_v =
     32, d = 128, fp32 state, L = 16, T = 4): the window kernel compiles for sm_90a without
@@ -434,14 +449,9 @@ def test_kda_window_kernel_compiles_and_its_verify_step_lowers_for_an_abstract_h
             S((b, width, hv, d), jnp.float32), S((b, width, hv), jnp.float32),
             S((b,), i32), S((n,), i32), S((b,), i32), S((b, width, width), jnp.bool_)]
     params = MosaicReplayParams(window_side="kernel")
-    step = lambda *a: verify_decode_kda_mgpu(*a, use_qk_l2norm=True, params=params, interpret=False)
-    with kernel_registers.captured_triton_ir() as modules, jax.sharding.use_abstract_mesh(kernel_registers._H200):
-        text = jax.jit(step, donate_argnums=(0, 1, 2, 3, 10)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert re.findall(r"custom_call @([\w$.]+)", text) == ["__gpu$xla.gpu.triton", "mosaic_gpu_v2"]
+    text = lower_with_window_kernel(
+        lambda *a: verify_decode_kda_mgpu(*a, use_qk_l2norm=True, params=params, interpret=False), args, cursors=10)
     assert "stablehlo.reduce" not in text and "dot_general" not in text
-    (module,) = modules
-    report = kernel_registers.ptxas_report(module, VerifyCoefficientsParams())
-    assert report["spill_store_bytes"] == 0 and report["registers"] <= 128, report
 
 
 def test_mamba2_window_kernel_compiles_and_its_verify_step_lowers_for_an_abstract_h200():
@@ -460,11 +470,6 @@ def test_mamba2_window_kernel_compiles_and_its_verify_step_lowers_for_an_abstrac
             S((b, width, groups, state), bf16), S((b, width, heads), f32), S((heads,), f32), S((heads,), f32),
             S((heads,), f32), S((b,), i32), S((n,), i32), S((b,), i32), S((b, width, width), jnp.bool_)]
     params = MosaicMamba2Params(window_side="kernel")
-    step = lambda *a: mamba2_verify_decode_mgpu(*a, params=params, interpret=False)
-    with kernel_registers.captured_triton_ir() as modules, jax.sharding.use_abstract_mesh(kernel_registers._H200):
-        text = jax.jit(step, donate_argnums=(0, 1, 2, 3, 12)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert re.findall(r"custom_call @([\w$.]+)", text) == ["__gpu$xla.gpu.triton", "mosaic_gpu_v2"]
+    text = lower_with_window_kernel(lambda *a: mamba2_verify_decode_mgpu(*a, params=params, interpret=False), args,
+                                    cursors=12)
     assert "stablehlo.dot_general" not in text and "stablehlo.log_plus_one" not in text
-    (module,) = modules
-    report = kernel_registers.ptxas_report(module, VerifyCoefficientsParams())
-    assert report["spill_store_bytes"] == 0 and report["registers"] <= 128, report
