@@ -413,21 +413,30 @@ def _launch(body, q, k, g, beta, anc, rows: tuple, more_outs: tuple, *, vectors:
     kernel = functools.partial(body, width=width, group_size=num_v_heads // num_k_heads,
                                use_qk_l2norm=bool(use_qk_l2norm), scale=float(scale),
                                lanes_len=lanes_len)
-    i32 = lambda x: x.astype(jnp.int32)
-    operands = (i32(slots), i32(cursors), i32(lengths), q, k, g, beta, i32(anc), *more_operands)
-    row_outs = (jax.ShapeDtypeStruct((batch,), jnp.int32),) * 3
+    records_out = jax.ShapeDtypeStruct((batch, num_v_heads, record_len), jnp.float32)
+    return _call(kernel, rows, (q, k, g, beta, anc.astype(jnp.int32), *more_operands), (records_out, *more_outs),
+                 grid=(batch, num_k_heads), params=params, interpret=interpret, name=name)
+
+
+def _call(kernel, rows: tuple, operands: tuple, outs: tuple, *, grid, params: VerifyCoefficientsParams, interpret,
+          name: str):
+    """One `pallas_call` of a window kernel over `grid`, every operand and result in global
+    memory: the rows `(slots, cursors, lengths)` (int32) then `operands` in, `outs` then
+    the rows' slot, cursor and length `[B]` out; returns `(*outs, common.VerifyRows)`."""
+    rows = tuple(x.astype(jnp.int32) for x in rows)
+    row_outs = (jax.ShapeDtypeStruct(rows[0].shape, jnp.int32),) * 3
     spec = common.any_spec()
-    *outs, slot, pos, length = pl.pallas_call(
+    *results, slot, pos, length = pl.pallas_call(
         kernel,
-        out_shape=(jax.ShapeDtypeStruct((batch, num_v_heads, record_len), jnp.float32), *more_outs, *row_outs),
-        grid=(batch, num_k_heads),
-        in_specs=[spec] * len(operands),
-        out_specs=[spec] * (1 + len(more_outs) + len(row_outs)),
+        out_shape=(*outs, *row_outs),
+        grid=grid,
+        in_specs=[spec] * (len(rows) + len(operands)),
+        out_specs=[spec] * (len(outs) + len(row_outs)),
         compiler_params=plgpu.CompilerParams(num_warps=params.num_warps, num_stages=1),
         interpret=common.default_interpret() if interpret is None else interpret,
         name=f"replayssm_{name}",
-    )(*operands)
-    return (*outs, common.VerifyRows(slot, pos, length))
+    )(*rows, *operands)
+    return (*results, common.VerifyRows(slot, pos, length))
 
 
 def verify_coefficients(
@@ -694,20 +703,7 @@ def mamba2_verify_coefficients(
     kernel = functools.partial(_mamba2_kernel, width=width, group_size=heads // num_groups, lanes_len=lanes_len,
                                chunk=chunk, dt_softplus=bool(dt_softplus),
                                dt_limit=tuple(float(x) for x in dt_limit))
-    i32 = lambda x: x.astype(jnp.int32)
-    operands = (i32(slots), i32(cursors), i32(lengths), B, C, dt, dt_bias, A, D, i32(anc))
-    out_shape = (jax.ShapeDtypeStruct((batch, heads, record_len), jnp.float32),
-                 jax.ShapeDtypeStruct((batch, width, heads), jnp.float32),
-                 *(jax.ShapeDtypeStruct((batch,), jnp.int32),) * 3)
-    spec = common.any_spec()
-    records, gated, slot, pos, length = pl.pallas_call(
-        kernel,
-        out_shape=out_shape,
-        grid=(batch, heads),
-        in_specs=[spec] * len(operands),
-        out_specs=[spec] * len(out_shape),
-        compiler_params=plgpu.CompilerParams(num_warps=params.num_warps, num_stages=1),
-        interpret=common.default_interpret() if interpret is None else interpret,
-        name="replayssm_mamba2_verify_coefficients",
-    )(*operands)
-    return records, gated, common.VerifyRows(slot, pos, length)
+    outs = (jax.ShapeDtypeStruct((batch, heads, record_len), jnp.float32),
+            jax.ShapeDtypeStruct((batch, width, heads), jnp.float32))
+    return _call(kernel, (slots, cursors, lengths), (B, C, dt, dt_bias, A, D, anc.astype(jnp.int32)), outs,
+                 grid=(batch, heads), params=params, interpret=interpret, name="mamba2_verify_coefficients")
