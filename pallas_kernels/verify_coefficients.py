@@ -401,10 +401,7 @@ def _launch(body, q, k, g, beta, anc, rows: tuple, more_outs: tuple, *, vectors:
     rows `(slots, cursors, lengths)` first. The caller has checked that H_k divides H_v."""
     batch, width, num_k_heads, head_k_dim = q.shape
     num_v_heads = beta.shape[2]
-    slots, cursors, lengths = rows
-    if slots.shape != (batch,) or lengths.shape != (batch,) or cursors.ndim != 1:
-        raise ValueError(f"the rows must be slots [B], cursors [N] and lengths [B] with B = {batch}, got "
-                         f"{slots.shape}, {cursors.shape}, {lengths.shape}")
+    _check_rows(rows, batch)
     if record_len < 2 * width * width + vectors * width:
         raise ValueError(f"record_len {record_len} is too short for T = {width} "
                          f"(needs {2 * width * width + vectors * width})")
@@ -416,6 +413,14 @@ def _launch(body, q, k, g, beta, anc, rows: tuple, more_outs: tuple, *, vectors:
     records_out = jax.ShapeDtypeStruct((batch, num_v_heads, record_len), jnp.float32)
     return _call(kernel, rows, (q, k, g, beta, anc.astype(jnp.int32), *more_operands), (records_out, *more_outs),
                  grid=(batch, num_k_heads), params=params, interpret=interpret, name=name)
+
+
+def _check_rows(rows: tuple, batch: int) -> None:
+    """ValueError unless the rows are `(slots [B], cursors [N], lengths [B])`."""
+    slots, cursors, lengths = rows
+    if slots.shape != (batch,) or lengths.shape != (batch,) or cursors.ndim != 1:
+        raise ValueError(f"the rows must be slots [B], cursors [N] and lengths [B] with B = {batch}, got "
+                         f"{slots.shape}, {cursors.shape}, {lengths.shape}")
 
 
 def _call(kernel, rows: tuple, operands: tuple, outs: tuple, *, grid, params: VerifyCoefficientsParams, interpret,
@@ -691,9 +696,7 @@ def mamba2_verify_coefficients(
     for name, x in (("dt_bias", dt_bias), ("A", A), ("D", D)):
         if x.shape != (heads,):
             raise ValueError(f"{name} must be [H] = {(heads,)}, got {x.shape}")
-    if slots.shape != (batch,) or lengths.shape != (batch,) or cursors.ndim != 1:
-        raise ValueError(f"the rows must be slots [B], cursors [N] and lengths [B] with B = {batch}, got "
-                         f"{slots.shape}, {cursors.shape}, {lengths.shape}")
+    _check_rows((slots, cursors, lengths), batch)
     if record_len < width * width + MAMBA2_VECTORS * width:
         raise ValueError(f"record_len {record_len} is too short for T = {width} "
                          f"(needs {width * width + MAMBA2_VECTORS * width})")
