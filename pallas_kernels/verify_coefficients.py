@@ -40,14 +40,14 @@ Both programs also write their key head's `k_scale [T]` into `key_scales [B, T, 
 order of the records themselves, so the wrapper's scatter takes them without a transpose
 of the records' lanes (a launch of its own in XLA).
 
-Both programs take the step's rows as their caller holds them, `slots [B]` (negative or >= N:
-a padding row), the pool's `cursors [N]` and the requested `lengths [B]`, form each row's
-slot, cursor and length (`common.verify_rows`), and the row's first program stores them:
-the kernels after this one read them from there, with no XLA launch of their own to form
-them.
+Every window kernel (GDN, KDA, Mamba-2) takes the step's rows as its caller holds them:
+`slots [B]` (negative or >= N: a padding row), the pool's `cursors [N]` and the requested
+`lengths [B]`. It forms each row's slot, cursor and length (`common.verify_rows`), and the
+row's first program stores them: the kernels after it read them from there, with no XLA
+launch of their own to form them.
 
-With `history=g_cache` the GDN program also writes each of its value heads'
-history weights (`verify_decode.history_weights`' record, `[history_len]` fp32): `W_j =
+With `history=g_cache` the GDN program also writes each of its value heads' history
+weights (`verify_decode.history_weights`' record, `[history_len]` fp32): `W_j =
 e^{sum_{j<i<pos} g_i}` for each cache entry j < pos (0 at and past it), `e^{sum_{i<pos} g_i}`
 at index L, then zeros; the suffix sums as one running sum over the records newest first
 (a Triton scan over L' lanes, L' the next power of two >= L). The verify kernel then reads
@@ -603,8 +603,7 @@ def kda_verify_coefficients(
     key_scales_out = jax.ShapeDtypeStruct((batch, width, num_k_heads), jnp.float32)
     decays_out = jax.ShapeDtypeStruct((batch, width, num_v_heads, head_k_dim), jnp.float32)
     return _launch(_kda_kernel, q, k, g, beta, anc, (slots, cursors, lengths), (key_scales_out, decays_out),
-                   vectors=KDA_VECTORS,
-                   record_len=record_len, lanes_len=max(2, common.next_power_of_two(width)),
+                   vectors=KDA_VECTORS, record_len=record_len, lanes_len=max(2, common.next_power_of_two(width)),
                    use_qk_l2norm=use_qk_l2norm, scale=scale, params=params, interpret=interpret,
                    name="kda_verify_coefficients")
 
