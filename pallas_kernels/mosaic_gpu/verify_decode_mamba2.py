@@ -16,11 +16,11 @@ The `T x T` scalars M and the per-position `e^{A Gamma_i}` and dt_i come packed 
 head) from `mamba2_window_coefficients` in XLA (`verify_decode.pack_coefficients`, one
 block) or, with `MosaicMamba2Params.window_side = "kernel"`, from one Pallas Triton launch
 (`pallas_kernels.verify_coefficients.mamba2_verify_coefficients`, which also gates the raw
-time steps and forms the rows); the kernel applies them to the window's x vectors. `S C_i` is the decode kernel's
-readout without forming S: `e^{A Gamma_h} S_c C_i + X^T (w * (B C_i))` over the row's `pos`
-valid cache entries (`mamba2_decode.window_weights`), the checkpoint tile and the records
-read once for all T vectors C_i; entries at and past `pos` are selected to 0 before any
-sum, so a stale record (NaN included) cannot reach an output.
+time steps and forms the rows); the kernel applies them to the window's x vectors.
+`S C_i` is the decode kernel's readout without forming S: `e^{A Gamma_h} S_c C_i + X^T (w *
+(B C_i))` over the row's `pos` valid cache entries (`mamba2_decode.window_weights`), the
+checkpoint tile and the records read once for all T vectors C_i; entries at and past `pos`
+are selected to 0 before any sum, so a stale record (NaN included) cannot reach an output.
 
 Row modes as in the GDN kernel:
 - `MODE_APPEND`: the window's records go to `pos .. pos + length - 1` (x: each tile its
