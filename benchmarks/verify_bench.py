@@ -83,6 +83,7 @@ from decode_bench import (  # noqa: E402
 )
 from pallas_kernels.mamba2_decode import Mamba2PlainParams, mamba2_plain_decode  # noqa: E402
 from pallas_kernels.mosaic_gpu import verify_decode  # noqa: E402
+from pallas_kernels.mosaic_gpu.mamba2_decode import MosaicMamba2Params  # noqa: E402
 from pallas_kernels.mosaic_gpu.replay_decode import MosaicReplayParams  # noqa: E402
 from pallas_kernels.plain_decode import plain_decode  # noqa: E402
 from replayssm_jax.backends import mosaic_gpu  # noqa: E402
@@ -126,23 +127,24 @@ def random_window(cfg: R.ReplayConfig, batch: int, width: int, key) -> R.Tokens 
 
 
 def backend_params(backend: str, cfg: R.ReplayConfig, batch: int, width: int):
-    """`(backend name, kernel_params)` of a `--backends` entry: a backend name, or for the GDN
-    and KDA Mosaic verify kernels `mosaic_gpu:` and `+`-separated `MosaicReplayParams` fields
-    (`programs=N` or `programs=fit`: as many persistent CTAs as fit on the device (with the
-    spec's other fields, after `default+` too),
+    """`(backend name, kernel_params)` of a `--backends` entry: a backend name (the backend's
+    defaults), or `mosaic_gpu:` and `+`-separated fields of the verify kernel's parameters
+    (`MosaicReplayParams`; Mamba-2: `MosaicMamba2Params`), the others at the class's
+    defaults or, after `default+`, at the backend's `verify_default_params` for the row
+    (`mosaic_gpu:default+window_side=kernel`). GDN: `programs=N` or `programs=fit` (as many
+    persistent CTAs as fit on the device with the spec's other fields, after `default+` too),
     `auto_barriers=false`, `swizzle=64`, `readout=mma`, `rebuild=3xtf32`, `key_side=xla`,
-    `window_side=kernel`), the others at the class's defaults, or after `default+` at the
-    backend's `verify_default_params` for the row (`mosaic_gpu:default+window_side=kernel`); a
-    plain name takes the backend's defaults (KDA's kernel takes `window_side` and
-    `window_warps` only)."""
+    `window_side=kernel`, ...; KDA's kernel takes `window_side` and `window_warps` only,
+    Mamba-2's `window_side`."""
     name, _, spec = backend.partition(":")
     if not spec:
         return name, None
-    if name != "mosaic_gpu" or cfg.gate not in ("gdn", "kda"):
-        raise ValueError(f"kernel options are for the GDN and KDA mosaic_gpu verify kernels, got {backend!r}")
+    if name != "mosaic_gpu":
+        raise ValueError(f"kernel options are for the mosaic_gpu verify kernels, got {backend!r}")
     on_defaults, fields = variant_fields(spec.split("+"))
-    base = mosaic_gpu.verify_default_params(cfg, batch, width, jnp.bfloat16) if on_defaults else MosaicReplayParams()
-    if fields.get("programs") == "fit":
+    cls = MosaicMamba2Params if cfg.gate == "mamba2" else MosaicReplayParams
+    base = mosaic_gpu.verify_default_params(cfg, batch, width, jnp.bfloat16) if on_defaults else cls()
+    if cls is MosaicReplayParams and fields.get("programs") == "fit":
         field = lambda key: fields.get(key, getattr(base, key))
         fields["programs"] = verify_decode.persistent_programs(
             batch, width, cfg.num_v_heads, cfg.head_v_dim, cfg.head_k_dim, cfg.cache_len, cfg.state_dtype,

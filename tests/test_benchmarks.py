@@ -264,7 +264,7 @@ def test_verify_bench_runs_mosaic_kernel_options(tmp_path):
                for times in row["backends"].values())
     errors = result["check"]["backends"][variant]
     assert errors.pop("write_pos_equal") and max(errors.values()) < 1e-4, errors
-    with pytest.raises(ValueError, match="GDN and KDA mosaic_gpu verify kernels"):
+    with pytest.raises(ValueError, match="kernel options are for the mosaic_gpu verify kernels"):
         verify_bench.backend_params("pallas_triton:programs=2", verify_bench.R.ReplayConfig(1, 2, 64, 64, 8), 2, 2)
     # `default+...`: the backend's defaults for the row with the named fields replaced.
     cfg = verify_bench.R.ReplayConfig(1, 2, 64, 64, 8)
@@ -283,6 +283,10 @@ def test_verify_bench_runs_mosaic_kernel_options(tmp_path):
     kda = verify_bench.R.ReplayConfig(2, 2, 64, 64, 8, gate="kda")
     assert verify_bench.backend_params("mosaic_gpu:window_side=kernel", kda, 2, 2) == (
         "mosaic_gpu", verify_bench.MosaicReplayParams(window_side="kernel"))
+    # Mamba-2: its own parameters, on its defaults too (a window formed by XLA beside the kernel's).
+    mamba2 = verify_bench.R.ReplayConfig.mamba2(2, 64, 64, 1, 8)
+    assert verify_bench.backend_params("mosaic_gpu:default+window_side=xla", mamba2, 2, 2) == (
+        "mosaic_gpu", verify_bench.MosaicMamba2Params(window_side="xla"))
 
 
 def test_verify_bench_reports_a_refused_variant_and_goes_on(tmp_path):
