@@ -473,3 +473,37 @@ def test_mamba2_window_kernel_compiles_and_its_verify_step_lowers_for_an_abstrac
     text = lower_with_window_kernel(lambda *a: mamba2_verify_decode_mgpu(*a, params=params, interpret=False), args,
                                     cursors=12)
     assert "stablehlo.dot_general" not in text and "stablehlo.log_plus_one" not in text
+
+
+@pytest.mark.parametrize("gate", ["gdn", "kda", "mamba2"])
+def test_a_mosaic_verify_step_forms_its_rows_in_the_window_kernel(gate):
+    """`verify_step(backend="mosaic_gpu")` at the benchmark's shapes, lowered for an abstract
+    H200 with its defaults (the window kernels): no gather outside the kernels, i.e. XLA no
+    longer reads the pool's cursors by slot to form the rows (a launch of its own at small
+    batches); the window kernel does. Only the records' scatters stay in XLA."""
+    from replayssm_jax import Mamba2Params, Mamba2Tokens, ReplayConfig, Tokens, init_state, verify_step
+
+    S, bf16, f32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32
+    batch, width = 8, 4
+    if gate == "mamba2":
+        cfg = ReplayConfig.mamba2(128, 64, 128, 8, 16)
+        window = Mamba2Tokens(S((batch, width, 128, 64), bf16), S((batch, width, 8, 128), bf16),
+                              S((batch, width, 8, 128), bf16), S((batch, width, 128), f32))
+        gate_params = Mamba2Params(*(S((128,), f32),) * 3)
+        step = lambda st, w, slots, params: verify_step(st, w, slots, backend="mosaic_gpu", gate_params=params,
+                                                        interpret=False)
+    else:
+        cfg = ReplayConfig(16, 32, 128, 128, 16, gate=gate)
+        g = S((batch, width, 32, 128) if gate == "kda" else (batch, width, 32), f32)
+        window = Tokens(S((batch, width, 16, 128), bf16), S((batch, width, 16, 128), bf16),
+                        S((batch, width, 32, 128), bf16), g, S((batch, width, 32), f32))
+        gate_params = None
+        step = lambda st, w, slots, _: verify_step(st, w, slots, backend="mosaic_gpu", use_qk_l2norm=True,
+                                                   interpret=False)
+    state = jax.eval_shape(lambda: init_state(cfg, 16))
+    with jax.sharding.use_abstract_mesh(kernel_registers._H200):
+        text = jax.jit(step, donate_argnums=0).trace(state, window, S((batch,), jnp.int32), gate_params).lower(
+            lowering_platforms=("cuda",)).as_text()
+    calls = re.findall(r"custom_call @([\w$.]+)", text)
+    assert calls[0] == "__gpu$xla.gpu.triton" and calls[-1] == "mosaic_gpu_v2", calls
+    assert "stablehlo.gather" not in text and "stablehlo.scatter" in text
