@@ -242,10 +242,12 @@ def verify_step(
         the outputs and the appends stay in XLA (they touch only `[B, H_v, T, .]` arrays);
         or "mosaic_gpu": the whole window in one `verify_decode_mgpu` (KDA:
         `verify_decode_kda_mgpu`; Mamba-2: `mamba2_verify_decode_mgpu`) launch (the
-        readouts, the T x T solve or masked sum, the outputs, the records and the folds)
-        after the window's T x T scalars in XLA, plus XLA's scatter of the folding rows' key
-        and gate records (Mamba-2: B and dt; GDN: the key records only, with the
-        tensor-core readout every row's; the kernel resets their cursors); or "auto"
+        readouts, the T x T solve or masked sum, the outputs, the records and the folds;
+        it resets the folding rows' cursors) after the window's T x T scalars and the rows
+        (from one Pallas Triton launch, `verify_coefficients`, where d_k (Mamba-2: N) is a
+        power of two, else from XLA), plus XLA's scatter of the folding rows' records that
+        other CTAs may still read (KDA: key and gate; GDN: key, with the tensor-core readout
+        every row's; Mamba-2: B, and dt where P > 64); or "auto"
         (`backends.auto.verify_backend`: "mosaic_gpu" on a Hopper GPU, "xla" elsewhere).
       lengths: optional `[B]` int in [0, T]: positions >= lengths[b] are padding (output 0,
         no record written, no effect on the capacity rule). Default: T for every row.
@@ -590,11 +592,10 @@ def _compact_path(state, plan, n, path, counts, pos) -> ReplayState:
     length = state.config.cache_len
     steps = jnp.arange(width)[None, :]
     moves = (steps < n[:, None]) & plan.valid[:, None]
-    at = path
-    rising = at > jnp.concatenate([jnp.full((batch, 1), -1, jnp.int32), at[:, :-1]], axis=1)
+    rising = path > jnp.concatenate([jnp.full((batch, 1), -1, jnp.int32), path[:, :-1]], axis=1)
     debug_check(jnp.all(n <= width), f"num_accepted exceeds the path length {width}: {{n}}", n=n)
-    debug_check(jnp.all(~moves | (rising & (plan.pos[:, None] + at < length))),
-                "path must list increasing window positions inside the ring: {p}", p=at)
+    debug_check(jnp.all(~moves | (rising & (plan.pos[:, None] + path < length))),
+                "path must list increasing window positions inside the ring: {p}", p=path)
     src = jnp.clip(plan.pos[:, None] + path, 0, length - 1)
     dst = plan.pos[:, None] + steps
     fields = {}

@@ -632,8 +632,7 @@ def _kernel(slot_ref, pos_ref, length_ref, q_ref, k_ref, v_ref, coef_ref, weight
     order_ref, *refs = refs if ordered else (None, *refs)
     xw_ref, *refs = refs if readout == "mma" else (None, *refs)
     side_ref, *refs = refs if xla_side else (None, *refs)
-    ckpt_ref, ucache_ref, kcache_ref, gcache_ref, *refs = refs
-    cursor_ref, y_ref, *all_scratch = refs
+    ckpt_ref, ucache_ref, kcache_ref, gcache_ref, cursor_ref, y_ref, *all_scratch = refs
     batch, num_v_heads = y_ref.shape[0], y_ref.shape[2]
     row_mode = lambda b: window_mode(pos_ref[b], length_ref[b], ucache_ref.shape[2])
     own_fold_buffers = warpgroups > 1  # not in a union with the tile (`_scratch`)
@@ -982,8 +981,9 @@ def verify_decode_mgpu(
     Returns:
       `(y [B, T, H_v, d_v] in v's dtype, checkpoint, u_cache, k_cache, g_cache, cursors)`
       with every row's window records appended and each folding row's cursor at 0, the
-      state arrays updated in place when the caller donates them (a folding row's key records, and with
-      readout "mma" every row's key records, by XLA after the launch, see the module doc).
+      state arrays updated in place when the caller donates them (a folding row's key
+      records, and with readout "mma" every row's, by XLA after the launch, see the module
+      doc).
     """
     batch, width, num_v_heads, head_v_dim = v.shape
     head_k_dim = q.shape[-1]
